@@ -1,0 +1,117 @@
+"""Estimated forward FLOPs per sample, from the model dims: ``cost(L) = linear * L + quadratic * L**2``.
+
+The linear term covers the QKV/output projections, the MLP (dense, or MoE with top-k routed plus shared experts)
+and the LM head; the quadratic term is causal self-attention (``QK^T`` and ``AV``, each half of a full ``L x L``).
+Backward is a constant multiple of forward, so forward FLOPs are enough to balance by. Without model dims the
+cost falls back to tokens (``linear=1, quadratic=0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import ScheduleError
+
+_MODEL_FIELDS = (
+    "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+    "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
+    "moe_layer_freq", "swiglu",
+)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Transformer dims, with Megatron's argument names (missing optional dims take Megatron's defaults)."""
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int | None = None  # default: num_attention_heads (no GQA)
+    kv_channels: int | None = None  # default: hidden_size // num_attention_heads
+    ffn_hidden_size: int | None = None  # default: 4 * hidden_size
+    vocab_size: int = 0
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | tuple[int, ...] = 1  # int: every k-th layer is MoE; tuple: 1 = MoE layer, 0 = dense
+    swiglu: bool = True  # gated MLP: three matmuls instead of two
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"CostModel.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+
+    # ------------------------------------------------------------------ derived dims
+    def _layer_counts(self) -> tuple[int, int]:
+        """(dense layers, MoE layers)."""
+        if not self.num_experts:
+            return self.num_layers, 0
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers:
+                raise ScheduleError(
+                    f"CostModel.moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}; "
+                    f"give one 0/1 per layer"
+                )
+            moe = sum(1 for f in freq if f)
+        else:
+            moe = sum(1 for i in range(self.num_layers) if i % int(freq) == 0)
+        return self.num_layers - moe, moe
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``."""
+        h = self.hidden_size
+        heads = self.num_attention_heads
+        groups = self.num_query_groups or heads
+        kv = self.kv_channels or h // heads
+        ffn = self.ffn_hidden_size or 4 * h
+        mlp_mats = 3 if self.swiglu else 2
+        attn_proj = 2 * h * heads * kv + 2 * h * 2 * groups * kv + 2 * heads * kv * h  # q, k+v, out
+        dense_layer = attn_proj + 2 * h * ffn * mlp_mats
+        dense, moe = self._layer_counts()
+        linear = dense * dense_layer + 2 * h * self.vocab_size
+        if moe:
+            moe_ffn = (self.moe_ffn_hidden_size or ffn) * self.moe_router_topk
+            moe_ffn += self.moe_shared_expert_intermediate_size or 0
+            linear += moe * (attn_proj + 2 * h * moe_ffn * mlp_mats)
+        quadratic = self.num_layers * 2 * heads * kv  # causal QK^T + AV: 2 * (2 * heads * kv * L^2 / 2)
+        return float(linear), float(quadratic)
+
+    def flops(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Forward FLOPs per sample, vectorised (float64)."""
+        linear, quadratic = self.coefficients()
+        L = np.asarray(lengths, dtype=np.float64)
+        return L * (linear + quadratic * L)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_args(cls, args: Any) -> "CostModel | None":
+        """From Megatron/slime args (any attribute object or mapping); ``None`` when the core dims are absent."""
+        get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
+        if any(get(k) is None for k in ("hidden_size", "num_layers", "num_attention_heads")):
+            return None
+        kwargs = {k: get(k) for k in _MODEL_FIELDS if get(k) is not None}
+        if "vocab_size" not in kwargs and get("padded_vocab_size") is not None:
+            kwargs["vocab_size"] = get("padded_vocab_size")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if isinstance(d["moe_layer_freq"], tuple):
+            d["moe_layer_freq"] = list(d["moe_layer_freq"])
+        return d
+
+
+def sample_costs(lengths: np.ndarray, cost_model: CostModel | None) -> np.ndarray:
+    """Per-sample cost: FLOPs from the model dims, or tokens when there is no model."""
+    if cost_model is None:
+        return np.asarray(lengths, dtype=np.float64)
+    return cost_model.flops(lengths)

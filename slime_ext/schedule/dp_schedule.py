@@ -1,0 +1,196 @@
+"""``DPSchedule``: the contract between the rollout side (which computes it) and the training side (which runs it).
+
+Everything is plain Python data (ints, floats, lists, nested frozen dataclasses), so the object pickles through
+Ray and round-trips through JSON with :meth:`DPSchedule.to_dict` / :meth:`DPSchedule.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, Iterator, Mapping
+
+from .config import BatchConfig, ParallelConfig
+from .cost import CostModel
+from .errors import ScheduleError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the scheduler achieved on one step, next to the bounds it is measured against."""
+
+    step: int
+    num_samples: int
+    num_rollouts: int
+    total_tokens: int
+    #: micro-batches per rank (the same on every rank)
+    num_microbatches: int
+    #: micro-batches over all ranks (``num_microbatches * dp_size``)
+    total_microbatches: int
+    #: lower bound on ``total_microbatches``: bins needed by tokens (oversize samples alone, at most one sample
+    #: above cap/2 per bin), rounded up to the alignment; ``ceil(ceil(n / micro_batch_size) / align) * align`` static
+    aligned_lower_bound: int
+    #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
+    cap: int | None
+    largest_bin_tokens: int
+    #: micro-batches above the cap that hold more than one sample (must be 0)
+    cap_violations: int
+    #: estimated FLOPs summed per rank: max and mean over ranks
+    rank_flops_max: float
+    rank_flops_mean: float
+    #: ``max(1, FLOPs of the largest sample / rank_flops_mean)``: no assignment can do better
+    balance_lower_bound: float
+    #: estimated FLOPs per micro-batch: max and mean over all micro-batches of the step
+    microbatch_flops_max: float
+    microbatch_flops_mean: float
+    #: which packing produced the step (for diagnostics): e.g. ``"rank-greedy"``, ``"lpt"``, ``"bfd"``, ``"static"``
+    strategy: str = ""
+
+    @property
+    def flops_imbalance(self) -> float:
+        """max/mean of per-rank FLOPs (1.0 is perfect)."""
+        return self.rank_flops_max / self.rank_flops_mean if self.rank_flops_mean > 0 else 1.0
+
+    @property
+    def token_utilization(self) -> float | None:
+        """Tokens over ``total_microbatches * cap`` (dynamic batches only)."""
+        if self.cap is None:
+            return None
+        return self.total_tokens / (self.total_microbatches * self.cap)
+
+
+@dataclass(frozen=True)
+class DPSchedule:
+    """One rollout's schedule for every DP rank.
+
+    * ``partitions[r]``: global sample indices owned by DP rank ``r``, in micro-batch order, all steps concatenated.
+    * ``micro_batch_indices[r][k]``: indices *local to* ``partitions[r]`` of micro-batch ``k``; flattened they equal
+      ``range(len(partitions[r]))``.
+    * ``num_microbatches[s]``: micro-batches per rank in step ``s`` (identical on every rank -- PP lockstep).
+    * ``samples_per_step[s]`` / ``rollouts_per_step[s]``: what step ``s`` really trains on (the LR scheduler is
+      stepped by ``samples_per_step[s]``).
+    * ``loss_tokens_per_step[s]``: loss-mask tokens in step ``s`` over all ranks, when loss masks were given, so each
+      rank can normalise a per-token loss without an all-reduce.
+    * ``dropped``: global indices of trimmed samples (trailing rollouts that do not fill a step). Never silent.
+    * ``stats[s]``: :class:`StepStats`.
+
+    The inputs it was planned from (lengths, rollout ids, loss tokens, configs) travel with it, so the invariant
+    checker can validate a saved schedule on its own.
+
+    For slime callers it unpacks like upstream ``build_dp_schedule``:
+    ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes = schedule`` (the last being
+    ``rollouts_per_step``).
+    """
+
+    partitions: list[list[int]]
+    micro_batch_indices: list[list[list[int]]]
+    num_microbatches: list[int]
+    samples_per_step: list[int]
+    rollouts_per_step: list[int]
+    dropped: list[int]
+    stats: list[StepStats]
+    parallel: ParallelConfig
+    batch: BatchConfig
+    total_lengths: list[int]
+    rollout_ids: list[int] | None = None
+    loss_tokens: list[int] | None = None
+    loss_tokens_per_step: list[int] | None = None
+    cost_model: CostModel | None = None
+    #: global sample indices of step ``s`` in rollout order (before distribution); handy for ledgers
+    step_samples: list[list[int]] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def dp_size(self) -> int:
+        return self.parallel.dp_size
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.num_microbatches)
+
+    @property
+    def cap(self) -> int | None:
+        return self.batch.cap(self.parallel.cp_size)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.total_lengths)
+
+    def __iter__(self) -> Iterator[Any]:
+        """slime-compatible unpacking: ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``."""
+        return iter((self.partitions, self.micro_batch_indices, self.num_microbatches, self.rollouts_per_step))
+
+    def step_bounds(self) -> list[tuple[int, int]]:
+        """``[(first_mb, end_mb)]`` per step, into each rank's micro-batch list."""
+        ends = list(accumulate(self.num_microbatches))
+        return [(e - n, e) for e, n in zip(ends, self.num_microbatches)]
+
+    def rank_payload(self, rank: int) -> dict:
+        """What DP rank ``rank`` needs to train: its slice of the schedule (plain data, ready for Ray)."""
+        if not 0 <= rank < self.dp_size:
+            raise ScheduleError(f"rank={rank} is outside [0, dp_size={self.dp_size})")
+        return {
+            "dp_rank": rank,
+            "dp_size": self.dp_size,
+            "partition": list(self.partitions[rank]),
+            "micro_batch_indices": [list(mb) for mb in self.micro_batch_indices[rank]],
+            "num_microbatches": list(self.num_microbatches),
+            "samples_per_step": list(self.samples_per_step),
+            "rollouts_per_step": list(self.rollouts_per_step),
+            "loss_tokens_per_step": None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
+        }
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "partitions": self.partitions,
+            "micro_batch_indices": self.micro_batch_indices,
+            "num_microbatches": self.num_microbatches,
+            "samples_per_step": self.samples_per_step,
+            "rollouts_per_step": self.rollouts_per_step,
+            "dropped": self.dropped,
+            "stats": [dataclasses.asdict(s) for s in self.stats],
+            "parallel": self.parallel.to_dict(),
+            "batch": self.batch.to_dict(),
+            "total_lengths": self.total_lengths,
+            "rollout_ids": self.rollout_ids,
+            "loss_tokens": self.loss_tokens,
+            "loss_tokens_per_step": self.loss_tokens_per_step,
+            "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
+            "step_samples": self.step_samples,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DPSchedule":
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ScheduleError(
+                f"schema_version={version!r} is not supported (expected {SCHEMA_VERSION}); "
+                f"re-create the schedule with this version of slime-ext"
+            )
+        missing = [k for k in ("partitions", "micro_batch_indices", "num_microbatches", "samples_per_step",
+                               "rollouts_per_step", "dropped", "stats", "parallel", "batch", "total_lengths")
+                   if k not in d]
+        if missing:
+            raise ScheduleError(f"schedule dict is missing fields {missing}; it was not written by DPSchedule.to_dict")
+        return cls(
+            partitions=[list(p) for p in d["partitions"]],
+            micro_batch_indices=[[list(mb) for mb in r] for r in d["micro_batch_indices"]],
+            num_microbatches=list(d["num_microbatches"]),
+            samples_per_step=list(d["samples_per_step"]),
+            rollouts_per_step=list(d["rollouts_per_step"]),
+            dropped=list(d["dropped"]),
+            stats=[StepStats(**s) for s in d["stats"]],
+            parallel=ParallelConfig(**d["parallel"]),
+            batch=BatchConfig.from_dict(d["batch"]),
+            total_lengths=list(d["total_lengths"]),
+            rollout_ids=None if d.get("rollout_ids") is None else list(d["rollout_ids"]),
+            loss_tokens=None if d.get("loss_tokens") is None else list(d["loss_tokens"]),
+            loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None else list(d["loss_tokens_per_step"]),
+            cost_model=None if d.get("cost_model") is None else CostModel(**d["cost_model"]),
+            step_samples=[list(s) for s in d.get("step_samples", [])],
+        )
