@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -134,28 +135,44 @@ def _align_up(count: int, align: int) -> int:
     return max(align, -(-count // align) * align)
 
 
+def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
+    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``.
+
+    Raised, where packing needs more, to :func:`bin_lower_bound`. Oversize samples count with all their tokens:
+    a packing could put each alone into one bin and use fewer, but the spare bins are what lets the ranks around
+    an oversize sample stay balanced -- unless that would need more micro-batches than there are samples; then
+    the largest aligned count the samples can fill (never below the true lower bound).
+    """
+    needed = _align_up(bin_lower_bound(lengths, cap), align)
+    by_tokens = _align_up(-(-int(lengths.sum()) // cap), align)
+    fillable = len(lengths) // align * align
+    return max(needed, min(by_tokens, fillable))
+
+
 def _cost_lpt_pack(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, num_bins: int, cap: int):
     """``num_bins`` capped bins, each sample (decreasing cost) into the cheapest bin that still has room."""
-    lens = lengths[order].tolist()
-    cs = costs[order].tolist()
     heap = [(0.0, b) for b in range(num_bins)]
     load = [0] * num_bins
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for idx, length, cost in zip(order.tolist(), lens, cs):
+    heappop, heappush = heapq.heappop, heapq.heappush
+    smallest = int(lengths[order[-1]])
+    for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
         skipped = []
         while heap:
-            bc, b = heapq.heappop(heap)
-            if load[b] == 0 or load[b] + length <= cap:
+            bc, b = heappop(heap)
+            lb = load[b]
+            if lb == 0 or lb + length <= cap:
                 break
-            skipped.append((bc, b))
+            if lb + smallest <= cap:  # may still take a smaller sample later
+                skipped.append((bc, b))
         else:
             return None
         bins[b].append(idx)
-        load[b] += length
-        if load[b] < cap:
-            heapq.heappush(heap, (bc + cost, b))
+        load[b] = lb + length
+        if lb + length + smallest <= cap:
+            heappush(heap, (bc + cost, b))
         for item in skipped:
-            heapq.heappush(heap, item)
+            heappush(heap, item)
     return bins
 
 
@@ -167,26 +184,37 @@ def pack_step(
     if bins is not None:
         return bins, "cost-lpt" if by_cost else "lpt"
     bins = best_fit_decreasing(lengths, cap, order)
-    count = _align_up(len(bins), align)
-    if len(bins) < count:
-        expand_bins_by_splitting(bins, count, lengths)
+    count = max(target, _align_up(len(bins), align))
+    if count > len(lengths):
+        raise ScheduleError(
+            f"the samples need {len(bins)} micro-batches under the cap {cap} (best fit decreasing); the next multiple "
+            f"of dp_size*mb_group = {align} is {count}, but there are only {len(lengths)} samples to fill them"
+        )
+    expand_bins_by_splitting(bins, count, lengths)
     return bins, "bfd"
 
 
 # ---------------------------------------------------------------------------------------------------- stage 4
+def bin_sums(values: np.ndarray, bins: Sequence[Sequence[int]]) -> np.ndarray:
+    """``values`` summed per bin, vectorised (bins must be non-empty)."""
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
+    starts = np.zeros(len(bins), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    return np.add.reduceat(values[flat], starts)
+
+
 def distribute_bins(bin_costs: np.ndarray, dp_size: int, balance: bool) -> list[list[int]]:
     """Stage 4 over packed bins: ``len(bin_costs) / dp_size`` bin ids per rank."""
-    count = len(bin_costs)
     if balance and dp_size > 1:
         groups = karmarkar_karp(bin_costs, dp_size, equal_size=True)
         return refine_equal_size(bin_costs, groups)
     # round-robin over the bins sorted by decreasing cost, reversing direction every round (serpentine)
-    by_cost = np.argsort(-bin_costs, kind="stable").tolist()
-    groups: list[list[int]] = [[] for _ in range(dp_size)]
-    for pos, b in enumerate(by_cost):
-        rnd, r = divmod(pos, dp_size)
-        groups[r if rnd % 2 == 0 else dp_size - 1 - r].append(b)
-    return groups
+    by_cost = np.argsort(-bin_costs, kind="stable")
+    per_rank = len(bin_costs) // dp_size
+    snake = by_cost.reshape(per_rank, dp_size)
+    snake[1::2] = snake[1::2, ::-1]
+    return snake.T.tolist()
 
 
 def build_rank_bins(
@@ -195,49 +223,79 @@ def build_rank_bins(
     """Stage 4, bins chosen per rank: deal samples (decreasing cost) to the lightest rank with room.
 
     Each rank owns ``per_rank`` capped bins; inside it a sample goes to the fullest bin it fits (best fit), or with
-    ``by_cost`` to the cheapest bin it fits. Bins left empty at the end are filled by halving the rank's largest
-    bins. Returns ``None`` when some sample fits no rank or a rank ends with fewer samples than bins.
+    ``by_cost`` to the cheapest bin it fits. A rank left with fewer samples than bins (one holding a very costly
+    sample) takes the cheapest samples of ranks that have more; bins still empty are filled by halving the rank's
+    largest bins. Returns ``None`` when some sample fits no rank.
     """
     stride = per_rank + 1
     empty_key = cap * stride
-    keys = [[empty_key + b for b in range(per_rank)] for _ in range(dp_size)]  # residual * stride + bin, sorted
+    keys = [list(range(empty_key, empty_key + per_rank)) for _ in range(dp_size)]  # residual*stride+bin, sorted
     bins = [[[] for _ in range(per_rank)] for _ in range(dp_size)]
-    bin_cost = [[0.0] * per_rank for _ in range(dp_size)] if by_cost else None
+    if by_cost:
+        bin_heaps = [[(0.0, b) for b in range(per_rank)] for _ in range(dp_size)]
+        residual = [[cap] * per_rank for _ in range(dp_size)]
     heap = [(0.0, r) for r in range(dp_size)]
+    heappop, heappush = heapq.heappop, heapq.heappush
     for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
         need = empty_key if length > cap else length * stride
-        skipped = []
+        skipped = None
         while heap:
-            rc, r = heapq.heappop(heap)
+            rc, r = heappop(heap)
             rk = keys[r]
             pos = bisect_left(rk, need)
             if pos < len(rk):
                 break
             if rk:  # can still take a smaller sample later
+                if skipped is None:
+                    skipped = []
                 skipped.append((rc, r))
         else:
             return None
-        if by_cost:  # cheapest bin of this rank among those with room
-            bc = bin_cost[r]
-            pos = min(range(pos, len(rk)), key=lambda p: (bc[rk[p] % stride], rk[p]))
-            bc[rk[pos] % stride] += cost
+        if by_cost:  # the cheapest bin of this rank that has room
+            bh, res = bin_heaps[r], residual[r]
+            later = []
+            while True:
+                bc, b = heappop(bh)
+                if res[b] >= length or res[b] == cap:
+                    break
+                later.append((bc, b))
+            pos = bisect_left(rk, res[b] * stride + b)
+            res[b] -= length
+            if res[b] > 0:
+                heappush(bh, (bc + cost, b))
+            for item in later:
+                heappush(bh, item)
         key = rk.pop(pos)
         b = key % stride
         bins[r][b].append(idx)
-        residual = key // stride - length
-        if residual > 0:
-            insort(rk, residual * stride + b)
-        heapq.heappush(heap, (rc + cost, r))
-        for item in skipped:
-            heapq.heappush(heap, item)
+        left = key // stride - length
+        if left > 0:
+            insort(rk, left * stride + b)
+        heappush(heap, (rc + cost, r))
+        if skipped:
+            for item in skipped:
+                heappush(heap, item)
+    _give_every_bin_a_sample(bins, costs, per_rank)
     for r in range(dp_size):
         filled = [b for b in bins[r] if b]
         if len(filled) < per_rank:
             expand_bins_by_splitting(filled, per_rank, lengths)
-            if len(filled) < per_rank:
-                return None
         bins[r] = filled
     return bins
+
+
+def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per_rank: int) -> None:
+    """Move the cheapest samples of ranks holding more than ``per_rank`` samples to ranks holding fewer."""
+    counts = [sum(len(b) for b in rb) for rb in bins]
+    for r, rb in enumerate(bins):
+        while counts[r] < per_rank:
+            donor_items = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
+                           for k, b in enumerate(db) for i in b]
+            _, i, d, k = min(donor_items)  # callers guarantee n >= dp_size * per_rank, so a donor exists
+            bins[d][k].remove(i)
+            counts[d] -= 1
+            next(b for b in rb if not b).append(i)
+            counts[r] += 1
 
 
 def _plan_dynamic(
@@ -245,32 +303,73 @@ def _plan_dynamic(
 ) -> tuple[list[list[list[int]]], str, int]:
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
-    bound = _align_up(bin_lower_bound(lengths, cap), align)
-    if n < bound:
+    target = microbatch_target(lengths, cap, align)
+    if n < target:
         raise ScheduleError(
-            f"step {step} has {n} samples but needs at least {bound} micro-batches (a multiple of "
-            f"dp_size*mb_group = {align} covering its tokens under the cap {cap}): too few samples to give every "
-            f"micro-batch one; raise --max-tokens-per-gpu, lower the DP/VPP alignment or put more rollouts per step "
-            f"(--global-batch-size)"
+            f"step {step} has {n} samples but needs at least {target} micro-batches (a multiple of "
+            f"dp_size*mb_group = {align} covering its {int(lengths.sum())} tokens under the cap {cap}): too few "
+            f"samples to give every micro-batch one; raise --max-tokens-per-gpu, lower the DP/VPP alignment or put "
+            f"more rollouts per step (--global-batch-size)"
         )
     order = np.argsort(-lengths, kind="stable")  # decreasing length == decreasing cost (cost is increasing in L)
-    bins, strategy = pack_step(lengths, costs, order, cap, bound, align, by_cost=batch.balance_by_flops)
-    if len(bins) > n or len(bins) % align:
+    if not (batch.balance_data and dp > 1):
+        bins, strategy = _pack_checked(lengths, costs, order, cap, target, align, batch, step)
+        return [[bins[b] for b in g] for g in distribute_bins(bin_sums(costs, bins), dp, False)], strategy, target
+
+    # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
+    floor = max(float(costs.sum()) / dp, float(costs.max()))
+    best, best_max, strategy, bins = None, np.inf, "", None
+    per_rank_bins = build_rank_bins(lengths, costs, order, cap, dp, target // dp, by_cost=batch.balance_by_flops)
+    if per_rank_bins is not None:
+        best, best_max, strategy = per_rank_bins, _max_rank_cost(costs, per_rank_bins), "rank-greedy"
+    if best_max > floor * (1 + BALANCE_TOLERANCE):
+        try:
+            bins, packed = _pack_checked(lengths, costs, order, cap, target, align, batch, step)
+        except ScheduleError:
+            if best is None:
+                raise
+            bins = None
+    if best_max > floor * (1 + BALANCE_TOLERANCE) and bins is not None:
+        bin_costs = bin_sums(costs, bins)
+        groups = distribute_bins(bin_costs, dp, True)
+        packed_max = max(float(bin_costs[g].sum()) for g in groups)
+        if best is None or (len(bins) == target and packed_max < best_max):
+            best, best_max, strategy = [[bins[b] for b in g] for g in groups], packed_max, packed
+    # Capacity-bound steps (the ranks around a very costly sample cannot take their share of tokens): one more
+    # micro-batch per rank is worth it when it cuts the slowest rank by more than EXTRA_MB_MIN_GAIN.
+    count = len(best[0]) * dp
+    for extra in range(1, MAX_EXTRA_ROUNDS + 1):
+        if best_max <= floor * (1 + BALANCE_TOLERANCE) or count + align > n:
+            break
+        more = build_rank_bins(lengths, costs, order, cap, dp, (count + align) // dp, by_cost=batch.balance_by_flops)
+        if more is None:
+            break
+        more_max = _max_rank_cost(costs, more)
+        if more_max > best_max * (1 - EXTRA_MB_MIN_GAIN):
+            break
+        best, best_max, strategy, count = more, more_max, f"rank-greedy+{extra * align}", count + align
+    return best, strategy, target
+
+
+#: balance_data stops looking once the slowest rank is within this of the best any assignment can do
+BALANCE_TOLERANCE = 2e-3
+#: an extra micro-batch per rank must cut the slowest rank's FLOPs by at least this much
+EXTRA_MB_MIN_GAIN = 0.01
+MAX_EXTRA_ROUNDS = 3
+
+
+def _max_rank_cost(costs: np.ndarray, rank_bins: list[list[list[int]]]) -> float:
+    return max(float(bin_sums(costs, rb).sum()) for rb in rank_bins)
+
+
+def _pack_checked(lengths, costs, order, cap, target, align, batch, step) -> tuple[list[list[int]], str]:
+    try:
+        return pack_step(lengths, costs, order, cap, target, align, by_cost=batch.balance_by_flops)
+    except ScheduleError as e:
         raise ScheduleError(
-            f"step {step}: even splitting every micro-batch gives only {len(bins)} micro-batches, not a multiple of "
-            f"dp_size*mb_group = {align}; put more samples in a step (--global-batch-size) or lower the alignment"
-        )
-    bin_costs = np.array([costs[b].sum() for b in bins])
-    groups = distribute_bins(bin_costs, dp, batch.balance_data)
-    best = [[bins[b] for b in g] for g in groups]
-    if batch.balance_data and dp > 1:
-        per_rank = build_rank_bins(lengths, costs, order, cap, dp, bound // dp, by_cost=batch.balance_by_flops)
-        if per_rank is not None:
-            best_max = max(bin_costs[g].sum() for g in groups)
-            rank_max = max(sum(costs[b].sum() for b in rb) for rb in per_rank)
-            if len(bins) > bound or rank_max <= best_max:
-                best, strategy = per_rank, "rank-greedy"
-    return best, strategy, bound
+            f"step {step}: {e}; raise --max-tokens-per-gpu, put more rollouts in a step (--global-batch-size) or "
+            f"lower the DP/VPP alignment"
+        ) from None
 
 
 def _plan_static(
@@ -314,6 +413,42 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int], items: list[int] | No
         if len(groups[g]) < sizes[g]:
             heapq.heappush(heap, (load + float(weights[i]), g))
     return groups
+
+
+def _append_step(
+    rank_bins: list[list[list[int]]],
+    step_idx: np.ndarray,
+    step_len: np.ndarray,
+    step_cost: np.ndarray,
+    partitions: list[list[int]],
+    micro_batch_indices: list[list[list[int]]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Append one step to every rank: micro-batches heaviest first, samples in a micro-batch by global index.
+
+    Returns per micro-batch (rank-major, in the order appended) its sample count, cost and tokens.
+    """
+    dp, per_rank = len(rank_bins), len(rank_bins[0])
+    all_bins = list(chain.from_iterable(rank_bins))
+    sizes = np.fromiter((len(b) for b in all_bins), dtype=np.int64, count=len(all_bins))
+    flat = np.fromiter(chain.from_iterable(all_bins), dtype=np.int64, count=int(sizes.sum()))
+    bin_of = np.repeat(np.arange(len(all_bins)), sizes)
+    flat = flat[np.lexsort((flat, bin_of))]  # each bin's samples ascending (local index order = global order)
+    starts = np.zeros(len(all_bins), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    cost = np.add.reduceat(step_cost[flat], starts)
+    tokens = np.add.reduceat(step_len[flat], starts)
+    rank_of = np.arange(len(all_bins)) // per_rank
+    new_order = np.lexsort((flat[starts], -cost, rank_of))  # per rank: heavy first, then first sample
+    glob = step_idx[flat]
+    for r in range(dp):
+        part, mbis = partitions[r], micro_batch_indices[r]
+        for k in new_order[r * per_rank:(r + 1) * per_rank].tolist():
+            a = int(starts[k])
+            size = int(sizes[k])
+            base = len(part)
+            part.extend(glob[a:a + size].tolist())
+            mbis.append(list(range(base, base + size)))
+    return sizes[new_order], cost[new_order], tokens[new_order]
 
 
 # ---------------------------------------------------------------------------------------------------- the planner
@@ -374,25 +509,15 @@ def plan_schedule(
         else:
             rank_bins, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s)
 
-        mb_cost, mb_tokens, mb_sizes = [], [], []
-        for r, rb in enumerate(rank_bins):
-            rb = [sorted(b) for b in rb]
-            rb.sort(key=lambda b: (-float(step_cost[b].sum()), b[0]))  # heavy micro-batches first, deterministic
-            part = partitions[r]
-            for b in rb:
-                start = len(part)
-                part.extend(step_idx[b].tolist())
-                micro_batch_indices[r].append(list(range(start, start + len(b))))
-                mb_cost.append(float(step_cost[b].sum()))
-                mb_tokens.append(int(step_len[b].sum()))
-                mb_sizes.append(len(b))
         per_rank = len(rank_bins[0])
         num_microbatches.append(per_rank)
-        mb_cost_arr = np.array(mb_cost).reshape(dp, per_rank)
+        mb_sizes, mb_cost, mb_tokens = _append_step(rank_bins, step_idx, step_len, step_cost,
+                                                   partitions, micro_batch_indices)
+        mb_cost_arr = mb_cost.reshape(dp, per_rank)
         rank_cost = mb_cost_arr.sum(axis=1)
         mean = float(rank_cost.mean())
-        tokens = np.array(mb_tokens)
-        violations = 0 if cap is None else int(np.count_nonzero((tokens > cap) & (np.array(mb_sizes) > 1)))
+        tokens = mb_tokens
+        violations = 0 if cap is None else int(np.count_nonzero((tokens > cap) & (mb_sizes > 1)))
         stats.append(StepStats(
             step=s,
             num_samples=n_s,
