@@ -64,6 +64,8 @@ def _as_int_array(name: str, values: Sequence[int] | np.ndarray, n: int | None, 
         raise ScheduleError(
             f"{name} has {len(values)} entries but total_lengths has {n}; give exactly one per sample"
         )
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int64)
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ScheduleError(f"{name} must be one-dimensional, got shape {arr.shape}")
@@ -150,29 +152,32 @@ def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
 
 
 def _cost_lpt_pack(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, num_bins: int, cap: int):
-    """``num_bins`` capped bins, each sample (decreasing cost) into the cheapest bin that still has room."""
-    heap = [(0.0, b) for b in range(num_bins)]
-    load = [0] * num_bins
+    """``num_bins`` capped bins, each sample (decreasing cost) into the cheapest bin that still has room.
+
+    A bin too full for the current sample waits in a heap keyed by its room and rejoins the cost heap once the
+    (decreasing) samples are small enough for it, so every sample costs ``O(log bins)`` amortised.
+    """
+    heap = [(0.0, b) for b in range(num_bins)]  # (cost, bin) of bins that fit the current sample
+    waiting: list[tuple[int, float, int]] = []  # (-room, cost, bin) of bins that do not
+    room = [cap] * num_bins
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     heappop, heappush = heapq.heappop, heapq.heappush
     smallest = int(lengths[order[-1]])
     for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
-        skipped = []
+        while waiting and -waiting[0][0] >= length:
+            _, bc, b = heappop(waiting)
+            heappush(heap, (bc, b))
         while heap:
             bc, b = heappop(heap)
-            lb = load[b]
-            if lb == 0 or lb + length <= cap:
+            if room[b] >= length or room[b] == cap:  # an empty bin takes even an oversize sample
                 break
-            if lb + smallest <= cap:  # may still take a smaller sample later
-                skipped.append((bc, b))
+            heappush(waiting, (-room[b], bc, b))
         else:
             return None
         bins[b].append(idx)
-        load[b] = lb + length
-        if lb + length + smallest <= cap:
+        room[b] -= length
+        if room[b] >= smallest:
             heappush(heap, (bc + cost, b))
-        for item in skipped:
-            heappush(heap, item)
     return bins
 
 
@@ -228,53 +233,53 @@ def build_rank_bins(
     largest bins. Returns ``None`` when some sample fits no rank.
     """
     stride = per_rank + 1
-    empty_key = cap * stride
-    keys = [list(range(empty_key, empty_key + per_rank)) for _ in range(dp_size)]  # residual*stride+bin, sorted
+    keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
     bins = [[[] for _ in range(per_rank)] for _ in range(dp_size)]
     if by_cost:
         bin_heaps = [[(0.0, b) for b in range(per_rank)] for _ in range(dp_size)]
-        residual = [[cap] * per_rank for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]
-    heappop, heappush = heapq.heappop, heapq.heappush
+        bin_waiting: list[list[tuple[int, float, int]]] = [[] for _ in range(dp_size)]
+        room = [[cap] * per_rank for _ in range(dp_size)]
+    heap = [(0.0, r) for r in range(dp_size)]  # (cost, rank) of ranks with a bin that fits the current sample
+    waiting: list[tuple[int, float, int]] = []  # (-largest room, cost, rank) of ranks without one
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
-        need = empty_key if length > cap else length * stride
-        skipped = None
+        need = length if length < cap else cap  # an oversize sample needs an empty bin
+        while waiting and -waiting[0][0] >= need:
+            _, rc, r = heappop(waiting)
+            heappush(heap, (rc, r))
         while heap:
-            rc, r = heappop(heap)
+            rc, r = heap[0]
             rk = keys[r]
-            pos = bisect_left(rk, need)
-            if pos < len(rk):
+            if rk and rk[-1] // stride >= need:
                 break
-            if rk:  # can still take a smaller sample later
-                if skipped is None:
-                    skipped = []
-                skipped.append((rc, r))
+            heappop(heap)
+            if rk:  # may still take a smaller sample later
+                heappush(waiting, (-(rk[-1] // stride), rc, r))
         else:
             return None
         if by_cost:  # the cheapest bin of this rank that has room
-            bh, res = bin_heaps[r], residual[r]
-            later = []
+            bh, bw, res = bin_heaps[r], bin_waiting[r], room[r]
+            while bw and -bw[0][0] >= need:
+                _, bc, b = heappop(bw)
+                heappush(bh, (bc, b))
             while True:
                 bc, b = heappop(bh)
-                if res[b] >= length or res[b] == cap:
+                if res[b] >= need:
                     break
-                later.append((bc, b))
+                heappush(bw, (-res[b], bc, b))
             pos = bisect_left(rk, res[b] * stride + b)
             res[b] -= length
             if res[b] > 0:
                 heappush(bh, (bc + cost, b))
-            for item in later:
-                heappush(bh, item)
+        else:  # best fit: the fullest bin that has room
+            pos = bisect_left(rk, need * stride)
         key = rk.pop(pos)
         b = key % stride
         bins[r][b].append(idx)
         left = key // stride - length
         if left > 0:
             insort(rk, left * stride + b)
-        heappush(heap, (rc + cost, r))
-        if skipped:
-            for item in skipped:
-                heappush(heap, item)
+        heapreplace(heap, (rc + cost, r))
     _give_every_bin_a_sample(bins, costs, per_rank)
     for r in range(dp_size):
         filled = [b for b in bins[r] if b]
@@ -439,15 +444,19 @@ def _append_step(
     tokens = np.add.reduceat(step_len[flat], starts)
     rank_of = np.arange(len(all_bins)) // per_rank
     new_order = np.lexsort((flat[starts], -cost, rank_of))  # per rank: heavy first, then first sample
-    glob = step_idx[flat]
+    sizes_o = sizes[new_order]
+    # samples re-laid out in the new micro-batch order
+    take = np.repeat(starts[new_order] - np.concatenate(([0], np.cumsum(sizes_o)[:-1])), sizes_o)
+    glob = step_idx[flat[take + np.arange(len(flat))]]
+    rank_len = sizes_o.reshape(dp, per_rank).sum(axis=1)
+    rank_start = np.concatenate(([0], np.cumsum(rank_len)))
     for r in range(dp):
         part, mbis = partitions[r], micro_batch_indices[r]
-        for k in new_order[r * per_rank:(r + 1) * per_rank].tolist():
-            a = int(starts[k])
-            size = int(sizes[k])
-            base = len(part)
-            part.extend(glob[a:a + size].tolist())
+        base = len(part)
+        part.extend(glob[rank_start[r]:rank_start[r + 1]].tolist())
+        for size in sizes_o[r * per_rank:(r + 1) * per_rank].tolist():
             mbis.append(list(range(base, base + size)))
+            base += size
     return sizes[new_order], cost[new_order], tokens[new_order]
 
 

@@ -1,0 +1,142 @@
+"""The building blocks: packers, the alignment splitter and the balanced partitioners."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slime_ext.schedule import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, karmarkar_karp, lpt_pack
+from slime_ext.schedule.packing import split_bin_by_tokens
+from slime_ext.schedule.partition import refine_equal_size
+
+lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
+cap_st = st.integers(50, 400)
+quick = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def naive_first_fit(lengths, cap):
+    """Upstream's quadratic loop, spelled out."""
+    bins, sums = [], []
+    for i, x in enumerate(lengths):
+        for j in range(len(bins)):
+            if sums[j] + x <= cap:
+                bins[j].append(i)
+                sums[j] += x
+                break
+        else:
+            bins.append([i])
+            sums.append(x)
+    return bins
+
+
+def naive_expand(bins, target, lengths):
+    """Upstream's splitter: the largest (tokens, index) multi-sample bin, halves by LPT."""
+    while len(bins) < target:
+        cands = [(sum(lengths[i] for i in b), j) for j, b in enumerate(bins) if len(b) > 1]
+        if not cands:
+            break
+        _, j = max(cands)
+        left, right = split_bin_by_tokens(bins[j], lengths)
+        bins[j] = left
+        bins.append(right)
+
+
+def assert_packing(bins, lengths, cap):
+    flat = sorted(i for b in bins for i in b)
+    assert flat == list(range(len(lengths)))
+    for b in bins:
+        assert b, "empty bin"
+        assert sum(lengths[i] for i in b) <= cap or len(b) == 1
+
+
+@quick
+@given(lengths_st, cap_st)
+def test_first_fit_matches_upstream_loop(lengths, cap):
+    assert first_fit_pack(lengths, cap) == naive_first_fit(lengths, cap)
+
+
+@quick
+@given(lengths_st, cap_st)
+def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, cap):
+    bins = best_fit_decreasing(np.array(lengths), cap)
+    assert_packing(bins, lengths, cap)
+    assert len(bins) <= len(naive_first_fit(lengths, cap))
+
+
+@quick
+@given(lengths_st, cap_st, st.integers(1, 40))
+def test_lpt_gives_exactly_the_count_or_none(lengths, cap, count):
+    bins = lpt_pack(np.array(lengths), count, cap)
+    if bins is None:
+        return
+    assert len(bins) == count
+    assert_packing(bins, lengths, cap)
+
+
+def test_lpt_refuses_what_does_not_fit():
+    assert lpt_pack(np.array([60, 60, 60]), 2, 100) is None
+    assert lpt_pack(np.array([60]), 2, 100) is None  # fewer samples than bins
+    assert sorted(map(sorted, lpt_pack(np.array([500, 10, 20]), 2, 100))) == [[0], [1, 2]]
+
+
+@quick
+@given(lengths_st, cap_st, st.integers(0, 60))
+def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
+    ours = naive_first_fit(lengths, cap)
+    theirs = [list(b) for b in ours]
+    target = len(ours) + extra
+    expand_bins_by_splitting(ours, target, lengths)
+    naive_expand(theirs, target, lengths)
+    assert ours == theirs
+    assert_packing(ours, lengths, cap)
+    assert len(ours) == min(target, len(lengths))
+
+
+def test_split_halves_never_exceed_the_parent():
+    lengths = [7, 5, 4, 3, 1]
+    left, right = split_bin_by_tokens([0, 1, 2, 3, 4], lengths)
+    assert sorted(left + right) == [0, 1, 2, 3, 4]
+    assert sum(lengths[i] for i in left) == 10 and sum(lengths[i] for i in right) == 10
+
+
+@quick
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=60), st.integers(1, 8), st.booleans())
+def test_karmarkar_karp_partitions(weights, k, equal):
+    if equal:
+        weights = weights[: len(weights) // k * k]
+    if len(weights) < k:
+        with pytest.raises(ValueError):
+            karmarkar_karp(weights, k, equal)
+        return
+    groups = karmarkar_karp(weights, k, equal)
+    assert len(groups) == k
+    assert sorted(i for g in groups for i in g) == list(range(len(weights)))
+    if equal:
+        assert {len(g) for g in groups} == {len(weights) // k}
+    # largest differencing never does worse than putting the largest item alone on top of the mean
+    sums = [sum(weights[i] for i in g) for g in groups]
+    assert max(sums) <= sum(weights) / k + max(weights) + 1e-6
+
+
+def test_karmarkar_karp_known_answer():
+    # the textbook run of largest differencing on {8,7,6,5,4}: 8-7=1, 6-5=1, 4-1=3, 3-1=2 -> sums 16 and 14
+    groups = karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
+    assert sorted(sum([8, 7, 6, 5, 4][i] for i in g) for g in groups) == [14, 16]
+    groups = karmarkar_karp([1, 2, 3, 4, 5, 6], 3, equal_size=True)
+    assert sorted(sum(i + 1 for i in g) for g in groups) == [7, 7, 7]
+
+
+@quick
+@given(st.lists(st.floats(0, 1e3), min_size=4, max_size=60), st.integers(2, 6))
+def test_refinement_keeps_sizes_and_never_raises_the_maximum(weights, k):
+    weights = weights[: len(weights) // k * k]
+    if len(weights) < k:
+        return
+    groups = karmarkar_karp(weights, k, equal_size=True)
+    before = max(sum(weights[i] for i in g) for g in groups)
+    refined = refine_equal_size(weights, groups)
+    assert sorted(map(len, refined)) == sorted(map(len, groups))
+    assert sorted(i for g in refined for i in g) == list(range(len(weights)))
+    assert max(sum(weights[i] for i in g) for g in refined) <= before + 1e-9

@@ -1,0 +1,365 @@
+"""Example tests for each path of the planner: static/dynamic, VPP, oversize, grouping, trimming, dynamic GBS,
+FLOPs balancing, the slime-compatible form, serialisation and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from slime_ext.schedule import (
+    BatchConfig,
+    CostModel,
+    DPSchedule,
+    ParallelConfig,
+    ScheduleError,
+    build_dp_schedule,
+    compute_dynamic_global_batch_size,
+    plan_schedule,
+)
+
+DYN = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=100)
+TINY_MODEL = CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1000)
+
+
+def mb_tokens(schedule, rank):
+    part = schedule.partitions[rank]
+    return [sum(schedule.total_lengths[part[i]] for i in mb) for mb in schedule.micro_batch_indices[rank]]
+
+
+def rank_sample_sets(schedule):
+    return [set(p) for p in schedule.partitions]
+
+
+# --------------------------------------------------------------------------------------------- static path
+def test_static_chunks_are_strided_like_upstream(checked):
+    s = checked([5] * 8, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=8, micro_batch_size=2))
+    assert s.num_microbatches == [2]
+    # chunks [0,1] [2,3] [4,5] [6,7]; rank 0 gets chunks 0 and 2, rank 1 chunks 1 and 3
+    assert s.partitions == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert s.micro_batch_indices == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]]
+    assert s.samples_per_step == [8] and s.rollouts_per_step == [8]
+    assert s.stats[0].strategy == "static" and s.stats[0].cap is None
+
+
+def test_static_short_last_chunk(checked):
+    # 7 samples, mbs 2 -> 4 chunks, the last holds one sample
+    s = checked(list(range(1, 8)), ParallelConfig(dp_size=2), BatchConfig(global_batch_size=7, micro_batch_size=2))
+    sizes = sorted(len(mb) for r in range(2) for mb in s.micro_batch_indices[r])
+    assert sizes == [1, 2, 2, 2]
+
+
+def test_static_balanced_equal_counts_and_better_balance(checked):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 2000, 64).tolist()
+    batch = BatchConfig(global_batch_size=64, micro_batch_size=4)
+    strided = checked(lengths, ParallelConfig(dp_size=4), batch)
+    balanced = checked(lengths, ParallelConfig(dp_size=4),
+                       BatchConfig(global_batch_size=64, micro_batch_size=4, balance_data=True))
+    assert [len(p) for p in balanced.partitions] == [16] * 4
+    assert all(len(mb) == 4 for r in range(4) for mb in balanced.micro_batch_indices[r])
+    assert balanced.stats[0].flops_imbalance < strided.stats[0].flops_imbalance
+    assert balanced.stats[0].flops_imbalance < 1.01
+
+
+def test_static_misaligned_count_is_a_clear_error():
+    with pytest.raises(ScheduleError, match=r"step 0 has 6 samples = 3 micro-batches of micro_batch_size=2.*"
+                                            r"not a multiple of dp_size\*mb_group = 2.*multiple of 4 \(--global-batch-size"):
+        plan_schedule([1] * 6, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=6, micro_batch_size=2))
+
+
+# --------------------------------------------------------------------------------------------- dynamic path
+def test_dynamic_reaches_the_aligned_bound_under_the_cap(checked):
+    lengths = [60, 50, 40, 40, 30, 30, 20, 10, 10, 10]  # 300 tokens, cap 100 -> 3 bins -> aligned to 4
+    s = checked(lengths, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=10, **DYN))
+    assert s.num_microbatches == [2]
+    assert s.stats[0].total_microbatches == s.stats[0].aligned_lower_bound == 4
+    assert all(t <= 100 for r in range(2) for t in mb_tokens(s, r))
+    assert s.stats[0].cap_violations == 0 and s.stats[0].largest_bin_tokens <= 100
+
+
+def test_dynamic_cap_scales_with_cp(checked):
+    s = checked([150, 150, 150, 150], ParallelConfig(dp_size=1, cp_size=2), BatchConfig(global_batch_size=4, **DYN))
+    assert s.cap == 200
+    # 600 tokens / 200 would be 3 bins, but two samples above cap/2 never share one: 4
+    assert s.num_microbatches == [4] and s.stats[0].aligned_lower_bound == 4
+    assert mb_tokens(s, 0) == [150] * 4
+
+
+def test_oversize_sample_sits_alone_in_every_mode(checked):
+    lengths = [350, 20, 30, 40, 10, 60, 70, 5, 5, 5, 5, 5]
+    for balance_data in (False, True):
+        for balance_by_flops in (False, True):
+            s = checked(lengths, ParallelConfig(dp_size=2),
+                        BatchConfig(global_batch_size=12, balance_data=balance_data,
+                                    balance_by_flops=balance_by_flops, **DYN),
+                        cost_model=TINY_MODEL)
+            where = [(r, k) for r in range(2) for k, mb in enumerate(s.micro_batch_indices[r])
+                     if 0 in [s.partitions[r][i] for i in mb]]
+            (r, k), = where
+            assert len(s.micro_batch_indices[r][k]) == 1, "the oversize sample must be alone"
+            assert s.stats[0].cap_violations == 0
+
+
+def test_vpp_alignment_to_dp_times_group(checked):
+    lengths = [30] * 40  # three per bin of 100 -> 14 bins; align = 2 * 4 = 8 -> 16
+    p = ParallelConfig(dp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=4)
+    s = checked(lengths, p, BatchConfig(global_batch_size=40, **DYN))
+    assert p.align == 8
+    assert s.num_microbatches == [8] and s.stats[0].total_microbatches == 16
+    # without VPP the group size is irrelevant
+    s1 = checked(lengths, ParallelConfig(dp_size=2, microbatch_group_size_per_vp_stage=4),
+                 BatchConfig(global_batch_size=40, **DYN))
+    assert s1.num_microbatches == [7]
+
+
+def test_too_few_samples_for_alignment_is_a_clear_error():
+    with pytest.raises(ScheduleError, match=r"step 0 has 3 samples but needs at least 4 micro-batches"):
+        plan_schedule([90, 90, 90], ParallelConfig(dp_size=1, vpp_size=2, microbatch_group_size_per_vp_stage=4),
+                      BatchConfig(global_batch_size=3, **DYN))
+
+
+def test_fewer_samples_than_ranks_is_a_clear_error():
+    with pytest.raises(ScheduleError, match=r"step 0 has 3 samples but dp_size = 4.*--global-batch-size"):
+        plan_schedule([10, 10, 10], ParallelConfig(dp_size=4), BatchConfig(global_batch_size=3, **DYN))
+
+
+def test_balance_data_is_near_perfect_on_rl_lengths(checked):
+    rng = np.random.default_rng(1)
+    lengths = (rng.integers(100, 1500, 2048) + np.minimum(rng.lognormal(7.5, 1.0, 2048), 16000)).astype(int)
+    cost = CostModel(hidden_size=4096, num_layers=36, num_attention_heads=32, num_query_groups=8,
+                     kv_channels=128, ffn_hidden_size=12288, vocab_size=151936)
+    batch = BatchConfig(global_batch_size=1024, use_dynamic_batch_size=True, max_tokens_per_gpu=16384,
+                        balance_data=True)
+    s = checked(lengths, ParallelConfig(dp_size=16), batch, cost_model=cost)
+    for st in s.stats:
+        assert st.total_microbatches == st.aligned_lower_bound
+        assert st.flops_imbalance <= 1.005
+        assert st.cap_violations == 0
+
+
+def test_balance_by_flops_balances_micro_batches_under_the_cap(checked):
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(5, 95, 400).tolist()
+    plain = checked(lengths, ParallelConfig(dp_size=4), BatchConfig(global_batch_size=400, **DYN),
+                    cost_model=TINY_MODEL)
+    by_flops = checked(lengths, ParallelConfig(dp_size=4),
+                       BatchConfig(global_batch_size=400, balance_by_flops=True, **DYN), cost_model=TINY_MODEL)
+    st = by_flops.stats[0]
+    assert st.cap_violations == 0 and st.largest_bin_tokens <= 100
+    assert st.total_microbatches == plain.stats[0].total_microbatches
+    assert st.microbatch_flops_max / st.microbatch_flops_mean <= 1.1
+
+
+# --------------------------------------------------------------------------------------------- steps and rollouts
+def test_rollout_groups_stay_in_one_step_and_steps_hold_gbs_rollouts(checked):
+    # rollout ids in first-occurrence order: 7, 3, 9, 1 ; rollout 3 has three samples, rollout 9 two
+    rollout_ids = [7, 3, 3, 9, 3, 1, 9]
+    lengths = [10, 20, 30, 40, 50, 60, 70]
+    s = checked(lengths, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=2, **DYN), rollout_ids=rollout_ids)
+    assert s.rollouts_per_step == [2, 2]
+    assert s.step_samples == [[0, 1, 2, 4], [3, 6, 5]]
+    assert s.samples_per_step == [4, 3]
+    assert s.dropped == []
+
+
+def test_trailing_rollouts_are_dropped_and_reported(checked):
+    rollout_ids = [0, 0, 1, 2, 2, 3, 4]
+    s = checked([10] * 7, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=2, **DYN),
+                rollout_ids=rollout_ids)
+    assert s.rollouts_per_step == [2, 2]
+    assert s.dropped == [6]  # rollout 4 is the incomplete tail
+    assert sorted(set().union(*rank_sample_sets(s))) == [0, 1, 2, 3, 4, 5]
+
+
+def test_disable_trim_makes_an_incomplete_step_an_error():
+    with pytest.raises(ScheduleError, match=r"5 rollouts, not a multiple of global_batch_size=2.*hold only 1"):
+        plan_schedule([10] * 5, ParallelConfig(dp_size=1),
+                      BatchConfig(global_batch_size=2, disable_rollout_trim_samples=True, **DYN))
+
+
+def test_not_even_one_step_is_an_error():
+    with pytest.raises(ScheduleError, match=r"3 rollouts but global_batch_size=4.*at most 3"):
+        plan_schedule([10] * 3, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=4, **DYN))
+
+
+def test_dynamic_global_batch_size_is_one_step_rounded_to_dp(checked):
+    s = checked([10] * 11, ParallelConfig(dp_size=4),
+                BatchConfig(use_dynamic_global_batch_size=True, **DYN))
+    assert s.num_steps == 1 and s.rollouts_per_step == [8] and s.samples_per_step == [8]
+    assert s.dropped == [8, 9, 10]
+    # with trimming disabled the whole rollout is the step
+    s = checked([10] * 11, ParallelConfig(dp_size=4),
+                BatchConfig(use_dynamic_global_batch_size=True, disable_rollout_trim_samples=True, **DYN))
+    assert s.rollouts_per_step == [11] and s.dropped == []
+
+
+def test_compute_dynamic_global_batch_size():
+    assert compute_dynamic_global_batch_size(100, 8) == 96
+    assert compute_dynamic_global_batch_size(5, 8) == 8
+    assert compute_dynamic_global_batch_size(64, 8) == 64
+    with pytest.raises(ScheduleError, match="dp_size"):
+        compute_dynamic_global_batch_size(10, 0)
+
+
+def test_loss_tokens_per_step(checked):
+    s = checked([10, 20, 30, 40], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=2, **DYN),
+                loss_tokens=[1, 2, 3, 4])
+    assert s.loss_tokens_per_step == [3, 7]
+
+
+# --------------------------------------------------------------------------------------------- contract
+def test_slime_compatible_form_unpacks_like_upstream():
+    args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=100, micro_batch_size=1,
+                           balance_data=True, balance_by_flops=False, global_batch_size=999,
+                           hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=1000)
+    lengths = [30, 70, 20, 90, 10, 40, 60, 50]
+    schedule = build_dp_schedule(args, {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
+                                        "microbatch_group_size_per_vp_stage": 1},
+                                 lengths, global_batch_size=4, rollout_indices=list(range(8)))
+    partitions, micro_batch_indices, num_microbatches, global_batch_sizes = schedule
+    assert global_batch_sizes == [4, 4]  # gbs argument overrides args.global_batch_size
+    assert len(partitions) == 2 and len(num_microbatches) == 2
+    assert schedule.cost_model == CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=1000)
+    assert isinstance(schedule, DPSchedule)
+
+
+def test_round_trip_through_json():
+    s = plan_schedule([30, 70, 20, 90, 10, 40, 60, 50], ParallelConfig(dp_size=2),
+                      BatchConfig(global_batch_size=4, balance_data=True, **DYN),
+                      rollout_ids=[5, 5, 6, 7, 8, 9, 9, 10], loss_tokens=[1, 2, 3, 4, 5, 6, 7, 8],
+                      cost_model=TINY_MODEL)
+    again = DPSchedule.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert again == s
+
+
+def test_rank_payload_is_the_rank_slice():
+    s = plan_schedule([30, 70, 20, 90], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN),
+                      loss_tokens=[1, 1, 1, 1])
+    p = s.rank_payload(1)
+    assert p["partition"] == s.partitions[1] and p["micro_batch_indices"] == s.micro_batch_indices[1]
+    assert p["num_microbatches"] == s.num_microbatches and p["loss_tokens_per_step"] == [4]
+    with pytest.raises(ScheduleError, match="rank=2"):
+        s.rank_payload(2)
+
+
+def test_deterministic():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 300, 500).tolist()
+    ids = rng.integers(0, 200, 500).tolist()
+    for flags in (dict(), dict(balance_data=True), dict(balance_by_flops=True),
+                  dict(balance_data=True, balance_by_flops=True)):
+        batch = BatchConfig(global_batch_size=40, **DYN, **flags)
+        a = plan_schedule(lengths, ParallelConfig(dp_size=4), batch, rollout_ids=ids, cost_model=TINY_MODEL)
+        b = plan_schedule(list(lengths), ParallelConfig(dp_size=4), batch, rollout_ids=list(ids),
+                          cost_model=TINY_MODEL)
+        assert a == b
+
+
+# --------------------------------------------------------------------------------------------- cost model
+def test_cost_model_matches_hand_computed_flops():
+    m = CostModel(hidden_size=8, num_layers=2, num_attention_heads=2, num_query_groups=1, kv_channels=4,
+                  ffn_hidden_size=16, vocab_size=10, swiglu=True)
+    h, heads, groups, kv, ffn, layers, vocab = 8, 2, 1, 4, 16, 2, 10
+    per_layer = 2 * h * heads * kv + 2 * h * 2 * groups * kv + 2 * heads * kv * h + 2 * h * ffn * 3
+    linear = layers * per_layer + 2 * h * vocab
+    quadratic = layers * 2 * heads * kv
+    assert m.coefficients() == (linear, quadratic)
+    assert m.flops([3, 10]).tolist() == [linear * 3 + quadratic * 9, linear * 10 + quadratic * 100]
+
+
+def test_cost_model_moe_counts_topk_and_shared_experts():
+    dense = CostModel(hidden_size=8, num_layers=4, num_attention_heads=2, ffn_hidden_size=16)
+    moe = CostModel(hidden_size=8, num_layers=4, num_attention_heads=2, ffn_hidden_size=16, num_experts=8,
+                    moe_ffn_hidden_size=4, moe_router_topk=2, moe_shared_expert_intermediate_size=8,
+                    moe_layer_freq=(0, 1, 1, 1))
+    # one dense layer (ffn 16) and three MoE layers (ffn 4*2+8 = 16): same linear cost as the dense model
+    assert moe.coefficients() == dense.coefficients()
+    assert CostModel(hidden_size=8, num_layers=4, num_attention_heads=2, ffn_hidden_size=16, num_experts=8,
+                     moe_ffn_hidden_size=4, moe_router_topk=1).coefficients()[0] < dense.coefficients()[0]
+
+
+def test_cost_model_from_args_and_token_fallback():
+    assert CostModel.from_args(SimpleNamespace(hidden_size=None, num_layers=2)) is None
+    m = CostModel.from_args({"hidden_size": 8, "num_layers": 1, "num_attention_heads": 2, "padded_vocab_size": 32})
+    assert m.vocab_size == 32
+    s = plan_schedule([10, 20, 30, 40], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN))
+    assert s.stats[0].rank_flops_mean == pytest.approx(50.0)  # tokens when no model dims are given
+
+
+def test_attention_makes_long_samples_superlinear():
+    linear, quadratic = TINY_MODEL.coefficients()
+    assert quadratic > 0
+    f = TINY_MODEL.flops([1000, 2000])
+    assert f[1] > 2 * f[0]
+
+
+# --------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("lengths, pattern", [
+    ([], r"total_lengths is empty"),
+    ([10, -1], r"total_lengths\[1\] = -1 is below 1"),
+    ([10, 0], r"total_lengths\[1\] = 0 is below 1"),
+    ([10, 2.5], r"total_lengths\[1\] = 2.5 is not an integer"),
+    ([10, True], r"total_lengths\[1\] = True is not an integer"),
+    (["10"], r"total_lengths\[0\] = '10' is not an integer"),
+    ("abc", r"total_lengths must be a sequence of integers"),
+    ([[1, 2]], r"one-dimensional"),
+])
+def test_bad_lengths(lengths, pattern):
+    with pytest.raises(ScheduleError, match=pattern):
+        plan_schedule(lengths, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=1, **DYN))
+
+
+def test_mismatched_list_lengths():
+    with pytest.raises(ScheduleError, match=r"rollout_ids has 2 entries but total_lengths has 3"):
+        plan_schedule([1, 2, 3], ParallelConfig(), BatchConfig(global_batch_size=1, **DYN), rollout_ids=[0, 1])
+    with pytest.raises(ScheduleError, match=r"loss_tokens has 1 entries but total_lengths has 3"):
+        plan_schedule([1, 2, 3], ParallelConfig(), BatchConfig(global_batch_size=1, **DYN), loss_tokens=[1])
+    with pytest.raises(ScheduleError, match=r"loss_tokens\[0\] = 5 exceeds total_lengths\[0\] = 1"):
+        plan_schedule([1, 2, 3], ParallelConfig(), BatchConfig(global_batch_size=1, **DYN), loss_tokens=[5, 0, 0])
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(global_batch_size=None), r"global_batch_size is None.*--global-batch-size N"),
+    (dict(global_batch_size=0), r"global_batch_size must be a positive integer, got 0"),
+    (dict(global_batch_size=4, use_dynamic_batch_size=True), r"max_tokens_per_gpu is None.*--max-tokens-per-gpu"),
+    (dict(global_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=-5), r"max_tokens_per_gpu must be"),
+    (dict(global_batch_size=4, micro_batch_size=0), r"micro_batch_size must be a positive integer"),
+    (dict(global_batch_size=4, balance_by_flops=True), r"balance_by_flops=True needs use_dynamic_batch_size"),
+    (dict(global_batch_size=4, balance_data="yes"), r"balance_data must be a bool"),
+])
+def test_bad_batch_flags(kwargs, pattern):
+    with pytest.raises(ScheduleError, match=pattern):
+        BatchConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(dp_size=0), r"dp_size must be a positive integer, got 0"),
+    (dict(cp_size=1.5), r"cp_size must be a positive integer, got 1.5"),
+    (dict(vpp_size=0), r"vpp_size"),
+    (dict(microbatch_group_size_per_vp_stage=0), r"microbatch_group_size_per_vp_stage"),
+])
+def test_bad_parallel_config(kwargs, pattern):
+    with pytest.raises(ScheduleError, match=pattern):
+        ParallelConfig(**kwargs)
+
+
+def test_bad_train_parallel_config_dict():
+    with pytest.raises(ScheduleError, match=r"at least 'dp_size'"):
+        ParallelConfig.from_dict({"cp_size": 1})
+    assert ParallelConfig.from_dict({"dp_size": 2, "cp_size": None}) == ParallelConfig(dp_size=2)
+
+
+def test_from_args_reads_slime_flags():
+    args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=512, micro_batch_size=None,
+                           global_batch_size=32, balance_data=None, unrelated=1)
+    b = BatchConfig.from_args(args)
+    assert b == BatchConfig(global_batch_size=32, use_dynamic_batch_size=True, max_tokens_per_gpu=512,
+                            micro_batch_size=None)
+    assert b.cap(4) == 2048
+
+
+def test_schedule_error_is_a_value_error():
+    assert issubclass(ScheduleError, ValueError)
