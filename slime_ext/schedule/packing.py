@@ -137,3 +137,68 @@ def expand_bins_by_splitting(bins: list[list[int]], target_count: int, lengths: 
         for k, half in ((j, left), (len(bins) - 1, right)):
             if len(half) > 1:
                 heapq.heappush(heap, (-sum(int(lengths[i]) for i in half), -k))
+
+
+def lpt_rounds(
+    lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, num_bins: int, cap: int
+) -> np.ndarray | None:
+    """LPT into exactly ``num_bins`` capped bins, vectorised by rounds; returns ``bin_of`` per sample or ``None``.
+
+    ``order`` lists the samples by decreasing length (and weight). Each round deals the next samples, one per open
+    bin, the largest to the bin with the least ``weights`` load so far (tokens for even micro-batches, FLOPs for
+    ``balance_by_flops``). A sample that would overflow its bin gets a second chance in a bin left unused this round
+    (most room first), else waits for the next round. An oversize sample takes an empty bin and closes it. ``None``
+    when a round places nothing: LPT spreads the free room evenly, so with little slack the last samples can be
+    larger than every bin's room -- sequential best fit decreasing then packs tighter.
+    """
+    n = len(order)
+    if n < num_bins:
+        return None
+    lens = lengths[order]
+    w = weights[order].astype(np.float64)
+    bin_of_sorted = np.full(n, -1, dtype=np.int64)
+    load = np.zeros(num_bins, dtype=np.int64)
+    wload = np.zeros(num_bins, dtype=np.float64)
+    open_bins = np.arange(num_bins)
+    pending = np.zeros(0, dtype=np.int64)  # positions (largest first) that did not fit their round
+    nxt = 0
+    while nxt < n or len(pending):
+        fresh = min(n - nxt, max(0, len(open_bins) - len(pending)))
+        take = np.concatenate((pending[:len(open_bins)], np.arange(nxt, nxt + fresh)))
+        later = pending[len(open_bins):]
+        nxt += fresh
+        dest = open_bins[np.argsort(wload[open_bins], kind="stable")[:len(take)]]
+        x = lens[take]
+        fits = (load[dest] == 0) | (load[dest] + x <= cap)
+        if not fits.all():
+            # second chance: bins unused this round, most room first, for the failed samples (largest first)
+            spare = open_bins[np.argsort(load[open_bins], kind="stable")]
+            spare = spare[~np.isin(spare, dest[fits])]
+            failed = np.flatnonzero(~fits)[:len(spare)]
+            alt = spare[:len(failed)]
+            ok = (load[alt] == 0) | (load[alt] + x[failed] <= cap)
+            dest = dest.copy()
+            dest[failed[ok]] = alt[ok]
+            fits[failed[ok]] = True
+        placed, where = take[fits], dest[fits]
+        bin_of_sorted[placed] = where
+        load[where] += lens[placed]
+        wload[where] += w[placed]
+        if (lens[placed] > cap).any():
+            open_bins = open_bins[load[open_bins] <= cap]
+        pending = np.sort(np.concatenate((take[~fits], later)))
+        if len(take) and not len(placed):
+            return None
+    bin_of = np.empty(n, dtype=np.int64)
+    bin_of[order] = bin_of_sorted
+    if np.bincount(bin_of, minlength=num_bins).min() == 0:
+        return None
+    return bin_of
+
+
+def bins_to_labels(bins: Sequence[Sequence[int]], n: int) -> np.ndarray:
+    """``bin_of[i]`` = index of the bin holding sample ``i``."""
+    bin_of = np.empty(n, dtype=np.int64)
+    for b, members in enumerate(bins):
+        bin_of[list(members)] = b
+    return bin_of

@@ -1,0 +1,179 @@
+"""Stage 4: give every DP rank the same number of micro-batches.
+
+Over packed bins (``rank_of_bin`` arrays): :func:`serpentine` (round-robin over the bins in decreasing cost,
+reversing every round), :func:`lpt_equal_count` (each round hands the next ``dp`` bins, heaviest first, to the
+lightest ranks) and :func:`refine_by_swaps` (swap a bin of the heaviest rank with a lighter bin of a light rank
+while that lowers the maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not bins.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+
+import numpy as np
+
+from .packing import expand_bins_by_splitting
+
+
+def serpentine(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
+    """``rank_of_bin``: bins by decreasing cost dealt 0..dp-1, dp-1..0, 0..dp-1, ..."""
+    count = len(bin_costs)
+    by_cost = np.argsort(-bin_costs, kind="stable")
+    pos = np.arange(count)
+    rnd, r = np.divmod(pos, dp_size)
+    rank_of_bin = np.empty(count, dtype=np.int64)
+    rank_of_bin[by_cost] = np.where(rnd % 2 == 0, r, dp_size - 1 - r)
+    return rank_of_bin
+
+
+def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
+    """``rank_of_bin`` with ``len / dp`` bins per rank: round ``k`` gives bins ``k*dp..`` (by decreasing cost) to
+    the ranks in increasing order of their load so far."""
+    count = len(bin_costs)
+    by_cost = np.argsort(-bin_costs, kind="stable")
+    rank_of_bin = np.empty(count, dtype=np.int64)
+    load = np.zeros(dp_size)
+    for start in range(0, count, dp_size):
+        chunk = by_cost[start:start + dp_size]
+        ranks = np.argsort(load, kind="stable")
+        rank_of_bin[chunk] = ranks
+        load[ranks] += bin_costs[chunk]
+    return rank_of_bin
+
+
+def refine_by_swaps(
+    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_swaps: int | None = None
+) -> np.ndarray:
+    """Swap one bin of the heaviest rank with a cheaper bin of a lighter rank while that lowers the maximum.
+
+    Counts per rank never change. Stops when the heaviest rank is within ``tolerance`` of the mean or no swap with
+    one of the lightest ranks helps.
+    """
+    rank_of_bin = rank_of_bin.copy()
+    sums = np.bincount(rank_of_bin, weights=bin_costs, minlength=dp_size)
+    goal = sums.mean() * (1 + tolerance)
+    max_swaps = 4 * dp_size + 16 if max_swaps is None else max_swaps
+    for _ in range(max_swaps):
+        h = int(np.argmax(sums))
+        if sums[h] <= goal:
+            break
+        heavy = np.flatnonzero(rank_of_bin == h)
+        best_gain, best = 0.0, None
+        for lo in np.argsort(sums, kind="stable")[:4].tolist():
+            gap = sums[h] - sums[lo]
+            if gap <= 0:
+                break
+            light = np.flatnonzero(rank_of_bin == lo)
+            lc = np.sort(bin_costs[light])
+            light_sorted = light[np.argsort(bin_costs[light], kind="stable")]
+            want = bin_costs[heavy] - gap / 2  # the light bin that halves the gap
+            j = np.clip(np.searchsorted(lc, want), 0, len(lc) - 1)
+            for cand in (j, np.maximum(j - 1, 0)):
+                d = bin_costs[heavy] - lc[cand]
+                new_max = np.where((d > 0) & (d < gap), np.maximum(sums[h] - d, sums[lo] + d), np.inf)
+                k = int(np.argmin(new_max))
+                gain = sums[h] - new_max[k]
+                if gain > best_gain:
+                    best_gain, best = gain, (int(heavy[k]), int(light_sorted[cand[k]]), lo, float(d[k]))
+        if best is None:
+            break
+        a, b, lo, d = best
+        rank_of_bin[a], rank_of_bin[b] = lo, h
+        sums[h] -= d
+        sums[lo] += d
+    return rank_of_bin
+
+
+def build_rank_bins(
+    lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, cap: int, dp_size: int, per_rank: int, by_cost: bool
+) -> list[list[list[int]]] | None:
+    """Bins chosen per rank: deal samples (decreasing cost) to the lightest rank with room.
+
+    Each rank owns ``per_rank`` capped bins; inside it a sample goes to the fullest bin it fits (best fit), or with
+    ``by_cost`` to the cheapest bin it fits. A rank left with fewer samples than bins (one holding a very costly
+    sample) takes the cheapest samples of ranks that have more; bins still empty are filled by halving the rank's
+    largest bins. Returns ``None`` when some sample fits no rank.
+    """
+    stride = per_rank + 1
+    keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
+    bins = [[[] for _ in range(per_rank)] for _ in range(dp_size)]
+    if by_cost:
+        bin_heaps = [[(0.0, b) for b in range(per_rank)] for _ in range(dp_size)]
+        bin_waiting: list[list[tuple[int, float, int]]] = [[] for _ in range(dp_size)]
+        room = [[cap] * per_rank for _ in range(dp_size)]
+    heap = [(0.0, r) for r in range(dp_size)]  # (cost, rank) of ranks with a bin that fits the current sample
+    waiting: list[tuple[int, float, int]] = []  # (-largest room, cost, rank) of ranks without one
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
+        need = length if length < cap else cap  # an oversize sample needs an empty bin
+        while waiting and -waiting[0][0] >= need:
+            _, rc, r = heappop(waiting)
+            heappush(heap, (rc, r))
+        while heap:
+            rc, r = heap[0]
+            rk = keys[r]
+            if rk and rk[-1] // stride >= need:
+                break
+            heappop(heap)
+            if rk:  # may still take a smaller sample later
+                heappush(waiting, (-(rk[-1] // stride), rc, r))
+        else:
+            return None
+        if by_cost:  # the cheapest bin of this rank that has room
+            bh, bw, res = bin_heaps[r], bin_waiting[r], room[r]
+            while bw and -bw[0][0] >= need:
+                _, bc, b = heappop(bw)
+                heappush(bh, (bc, b))
+            while True:
+                bc, b = heappop(bh)
+                if res[b] >= need:
+                    break
+                heappush(bw, (-res[b], bc, b))
+            pos = bisect_left(rk, res[b] * stride + b)
+            res[b] -= length
+            if res[b] > 0:
+                heappush(bh, (bc + cost, b))
+        else:  # best fit: the fullest bin that has room
+            pos = bisect_left(rk, need * stride)
+        key = rk.pop(pos)
+        b = key % stride
+        bins[r][b].append(idx)
+        left = key // stride - length
+        if left > 0:
+            insort(rk, left * stride + b)
+        heapreplace(heap, (rc + cost, r))
+    _give_every_bin_a_sample(bins, costs, per_rank)
+    for r in range(dp_size):
+        filled = [b for b in bins[r] if b]
+        if len(filled) < per_rank:
+            expand_bins_by_splitting(filled, per_rank, lengths)
+        bins[r] = filled
+    return bins
+
+
+def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per_rank: int) -> None:
+    """Move the cheapest samples of ranks holding more than ``per_rank`` samples to ranks holding fewer."""
+    counts = [sum(len(b) for b in rb) for rb in bins]
+    for r, rb in enumerate(bins):
+        while counts[r] < per_rank:
+            donor_items = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
+                           for k, b in enumerate(db) for i in b]
+            _, i, d, k = min(donor_items)  # callers guarantee n >= dp_size * per_rank, so a donor exists
+            bins[d][k].remove(i)
+            counts[d] -= 1
+            next(b for b in rb if not b).append(i)
+            counts[r] += 1
+
+
+def rank_bins_to_labels(rank_bins: list[list[list[int]]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(bin_of, rank_of_bin)`` for bins given per rank."""
+    bin_of = np.empty(n, dtype=np.int64)
+    rank_of_bin = []
+    b = 0
+    for r, rb in enumerate(rank_bins):
+        for members in rb:
+            bin_of[members] = b
+            rank_of_bin.append(r)
+            b += 1
+    return bin_of, np.asarray(rank_of_bin, dtype=np.int64)
