@@ -43,12 +43,14 @@ def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
 
 
 def refine_by_swaps(
-    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_swaps: int | None = None
+    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_swaps: int | None = None,
+    candidates: int = 8,
 ) -> np.ndarray:
     """Swap one bin of the heaviest rank with a cheaper bin of a lighter rank while that lowers the maximum.
 
-    Counts per rank never change. Stops when the heaviest rank is within ``tolerance`` of the mean or no swap with
-    one of the lightest ranks helps.
+    Counts per rank never change. Each swap is the best over every pair (bin of the heaviest rank, bin of one of
+    the ``candidates`` lightest ranks). Stops when the heaviest rank is within ``tolerance`` of the mean or no
+    swap lowers it.
     """
     rank_of_bin = rank_of_bin.copy()
     sums = np.bincount(rank_of_bin, weights=bin_costs, minlength=dp_size)
@@ -58,30 +60,23 @@ def refine_by_swaps(
         h = int(np.argmax(sums))
         if sums[h] <= goal:
             break
+        light_ranks = np.argsort(sums, kind="stable")[:candidates]
+        light_ranks = light_ranks[light_ranks != h]
         heavy = np.flatnonzero(rank_of_bin == h)
-        best_gain, best = 0.0, None
-        for lo in np.argsort(sums, kind="stable")[:4].tolist():
-            gap = sums[h] - sums[lo]
-            if gap <= 0:
-                break
-            light = np.flatnonzero(rank_of_bin == lo)
-            lc = np.sort(bin_costs[light])
-            light_sorted = light[np.argsort(bin_costs[light], kind="stable")]
-            want = bin_costs[heavy] - gap / 2  # the light bin that halves the gap
-            j = np.clip(np.searchsorted(lc, want), 0, len(lc) - 1)
-            for cand in (j, np.maximum(j - 1, 0)):
-                d = bin_costs[heavy] - lc[cand]
-                new_max = np.where((d > 0) & (d < gap), np.maximum(sums[h] - d, sums[lo] + d), np.inf)
-                k = int(np.argmin(new_max))
-                gain = sums[h] - new_max[k]
-                if gain > best_gain:
-                    best_gain, best = gain, (int(heavy[k]), int(light_sorted[cand[k]]), lo, float(d[k]))
-        if best is None:
+        light = np.flatnonzero(np.isin(rank_of_bin, light_ranks))
+        d = bin_costs[heavy][:, None] - bin_costs[light][None, :]  # cost moved from h to the light bin's rank
+        other = sums[rank_of_bin[light]][None, :]
+        new_max = np.maximum(sums[h] - d, other + d)
+        new_max[d <= 0] = np.inf
+        k = int(np.argmin(new_max))
+        if not new_max.flat[k] < sums[h]:
             break
-        a, b, lo, d = best
+        a, b = heavy[k // len(light)], light[k % len(light)]
+        lo = rank_of_bin[b]
+        moved = bin_costs[a] - bin_costs[b]
         rank_of_bin[a], rank_of_bin[b] = lo, h
-        sums[h] -= d
-        sums[lo] += d
+        sums[h] -= moved
+        sums[lo] += moved
     return rank_of_bin
 
 

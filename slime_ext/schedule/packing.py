@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -120,23 +121,30 @@ def split_bin_by_tokens(bin_indices: Sequence[int], lengths: Sequence[int]) -> l
     return halves
 
 
-def expand_bins_by_splitting(bins: list[list[int]], target_count: int, lengths: Sequence[int]) -> None:
+def expand_bins_by_splitting(
+    bins: list[list[int]], target_count: int, lengths: Sequence[int], loads: Sequence[int] | None = None
+) -> None:
     """Grow ``bins`` in place to ``target_count`` by repeatedly halving the largest multi-sample bin.
 
     Stops early when every bin is a single sample (the caller checks the count). Ties between equally large bins
-    go to the later bin, as upstream.
+    go to the later bin, as upstream. ``loads`` may pass the bins' token counts when the caller has them.
     """
-    heap = [(-sum(int(lengths[i]) for i in b), -j) for j, b in enumerate(bins) if len(b) > 1]
+    if len(bins) >= target_count:
+        return
+    lens = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
+    if loads is None:
+        loads = [sum(lens[i] for i in b) for b in bins]
+    heap = [(-load, -j) for j, (load, b) in enumerate(zip(loads, bins)) if len(b) > 1]
     heapq.heapify(heap)
     while len(bins) < target_count and heap:
         _, neg_j = heapq.heappop(heap)
         j = -neg_j
-        left, right = split_bin_by_tokens(bins[j], lengths)
+        left, right = split_bin_by_tokens(bins[j], lens)
         bins[j] = left
         bins.append(right)
         for k, half in ((j, left), (len(bins) - 1, right)):
             if len(half) > 1:
-                heapq.heappush(heap, (-sum(int(lengths[i]) for i in half), -k))
+                heapq.heappush(heap, (-sum(lens[i] for i in half), -k))
 
 
 def lpt_rounds(
@@ -198,7 +206,8 @@ def lpt_rounds(
 
 def bins_to_labels(bins: Sequence[Sequence[int]], n: int) -> np.ndarray:
     """``bin_of[i]`` = index of the bin holding sample ``i``."""
+    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    members = np.fromiter(chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
     bin_of = np.empty(n, dtype=np.int64)
-    for b, members in enumerate(bins):
-        bin_of[list(members)] = b
+    bin_of[members] = np.repeat(np.arange(len(bins)), sizes)
     return bin_of

@@ -101,7 +101,9 @@ def pack_step(
             f"samples to fill them; raise --max-tokens-per-gpu, put more rollouts in a step (--global-batch-size) "
             f"or lower the DP/VPP alignment"
         )
-    expand_bins_by_splitting(bins, count, lengths)
+    if len(bins) < count:
+        loads = np.bincount(bins_to_labels(bins, len(lengths)), weights=lengths, minlength=len(bins))
+        expand_bins_by_splitting(bins, count, lengths, loads.astype(np.int64).tolist())
     return bins_to_labels(bins, len(lengths)), count, "bfd"
 
 
