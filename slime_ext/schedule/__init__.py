@@ -19,7 +19,7 @@ from .cost import CostModel
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .invariants import assert_valid_schedule, check_schedule
-from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_pack
+from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_rounds
 from .partition import karmarkar_karp
 from .planner import bin_lower_bound, compute_dynamic_global_batch_size, plan_schedule
 
@@ -39,6 +39,6 @@ __all__ = [
     "expand_bins_by_splitting",
     "first_fit_pack",
     "karmarkar_karp",
-    "lpt_pack",
+    "lpt_rounds",
     "plan_schedule",
 ]

@@ -1,12 +1,13 @@
 """Bin packing of samples into micro-batches under a token cap.
 
-All packers return ``list[list[int]]``: bins of indices into ``lengths``. A sample longer than the cap always sits
-alone in its bin; every other bin holds at most ``cap`` tokens.
+Packers return bins of indices into ``lengths`` (``list[list[int]]``), or, vectorised, ``bin_of`` labels per
+sample. A sample longer than the cap always sits alone in its bin; every other bin holds at most ``cap`` tokens.
 
 * :func:`first_fit_pack` -- arrival-order first fit (upstream slime's packer, kept for compatibility; same result,
   ``O(n log n)`` with a max segment tree instead of ``O(n * bins)``).
 * :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum).
-* :func:`lpt_pack` -- exactly ``num_bins`` bins, evenly loaded (worst-fit decreasing); ``None`` if it cannot fit.
+* :func:`lpt_rounds` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (worst-fit decreasing,
+  vectorised by rounds); :func:`cost_lpt_pack` -- the same by FLOPs, sequential. ``None`` when they cannot fit.
 * :func:`expand_bins_by_splitting` -- grow a packing to a target count by halving the largest multi-sample bins;
   halves never exceed their parent, so the cap keeps holding.
 """
@@ -81,30 +82,6 @@ def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None 
         if residual > 0:
             insort(keys, residual * stride + b)
     return bins
-
-
-def lpt_pack(
-    lengths: np.ndarray, num_bins: int, cap: int, order: np.ndarray | None = None
-) -> list[list[int]] | None:
-    """Worst-fit decreasing into exactly ``num_bins`` bins (LPT): longest first, each into the emptiest bin.
-
-    Gives evenly loaded micro-batches. Returns ``None`` when some sample does not fit (the emptiest bin is too
-    full) or when there are fewer samples than bins.
-    """
-    if order is None:
-        order = np.argsort(-np.asarray(lengths), kind="stable")
-    if len(order) < num_bins:
-        return None
-    lens = np.asarray(lengths)[order].tolist()
-    heap = [(0, b) for b in range(num_bins)]
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for idx, length in zip(order.tolist(), lens):
-        load, b = heap[0]
-        if load and load + length > cap:  # an empty bin takes anything (oversize samples sit alone)
-            return None
-        bins[b].append(idx)
-        heapq.heapreplace(heap, (load + length, b))
-    return bins  # n >= num_bins and lengths >= 1: the first num_bins samples each opened a bin
 
 
 def split_bin_by_tokens(bin_indices: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
@@ -195,13 +172,46 @@ def lpt_rounds(
         if (lens[placed] > cap).any():
             open_bins = open_bins[load[open_bins] <= cap]
         pending = np.sort(np.concatenate((take[~fits], later)))
-        if len(take) and not len(placed):
-            return None
+        if not len(placed):
+            return None  # nothing fits (or every bin is closed by an oversize sample)
     bin_of = np.empty(n, dtype=np.int64)
     bin_of[order] = bin_of_sorted
     if np.bincount(bin_of, minlength=num_bins).min() == 0:
         return None
     return bin_of
+
+
+def cost_lpt_pack(
+    lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, num_bins: int, cap: int
+) -> list[list[int]] | None:
+    """``num_bins`` capped bins, each sample (decreasing cost) into the cheapest bin that still has room.
+
+    Sequential: a sample goes wherever some bin has room, so it succeeds where the rounds of :func:`lpt_rounds`
+    stall. A bin too full for the current sample waits in a heap keyed by its room and rejoins the cost heap once the
+    (decreasing) samples are small enough for it, so every sample costs ``O(log bins)`` amortised.
+    """
+    heap = [(0.0, b) for b in range(num_bins)]  # (cost, bin) of bins that fit the current sample
+    waiting: list[tuple[int, float, int]] = []  # (-room, cost, bin) of bins that do not
+    room = [cap] * num_bins
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    heappop, heappush = heapq.heappop, heapq.heappush
+    smallest = int(lengths[order[-1]])
+    for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
+        while waiting and -waiting[0][0] >= length:
+            _, bc, b = heappop(waiting)
+            heappush(heap, (bc, b))
+        while heap:
+            bc, b = heappop(heap)
+            if room[b] >= length or room[b] == cap:  # an empty bin takes even an oversize sample
+                break
+            heappush(waiting, (-room[b], bc, b))
+        else:
+            return None
+        bins[b].append(idx)
+        room[b] -= length
+        if room[b] >= smallest:
+            heappush(heap, (bc + cost, b))
+    return bins
 
 
 def bins_to_labels(bins: Sequence[Sequence[int]], n: int) -> np.ndarray:

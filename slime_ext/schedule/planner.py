@@ -44,7 +44,7 @@ from .cost import CostModel, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
-from .packing import best_fit_decreasing, bins_to_labels, expand_bins_by_splitting, lpt_rounds
+from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
 from .steps import as_int_array, compute_dynamic_global_batch_size, rollout_ordinals, split_into_steps
 
 __all__ = ["bin_lower_bound", "compute_dynamic_global_batch_size", "microbatch_target", "plan_schedule"]
@@ -92,6 +92,10 @@ def pack_step(
     bin_of = lpt_rounds(lengths, weights, order, target, cap)
     if bin_of is not None:
         return bin_of, target, "lpt"
+    if weights is not lengths:  # balance_by_flops: keep FLOPs-even bins if a sequential LPT still fits
+        bins = cost_lpt_pack(lengths, weights, order, target, cap)
+        if bins is not None:
+            return bins_to_labels(bins, len(lengths)), target, "lpt"
     bins = best_fit_decreasing(lengths, cap, order)
     count = max(target, _align_up(len(bins), align))
     if count > len(lengths):

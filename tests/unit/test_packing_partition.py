@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slime_ext.schedule import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, karmarkar_karp, lpt_pack
+from slime_ext.schedule import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, karmarkar_karp, lpt_rounds
+from slime_ext.schedule.packing import cost_lpt_pack
 from slime_ext.schedule.packing import split_bin_by_tokens
 from slime_ext.schedule.partition import refine_equal_size
 
@@ -65,20 +66,37 @@ def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, ca
     assert len(bins) <= len(naive_first_fit(lengths, cap))
 
 
+def labels_to_bins(bin_of, count):
+    return [np.flatnonzero(bin_of == b).tolist() for b in range(count)]
+
+
 @quick
-@given(lengths_st, cap_st, st.integers(1, 40))
-def test_lpt_gives_exactly_the_count_or_none(lengths, cap, count):
-    bins = lpt_pack(np.array(lengths), count, cap)
-    if bins is None:
-        return
-    assert len(bins) == count
-    assert_packing(bins, lengths, cap)
+@given(lengths_st, cap_st, st.integers(1, 40), st.booleans())
+def test_lpt_gives_exactly_the_count_or_none(lengths, cap, count, by_cost):
+    x = np.array(lengths)
+    weights = x * (x + 50) if by_cost else x
+    order = np.argsort(-x, kind="stable")
+    bin_of = lpt_rounds(x, weights, order, count, cap)
+    if bin_of is not None:
+        assert_packing(labels_to_bins(bin_of, count), lengths, cap)
+    bins = cost_lpt_pack(x, weights.astype(float), order, count, cap) if count <= len(lengths) else None
+    if bins is not None:
+        assert len(bins) == count
+        assert_packing(bins, lengths, cap)
 
 
 def test_lpt_refuses_what_does_not_fit():
-    assert lpt_pack(np.array([60, 60, 60]), 2, 100) is None
-    assert lpt_pack(np.array([60]), 2, 100) is None  # fewer samples than bins
-    assert sorted(map(sorted, lpt_pack(np.array([500, 10, 20]), 2, 100))) == [[0], [1, 2]]
+    x = np.array([60, 60, 60])
+    assert lpt_rounds(x, x, np.arange(3), 2, 100) is None
+    assert lpt_rounds(np.array([60]), np.array([60]), np.arange(1), 2, 100) is None  # fewer samples than bins
+    bin_of = lpt_rounds(np.array([500, 20, 10]), np.array([500, 20, 10]), np.arange(3), 2, 100)
+    assert sorted(map(sorted, labels_to_bins(bin_of, 2))) == [[0], [1, 2]]
+
+
+def test_lpt_rounds_balances_the_given_weights():
+    x = np.array([40, 40, 30, 30, 20, 20, 10, 10])
+    bin_of = lpt_rounds(x, x, np.argsort(-x, kind="stable"), 2, 1000)
+    assert np.bincount(bin_of, weights=x).tolist() == [100, 100]
 
 
 @quick
