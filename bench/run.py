@@ -75,15 +75,19 @@ def _timed(fn: Callable[[], Any], repeats: int, wall_of: Callable[[Any, float], 
     return statistics.median(times), out, len(times)
 
 
-def run_ours(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool, repeats: int):
+def ours_call(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool) -> Callable[[], Any]:
+    """Our planner on ``case``, as slime would call it (a list of lengths, one rollout id per sample)."""
     parallel = ParallelConfig(dp_size=case.dp_size, cp_size=case.cp_size)
     batch = BatchConfig(global_batch_size=case.global_batch_size, use_dynamic_batch_size=True,
                         max_tokens_per_gpu=case.max_tokens_per_gpu, balance_data=balance_data,
                         balance_by_flops=balance_by_flops)
     cost_model = CostModel(**MODEL_DIMS)
     rollout_ids = list(range(case.n))
-    return _timed(lambda: plan_schedule(lengths, parallel, batch, rollout_ids=rollout_ids, cost_model=cost_model),
-                  repeats)
+    return lambda: plan_schedule(lengths, parallel, batch, rollout_ids=rollout_ids, cost_model=cost_model)
+
+
+def run_ours(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool, repeats: int):
+    return _timed(ours_call(case, lengths, balance_data, balance_by_flops), repeats)
 
 
 def run_legacy(case: Case, lengths: list[int], balance_data: bool, repeats: int):
@@ -346,11 +350,12 @@ def _profile(spec: str) -> int:
         print(f"--profile wants CASE:FLAGS, e.g. rl-16k-dp128:balance_data; got {spec!r}", file=sys.stderr)
         return 2
     lengths = make_lengths(case.dist, case.n, case.seed).tolist()
-    run_ours(case, lengths, flag[1], flag[2], 1)  # warm-up
+    call = ours_call(case, lengths, flag[1], flag[2])
+    call()  # warm-up
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(5):
-        run_ours(case, lengths, flag[1], flag[2], 1)
+        call()
     prof.disable()
     print(f"cProfile of plan_schedule on {case.name} with {flag[0]}, 5 runs:")
     pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
