@@ -2,8 +2,8 @@
 
 Over packed bins (``rank_of_bin`` arrays): :func:`serpentine` (round-robin over the bins in decreasing cost,
 reversing every round), :func:`lpt_equal_count` (each round hands the next ``dp`` bins, heaviest first, to the
-lightest ranks) and :func:`refine_by_swaps` (swap a bin of the heaviest rank with a lighter bin of a light rank
-while that lowers the maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not bins.
+lightest ranks) and :func:`refine_by_swaps` (heaviest ranks swap bins with the lightest while that lowers the
+maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not bins.
 """
 
 from __future__ import annotations
@@ -43,41 +43,65 @@ def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
 
 
 def refine_by_swaps(
-    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_swaps: int | None = None,
-    candidates: int = 8,
+    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_rounds: int = 64
 ) -> np.ndarray:
-    """Swap one bin of the heaviest rank with a cheaper bin of a lighter rank while that lowers the maximum.
+    """Lower the heaviest ranks by swapping bins with light ranks; every rank keeps its number of bins.
 
-    Counts per rank never change. Each swap is the best over every pair (bin of the heaviest rank, bin of one of
-    the ``candidates`` lightest ranks). Stops when the heaviest rank is within ``tolerance`` of the mean or no
-    swap lowers it.
+    Each round pairs the i-th heaviest rank with the i-th lightest and, in every pair at once, makes the one swap
+    that brings the two closest to their average (moving ``d`` with ``0 < d < gap``). Stops when the heaviest rank
+    is within ``tolerance`` of the mean, or a round does not lower the maximum.
     """
-    rank_of_bin = rank_of_bin.copy()
-    sums = np.bincount(rank_of_bin, weights=bin_costs, minlength=dp_size)
+    count = len(bin_costs)
+    per_rank = count // dp_size
+    if dp_size < 2 or per_rank < 1:
+        return rank_of_bin
+    by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp_size, per_rank)  # bin ids, one row per rank
+    sums = bin_costs[by_rank].sum(axis=1)
     goal = sums.mean() * (1 + tolerance)
-    max_swaps = 4 * dp_size + 16 if max_swaps is None else max_swaps
-    for _ in range(max_swaps):
-        h = int(np.argmax(sums))
-        if sums[h] <= goal:
+    half = dp_size // 2
+    for _ in range(max_rounds):
+        ranked = np.argsort(sums, kind="stable")
+        if sums[ranked[-1]] <= goal:
             break
-        light_ranks = np.argsort(sums, kind="stable")[:candidates]
-        light_ranks = light_ranks[light_ranks != h]
-        heavy = np.flatnonzero(rank_of_bin == h)
-        light = np.flatnonzero(np.isin(rank_of_bin, light_ranks))
-        d = bin_costs[heavy][:, None] - bin_costs[light][None, :]  # cost moved from h to the light bin's rank
-        other = sums[rank_of_bin[light]][None, :]
-        new_max = np.maximum(sums[h] - d, other + d)
-        new_max[d <= 0] = np.inf
-        k = int(np.argmin(new_max))
-        if not new_max.flat[k] < sums[h]:
+        heavy, light = ranked[::-1][:half], ranked[:half]
+        gap = sums[heavy] - sums[light]
+        ch, cl = bin_costs[by_rank[heavy]], bin_costs[by_rank[light]]  # (half, per_rank)
+        if per_rank <= 128:
+            d = ch[:, :, None] - cl[:, None, :]  # cost each swap moves from heavy to light
+            score = np.abs(d - gap[:, None, None] / 2)
+            score[(d <= 0) | (d >= gap[:, None, None])] = np.inf
+            flat = score.reshape(half, -1).argmin(axis=1)
+            a, b = np.divmod(flat, per_rank)
+            ok = np.isfinite(score.reshape(half, -1)[np.arange(half), flat])
+        else:  # large groups: the best partner of each heavy bin by binary search, pair by pair
+            a = np.zeros(half, dtype=np.int64)
+            b = np.zeros(half, dtype=np.int64)
+            ok = np.zeros(half, dtype=bool)
+            for i in range(half):
+                srt = np.argsort(cl[i], kind="stable")
+                lc = cl[i][srt]
+                j = np.clip(np.searchsorted(lc, ch[i] - gap[i] / 2), 1, per_rank - 1)
+                best = np.inf
+                for cand in (j - 1, j):
+                    d = ch[i] - lc[cand]
+                    sc = np.where((d > 0) & (d < gap[i]), np.abs(d - gap[i] / 2), np.inf)
+                    k = int(np.argmin(sc))
+                    if sc[k] < best:
+                        best, a[i], b[i], ok[i] = sc[k], k, srt[cand[k]], True
+        if not ok.any():
             break
-        a, b = heavy[k // len(light)], light[k % len(light)]
-        lo = rank_of_bin[b]
-        moved = bin_costs[a] - bin_costs[b]
-        rank_of_bin[a], rank_of_bin[b] = lo, h
-        sums[h] -= moved
+        before = sums.max()
+        rows = np.flatnonzero(ok)
+        hi, lo, ai, bi = heavy[rows], light[rows], a[rows], b[rows]
+        moved = bin_costs[by_rank[hi, ai]] - bin_costs[by_rank[lo, bi]]
+        by_rank[hi, ai], by_rank[lo, bi] = by_rank[lo, bi], by_rank[hi, ai]
+        sums[hi] -= moved
         sums[lo] += moved
-    return rank_of_bin
+        if sums.max() >= before:
+            break
+    out = np.empty(count, dtype=np.int64)
+    out[by_rank] = np.arange(dp_size)[:, None]
+    return out
 
 
 def build_rank_bins(

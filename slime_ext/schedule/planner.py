@@ -51,6 +51,8 @@ __all__ = ["bin_lower_bound", "compute_dynamic_global_batch_size", "microbatch_t
 
 #: balance_data is done once the slowest rank is within this of the best any assignment can do
 BALANCE_TOLERANCE = 2e-3
+#: swap refinement of packed bins stops this close to the mean rank cost
+REFINE_TOLERANCE = 1e-5
 #: an extra micro-batch per rank must cut the slowest rank's FLOPs by at least this much
 EXTRA_MB_MIN_GAIN = 0.01
 MAX_EXTRA_ROUNDS = 3
@@ -137,7 +139,7 @@ def _plan_dynamic(
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
     floor = max(float(costs.sum()) / dp, float(costs.max()))
     good = floor * (1 + BALANCE_TOLERANCE)
-    rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, BALANCE_TOLERANCE / 2)
+    rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
     best_max = float(np.bincount(rank_of_bin, weights=bin_costs, minlength=dp).max())
     best = (bin_of, rank_of_bin, count, strategy)
     if best_max <= good:
@@ -160,8 +162,8 @@ def _plan_dynamic(
             best, best_max = (b_of, r_of_b, k_count, name), rank_max
         elif extra:
             break  # more micro-batches stopped paying off
-        if best_max <= good:
-            break
+        if best_max <= floor * (1 + EXTRA_MB_MIN_GAIN):
+            break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
     return (*best, target)
 
 
@@ -227,13 +229,10 @@ def _emit_step(
     size = np.bincount(bin_of, minlength=count)
     cost = np.bincount(bin_of, weights=step_cost, minlength=count)
     tokens = np.bincount(bin_of, weights=step_len, minlength=count).astype(np.int64)
-    by_bin = np.argsort(bin_of, kind="stable")  # samples grouped by bin, ascending index inside a bin
-    first = np.zeros(count, dtype=np.int64)
-    first[1:] = np.cumsum(size)[:-1]
-    emit = np.lexsort((by_bin[first], -cost, rank_of_bin))  # rank-major; per rank heavy first, then first sample
+    emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
     slot = np.empty(count, dtype=np.int64)
     slot[emit] = np.arange(count)
-    samples = step_idx[np.lexsort((np.arange(len(bin_of)), slot[bin_of]))]
+    samples = step_idx[np.argsort(slot[bin_of], kind="stable")]  # stable: ascending index inside a micro-batch
     emitted_size = size[emit]
     bounds = np.zeros(dp + 1, dtype=np.int64)
     bounds[1:] = np.cumsum(emitted_size.reshape(dp, per_rank).sum(axis=1))
