@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
-from . import inputs, options, plot, report
+from . import compare, inputs, options, plot, report
 from .errors import CLIError
 
 EXIT_INVALID = 1
@@ -46,6 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                          "is listed; exit 1 when invalid) and print its table")
     p.add_argument("--config", metavar="YAML", help="run config with slime's flag names as keys (flags override it)")
     out = p.add_argument_group("output")
+    p.add_argument("--compare", metavar="SCHEMES", help="also run the baselines on the same input and show them "
+                                                         "side by side: legacy, reference or legacy,reference "
+                                                         "(dynamic batches only)")
     out.add_argument("--json", metavar="OUT.json", help="write the schedule (DPSchedule.to_dict()) as JSON")
     out.add_argument("--plot", metavar="OUT.png", help="write a figure: per step, a stacked bar per DP rank, one "
                                                         "segment per micro-batch (needs slime-ext[plot])")
@@ -97,7 +100,7 @@ def _load_schedule_json(path: str):
 
 def _plot(args, panels, title: str) -> None:
     steps, truncated = plot.parse_steps(args.plot_steps, panels[0][1].num_steps)
-    plot.plot_schedules(args.plot, panels, args.plot_metric, steps, title)
+    plot.plot_schedules(args.plot, panels[0][1], panels, args.plot_metric, steps, title)
     note = f" (steps {steps[0]}-{steps[-1]} of {panels[0][1].num_steps}; --plot-steps all for every step)" \
         if truncated else ""
     print(f"wrote {args.plot}{note}")
@@ -123,6 +126,8 @@ def _replay(args) -> int:
         flags = ", ".join("--" + k.replace("_", "-") for k in planning)
         raise CLIError(f"--from-json replays a saved schedule with the config it was planned with; {flags} "
                        f"cannot change it (plan again from the lengths instead)")
+    if args.compare is not None:
+        raise CLIError("--compare runs the baselines on the input lengths: use it when planning, not with --from-json")
     if args.config is not None:
         raise CLIError("--from-json replays a saved schedule with its own config; drop --config (pass "
                        "--tensor-model-parallel-size/--pipeline-model-parallel-size/--tflops for the step time)")
@@ -166,6 +171,10 @@ def _plan(args) -> int:
         _warn("--max-tokens-per-gpu has no effect without --use-dynamic-batch-size (static micro-batches of "
               f"micro_batch_size={setup.batch.micro_batch_size} samples)")
     _check_outputs(args, setup.cost_model is not None)
+    schemes = compare.parse_compare(args.compare) if args.compare is not None else []
+    if schemes and not setup.batch.use_dynamic_batch_size:
+        raise CLIError("--compare needs --use-dynamic-batch-size --max-tokens-per-gpu N: with static micro-batches "
+                       "every scheme cuts the same fixed chunks")
 
     samples = inputs.load_samples(args.input, args.synthetic, progress=not args.quiet)
     big = samples.num_samples >= PLAN_PROGRESS_FROM and not args.quiet
@@ -177,16 +186,23 @@ def _plan(args) -> int:
                                  loss_tokens=samples.loss_tokens, cost_model=setup.cost_model)
     except ScheduleError as e:
         raise CLIError(f"cannot plan {samples.source}: {e}") from None
+    plan_seconds = time.perf_counter() - t0
     if big:
-        print(f"planned in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+        print(f"planned in {plan_seconds:.2f} s", file=sys.stderr, flush=True)
 
     if args.json:
         _write_json(args.json, schedule)
     print(report.report(schedule, setup, samples.source, with_legend=not args.no_legend))
+    panels = [(None, schedule)]
+    if schemes:
+        runs = compare.run_compare(schemes, schedule, setup, plan_seconds, quiet=args.quiet)
+        print()
+        print(compare.compare_table(runs, schedule, setup))
+        panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
-        _plot(args, [(None, schedule)], f"{samples.source}: {report.short_config(schedule)}")
+        _plot(args, panels, f"{samples.source}: {report.short_config(schedule)}")
     return 0
 
 

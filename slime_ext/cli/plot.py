@@ -51,21 +51,28 @@ def parse_steps(spec: str | None, num_steps: int) -> tuple[list[int], bool]:
     return steps, False
 
 
-def microbatch_loads(schedule: DPSchedule, step: int, metric: str) -> np.ndarray:
-    """``loads[r, k]``: tokens or forward FLOPs of rank ``r``'s micro-batch ``k`` in ``step``."""
-    lengths = np.asarray(schedule.total_lengths, dtype=np.float64)
-    weights = lengths if metric == "tokens" else schedule.cost_model.flops(lengths)
-    lo, hi = schedule.step_bounds()[step]
-    loads = np.zeros((schedule.dp_size, hi - lo))
-    for r in range(schedule.dp_size):
-        part = np.asarray(schedule.partitions[r], dtype=np.int64)
-        for k, mb in enumerate(schedule.micro_batch_indices[r][lo:hi]):
+def microbatch_loads(view, step: int, weights: np.ndarray) -> np.ndarray:
+    """``loads[r, k]``: summed ``weights`` of rank ``r``'s micro-batch ``k`` in ``step``.
+
+    ``view`` is anything with ``partitions``, ``micro_batch_indices`` and ``num_microbatches`` (a ``DPSchedule``
+    or a baseline's schedule).
+    """
+    counts = list(view.num_microbatches)
+    lo = sum(counts[:step])
+    m = counts[step]
+    dp = len(view.partitions)
+    loads = np.zeros((dp, m))
+    for r in range(dp):
+        part = np.asarray(view.partitions[r], dtype=np.int64)
+        for k, mb in enumerate(view.micro_batch_indices[r][lo:lo + m]):
             loads[r, k] = weights[part[mb]].sum()
     return loads
 
 
-def _draw_step(ax, schedule: DPSchedule, step: int, metric: str, label: str | None) -> None:
-    loads = microbatch_loads(schedule, step, metric)
+def _draw_step(ax, view, step: int, lengths: np.ndarray, weights: np.ndarray, cap: int | None, metric: str,
+               label: str | None) -> float:
+    """Draw one step of one scheme; returns the height the y axis must reach."""
+    loads = microbatch_loads(view, step, weights)
     dp, m = loads.shape
     x = np.arange(dp)
     bottoms = np.zeros(dp)
@@ -78,45 +85,66 @@ def _draw_step(ax, schedule: DPSchedule, step: int, metric: str, label: str | No
     totals = loads.sum(axis=1)
     top = totals.max()
     ax.axhline(totals.mean(), color="black", linestyle=":", linewidth=1.0, label="mean over ranks")
-    st = schedule.stats[step]
-    title = f"step {step}: {m} mbs/rank, max/mean {totals.max() / totals.mean():.3f}"
-    if metric == "tokens" and schedule.cap is not None:
-        ax.axhline(m * schedule.cap, color="crimson", linestyle="--", linewidth=1.2,
-                   label="rank capacity = cap x mbs/rank")
-        title += f", util {100 * st.token_utilization:.1f}%"
-        top = max(top, m * schedule.cap)
-    ax.set_ylim(0, 1.06 * top)
-    if label:
-        title = f"{label} | {title}"
-    ax.set_title(title, fontsize=9)
+    title = f"{m} mbs/rank, {metric if metric == 'tokens' else 'FLOPs'} max/mean {totals.max() / totals.mean():.3f}"
+    if cap is not None:
+        tokens = loads if metric == "tokens" else microbatch_loads(view, step, lengths)
+        title += f", util {100 * tokens.sum() / (tokens.size * cap):.1f}%"
+        over = int(np.count_nonzero((tokens > cap) & (microbatch_loads(view, step, np.ones_like(lengths)) > 1)))
+        if over:
+            title += f"\n{over} micro-batches of several samples above the cap"
+        if metric == "tokens":
+            ax.axhline(m * cap, color="crimson", linestyle="--", linewidth=1.2,
+                       label="rank capacity = cap x mbs/rank")
+            top = max(top, m * cap)
+    ax.set_title(f"{label + ', ' if label else ''}step {step}\n{title}", fontsize=9)
     ax.set_xlabel("DP rank", fontsize=8)
     ax.set_ylabel("tokens" if metric == "tokens" else "forward FLOPs (est.)", fontsize=8)
     if dp <= 16:
         ax.set_xticks(x)
     ax.tick_params(labelsize=7)
     ax.set_xlim(-0.6, dp - 0.4)
+    return float(top)
 
 
-def plot_schedules(path: str, panels: Sequence[tuple[str | None, DPSchedule]], metric: str,
+def plot_schedules(path: str, schedule: DPSchedule, panels: Sequence[tuple[str | None, object]], metric: str,
                    steps: Sequence[int], title: str) -> None:
-    """Write the figure: a grid of steps for one schedule, or one row per schedule when comparing."""
+    """Write the figure: a grid of steps for one schedule, or one row per scheme when comparing.
+
+    ``schedule`` gives the lengths, the cost model and the cap; ``panels`` the ``(label, view)`` pairs to draw
+    (``view``: a ``DPSchedule`` or a baseline's schedule over the same samples).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cells = [(label, sched, s) for label, sched in panels for s in steps]
+    lengths = np.asarray(schedule.total_lengths, dtype=np.float64)
+    weights = lengths if metric == "tokens" else schedule.cost_model.flops(lengths)
     if len(panels) == 1:
         ncols = min(4, len(steps))
         nrows = math.ceil(len(steps) / ncols)
+        where = lambda row, col: divmod(col, ncols)  # noqa: E731 -- one schedule: steps wrap over a grid
     else:
         nrows, ncols = len(panels), len(steps)
-    fig = Figure(figsize=(4.6 * ncols, 3.4 * nrows + 0.5), layout="constrained")
+        where = lambda row, col: (row, col)  # noqa: E731 -- one row per scheme, one column per step
+    fig = Figure(figsize=(4.6 * ncols, 3.6 * nrows + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    for ax, (label, sched, s) in zip(axes.flat, cells):
-        _draw_step(ax, sched, s, metric, label)
-    for ax in list(axes.flat)[len(cells):]:
-        ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    # comparing: the schemes of one step share the y axis, so bar heights compare across rows
+    axes = fig.subplots(nrows, ncols, squeeze=False, sharey="col" if len(panels) > 1 else False)
+    used, col_top = [], {}
+    for row, (label, view) in enumerate(panels):
+        for col, s in enumerate(steps):
+            if s < len(view.num_microbatches):  # a baseline may plan fewer steps
+                ax = axes[where(row, col)]
+                top = _draw_step(ax, view, s, lengths, weights, schedule.cap, metric, label)
+                ax.set_ylim(0, 1.06 * top)
+                col_top[col] = max(col_top.get(col, 0.0), top)
+                used.append(ax)
+    if len(panels) > 1:
+        for col, top in col_top.items():
+            axes[0, col].set_ylim(0, 1.06 * top)  # shared by the column
+    for ax in axes.flat:
+        if ax not in used:
+            ax.set_visible(False)
+    handles, labels = used[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=8, frameon=False)
     fig.suptitle(f"{title}\none bar per DP rank, one segment per micro-batch", fontsize=10)
     try:

@@ -12,10 +12,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from slime_ext.baselines import legacy_schedule, reference_schedule
 from slime_ext.schedule import BatchConfig, CostModel, DPSchedule, ParallelConfig, check_schedule, plan_schedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -323,6 +325,75 @@ def test_synthetic_spec(tmp_path):
         assert message in out.stderr, out.stderr
 
 
+# ---------------------------------------------------------------------------------------------------- --compare
+def parse_compare_table(stdout: str) -> dict[tuple[str, str], dict[str, str]]:
+    """``{(step, scheme): row}`` of the --compare table."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["step", "scheme"])
+    headers = lines[start].split()
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        if set(line.replace(" ", "")) != {"-"}:
+            cells = dict(zip(headers, line.split()))
+            rows[cells["step"], cells["scheme"]] = cells
+    return rows
+
+
+def test_compare_runs_the_baselines_on_the_same_input(tmp_path):
+    spec = "pareto:n=512,prompt=50-600,cap=30000,seed=5"
+    flags = ["--dp-size", 4, "--use-dynamic-batch-size", "--max-tokens-per-gpu", 16384, "--global-batch-size", 256,
+             "--balance-data", "--vocab-size", 32000, "--hidden-size", 256, "--num-layers", 4,
+             "--num-attention-heads", 8, "--num-query-groups", 2, "--kv-channels", 32, "--ffn-hidden-size", 1024]
+    out = run("plan", "--synthetic", spec, *flags, "--compare", "legacy,reference", "--json", tmp_path / "s.json")
+    schedule = DPSchedule.from_dict(json.loads((tmp_path / "s.json").read_text()))
+    rows = parse_compare_table(out.stdout)
+    assert {scheme for _, scheme in rows} == {"ours", "legacy", "reference"}
+    assert {step for step, _ in rows} == {"0", "1", "all"}
+
+    # ours, measured by slime_ext.metrics, agrees with the planner's own stats
+    for st in schedule.stats:
+        row = rows[str(st.step), "ours"]
+        assert int(row["mbs/rank"]) == st.num_microbatches
+        assert approx(row["rank_FLOPs_max"], st.rank_flops_max) and approx(row["imbal"], st.flops_imbalance)
+        assert int(row["over_cap"]) == 0
+
+    # the baselines are slime_ext.baselines on the same lengths and flags
+    lengths = schedule.total_lengths
+    ref = reference_schedule(SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=16384,
+                                             micro_batch_size=1, balance_data=True, balance_by_flops=False,
+                                             hidden_size=256, num_layers=4, num_attention_heads=8,
+                                             num_query_groups=2, kv_channels=32, ffn_hidden_size=1024,
+                                             vocab_size=32000),
+                             {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1},
+                             lengths, global_batch_size=256, rollout_indices=list(range(512)))
+    leg = legacy_schedule(lengths, dp_size=4, global_batch_size=256, max_tokens_per_gpu=16384, balance_data=True)
+    for name, sched in (("reference", ref), ("legacy", leg)):
+        assert [int(rows[str(s), name]["mbs/rank"]) for s in range(2)] == sched.num_microbatches
+    flops = schedule.cost_model.flops(np.array(lengths))  # every scheme measured with our cost model
+    for name, sched in (("reference", ref), ("legacy", leg)):
+        m0 = sched.num_microbatches[0]
+        rank_flops = [sum(flops[sched.partitions[r][i]] for mb in sched.micro_batch_indices[r][:m0] for i in mb)
+                      for r in range(4)]
+        assert approx(rows["0", name]["rank_FLOPs_max"], max(rank_flops))
+        assert approx(rows["0", name]["imbal"], max(rank_flops) / np.mean(rank_flops))
+    assert "reference: planned in" in out.stdout and "est. step time x" in out.stdout
+    assert "legacy: planned in" in out.stdout
+
+
+def test_compare_reports_what_a_baseline_cannot_do(rollout_jsonl, tmp_path):
+    path, _ = rollout_jsonl  # rollouts of 1-3 samples: steps hold different sample counts
+    out = run("plan", path, *DYNAMIC, "--compare", "legacy,reference", "-q")
+    assert "legacy: not run: legacy counts global_batch_size in samples" in out.stdout
+    assert "reference: not run: with balance_data/balance_by_flops upstream balances by calculate_fwd_flops" \
+        in out.stdout
+    out = run("plan", path, "--global-batch-size", 8, "--dp-size", 2, "--compare", "legacy", expect=2)
+    assert "--compare needs --use-dynamic-batch-size" in out.stderr
+    out = run("plan", path, *DYNAMIC, "--compare", "legacy,best", expect=2)
+    assert "unknown scheme 'best'" in out.stderr
+
+
 # ---------------------------------------------------------------------------------------------------- --plot
 def test_plot_writes_a_png(rollout_jsonl, tmp_path):
     pytest.importorskip("matplotlib")
@@ -367,7 +438,7 @@ def test_progress_goes_to_stderr_on_long_inputs(tmp_path):
 
 
 def test_cli_imports_nothing_heavy():
-    code = ("import sys, slime_ext.cli, slime_ext.cli.plan, slime_ext.cli.plot\n"
+    code = ("import sys, slime_ext.cli, slime_ext.cli.plan, slime_ext.cli.plot, slime_ext.cli.compare\n"
             "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'ray', 'megatron', 'matplotlib', 'yaml'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
