@@ -4,11 +4,13 @@ Every key is a command-line flag (``--max-tokens-per-gpu``) and a YAML key (``ma
 are the same in YAML); flags given on the command line override the YAML. Keys:
 
 * batch flags (``BatchConfig``): ``global_batch_size use_dynamic_batch_size max_tokens_per_gpu micro_batch_size
-  balance_data balance_by_flops use_dynamic_global_batch_size disable_rollout_trim_samples``;
+  balance_data balance_by_flops use_dynamic_global_batch_size disable_rollout_trim_samples``, and ``dp_schedule``
+  (``rollout`` | ``legacy``, the training job's path: with ``legacy`` a warning says that the table is the
+  rollout-side plan and ``--compare legacy`` shows the legacy path);
 * parallel layout (``ParallelConfig``): ``dp_size cp_size vpp_size microbatch_group_size_per_vp_stage``, or the world
   it follows from: ``num_gpus`` (or ``actor_num_nodes * actor_num_gpus_per_node``) over ``tensor_model_parallel_size
-  * pipeline_model_parallel_size * context_parallel_size``; ``context_parallel_size`` and
-  ``virtual_pipeline_model_parallel_size`` are Megatron's names for ``cp_size`` and ``vpp_size``;
+  * pipeline_model_parallel_size * context_parallel_size``; ``data_parallel_size``, ``context_parallel_size`` and
+  ``virtual_pipeline_model_parallel_size`` are Megatron's names for ``dp_size``, ``cp_size`` and ``vpp_size``;
 * model dims for the FLOPs model (``CostModel``): ``hidden_size num_layers num_attention_heads num_query_groups
   kv_channels ffn_hidden_size vocab_size num_experts moe_ffn_hidden_size moe_router_topk
   moe_shared_expert_intermediate_size moe_layer_freq swiglu``;
@@ -53,7 +55,11 @@ BATCH = [
     Key("balance_by_flops", "bool", "also balance FLOPs across the micro-batches of a step (dynamic only)"),
     Key("use_dynamic_global_batch_size", "bool", "one step for the whole rollout"),
     Key("disable_rollout_trim_samples", "bool", "an incomplete trailing step is an error instead of dropped"),
+    Key("dp_schedule", "choice", "rollout (default) or legacy: the path the training job takes; the table always "
+                                 "shows the rollout-side plan (see --compare legacy)"),
 ]
+#: values of the "choice" keys
+CHOICES = {"dp_schedule": ("rollout", "legacy")}
 PARALLEL = [
     Key("dp_size", "int", "data-parallel size (default: from --num-gpus, else 1)"),
     Key("cp_size", "int", "context-parallel size (default 1)"),
@@ -67,6 +73,7 @@ WORLD = [
     Key("actor_num_gpus_per_node", "int", "slime: training GPUs per node"),
     Key("tensor_model_parallel_size", "int", "TP size (default 1): for dp_size and the step-time estimate"),
     Key("pipeline_model_parallel_size", "int", "PP size (default 1): for dp_size and the step-time estimate"),
+    Key("data_parallel_size", "int", "Megatron's name for --dp-size"),
     Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
     Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
 ]
@@ -92,26 +99,35 @@ ESTIMATE = [
 GROUPS = [("batch flags (slime)", BATCH), ("parallel layout", PARALLEL), ("world (derives dp_size)", WORLD),
           ("model dims (FLOPs model; without them the cost is tokens)", MODEL), ("step-time estimate", ESTIMATE)]
 KEYS: dict[str, Key] = {k.name: k for _, group in GROUPS for k in group}
-assert set(BATCH_FLAGS) == {k.name for k in BATCH} and set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
+assert set(BATCH_FLAGS) | {"dp_schedule"} == {k.name for k in BATCH}
+assert set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
 #: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is)
-PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {"num_gpus", "actor_num_nodes", "actor_num_gpus_per_node",
-                                                         "context_parallel_size",
-                                                         "virtual_pipeline_model_parallel_size"}
+PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {
+    "num_gpus", "actor_num_nodes", "actor_num_gpus_per_node", "data_parallel_size", "context_parallel_size",
+    "virtual_pipeline_model_parallel_size"}
 
-#: Training-only keys a run config may hold; ``slime-ext plan`` accepts and ignores them.
+#: Keys of a run config that do not change the plan; ``slime-ext plan`` accepts and ignores them. They cover
+#: the run configs of this repository (``configs/*.yaml``: ``slime_ext.training.config.TrainConfig``'s fields and
+#: ``slime_ext.rollout.config.RUN_DEFAULTS``; a test keeps them in sync) and common slime/Megatron training keys.
 IGNORED_KEYS = frozenset("""
-    lr min_lr lr_decay_style lr_warmup_iters lr_warmup_fraction lr_decay_iters weight_decay adam_beta1 adam_beta2
-    adam_eps clip_grad optimizer seed train_iters num_epoch num_rollout rollout_batch_size n_samples_per_prompt
-    num_steps_per_rollout rollout_max_response_len rollout_max_prompt_len rollout_temperature rollout_top_p
-    rollout_function_path rollout_seed loss_type kl_coef kl_loss_coef use_kl_loss entropy_coef eps_clip
-    eps_clip_high advantage_estimator gamma lambd bf16 fp16 params_dtype seq_length max_position_embeddings
-    expert_model_parallel_size expert_tensor_parallel_size sequence_parallel recompute_granularity
+    seq_length max_position_embeddings untie_embeddings_and_output_weights init_method_std hidden_dropout
+    attention_dropout optimizer lr min_lr lr_warmup_init lr_decay_style lr_warmup_samples lr_decay_samples
+    weight_decay clip_grad adam_beta1 adam_beta2 adam_eps sgd_momentum seed dist_backend dist_timeout_seconds
+    rollout_function_path num_rollout rollout_batch_size n_samples_per_prompt rollout_seed
+    synthetic_prompt_length_min synthetic_prompt_length_max synthetic_response_length_median
+    synthetic_response_length_sigma synthetic_multi_sample_prob synthetic_max_samples_per_rollout
+    synthetic_masked_span_prob device train_worker_class ray_num_cpus ray_object_store_memory_mb
+    setup_timeout_seconds rollout_timeout_seconds train_timeout_seconds verify_ledger
+    lr_warmup_iters lr_warmup_fraction lr_decay_iters train_iters num_epoch num_steps_per_rollout
+    rollout_max_response_len rollout_max_prompt_len rollout_temperature rollout_top_p loss_type kl_coef
+    kl_loss_coef use_kl_loss entropy_coef eps_clip eps_clip_high advantage_estimator gamma lambd bf16 fp16
+    params_dtype expert_model_parallel_size expert_tensor_parallel_size sequence_parallel recompute_granularity
     recompute_method recompute_num_layers normalization norm_epsilon position_embedding_type rotary_base
-    rotary_percent untie_embeddings_and_output_weights group_query_attention disable_bias_linear add_qkv_bias
-    qk_layernorm init_method_std attention_dropout hidden_dropout attention_backend transformer_impl
-    save load save_interval hf_checkpoint ref_load log_interval eval_interval use_wandb wandb_project
-    colocate offload actor_num_gpus rollout_num_gpus rollout_num_gpus_per_engine
+    rotary_percent group_query_attention disable_bias_linear add_qkv_bias qk_layernorm attention_backend
+    transformer_impl save load save_interval hf_checkpoint ref_load log_interval eval_interval use_wandb
+    wandb_project colocate offload actor_num_gpus rollout_num_gpus rollout_num_gpus_per_engine
 """.split())
+assert not IGNORED_KEYS & set(KEYS)
 
 
 # ---------------------------------------------------------------------------------------------------- argparse
@@ -141,6 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if key.kind == "bool":
                 group.add_argument(flag, dest=key.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=key.help or None)
+            elif key.kind == "choice":
+                group.add_argument(flag, dest=key.name, choices=CHOICES[key.name], default=None,
+                                   help=key.help or None)
             else:
                 kind = {"int": _int_arg, "float": float, "freq": _freq_arg}[key.kind]
                 group.add_argument(flag, dest=key.name, type=kind, default=None, metavar="N",
@@ -154,10 +173,12 @@ def _check_type(where: str, key: Key, value: Any) -> Any:
         "bool": type(value) is bool,
         "float": type(value) in (int, float),
         "freq": type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)),
+        "choice": value in CHOICES.get(key.name, ()),
     }[key.kind]
     if not ok:
         want = {"int": "an integer", "bool": "true or false", "float": "a number",
-                "freq": "an integer or a list of 0/1 integers"}[key.kind]
+                "freq": "an integer or a list of 0/1 integers",
+                "choice": " or ".join(CHOICES.get(key.name, ()))}[key.kind]
         raise CLIError(f"{where}: key '{key.name}' is {value!r}; it must be {want}")
     return value
 
@@ -210,6 +231,8 @@ class Setup:
     tflops: float
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
+    #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
+    dp_schedule: str = "rollout"
 
     @property
     def gpus_per_replica(self) -> int:
@@ -267,14 +290,15 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
             raise CLIError(f"{source['num_gpus']} is {world} but actor_num_nodes * actor_num_gpus_per_node is "
                            f"{from_nodes}; give one of them")
         world = from_nodes
-    dp = _positive(values, source, "dp_size", None)
+    dp = _one_of(values, source, "dp_size", "data_parallel_size")
     replica = tp * pp * cp
     if world is not None:
         if world % replica:
             raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
                            f"{replica} GPUs; fix num_gpus or the parallel sizes")
         if dp is not None and dp != world // replica:
-            raise CLIError(f"{source['dp_size']} is {dp} but {world} GPUs / (tp*pp*cp = {replica}) give "
+            dp_source = source["dp_size"] if "dp_size" in values else source["data_parallel_size"]
+            raise CLIError(f"{dp_source} is {dp} but {world} GPUs / (tp*pp*cp = {replica}) give "
                            f"dp_size = {world // replica}; give one of them")
         dp = world // replica
     mb_group = _positive(values, source, "microbatch_group_size_per_vp_stage", None)
@@ -297,10 +321,11 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         parallel = ParallelConfig(dp_size=dp or 1, cp_size=cp, vpp_size=vpp,
                                   microbatch_group_size_per_vp_stage=mb_group)
         batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
+        dp_schedule = values.get("dp_schedule", "rollout")
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
             cost_model.coefficients()  # validates moe_layer_freq against num_layers
     except ScheduleError as e:
         raise CLIError(str(e)) from None
     return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule)

@@ -170,6 +170,10 @@ def _plan(args) -> int:
     if not setup.batch.use_dynamic_batch_size and "max_tokens_per_gpu" in merged:
         _warn("--max-tokens-per-gpu has no effect without --use-dynamic-batch-size (static micro-batches of "
               f"micro_batch_size={setup.batch.micro_batch_size} samples)")
+    if setup.dp_schedule == "legacy":
+        _warn("the config runs the legacy training-side path (dp_schedule: legacy, global_batch_size counts samples "
+              "there); the table shows the rollout-side plan for the same flags; --compare legacy shows the legacy "
+              "path on this input")
     _check_outputs(args, setup.cost_model is not None)
     schemes = compare.parse_compare(args.compare) if args.compare is not None else []
     if schemes and not setup.batch.use_dynamic_batch_size:

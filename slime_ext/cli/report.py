@@ -13,6 +13,10 @@ from ..schedule import DPSchedule, StepStats
 from .options import FWD_BWD_FACTOR, Setup
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def fmt_float(x: float | None, digits: int = 3) -> str:
     """Three significant digits (``1.23e+15`` for large numbers), ``-`` for ``None``."""
     if x is None:
@@ -137,7 +141,7 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
     flags = [f for f in ("balance_data", "balance_by_flops", "disable_rollout_trim_samples") if getattr(b, f)]
     lines = [
         f"input: {source}: {schedule.num_samples} samples in {rollouts} rollouts, "
-        f"{sum(schedule.total_lengths)} tokens; {kept} samples scheduled in {schedule.num_steps} steps",
+        f"{sum(schedule.total_lengths)} tokens; {kept} samples scheduled in {plural(schedule.num_steps, 'step')}",
         f"layout: {layout}",
         f"batch: {packing}; {steps}" + (f"; {' '.join(flags)}" if flags else ""),
     ]
@@ -176,7 +180,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     if schedule.dropped:
         rids = schedule.rollout_ids
         n_roll = len({rids[i] for i in schedule.dropped}) if rids is not None else len(schedule.dropped)
-        dropped = (f"{len(schedule.dropped)} dropped ({n_roll} trailing rollouts that do not fill a step; "
+        dropped = (f"{len(schedule.dropped)} dropped ({plural(n_roll, 'trailing rollout')} that do not fill a step; "
                    f"--disable-rollout-trim-samples makes this an error)")
     else:
         dropped = "0 dropped"
@@ -184,7 +188,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     t = setup.step_seconds(fmax)
     over = sum(s.cap_violations for s in stats)
     parts = [
-        f"total: {schedule.num_steps} steps, {kept} samples trained, {dropped}",
+        f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",
         f"{mbs} micro-batches per rank (lower bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
         f"{cost_unit(schedule)} max/mean {fmax / max(1e-300, sum(s.rank_flops_mean for s in stats)):.3f}",
     ]

@@ -180,6 +180,27 @@ def test_config_yaml_with_training_keys_and_overrides(rollout_jsonl, tmp_path):
     assert "x 4 GPUs per replica" in out.stdout  # tp * pp * cp
 
 
+RUN_CONFIGS = sorted((REPO / "configs").rglob("*.yaml")) if (REPO / "configs").is_dir() else []
+
+
+@pytest.mark.skipif(not RUN_CONFIGS, reason="no configs/*.yaml in this checkout")
+def test_every_run_config_of_the_repository_plans(tmp_path):
+    pytest.importorskip("yaml")
+    for cfg in RUN_CONFIGS:
+        run("plan", "--config", cfg, "--synthetic", "lognormal:n=96,mu=3,sigma=0.9,prompt=4-24,cap=60",
+            "--json", tmp_path / "s.json", "-q")
+        assert check_schedule(DPSchedule.from_dict(json.loads((tmp_path / "s.json").read_text()))) == []
+
+
+def test_the_run_config_schema_is_accepted():
+    """Every key the training and rollout sides read from a run config is known to the CLI (used or ignored)."""
+    rollout_config = pytest.importorskip("slime_ext.rollout.config")
+    from slime_ext.cli import options
+
+    unknown = sorted(set(rollout_config.ALL_KEYS) - set(options.KEYS) - options.IGNORED_KEYS)
+    assert unknown == [], f"add these keys to slime_ext.cli.options (KEYS or IGNORED_KEYS): {unknown}"
+
+
 @pytest.mark.parametrize("text, message", [
     ("global_batch_size: 4\nmax_token_per_gpu: 10\n", "unknown key 'max_token_per_gpu' (did you mean "
                                                       "'max_tokens_per_gpu'?)"),
