@@ -7,6 +7,8 @@ The table is checked against the schedule the same run saved with ``--json``, an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 
 from slime_ext.baselines import legacy_schedule, reference_schedule
+from slime_ext.cli import main
 from slime_ext.schedule import BatchConfig, CostModel, DPSchedule, ParallelConfig, check_schedule, plan_schedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +43,27 @@ def run(*args, runner=MODULE, cwd=None, env=None, expect=0) -> subprocess.Comple
                          timeout=120)
     assert out.returncode == expect, f"rc={out.returncode}\nstdout:\n{out.stdout}\nstderr:\n{out.stderr}"
     return out
+
+
+@contextlib.contextmanager
+def _cwd(path):
+    old = os.getcwd()
+    os.chdir(path or old)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def run_main(*args, cwd=None, expect=0) -> SimpleNamespace:
+    """``slime_ext.cli.main`` (what the console script calls) in this process: for the many bad-input cases, which
+    would otherwise pay a Python start each. :func:`test_bad_input_in_a_real_process` covers the process path."""
+    out, err = io.StringIO(), io.StringIO()
+    with _cwd(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in args])
+    res = SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+    assert rc == expect, f"rc={rc}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    return res
 
 
 def parse_table(stdout: str) -> tuple[list[dict[str, str]], dict[str, str]]:
@@ -215,7 +239,7 @@ def test_bad_config_is_rejected_naming_the_key(text, message, rollout_jsonl, tmp
     pytest.importorskip("yaml")
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(text)
-    out = run("plan", rollout_jsonl[0], "--config", cfg, expect=2)
+    out = run_main("plan", rollout_jsonl[0], "--config", cfg, expect=2)
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
@@ -284,10 +308,20 @@ def test_tampered_json_is_rejected_listing_every_violation(rollout_jsonl, tmp_pa
 ])
 def test_bad_jsonl_is_rejected_with_line_and_field(lines, message, tmp_path):
     (tmp_path / "f.jsonl").write_text("".join(line + "\n" for line in lines))
-    out = run("plan", "f.jsonl", "--global-batch-size", 1, cwd=tmp_path, expect=2)
+    out = run_main("plan", "f.jsonl", "--global-batch-size", 1, cwd=tmp_path, expect=2)
     assert out.stderr.startswith("slime-ext plan: error: ")
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stdout == ""
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_bad_input_in_a_real_process(runner, tmp_path):
+    """The process path of an error: exit code 2, one line on stderr, no traceback, nothing on stdout."""
+    (tmp_path / "f.jsonl").write_text('{"total_length": 10}\n{"tokens": 3.5}\n')
+    out = run("plan", "f.jsonl", "--global-batch-size", 1, cwd=tmp_path, runner=runner, expect=2)
+    assert out.stderr == "slime-ext plan: error: f.jsonl:2: field 'tokens' is 3.5, not an integer; give the token " \
+                         "count as a JSON integer\n"
+    assert out.stdout == ""
 
 
 @pytest.mark.parametrize("array, message", [
@@ -298,7 +332,7 @@ def test_bad_jsonl_is_rejected_with_line_and_field(lines, message, tmp_path):
 ])
 def test_bad_npy_is_rejected(array, message, tmp_path):
     np.save(tmp_path / "f.npy", array)
-    out = run("plan", "f.npy", "--global-batch-size", 1, cwd=tmp_path, expect=2)
+    out = run_main("plan", "f.npy", "--global-batch-size", 1, cwd=tmp_path, expect=2)
     assert message in out.stderr and "Traceback" not in out.stderr
 
 
@@ -314,7 +348,7 @@ def test_bad_flags_and_infeasible_plans_exit_2_with_one_line(tmp_path):
         (("--synthetic", "lognormal:n=8", "--global-batch-size", 8, "--plot-metric", "flops"), "need --plot"),
         (("missing.jsonl", "--global-batch-size", 8), "cannot read missing.jsonl"),
     ]:
-        out = run("plan", *args, cwd=tmp_path, expect=2)
+        out = run_main("plan", *args, cwd=tmp_path, expect=2)
         assert message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
@@ -342,7 +376,7 @@ def test_synthetic_spec(tmp_path):
     for spec, message in [("weibull:n=3", "unknown distribution 'weibull'"), ("lognormal:n=3,alpha=1", "unknown key "
                           "'alpha' for lognormal"), ("pareto:alpha=x", "alpha='x' is not float"),
                           ("lognormal:prompt=9-3", "prompt=9-3 must be 0 <= LO <= HI"), ("lognormal:n", "not key=value")]:
-        out = run("plan", "--synthetic", spec, "--global-batch-size", 1, expect=2)
+        out = run_main("plan", "--synthetic", spec, "--global-batch-size", 1, expect=2)
         assert message in out.stderr, out.stderr
 
 
@@ -409,9 +443,9 @@ def test_compare_reports_what_a_baseline_cannot_do(rollout_jsonl, tmp_path):
     assert "legacy: not run: legacy counts global_batch_size in samples" in out.stdout
     assert "reference: not run: with balance_data/balance_by_flops upstream balances by calculate_fwd_flops" \
         in out.stdout
-    out = run("plan", path, "--global-batch-size", 8, "--dp-size", 2, "--compare", "legacy", expect=2)
+    out = run_main("plan", path, "--global-batch-size", 8, "--dp-size", 2, "--compare", "legacy", expect=2)
     assert "--compare needs --use-dynamic-batch-size" in out.stderr
-    out = run("plan", path, *DYNAMIC, "--compare", "legacy,best", expect=2)
+    out = run_main("plan", path, *DYNAMIC, "--compare", "legacy,best", expect=2)
     assert "unknown scheme 'best'" in out.stderr
 
 
@@ -427,9 +461,9 @@ def test_plot_writes_a_png(rollout_jsonl, tmp_path):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
-    out = run("plan", path, *DYNAMIC, "--plot", tmp_path / "x.png", "--plot-metric", "flops", expect=2)
+    out = run_main("plan", path, *DYNAMIC, "--plot", tmp_path / "x.png", "--plot-metric", "flops", expect=2)
     assert "--plot-metric flops needs the model dims" in out.stderr
-    out = run("plan", path, *DYNAMIC, "--plot", tmp_path / "x.png", "--plot-steps", "5", expect=2)
+    out = run_main("plan", path, *DYNAMIC, "--plot", tmp_path / "x.png", "--plot-steps", "5", expect=2)
     assert "outside the schedule's steps 0..1" in out.stderr
     assert not (tmp_path / "x.png").exists()
 
