@@ -42,7 +42,7 @@ def _columns(unit: str) -> list[Column]:
         Column("tokens", ""),
         Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
         Column("bound/rank", "aligned lower bound on micro-batches, per rank (aligned_lower_bound / dp_size)"),
-        Column("util", "token utilisation: tokens / (micro-batches x cap)"),
+        Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
         Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
         Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),
         Column(f"rank_{unit}_max", f"estimated {'forward FLOPs' if unit == 'FLOPs' else 'tokens'} summed per DP "
@@ -50,7 +50,7 @@ def _columns(unit: str) -> list[Column]:
         Column(f"rank_{unit}_mean", "... and the mean over ranks"),
         Column("imbal", "max/mean over ranks (1.00 is perfect)"),
         Column("imbal_lb", "no assignment can do better: max(1, largest sample / mean rank)"),
-        Column("time_s", "estimated step time (see cost:)"),
+        Column("time_s", "estimated step time (see time: above)"),
     ]
 
 
@@ -150,9 +150,9 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
                      "for FLOPs and a step-time estimate)")
     else:
         lin, quad = schedule.cost_model.coefficients()
-        lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample; time_s = "
-                     f"{FWD_BWD_FACTOR:g} x FLOPs max/rank / ({setup.tflops:g} TFLOP/s x {setup.gpus_per_replica} "
-                     f"GPUs per replica = tp*pp*cp); no pipeline bubble or communication")
+        lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample of L tokens")
+        lines.append(f"time: time_s = {FWD_BWD_FACTOR:g} (fwd+bwd) x FLOPs max/rank / ({setup.tflops:g} TFLOP/s x "
+                     f"{setup.gpus_per_replica} GPUs per replica = tp*pp*cp); no pipeline bubble or communication")
     return "\n".join(lines)
 
 
