@@ -46,9 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                          "is listed; exit 1 when invalid) and print its table")
     p.add_argument("--config", metavar="YAML", help="run config with slime's flag names as keys (flags override it)")
     out = p.add_argument_group("output")
-    p.add_argument("--compare", metavar="SCHEMES", help="also run the baselines on the same input and show them "
-                                                         "side by side: legacy, reference or legacy,reference "
-                                                         "(dynamic batches only)")
+    out.add_argument("--compare", metavar="SCHEMES", help="also run the baselines on the same input and show them "
+                                                           "side by side: legacy, reference or legacy,reference "
+                                                           "(dynamic batches only)")
     out.add_argument("--json", metavar="OUT.json", help="write the schedule (DPSchedule.to_dict()) as JSON")
     out.add_argument("--plot", metavar="OUT.png", help="write a figure: per step, a stacked bar per DP rank, one "
                                                         "segment per micro-batch (needs slime-ext[plot])")
@@ -57,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--plot-steps", metavar="STEPS",
                      help=f"steps to plot: 0,2,4-6 or all (default: the first {plot.DEFAULT_MAX_STEPS})")
     out.add_argument("--no-legend", action="store_true", help="omit the column legend under the table")
-    out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr (warnings stay)")
     options.add_arguments(p)
     p.set_defaults(func=run)
     return p

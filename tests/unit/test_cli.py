@@ -8,6 +8,7 @@ The table is checked against the schedule the same run saved with ``--json``, an
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -170,6 +171,15 @@ def test_flops_columns_and_step_time_follow_the_cost_model(rollout_jsonl, tmp_pa
         assert approx(row["time_s"], 3 * st.rank_flops_max / (50e12 * 2))
     assert approx(total["time_s"], sum(3 * st.rank_flops_max / 100e12 for st in schedule.stats))
     assert "50 TFLOP/s x 2 GPUs per replica" in out.stdout
+
+
+def test_gzipped_jsonl_reads_like_the_plain_file(rollout_jsonl, tmp_path):
+    path, data = rollout_jsonl
+    (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(path.read_bytes()))
+    run_main("plan", tmp_path / "r.jsonl.gz", *DYNAMIC, "--json", tmp_path / "s.json", "-q")
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert saved["total_lengths"] == data["lengths"] and saved["rollout_ids"] == data["rollout_ids"]
+    assert saved["loss_tokens"] == data["loss_tokens"]
 
 
 def test_static_batches(tmp_path):
