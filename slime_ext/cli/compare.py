@@ -188,7 +188,8 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
                      fmt_cost(fmax, tok), fmt_cost(fmean, tok), f"{fmax / fmean if fmean else 1.0:.3f}",
                      f"{max(m.balance_bound for m in st):.3f}", fmt_float(setup.step_seconds(fmax))])
     lines = [f"compare on the same input: every scheme measured by slime_ext.metrics.measure with the same cost "
-             f"({unit}); bound = true lower bound on micro-batches; over_cap = micro-batches of several samples "
+             f"({unit})",
+             f"bound/rank = true lower bound on micro-batches per rank; over_cap = micro-batches of several samples "
              f"above the cap {cap}"]
     if rows:
         table = render_table(rows, headers).splitlines()
