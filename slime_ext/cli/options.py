@@ -329,3 +329,15 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         raise CLIError(str(e)) from None
     return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule)
+
+
+def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:
+    """A saved schedule's own configs, plus the step-time keys (tp, pp, tflops) from the command line."""
+    source = {k: "--" + k.replace("_", "-") for k in KEYS}
+    tflops = cli.get("tflops", DEFAULT_TFLOPS)
+    if not tflops > 0:
+        raise CLIError(f"--tflops is {tflops!r}; it must be > 0 (achieved TFLOP/s per GPU)")
+    return Setup(parallel=schedule.parallel, batch=schedule.batch, cost_model=schedule.cost_model,
+                 tflops=float(tflops),
+                 tensor_model_parallel_size=_positive(cli, source, "tensor_model_parallel_size", 1),
+                 pipeline_model_parallel_size=_positive(cli, source, "pipeline_model_parallel_size", 1))

@@ -147,12 +147,7 @@ def _replay(args) -> int:
             print(f"  - {p}")
         return EXIT_INVALID
     _check_outputs(args, schedule.cost_model is not None)
-    setup = options.Setup(
-        parallel=schedule.parallel, batch=schedule.batch, cost_model=schedule.cost_model,
-        tflops=float(cli.get("tflops", options.DEFAULT_TFLOPS)),
-        tensor_model_parallel_size=cli.get("tensor_model_parallel_size", 1),
-        pipeline_model_parallel_size=cli.get("pipeline_model_parallel_size", 1),
-    )
+    setup = options.replay_setup(cli, schedule)
     print(f"valid: {args.from_json} passes every schedule invariant (check_schedule); stats as recorded in the file")
     print(report.report(schedule, setup, args.from_json, with_legend=not args.no_legend))
     if args.json:
