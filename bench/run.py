@@ -6,7 +6,7 @@
 For every case and flag combination it prints, for ours, legacy and reference: the time (median of repeats), how
 many times faster ours is, #micro-batches against the bounds, the worst step's FLOPs max/mean next to that step's
 balance bound, cap violations and the largest micro-batch. Every scheme is measured by the same function
-(:func:`bench.metrics.measure`); our schedules are also run through ``slime_ext.schedule.check_schedule``.
+(:func:`slime_ext.metrics.measure`); our schedules are also run through ``slime_ext.schedule.check_schedule``.
 A summary of the issue's targets follows, each PASS/FAIL with its number.
 
 Timing notes:
@@ -36,10 +36,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from slime_ext.baselines import legacy_schedule, reference_args, reference_schedule
+from slime_ext.metrics import Metrics, fwd_flops, measure
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, check_schedule, plan_schedule
 
-from .baselines import legacy_schedule, reference_args, reference_schedule
-from .metrics import Metrics, fwd_flops, measure
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, Case, make_lengths
 
 QUICK_CASES = ("rl-1k-dp8", "heavy-4k-dp32-gbs1k", "uniform-4k-dp32")
@@ -248,7 +248,7 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--ref-flops-budget", type=float, default=None,
                    help="skip reference FLOPs-mode runs estimated above this many seconds (default 45, quick 5)")
     p.add_argument("--metric-flops", choices=("exact", "upstream"), default="exact",
-                   help="FLOPs formula of the metrics (K/V projection term); see bench/metrics.py")
+                   help="FLOPs formula of the metrics (K/V projection term); see slime_ext/metrics.py")
     p.add_argument("--profile", default=None, metavar="CASE:FLAGS",
                    help="cProfile our planner on one case and flag set, print the top functions, and exit")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target fails")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from bench.baselines import (
+from slime_ext.baselines import (
     calculate_fwd_flops,
     expand_bins_by_splitting,
     first_fit_pack,
@@ -19,7 +19,7 @@ from bench.baselines import (
     reference_schedule,
     split_train_data_by_dp,
 )
-from bench.metrics import fwd_flops, issue_bound, measure, valid_bound
+from slime_ext.metrics import fwd_flops, issue_bound, measure, valid_bound
 from bench.run import run
 
 TINY = dict(hidden_size=2, num_layers=1, num_attention_heads=2, num_query_groups=1, kv_channels=1,

@@ -1,0 +1,229 @@
+"""``slime-ext plan --compare legacy,reference``: the baselines of :mod:`slime_ext.baselines` on the same input.
+
+* ``legacy``    -- the training-side scheme: the rollout is split across DP ranks, every rank first-fit counts its
+  micro-batches per step, the counts are all-reduced (MAX), then each rank KK-partitions its step into that many
+  micro-batches with no cap. It counts ``global_batch_size`` in samples and has no ``balance_by_flops``.
+* ``reference`` -- upstream's rollout-side ``build_dp_schedule``: unsorted first fit (FLOPs mode: KK into
+  ``ceil(tokens / cap)`` bins without the cap), split-to-align, strided or KK over the ranks.
+
+Every scheme, ours included, is measured by the same function, :func:`slime_ext.metrics.measure`, from the
+schedule's shape and one cost (our :class:`CostModel`'s FLOPs, or tokens without model dims), never from a
+scheme's own statistics. Only dynamic batches are compared (with static micro-batches every scheme cuts the same
+fixed chunks). A baseline that cannot run on the input (e.g. upstream would assert) gets a row saying why.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ..schedule import DPSchedule
+from .errors import CLIError
+from .options import Setup
+from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, render_table
+
+SCHEMES = ("legacy", "reference")
+
+
+def parse_compare(spec: str) -> list[str]:
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [x for x in names if x not in SCHEMES]
+    if bad or not names:
+        what = f"unknown scheme {bad[0]!r}" if bad else "no scheme"
+        raise CLIError(f"--compare {spec!r}: {what}; give a comma list of {', '.join(SCHEMES)}")
+    return list(dict.fromkeys(names))
+
+
+@dataclass
+class SchemeRun:
+    name: str
+    #: anything with partitions / micro_batch_indices / num_microbatches; None when the scheme did not run
+    schedule: Any = None
+    seconds: float | None = None
+    metrics: Any = None
+    #: tokens per step (over all ranks), for the utilisation
+    step_tokens: list[int] | None = None
+    note: str = ""
+    #: how ``seconds`` was measured, when it is not one plain call
+    time_note: str = ""
+
+
+def _kept(schedule: DPSchedule) -> list[int]:
+    """The scheduled samples in step order (rollouts in first-occurrence order)."""
+    return [i for step in schedule.step_samples for i in step]
+
+
+def _dense_dims(setup: Setup) -> dict:
+    """The model dims upstream's ``calculate_fwd_flops`` reads, with Megatron's defaults filled in."""
+    cm = setup.cost_model
+    heads = cm.num_attention_heads
+    return dict(hidden_size=cm.hidden_size, num_layers=cm.num_layers, num_attention_heads=heads,
+                num_query_groups=cm.num_query_groups or heads, kv_channels=cm.kv_channels or cm.hidden_size // heads,
+                ffn_hidden_size=cm.ffn_hidden_size or 4 * cm.hidden_size, vocab_size=cm.vocab_size)
+
+
+def _run_legacy(schedule: DPSchedule, setup: Setup) -> SchemeRun:
+    from .. import baselines
+
+    p, b = setup.parallel, setup.batch
+    sizes = sorted(set(schedule.samples_per_step))
+    if len(sizes) != 1:
+        return SchemeRun("legacy", note=f"not run: legacy counts global_batch_size in samples and needs the same "
+                                        f"number in every step (here {sizes[0]}..{sizes[-1]})")
+    gbs = sizes[0]
+    if gbs % p.dp_size:
+        return SchemeRun("legacy", note=f"not run: {gbs} samples per step is not a multiple of dp_size={p.dp_size}")
+    kept = _kept(schedule)
+    lengths = [schedule.total_lengths[i] for i in kept]
+    t0 = time.perf_counter()
+    sched = baselines.legacy_schedule(lengths, dp_size=p.dp_size, global_batch_size=gbs,
+                                      max_tokens_per_gpu=b.max_tokens_per_gpu, cp_size=p.cp_size,
+                                      vpp_size=p.vpp_size,
+                                      microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
+                                      balance_data=b.balance_data)
+    elapsed = time.perf_counter() - t0
+    sched.partitions = [[kept[i] for i in part] for part in sched.partitions]  # back to global sample indices
+    note = "legacy has no balance_by_flops (run without it)" if b.balance_by_flops else ""
+    return SchemeRun("legacy", sched, sched.timings.get("wall", elapsed), note=note,
+                     time_note="ranks in parallel: split + slowest rank's count + slowest rank's KK")
+
+
+def _run_reference(schedule: DPSchedule, setup: Setup) -> SchemeRun:
+    from .. import baselines
+
+    p, b = setup.parallel, setup.batch
+    dims: dict = {}
+    note = ""
+    if setup.cost_model is not None:
+        dims = _dense_dims(setup)
+        if setup.cost_model.num_experts:
+            note = "balances by upstream's dense calculate_fwd_flops (no MoE terms)"
+    elif b.balance_data or b.balance_by_flops:
+        return SchemeRun("reference", note="not run: with balance_data/balance_by_flops upstream balances by "
+                                           "calculate_fwd_flops, which needs the model dims (--hidden-size ...)")
+    args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=b.max_tokens_per_gpu,
+                           micro_batch_size=b.micro_batch_size, balance_data=b.balance_data,
+                           balance_by_flops=b.balance_by_flops, **dims)
+    tpc = p.to_dict()
+    rollout_indices = schedule.rollout_ids if schedule.rollout_ids is not None else list(range(schedule.num_samples))
+    t0 = time.perf_counter()
+    sched = baselines.reference_schedule(args, tpc, list(schedule.total_lengths),
+                                         global_batch_size=schedule.rollouts_per_step[0],
+                                         rollout_indices=rollout_indices)
+    return SchemeRun("reference", sched, time.perf_counter() - t0, note=note)
+
+
+def _step_tokens(view, lengths: np.ndarray) -> list[int]:
+    out, first = [], 0
+    for m in view.num_microbatches:
+        total = 0
+        for r, part in enumerate(view.partitions):
+            part = np.asarray(part, dtype=np.int64)
+            total += sum(int(lengths[part[mb]].sum()) for mb in view.micro_batch_indices[r][first:first + m])
+        out.append(total)
+        first += m
+    return out
+
+
+def run_compare(names: list[str], schedule: DPSchedule, setup: Setup, plan_seconds: float,
+                quiet: bool = False) -> list[SchemeRun]:
+    """Ours first, then each baseline, all measured the same way."""
+    from ..metrics import measure
+
+    lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
+    flops = setup.cost_model.flops(lengths) if setup.cost_model is not None else lengths.astype(np.float64)
+    runners = {"legacy": _run_legacy, "reference": _run_reference}
+    runs = [SchemeRun("ours", schedule, plan_seconds)]
+    for name in names:
+        if not quiet:
+            print(f"running the {name} baseline ...", file=sys.stderr, flush=True)
+        try:
+            runs.append(runners[name](schedule, setup))
+        except (AssertionError, ValueError, ZeroDivisionError) as e:  # upstream asserts where it cannot schedule
+            runs.append(SchemeRun(name, note=f"failed as upstream would: {type(e).__name__}: {e}"))
+    expected = sum(schedule.samples_per_step)
+    for run in runs:
+        if run.schedule is None:
+            continue
+        run.metrics = measure(run.schedule, lengths, dp_size=setup.parallel.dp_size, cap=schedule.cap,
+                              align=setup.parallel.align, flops=flops, expected_samples=expected)
+        if run.metrics.problems:
+            run.note = "; ".join([*run.metrics.problems[:3], run.note]).strip("; ")
+        else:
+            run.step_tokens = _step_tokens(run.schedule, lengths)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> str:
+    unit = "FLOPs" if setup.cost_model is not None else "tokens"
+    tok = setup.cost_model is None
+    dp, cap = setup.parallel.dp_size, schedule.cap
+    headers = ["step", "scheme", "mbs/rank", "bound/rank", "util", "largest", "over_cap", f"rank_{unit}_max",
+               f"rank_{unit}_mean", "imbal", "imbal_lb", "time_s"]
+    ok = [r for r in runs if r.metrics is not None and r.metrics.steps]
+    rows = []
+    num_steps = max((len(r.metrics.steps) for r in ok), default=0)
+    for s in range(num_steps):
+        for r in ok:
+            if s >= len(r.metrics.steps):
+                continue
+            m = r.metrics.steps[s]
+            rows.append([str(s), r.name, str(m.total_microbatches // dp), str(m.valid_bound // dp),
+                         fmt_pct(r.step_tokens[s] / (m.total_microbatches * cap)),
+                         fmt_largest(m.largest_microbatch_tokens, cap), str(m.cap_violations),
+                         fmt_cost(m.rank_flops_max, tok), fmt_cost(m.rank_flops_mean, tok), f"{m.imbalance:.3f}",
+                         f"{m.balance_bound:.3f}", fmt_float(setup.step_seconds(m.rank_flops_max))])
+    for r in ok:
+        st = r.metrics.steps
+        fmax, fmean = sum(m.rank_flops_max for m in st), sum(m.rank_flops_mean for m in st)
+        rows.append(["all", r.name, str(r.metrics.total_microbatches // dp), str(r.metrics.total_valid_bound // dp),
+                     fmt_pct(sum(r.step_tokens) / (r.metrics.total_microbatches * cap)),
+                     fmt_largest(r.metrics.largest_microbatch_tokens, cap), str(r.metrics.cap_violations),
+                     fmt_cost(fmax, tok), fmt_cost(fmean, tok), f"{fmax / fmean if fmean else 1.0:.3f}",
+                     f"{max(m.balance_bound for m in st):.3f}", fmt_float(setup.step_seconds(fmax))])
+    lines = [f"compare on the same input: every scheme measured by slime_ext.metrics.measure with the same cost "
+             f"({unit})",
+             f"bound/rank = true lower bound on micro-batches per rank; over_cap = micro-batches of several samples "
+             f"above the cap {cap}"]
+    if rows:
+        table = render_table(rows, headers).splitlines()
+        # a rule between the steps and the totals
+        split = 2 + sum(1 for row in rows if row[0] != "all")
+        table.insert(split, table[1])
+        lines += ["", *table]
+    lines += ["", *_verdicts(runs, setup)]
+    return "\n".join(lines)
+
+
+def _verdicts(runs: list[SchemeRun], setup: Setup) -> list[str]:
+    ours = runs[0]
+    om = ours.metrics
+    out = []
+    for r in runs:
+        head = f"{r.name}:"
+        if r.metrics is None or not r.metrics.steps:
+            out.append(f"{head} {r.note or 'no result'}")
+            continue
+        m = r.metrics
+        fmax = sum(s.rank_flops_max for s in m.steps)
+        if r is ours:
+            r.time_note = "one run; python -m bench.run times the schemes properly"
+        parts = [f"planned in {r.seconds * 1e3:.1f} ms" + (f" ({r.time_note})" if r.time_note else "")]
+        if r is not ours and om is not None and om.steps:
+            ours_fmax = sum(s.rank_flops_max for s in om.steps)
+            parts.append(f"micro-batches/rank {m.total_microbatches // setup.parallel.dp_size} vs ours "
+                         f"{om.total_microbatches // setup.parallel.dp_size}")
+            what = "est. step time" if setup.cost_model is not None else "slowest-rank tokens"
+            parts.append(f"{what} x{fmax / ours_fmax:.3f} of ours" if ours_fmax else "")
+        if m.cap_violations:
+            parts.append(f"{m.cap_violations} micro-batches break the cap")
+        if r.note:
+            parts.append(r.note)
+        out.append(f"{head} " + ", ".join(p for p in parts if p))
+    return out

@@ -1,0 +1,343 @@
+"""The planning flags of ``slime-ext plan`` under slime's/Megatron's names, from the command line and ``--config``.
+
+Every key is a command-line flag (``--max-tokens-per-gpu``) and a YAML key (``max_tokens_per_gpu``; ``-`` and ``_``
+are the same in YAML); flags given on the command line override the YAML. Keys:
+
+* batch flags (``BatchConfig``): ``global_batch_size use_dynamic_batch_size max_tokens_per_gpu micro_batch_size
+  balance_data balance_by_flops use_dynamic_global_batch_size disable_rollout_trim_samples``, and ``dp_schedule``
+  (``rollout`` | ``legacy``, the training job's path: with ``legacy`` a warning says that the table is the
+  rollout-side plan and ``--compare legacy`` shows the legacy path);
+* parallel layout (``ParallelConfig``): ``dp_size cp_size vpp_size microbatch_group_size_per_vp_stage``, or the world
+  it follows from: ``num_gpus`` (or ``actor_num_nodes * actor_num_gpus_per_node``) over ``tensor_model_parallel_size
+  * pipeline_model_parallel_size * context_parallel_size``; ``data_parallel_size``, ``context_parallel_size`` and
+  ``virtual_pipeline_model_parallel_size`` are Megatron's names for ``dp_size``, ``cp_size`` and ``vpp_size``;
+* model dims for the FLOPs model (``CostModel``): ``hidden_size num_layers num_attention_heads num_query_groups
+  kv_channels ffn_hidden_size vocab_size num_experts moe_ffn_hidden_size moe_router_topk
+  moe_shared_expert_intermediate_size moe_layer_freq swiglu``;
+* the step-time estimate: ``tflops`` (achieved TFLOP/s per GPU).
+
+A YAML config may also hold training-only keys (``lr``, ``seed``, ...: :data:`IGNORED_KEYS`); they are accepted and
+ignored. Any other key is an error naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..schedule import BatchConfig, CostModel, ParallelConfig, ScheduleError
+from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
+from .errors import CLIError
+
+#: Achieved bf16 TFLOP/s per GPU assumed by the step-time estimate: ~40% MFU of an H100's 989 dense TFLOP/s.
+DEFAULT_TFLOPS = 400.0
+#: forward + backward = 3x forward FLOPs (backward computes gradients w.r.t. activations and weights).
+FWD_BWD_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    kind: str  # "int" | "bool" | "float" | "freq"
+    help: str
+
+
+BATCH = [
+    Key("global_batch_size", "int", "rollouts per training step"),
+    Key("use_dynamic_batch_size", "bool", "pack micro-batches up to --max-tokens-per-gpu tokens (else fixed "
+                                          "--micro-batch-size)"),
+    Key("max_tokens_per_gpu", "int", "token cap per micro-batch per GPU (times cp_size)"),
+    Key("micro_batch_size", "int", "samples per micro-batch without --use-dynamic-batch-size (default 1)"),
+    Key("balance_data", "bool", "balance estimated FLOPs across DP ranks"),
+    Key("balance_by_flops", "bool", "also balance FLOPs across the micro-batches of a step (dynamic only)"),
+    Key("use_dynamic_global_batch_size", "bool", "one step for the whole rollout"),
+    Key("disable_rollout_trim_samples", "bool", "an incomplete trailing step is an error instead of dropped"),
+    Key("dp_schedule", "choice", "rollout (default) or legacy: the path the training job takes; the table always "
+                                 "shows the rollout-side plan (see --compare legacy)"),
+]
+#: values of the "choice" keys
+CHOICES = {"dp_schedule": ("rollout", "legacy")}
+PARALLEL = [
+    Key("dp_size", "int", "data-parallel size (default: from --num-gpus, else 1)"),
+    Key("cp_size", "int", "context-parallel size (default 1)"),
+    Key("vpp_size", "int", "virtual pipeline stages per rank (default 1)"),
+    Key("microbatch_group_size_per_vp_stage", "int", "with vpp_size > 1 (default: "
+                                                     "--pipeline-model-parallel-size, as Megatron)"),
+]
+WORLD = [
+    Key("num_gpus", "int", "GPUs of the training job; gives dp_size = num_gpus / (tp * pp * cp)"),
+    Key("actor_num_nodes", "int", "slime: training nodes (num_gpus = nodes * GPUs per node)"),
+    Key("actor_num_gpus_per_node", "int", "slime: training GPUs per node"),
+    Key("tensor_model_parallel_size", "int", "TP size (default 1): for dp_size and the step-time estimate"),
+    Key("pipeline_model_parallel_size", "int", "PP size (default 1): for dp_size and the step-time estimate"),
+    Key("data_parallel_size", "int", "Megatron's name for --dp-size"),
+    Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
+    Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
+]
+MODEL = [
+    Key("hidden_size", "int", ""),
+    Key("num_layers", "int", ""),
+    Key("num_attention_heads", "int", ""),
+    Key("num_query_groups", "int", "GQA groups (default: heads)"),
+    Key("kv_channels", "int", "default: hidden / heads"),
+    Key("ffn_hidden_size", "int", "default: 4 * hidden"),
+    Key("vocab_size", "int", "LM head (default 0: not counted)"),
+    Key("num_experts", "int", "MoE experts"),
+    Key("moe_ffn_hidden_size", "int", ""),
+    Key("moe_router_topk", "int", "default 2"),
+    Key("moe_shared_expert_intermediate_size", "int", ""),
+    Key("moe_layer_freq", "freq", "int k (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0,1,1]"),
+    Key("swiglu", "bool", "gated MLP (default on, as CostModel; --no-swiglu for a plain GELU MLP)"),
+]
+ESTIMATE = [
+    Key("tflops", "float", f"achieved TFLOP/s per GPU for the step-time estimate (default {DEFAULT_TFLOPS:g}: "
+                           f"~40%% MFU of an H100 in bf16)"),
+]
+GROUPS = [("batch flags (slime)", BATCH), ("parallel layout", PARALLEL), ("world (derives dp_size)", WORLD),
+          ("model dims (FLOPs model; without them the cost is tokens)", MODEL), ("step-time estimate", ESTIMATE)]
+KEYS: dict[str, Key] = {k.name: k for _, group in GROUPS for k in group}
+assert set(BATCH_FLAGS) | {"dp_schedule"} == {k.name for k in BATCH}
+assert set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
+#: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is)
+PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {
+    "num_gpus", "actor_num_nodes", "actor_num_gpus_per_node", "data_parallel_size", "context_parallel_size",
+    "virtual_pipeline_model_parallel_size"}
+
+#: Keys of a run config that do not change the plan; ``slime-ext plan`` accepts and ignores them. They cover
+#: the run configs of this repository (``configs/*.yaml``: ``slime_ext.training.config.TrainConfig``'s fields and
+#: ``slime_ext.rollout.config.RUN_DEFAULTS``; a test keeps them in sync) and common slime/Megatron training keys.
+IGNORED_KEYS = frozenset("""
+    seq_length max_position_embeddings untie_embeddings_and_output_weights init_method_std hidden_dropout
+    attention_dropout optimizer lr min_lr lr_warmup_init lr_decay_style lr_warmup_samples lr_decay_samples
+    weight_decay clip_grad adam_beta1 adam_beta2 adam_eps sgd_momentum seed dist_backend dist_timeout_seconds
+    rollout_function_path num_rollout rollout_batch_size n_samples_per_prompt rollout_seed
+    synthetic_prompt_length_min synthetic_prompt_length_max synthetic_response_length_median
+    synthetic_response_length_sigma synthetic_multi_sample_prob synthetic_max_samples_per_rollout
+    synthetic_masked_span_prob device train_worker_class ray_num_cpus ray_object_store_memory_mb
+    setup_timeout_seconds rollout_timeout_seconds train_timeout_seconds verify_ledger
+    lr_warmup_iters lr_warmup_fraction lr_decay_iters train_iters num_epoch num_steps_per_rollout
+    rollout_max_response_len rollout_max_prompt_len rollout_temperature rollout_top_p loss_type kl_coef
+    kl_loss_coef use_kl_loss entropy_coef eps_clip eps_clip_high advantage_estimator gamma lambd bf16 fp16
+    params_dtype expert_model_parallel_size expert_tensor_parallel_size sequence_parallel recompute_granularity
+    recompute_method recompute_num_layers normalization norm_epsilon position_embedding_type rotary_base
+    rotary_percent group_query_attention disable_bias_linear add_qkv_bias qk_layernorm attention_backend
+    transformer_impl save load save_interval hf_checkpoint ref_load log_interval eval_interval use_wandb
+    wandb_project colocate offload actor_num_gpus rollout_num_gpus rollout_num_gpus_per_engine
+""".split())
+assert not IGNORED_KEYS & set(KEYS)
+
+
+# ---------------------------------------------------------------------------------------------------- argparse
+def _int_arg(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _freq_arg(text: str) -> int | list[int]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list like [0,1,1]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per key, ``--max-tokens-per-gpu`` for ``max_tokens_per_gpu``; all default to ``None`` (unset)."""
+    for title, keys in GROUPS:
+        group = parser.add_argument_group(title)
+        for key in keys:
+            flag = "--" + key.name.replace("_", "-")
+            if key.kind == "bool":
+                group.add_argument(flag, dest=key.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=key.help or None)
+            elif key.kind == "choice":
+                group.add_argument(flag, dest=key.name, choices=CHOICES[key.name], default=None,
+                                   help=key.help or None)
+            else:
+                kind = {"int": _int_arg, "float": float, "freq": _freq_arg}[key.kind]
+                group.add_argument(flag, dest=key.name, type=kind, default=None, metavar="N",
+                                   help=key.help or None)
+
+
+# ---------------------------------------------------------------------------------------------------- YAML
+def _check_type(where: str, key: Key, value: Any) -> Any:
+    ok = {
+        "int": type(value) is int,
+        "bool": type(value) is bool,
+        "float": type(value) in (int, float),
+        "freq": type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)),
+        "choice": value in CHOICES.get(key.name, ()),
+    }[key.kind]
+    if not ok:
+        want = {"int": "an integer", "bool": "true or false", "float": "a number",
+                "freq": "an integer or a list of 0/1 integers",
+                "choice": " or ".join(CHOICES.get(key.name, ()))}[key.kind]
+        raise CLIError(f"{where}: key '{key.name}' is {value!r}; it must be {want}")
+    return value
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The planning keys of a YAML run config (training-only keys dropped); unknown keys are an error."""
+    try:
+        import yaml
+    except ImportError:
+        raise CLIError("--config needs PyYAML: pip install pyyaml (it comes with slime-ext[train] and [rollout])") \
+            from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else path
+        raise CLIError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CLIError(f"{path}: the config is a YAML {type(data).__name__}; it must be a mapping of slime flag "
+                       f"names to values, e.g. 'max_tokens_per_gpu: 16384'")
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        name = str(raw_key).replace("-", "_")
+        if name in IGNORED_KEYS:
+            continue
+        if name not in KEYS:
+            close = difflib.get_close_matches(name, list(KEYS) + sorted(IGNORED_KEYS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise CLIError(f"{path}: unknown key '{raw_key}'{hint}; `slime-ext plan --help` lists the keys it reads")
+        if name in out:
+            raise CLIError(f"{path}: key '{name}' is given twice (as '-' and '_' spellings)")
+        if value is not None:
+            out[name] = _check_type(f"{path}", KEYS[name], value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- resolve
+@dataclass(frozen=True)
+class Setup:
+    """Everything the planner and the report need, resolved from the flags and the config."""
+
+    parallel: ParallelConfig
+    batch: BatchConfig
+    cost_model: CostModel | None
+    tflops: float
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
+    dp_schedule: str = "rollout"
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs of one DP rank's model replica: ``tp * pp * cp``."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.parallel.cp_size
+
+    def step_seconds(self, fwd_flops_of_slowest_rank: float) -> float | None:
+        """``3 x`` forward FLOPs of the slowest rank over the replica's throughput; ``None`` without a FLOPs model."""
+        if self.cost_model is None:
+            return None
+        return FWD_BWD_FACTOR * fwd_flops_of_slowest_rank / (self.tflops * 1e12 * self.gpus_per_replica)
+
+
+def given_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The keys set on the command line."""
+    return {k: getattr(args, k) for k in KEYS if getattr(args, k, None) is not None}
+
+
+def _positive(values: Mapping[str, Any], source: Mapping[str, str], name: str, default: int | None) -> int | None:
+    value = values.get(name, default)
+    if value is not None and (type(value) is not int or value < 1):
+        raise CLIError(f"{source.get(name, name)} is {value!r}; it must be a positive integer")
+    return value
+
+
+def _one_of(values, source, a: str, b: str) -> int | None:
+    """``a`` and its Megatron alias ``b``: either may be given; both must then agree."""
+    va, vb = _positive(values, source, a, None), _positive(values, source, b, None)
+    if va is not None and vb is not None and va != vb:
+        raise CLIError(f"{source[a]} is {va} but {source[b]} is {vb}; they name the same size, give one")
+    return va if va is not None else vb
+
+
+def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str | None) -> Setup:
+    """Merge config and command line (the command line wins) into the planner's configs."""
+    values = {**config, **cli}
+    source = {k: f"{config_path}: {k}" for k in config}
+    source.update({k: "--" + k.replace("_", "-") for k in cli})
+    for k in KEYS:
+        source.setdefault(k, "--" + k.replace("_", "-"))
+
+    tp = _positive(values, source, "tensor_model_parallel_size", 1)
+    pp = _positive(values, source, "pipeline_model_parallel_size", 1)
+    cp = _one_of(values, source, "cp_size", "context_parallel_size") or 1
+    vpp = _one_of(values, source, "vpp_size", "virtual_pipeline_model_parallel_size") or 1
+    world = _positive(values, source, "num_gpus", None)
+    gpus_per_node = _positive(values, source, "actor_num_gpus_per_node", None)
+    nodes = _positive(values, source, "actor_num_nodes", None)
+    if gpus_per_node is not None or nodes is not None:
+        if gpus_per_node is None:
+            raise CLIError(f"{source['actor_num_nodes']} is given without actor_num_gpus_per_node; give both "
+                           f"(or num_gpus)")
+        from_nodes = (nodes or 1) * gpus_per_node
+        if world is not None and world != from_nodes:
+            raise CLIError(f"{source['num_gpus']} is {world} but actor_num_nodes * actor_num_gpus_per_node is "
+                           f"{from_nodes}; give one of them")
+        world = from_nodes
+    dp = _one_of(values, source, "dp_size", "data_parallel_size")
+    replica = tp * pp * cp
+    if world is not None:
+        if world % replica:
+            raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
+                           f"{replica} GPUs; fix num_gpus or the parallel sizes")
+        if dp is not None and dp != world // replica:
+            dp_source = source["dp_size"] if "dp_size" in values else source["data_parallel_size"]
+            raise CLIError(f"{dp_source} is {dp} but {world} GPUs / (tp*pp*cp = {replica}) give "
+                           f"dp_size = {world // replica}; give one of them")
+        dp = world // replica
+    mb_group = _positive(values, source, "microbatch_group_size_per_vp_stage", None)
+    if mb_group is None:
+        if vpp > 1 and "pipeline_model_parallel_size" not in values:
+            raise CLIError(f"vpp_size = {vpp} needs --microbatch-group-size-per-vp-stage (Megatron defaults it to "
+                           f"--pipeline-model-parallel-size; give either)")
+        mb_group = pp if vpp > 1 else 1
+
+    tflops = values.get("tflops", DEFAULT_TFLOPS)
+    if not tflops > 0:
+        raise CLIError(f"{source['tflops']} is {tflops!r}; it must be > 0 (achieved TFLOP/s per GPU)")
+    model = {k.name: values[k.name] for k in MODEL if k.name in values}
+    core = ("hidden_size", "num_layers", "num_attention_heads")
+    if model and not all(k in model for k in core):
+        missing = ", ".join("--" + k.replace("_", "-") for k in core if k not in model)
+        raise CLIError(f"the FLOPs model needs {missing} too (given: {', '.join(sorted(model))}); "
+                       f"give all three core dims or no model dims (cost = tokens)")
+    try:
+        parallel = ParallelConfig(dp_size=dp or 1, cp_size=cp, vpp_size=vpp,
+                                  microbatch_group_size_per_vp_stage=mb_group)
+        batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
+        dp_schedule = values.get("dp_schedule", "rollout")
+        cost_model = CostModel.from_args(model)
+        if cost_model is not None:
+            cost_model.coefficients()  # validates moe_layer_freq against num_layers
+    except ScheduleError as e:
+        raise CLIError(str(e)) from None
+    return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule)
+
+
+def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:
+    """A saved schedule's own configs, plus the step-time keys (tp, pp, tflops) from the command line."""
+    source = {k: "--" + k.replace("_", "-") for k in KEYS}
+    tflops = cli.get("tflops", DEFAULT_TFLOPS)
+    if not tflops > 0:
+        raise CLIError(f"--tflops is {tflops!r}; it must be > 0 (achieved TFLOP/s per GPU)")
+    return Setup(parallel=schedule.parallel, batch=schedule.batch, cost_model=schedule.cost_model,
+                 tflops=float(tflops),
+                 tensor_model_parallel_size=_positive(cli, source, "tensor_model_parallel_size", 1),
+                 pipeline_model_parallel_size=_positive(cli, source, "pipeline_model_parallel_size", 1))

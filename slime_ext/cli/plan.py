@@ -1,0 +1,213 @@
+"""``slime-ext plan``: see what the scheduler will do before launching the job.
+
+Two modes:
+
+* **plan** ``INPUT`` (JSONL or ``.npy``) or ``--synthetic SPEC``, with the training flags (and ``--config``): calls
+  :func:`slime_ext.schedule.plan_schedule` once and prints the per-step table; ``--json`` saves the schedule,
+  ``--plot`` draws it.
+* **replay** ``--from-json FILE``: loads a saved schedule, runs the invariant checker
+  (:func:`slime_ext.schedule.check_schedule`) and prints every violation (exit 1), or the table when it is valid.
+
+Exit codes: 0 ok, 1 the saved schedule is invalid, 2 bad input or flags (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
+from . import compare, inputs, options, plot, report
+from .errors import CLIError
+
+EXIT_INVALID = 1
+#: print "planning N samples ..." on stderr from this many samples on
+PLAN_PROGRESS_FROM = 200_000
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan",
+        help="plan one rollout's schedule and print per-step stats (or validate a saved one)",
+        description="Plan one rollout's micro-batch schedule with the training flags and print, per step: "
+                    "samples, micro-batches per rank vs the aligned lower bound, token utilisation, largest "
+                    "micro-batch vs the cap, FLOPs max/mean over DP ranks and an estimated step time.",
+        epilog="synthetic SPEC: " + inputs.SYNTHETIC_HELP + ". JSONL fields: total_length or tokens (list or int), "
+               "optional rollout_id, loss_tokens. Exit codes: 0 ok, 1 invalid saved schedule, 2 bad input.",
+    )
+    src = p.add_argument_group("input (exactly one)")
+    src.add_argument("input", nargs="?", metavar="INPUT",
+                     help="sample lengths: a JSONL file (.gz ok) or a .npy array")
+    src.add_argument("--synthetic", metavar="SPEC", help="generate lengths, e.g. "
+                     "lognormal:n=4096,mu=7.5,sigma=1.0,prompt=100-1500,cap=16000,seed=0 or pareto:alpha=1.2")
+    src.add_argument("--from-json", metavar="FILE", help="validate a schedule saved with --json (every violation "
+                                                         "is listed; exit 1 when invalid) and print its table")
+    p.add_argument("--config", metavar="YAML", help="run config with slime's flag names as keys (flags override it)")
+    out = p.add_argument_group("output")
+    out.add_argument("--compare", metavar="SCHEMES", help="also run the baselines on the same input and show them "
+                                                           "side by side: legacy, reference or legacy,reference "
+                                                           "(dynamic batches only)")
+    out.add_argument("--json", metavar="OUT.json", help="write the schedule (DPSchedule.to_dict()) as JSON")
+    out.add_argument("--plot", metavar="OUT.png", help="write a figure: per step, a stacked bar per DP rank, one "
+                                                        "segment per micro-batch (needs slime-ext[plot])")
+    out.add_argument("--plot-metric", choices=("tokens", "flops"), default="tokens",
+                     help="segment height (default tokens; flops needs the model dims)")
+    out.add_argument("--plot-steps", metavar="STEPS",
+                     help=f"steps to plot: 0,2,4-6 or all (default: the first {plot.DEFAULT_MAX_STEPS})")
+    out.add_argument("--no-legend", action="store_true", help="omit the column legend under the table")
+    out.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr (warnings stay)")
+    options.add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _warn(msg: str) -> None:
+    print(f"slime-ext plan: warning: {msg}", file=sys.stderr)
+
+
+def _write_json(path: str, schedule: DPSchedule) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(schedule.to_dict(), f, separators=(",", ":"))
+            f.write("\n")
+    except OSError as e:
+        raise CLIError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _load_schedule_json(path: str):
+    """The JSON object in ``path``; a file that is not JSON is bad input (exit 2), not an invalid schedule."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not UTF-8 text; --from-json takes a schedule written by --json") from None
+    if not text.strip():
+        raise CLIError(f"{path}: empty file; --from-json takes a schedule written by --json")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"{path}: a JSON {type(data).__name__}, not a schedule object; --from-json takes a "
+                       f"schedule written by --json")
+    return data
+
+
+def _plot(args, panels, title: str) -> None:
+    steps, truncated = plot.parse_steps(args.plot_steps, panels[0][1].num_steps)
+    plot.plot_schedules(args.plot, panels[0][1], panels, args.plot_metric, steps, title)
+    note = f" (steps {steps[0]}-{steps[-1]} of {panels[0][1].num_steps}; --plot-steps all for every step)" \
+        if truncated else ""
+    print(f"wrote {args.plot}{note}")
+
+
+def _check_outputs(args, has_cost_model: bool) -> None:
+    """Output flags that cannot work are rejected before any work is done."""
+    if args.plot is None:
+        if args.plot_steps is not None or args.plot_metric != "tokens":
+            raise CLIError("--plot-steps/--plot-metric need --plot OUT.png")
+        return
+    plot.require_matplotlib()
+    if args.plot_metric == "flops" and not has_cost_model:
+        raise CLIError("--plot-metric flops needs the model dims (--hidden-size --num-layers "
+                       "--num-attention-heads ...); without them the cost is tokens: use --plot-metric tokens")
+
+
+# ---------------------------------------------------------------------------------------------------- modes
+def _replay(args) -> int:
+    cli = options.given_values(args)
+    planning = sorted(k for k in cli if k in options.PLAN_KEYS)
+    if planning:
+        flags = ", ".join("--" + k.replace("_", "-") for k in planning)
+        raise CLIError(f"--from-json replays a saved schedule with the config it was planned with; {flags} "
+                       f"cannot change it (plan again from the lengths instead)")
+    if args.compare is not None:
+        raise CLIError("--compare runs the baselines on the input lengths: use it when planning, not with --from-json")
+    if args.config is not None:
+        raise CLIError("--from-json replays a saved schedule with its own config; drop --config (pass "
+                       "--tensor-model-parallel-size/--pipeline-model-parallel-size/--tflops for the step time)")
+    data = _load_schedule_json(args.from_json)
+    try:
+        schedule = DPSchedule.from_dict(data)
+    except (ScheduleError, TypeError, ValueError, KeyError, AttributeError) as e:
+        print(f"INVALID: {args.from_json} is not a readable schedule: {type(e).__name__}: {e}")
+        return EXIT_INVALID
+    try:
+        problems = check_schedule(schedule, max_report=sys.maxsize)
+    except Exception as e:  # a malformed field the checker trips over is a violation too, not a crash
+        problems = [f"the checker could not walk the schedule: {type(e).__name__}: {e}"]
+    if problems:
+        print(f"INVALID: {args.from_json}: {len(problems)} violation{'s' if len(problems) > 1 else ''}:")
+        for p in problems:
+            print(f"  - {p}")
+        return EXIT_INVALID
+    _check_outputs(args, schedule.cost_model is not None)
+    setup = options.replay_setup(cli, schedule)
+    print(f"valid: {args.from_json} passes every schedule invariant (check_schedule); stats as recorded in the file")
+    print(report.report(schedule, setup, args.from_json, with_legend=not args.no_legend))
+    if args.json:
+        _write_json(args.json, schedule)
+    if args.plot:
+        _plot(args, [(None, schedule)], f"{args.from_json}: {report.short_config(schedule)}")
+    return 0
+
+
+def _plan(args) -> int:
+    config = options.load_config(args.config) if args.config else {}
+    cli = options.given_values(args)
+    setup = options.resolve(cli, config, args.config)
+    merged = {**config, **cli}
+    if not setup.batch.use_dynamic_batch_size and "max_tokens_per_gpu" in merged:
+        _warn("--max-tokens-per-gpu has no effect without --use-dynamic-batch-size (static micro-batches of "
+              f"micro_batch_size={setup.batch.micro_batch_size} samples)")
+    if setup.dp_schedule == "legacy":
+        _warn("the config runs the legacy training-side path (dp_schedule: legacy, global_batch_size counts samples "
+              "there); the table shows the rollout-side plan for the same flags; --compare legacy shows the legacy "
+              "path on this input")
+    _check_outputs(args, setup.cost_model is not None)
+    schemes = compare.parse_compare(args.compare) if args.compare is not None else []
+    if schemes and not setup.batch.use_dynamic_batch_size:
+        raise CLIError("--compare needs --use-dynamic-batch-size --max-tokens-per-gpu N: with static micro-batches "
+                       "every scheme cuts the same fixed chunks")
+
+    samples = inputs.load_samples(args.input, args.synthetic, progress=not args.quiet)
+    big = samples.num_samples >= PLAN_PROGRESS_FROM and not args.quiet
+    if big:
+        print(f"planning {samples.num_samples:,} samples ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        schedule = plan_schedule(samples.total_lengths, setup.parallel, setup.batch, rollout_ids=samples.rollout_ids,
+                                 loss_tokens=samples.loss_tokens, cost_model=setup.cost_model)
+    except ScheduleError as e:
+        raise CLIError(f"cannot plan {samples.source}: {e}") from None
+    plan_seconds = time.perf_counter() - t0
+    if big:
+        print(f"planned in {plan_seconds:.2f} s", file=sys.stderr, flush=True)
+
+    if args.json:
+        _write_json(args.json, schedule)
+    print(report.report(schedule, setup, samples.source, with_legend=not args.no_legend))
+    panels = [(None, schedule)]
+    if schemes:
+        runs = compare.run_compare(schemes, schedule, setup, plan_seconds, quiet=args.quiet)
+        print()
+        print(compare.compare_table(runs, schedule, setup))
+        panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(args, panels, f"{samples.source}: {report.short_config(schedule)}")
+    return 0
+
+
+def run(args) -> int:
+    sources = [x for x in (args.input, args.synthetic, args.from_json) if x is not None]
+    if len(sources) != 1:
+        raise CLIError("give exactly one input: a JSONL/.npy file, --synthetic SPEC or --from-json FILE"
+                       + (f" (got {len(sources)})" if sources else ""))
+    return _replay(args) if args.from_json is not None else _plan(args)

@@ -1,0 +1,206 @@
+"""The text report of ``slime-ext plan``: a header, one row per step from ``DPSchedule.stats``, a total row, a legend.
+
+Nothing here plans or recomputes the schedule: every number is a field of :class:`StepStats` (or a sum of them),
+plus the step-time estimate ``3 x rank_flops_max / (tflops x GPUs per replica)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..schedule import DPSchedule, StepStats
+from .options import FWD_BWD_FACTOR, Setup
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def fmt_float(x: float | None, digits: int = 3) -> str:
+    """Three significant digits (``1.23e+15`` for large numbers), ``-`` for ``None``."""
+    if x is None:
+        return "-"
+    return f"{x:.{digits}g}"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    legend: str
+
+
+def _columns(unit: str) -> list[Column]:
+    return [
+        Column("step", ""),
+        Column("rollouts", ""),
+        Column("samples", "samples trained in the step (the LR scheduler steps by this)"),
+        Column("tokens", ""),
+        Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
+        Column("bound/rank", "aligned lower bound on micro-batches, per rank (aligned_lower_bound / dp_size)"),
+        Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
+        Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
+        Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),
+        Column(f"rank_{unit}_max", f"estimated {'forward FLOPs' if unit == 'FLOPs' else 'tokens'} summed per DP "
+                                   f"rank: the slowest rank"),
+        Column(f"rank_{unit}_mean", "... and the mean over ranks"),
+        Column("imbal", "max/mean over ranks (1.00 is perfect)"),
+        Column("imbal_lb", "no assignment can do better: max(1, largest sample / mean rank)"),
+        Column("time_s", "estimated step time (see time: above)"),
+    ]
+
+
+def fmt_cost(x: float, tokens: bool) -> str:
+    """Token sums exactly, FLOPs to three significant digits."""
+    return str(round(x)) if tokens else fmt_float(x)
+
+
+def fmt_largest(tokens: int, cap: int | None) -> str:
+    """``*`` marks a micro-batch above the cap: legal only as a single oversize sample (see cap_violations)."""
+    return f"{tokens}*" if cap is not None and tokens > cap else str(tokens)
+
+
+def _row(s: StepStats, dp: int, setup: Setup) -> list[str]:
+    tok = setup.cost_model is None
+    return [
+        str(s.step), str(s.num_rollouts), str(s.num_samples), str(s.total_tokens),
+        str(s.num_microbatches), str(s.aligned_lower_bound // dp), fmt_pct(s.token_utilization),
+        fmt_largest(s.largest_bin_tokens, s.cap), "-" if s.cap is None else str(s.cap),
+        fmt_cost(s.rank_flops_max, tok), fmt_cost(s.rank_flops_mean, tok), f"{s.flops_imbalance:.3f}",
+        f"{s.balance_lower_bound:.3f}", fmt_float(setup.step_seconds(s.rank_flops_max)),
+    ]
+
+
+def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup) -> list[str]:
+    caps = {s.cap for s in stats}
+    tokens = sum(s.total_tokens for s in stats)
+    util = None
+    if None not in caps:
+        util = tokens / sum(s.total_microbatches * s.cap for s in stats)
+    fmax = sum(s.rank_flops_max for s in stats)  # steps run one after another: slowest ranks add up
+    fmean = sum(s.rank_flops_mean for s in stats)
+    return [
+        "all", str(sum(s.num_rollouts for s in stats)), str(sum(s.num_samples for s in stats)), str(tokens),
+        str(sum(s.num_microbatches for s in stats)), str(sum(s.aligned_lower_bound for s in stats) // dp),
+        fmt_pct(util), fmt_largest(max(s.largest_bin_tokens for s in stats), min(caps, default=None)
+                                   if None not in caps else None),
+        "-" if None in caps else "/".join(map(str, sorted(caps))),
+        fmt_cost(fmax, setup.cost_model is None), fmt_cost(fmean, setup.cost_model is None), f"{fmax / fmean if fmean else 1.0:.3f}",
+        f"{max(s.balance_lower_bound for s in stats):.3f}", fmt_float(setup.step_seconds(fmax)),
+    ]
+
+
+def render_table(rows: list[list[str]], headers: list[str], rule_before_last: bool = False) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    out = [line(headers), line(["-" * w for w in widths])]
+    for i, r in enumerate(rows):
+        if rule_before_last and i == len(rows) - 1:
+            out.append(line(["-" * w for w in widths]))
+        out.append(line(r))
+    return "\n".join(out)
+
+
+def cost_unit(schedule: DPSchedule) -> str:
+    return "FLOPs" if schedule.cost_model is not None else "tokens"
+
+
+def short_config(schedule: DPSchedule) -> str:
+    """One line for figure titles: ``dp_size=8, cap 16384, global_batch_size=1024, balance_data``."""
+    p, b = schedule.parallel, schedule.batch
+    parts = [f"dp_size={p.dp_size}"]
+    if p.cp_size > 1:
+        parts.append(f"cp_size={p.cp_size}")
+    if p.vpp_size > 1:
+        parts.append(f"vpp_size={p.vpp_size} mb_group={p.microbatch_group_size_per_vp_stage}")
+    parts.append(f"cap {schedule.cap}" if b.use_dynamic_batch_size else f"micro_batch_size={b.micro_batch_size}")
+    parts.append("dynamic global batch" if b.use_dynamic_global_batch_size
+                 else f"global_batch_size={b.global_batch_size}")
+    parts += [f for f in ("balance_data", "balance_by_flops") if getattr(b, f)]
+    return ", ".join(parts)
+
+
+def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
+    p, b = schedule.parallel, schedule.batch
+    kept = sum(schedule.samples_per_step)
+    rollouts = len(set(schedule.rollout_ids)) if schedule.rollout_ids is not None else schedule.num_samples
+    layout = f"dp_size={p.dp_size} cp_size={p.cp_size} vpp_size={p.vpp_size}"
+    if p.vpp_size > 1:
+        layout += f" microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage}"
+    layout += f" (micro-batch count aligned to {p.align})"
+    if b.use_dynamic_batch_size:
+        packing = f"dynamic batch: cap {schedule.cap} tokens per micro-batch (max_tokens_per_gpu={b.max_tokens_per_gpu})"
+    else:
+        packing = f"static batch: micro_batch_size={b.micro_batch_size}"
+    steps = ("use_dynamic_global_batch_size (one step)" if b.use_dynamic_global_batch_size
+             else f"global_batch_size={b.global_batch_size} rollouts per step")
+    flags = [f for f in ("balance_data", "balance_by_flops", "disable_rollout_trim_samples") if getattr(b, f)]
+    lines = [
+        f"input: {source}: {schedule.num_samples} samples in {rollouts} rollouts, "
+        f"{sum(schedule.total_lengths)} tokens; {kept} samples scheduled in {plural(schedule.num_steps, 'step')}",
+        f"layout: {layout}",
+        f"batch: {packing}; {steps}" + (f"; {' '.join(flags)}" if flags else ""),
+    ]
+    if schedule.cost_model is None:
+        lines.append("cost: tokens (no model dims: pass --hidden-size --num-layers --num-attention-heads ... "
+                     "for FLOPs and a step-time estimate)")
+    else:
+        lin, quad = schedule.cost_model.coefficients()
+        lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample of L tokens")
+        lines.append(f"time: time_s = {FWD_BWD_FACTOR:g} (fwd+bwd) x FLOPs max/rank / ({setup.tflops:g} TFLOP/s x "
+                     f"{setup.gpus_per_replica} GPUs per replica = tp*pp*cp); no pipeline bubble or communication")
+    return "\n".join(lines)
+
+
+def step_table(schedule: DPSchedule, setup: Setup) -> str:
+    cols = _columns(cost_unit(schedule))
+    dp = schedule.dp_size
+    rows = [_row(s, dp, setup) for s in schedule.stats]
+    rows.append(_total_row(schedule.stats, dp, setup))
+    return render_table(rows, [c.header for c in cols], rule_before_last=True)
+
+
+def legend(schedule: DPSchedule) -> str:
+    cols = _columns(cost_unit(schedule))
+    width = max(len(c.header) for c in cols if c.legend)
+    return "\n".join(f"  {c.header.ljust(width)}  {c.legend}" for c in cols if c.legend)
+
+
+def summary(schedule: DPSchedule, setup: Setup) -> str:
+    """The one-line total: what was trained, what was dropped, micro-batches vs bound, time."""
+    stats = schedule.stats
+    dp = schedule.dp_size
+    kept = sum(schedule.samples_per_step)
+    mbs = sum(schedule.num_microbatches)
+    bound = sum(s.aligned_lower_bound for s in stats) // dp
+    if schedule.dropped:
+        rids = schedule.rollout_ids
+        n_roll = len({rids[i] for i in schedule.dropped}) if rids is not None else len(schedule.dropped)
+        dropped = (f"{len(schedule.dropped)} dropped ({plural(n_roll, 'trailing rollout')} that do not fill a step; "
+                   f"--disable-rollout-trim-samples makes this an error)")
+    else:
+        dropped = "0 dropped"
+    fmax = sum(s.rank_flops_max for s in stats)
+    t = setup.step_seconds(fmax)
+    over = sum(s.cap_violations for s in stats)
+    parts = [
+        f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",
+        f"{mbs} micro-batches per rank (lower bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
+        f"{cost_unit(schedule)} max/mean {fmax / max(1e-300, sum(s.rank_flops_mean for s in stats)):.3f}",
+    ]
+    if t is not None:
+        parts.append(f"est. {fmt_float(t)} s")
+    if over:
+        parts.append(f"WARNING: {over} micro-batches above the cap")
+    return ", ".join(parts)
+
+
+def report(schedule: DPSchedule, setup: Setup, source: str, with_legend: bool = True) -> str:
+    parts = [header(schedule, setup, source), "", step_table(schedule, setup), summary(schedule, setup)]
+    if with_legend:
+        parts += ["", legend(schedule)]
+    return "\n".join(parts)
