@@ -33,6 +33,7 @@ MODEL_DIMS = dict(
     kv_channels=128,
     ffn_hidden_size=12288,
     vocab_size=151936,
+    swiglu=True,
 )
 
 

@@ -90,7 +90,7 @@ MODEL = [
     Key("moe_router_topk", "int", "default 2"),
     Key("moe_shared_expert_intermediate_size", "int", ""),
     Key("moe_layer_freq", "freq", "int k (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0,1,1]"),
-    Key("swiglu", "bool", "gated MLP (default on, as CostModel; --no-swiglu for a plain GELU MLP)"),
+    Key("swiglu", "bool", "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)"),
 ]
 ESTIMATE = [
     Key("tflops", "float", f"achieved TFLOP/s per GPU for the step-time estimate (default {DEFAULT_TFLOPS:g}: "

@@ -21,7 +21,9 @@ from .errors import ScheduleError
 from .invariants import assert_valid_schedule, check_schedule
 from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_rounds
 from .partition import karmarkar_karp
-from .planner import bin_lower_bound, compute_dynamic_global_batch_size, plan_schedule
+from .bounds import bin_lower_bound, microbatch_target
+from .planner import plan_schedule
+from .steps import compute_dynamic_global_batch_size
 
 __all__ = [
     "BatchConfig",
@@ -40,5 +42,6 @@ __all__ = [
     "first_fit_pack",
     "karmarkar_karp",
     "lpt_rounds",
+    "microbatch_target",
     "plan_schedule",
 ]

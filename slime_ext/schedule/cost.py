@@ -39,7 +39,7 @@ class CostModel:
     moe_router_topk: int = 2
     moe_shared_expert_intermediate_size: int | None = None
     moe_layer_freq: int | tuple[int, ...] = 1  # int: every k-th layer is MoE; tuple: 1 = MoE layer, 0 = dense
-    swiglu: bool = True  # gated MLP: three matmuls instead of two
+    swiglu: bool = False  # gated MLP (SwiGLU): three matmuls instead of two; Megatron's default is off
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads"):

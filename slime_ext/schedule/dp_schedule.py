@@ -177,20 +177,26 @@ class DPSchedule:
                    if k not in d]
         if missing:
             raise ScheduleError(f"schedule dict is missing fields {missing}; it was not written by DPSchedule.to_dict")
-        return cls(
-            partitions=[list(p) for p in d["partitions"]],
-            micro_batch_indices=[[list(mb) for mb in r] for r in d["micro_batch_indices"]],
-            num_microbatches=list(d["num_microbatches"]),
-            samples_per_step=list(d["samples_per_step"]),
-            rollouts_per_step=list(d["rollouts_per_step"]),
-            dropped=list(d["dropped"]),
-            stats=[StepStats(**s) for s in d["stats"]],
-            parallel=ParallelConfig(**d["parallel"]),
-            batch=BatchConfig.from_dict(d["batch"]),
-            total_lengths=list(d["total_lengths"]),
-            rollout_ids=None if d.get("rollout_ids") is None else list(d["rollout_ids"]),
-            loss_tokens=None if d.get("loss_tokens") is None else list(d["loss_tokens"]),
-            loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None else list(d["loss_tokens_per_step"]),
-            cost_model=None if d.get("cost_model") is None else CostModel(**d["cost_model"]),
-            step_samples=[list(s) for s in d.get("step_samples", [])],
-        )
+        try:
+            return cls(
+                partitions=[list(p) for p in d["partitions"]],
+                micro_batch_indices=[[list(mb) for mb in r] for r in d["micro_batch_indices"]],
+                num_microbatches=list(d["num_microbatches"]),
+                samples_per_step=list(d["samples_per_step"]),
+                rollouts_per_step=list(d["rollouts_per_step"]),
+                dropped=list(d["dropped"]),
+                stats=[StepStats(**s) for s in d["stats"]],
+                parallel=ParallelConfig(**d["parallel"]),
+                batch=BatchConfig.from_dict(d["batch"]),
+                total_lengths=list(d["total_lengths"]),
+                rollout_ids=None if d.get("rollout_ids") is None else list(d["rollout_ids"]),
+                loss_tokens=None if d.get("loss_tokens") is None else list(d["loss_tokens"]),
+                loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None else list(d["loss_tokens_per_step"]),
+                cost_model=None if d.get("cost_model") is None else CostModel(**d["cost_model"]),
+                step_samples=[list(s) for s in d.get("step_samples", [])],
+            )
+        except (TypeError, KeyError, ValueError, AttributeError) as e:
+            if isinstance(e, ScheduleError):
+                raise
+            raise ScheduleError(f"malformed schedule dict ({type(e).__name__}: {e}); it was not written by "
+                                f"DPSchedule.to_dict or was edited") from None

@@ -9,6 +9,10 @@ from __future__ import annotations
 from itertools import chain
 from typing import Sequence
 
+import numpy as np
+
+from .bounds import bin_lower_bound
+from .cost import sample_costs
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
 
@@ -60,40 +64,49 @@ def check_schedule(
 
     cap = sched.cap
     mbs_limit = None if cap is not None else sched.batch.micro_batch_size
-    step_of_sample: dict[int, int] = {}
+    step_of_mb = [s for s, m in enumerate(sched.num_microbatches) for _ in range(m)]
+    step_of_sample: dict[int, int | None] = {}
     step_members: list[list[int]] = [[] for _ in range(num_steps)]
+    measured: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(num_steps)]  # (rank, tokens, members)
+
+    def account(g: int, s: int | None) -> None:
+        if g in step_of_sample:
+            bad(f"sample {g} is scheduled twice")
+        step_of_sample[g] = s
+        if s is not None:
+            step_members[s].append(g)
+
     for r in range(dp):
         part = sched.partitions[r]
         mbis = sched.micro_batch_indices[r]
+        steps_here: list[int | None] = step_of_mb
         if len(mbis) != total_mbs:
             bad(f"rank {r} has {len(mbis)} micro-batches, expected sum(num_microbatches) = {total_mbs}")
-            continue
-        flat = list(chain.from_iterable(mbis))
-        if flat != list(range(len(part))):
+            steps_here = [None] * len(mbis)
+        if list(chain.from_iterable(mbis)) != list(range(len(part))):
             bad(f"rank {r}: micro_batch_indices do not tile range({len(part)}) in order")
+            for g in part:  # still account for its samples, so one broken rank does not read as lost samples
+                if 0 <= g < n:
+                    account(g, None)
             continue
-        k = 0
-        for s, m in enumerate(sched.num_microbatches):
-            for mb in mbis[k:k + m]:
-                if not mb:
-                    bad(f"rank {r} step {s}: empty micro-batch")
-                    continue
-                members = [part[i] for i in mb]
-                if any(not 0 <= g < n for g in members):
-                    bad(f"rank {r} step {s}: sample index outside [0, {n})")
-                    continue
-                tokens = sum(lengths[g] for g in members)
-                if cap is not None and tokens > cap and len(members) > 1:
-                    bad(f"rank {r} step {s}: micro-batch of {len(members)} samples has {tokens} tokens > cap {cap}")
-                if mbs_limit is not None and len(members) > mbs_limit:
-                    bad(f"rank {r} step {s}: static micro-batch of {len(members)} samples > micro_batch_size "
-                        f"{mbs_limit}")
-                for g in members:
-                    if g in step_of_sample:
-                        bad(f"sample {g} is scheduled twice")
-                    step_of_sample[g] = s
-                step_members[s].extend(members)
-            k += m
+        for mb, s in zip(mbis, steps_here):
+            where = f"rank {r} step {s}" if s is not None else f"rank {r}"
+            if not mb:
+                bad(f"{where}: empty micro-batch")
+                continue
+            members = [part[i] for i in mb]
+            if any(not 0 <= g < n for g in members):
+                bad(f"{where}: sample index outside [0, {n})")
+                continue
+            tokens = sum(lengths[g] for g in members)
+            if cap is not None and tokens > cap and len(members) > 1:
+                bad(f"{where}: micro-batch of {len(members)} samples has {tokens} tokens > cap {cap}")
+            if mbs_limit is not None and len(members) > mbs_limit:
+                bad(f"{where}: static micro-batch of {len(members)} samples > micro_batch_size {mbs_limit}")
+            for g in members:
+                account(g, s)
+            if s is not None:
+                measured[s].append((r, tokens, members))
 
     # disjoint union of partitions + dropped == every sample exactly once
     dropped = set(sched.dropped)
@@ -114,6 +127,8 @@ def check_schedule(
     ordinal = {rid: o for o, rid in enumerate(rollout_order)}
     rollout_step: dict[int, int] = {}
     for g, s in step_of_sample.items():
+        if s is None:
+            continue
         rid = rids[g]
         if rollout_step.setdefault(rid, s) != s:
             bad(f"rollout {rid} is split across steps {rollout_step[rid]} and {s}")
@@ -146,7 +161,53 @@ def check_schedule(
             bad("dropped holds a whole step's worth of rollouts")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
+    if not out:
+        _check_stats(sched, measured, bad)
     return out
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b), 1e-300)
+
+
+def _check_stats(sched: DPSchedule, measured, bad) -> None:
+    """``stats`` must describe the schedule as it is (re-measured here from the structure alone)."""
+    costs = sample_costs(np.asarray(sched.total_lengths, dtype=np.int64), sched.cost_model)
+    lengths = np.asarray(sched.total_lengths, dtype=np.int64)
+    dp, cap, align = sched.parallel.dp_size, sched.cap, sched.parallel.align
+    for s, (st, mbs) in enumerate(zip(sched.stats, measured)):
+        members = [g for _, _, m in mbs for g in m]
+        mb_cost = [float(costs[m].sum()) for _, _, m in mbs]
+        rank_cost = np.zeros(dp)
+        for (r, _, _), c in zip(mbs, mb_cost):
+            rank_cost[r] += c
+        expect = {
+            "step": s,
+            "num_samples": len(members),
+            "total_tokens": int(lengths[members].sum()),
+            "num_microbatches": sched.num_microbatches[s],
+            "total_microbatches": sched.num_microbatches[s] * dp,
+            "cap": cap,
+            "largest_bin_tokens": max(t for _, t, _ in mbs),
+            "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
+        }
+        for name, value in expect.items():
+            if getattr(st, name) != value:
+                bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule has {value!r}")
+        floats = {
+            "rank_flops_max": float(rank_cost.max()),
+            "rank_flops_mean": float(rank_cost.mean()),
+            "microbatch_flops_max": max(mb_cost),
+            "microbatch_flops_mean": float(np.mean(mb_cost)),
+            "balance_lower_bound": max(1.0, float(costs[members].max()) / float(rank_cost.mean())),
+        }
+        for name, value in floats.items():
+            if not _close(getattr(st, name), value):
+                bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule measures {value!r}")
+        if cap is not None:  # no packing beats the true lower bound
+            floor = -(-bin_lower_bound(lengths[members], cap) // align) * align
+            if expect["total_microbatches"] < floor:
+                bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
 def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:

@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .bounds import align_up, bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
@@ -47,7 +48,7 @@ from .errors import ScheduleError
 from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
 from .steps import as_int_array, compute_dynamic_global_batch_size, rollout_ordinals, split_into_steps
 
-__all__ = ["bin_lower_bound", "compute_dynamic_global_batch_size", "microbatch_target", "plan_schedule"]
+__all__ = ["plan_schedule"]
 
 #: balance_data is done once the slowest rank is within this of the best any assignment can do
 BALANCE_TOLERANCE = 2e-3
@@ -56,34 +57,6 @@ REFINE_TOLERANCE = 1e-5
 #: an extra micro-batch per rank must cut the slowest rank's FLOPs by at least this much
 EXTRA_MB_MIN_GAIN = 0.01
 MAX_EXTRA_ROUNDS = 3
-
-
-# ---------------------------------------------------------------------------------------------------- bounds
-def bin_lower_bound(lengths: np.ndarray, cap: int) -> int:
-    """Fewest capped bins any packing needs: oversize samples alone, plus the rest by tokens and by halves."""
-    over = lengths > cap
-    fit = lengths[~over]
-    by_tokens = -(-int(fit.sum()) // cap)
-    by_halves = int(np.count_nonzero(2 * fit > cap))  # two samples above cap/2 never share a bin
-    return int(np.count_nonzero(over)) + max(by_tokens, by_halves)
-
-
-def _align_up(count: int, align: int) -> int:
-    return max(align, -(-count // align) * align)
-
-
-def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
-    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``.
-
-    Raised, where packing needs more, to :func:`bin_lower_bound`. Oversize samples count with all their tokens:
-    a packing could put each alone into one bin and use fewer, but the spare bins are what lets the ranks around
-    an oversize sample stay balanced -- unless that would need more micro-batches than there are samples; then
-    the largest aligned count the samples can fill (never below the true lower bound).
-    """
-    needed = _align_up(bin_lower_bound(lengths, cap), align)
-    by_tokens = _align_up(-(-int(lengths.sum()) // cap), align)
-    fillable = len(lengths) // align * align
-    return max(needed, min(by_tokens, fillable))
 
 
 # ---------------------------------------------------------------------------------------------------- stages 2-4
@@ -99,7 +72,7 @@ def pack_step(
         if bins is not None:
             return bins_to_labels(bins, len(lengths)), target, "lpt"
     bins = best_fit_decreasing(lengths, cap, order)
-    count = max(target, _align_up(len(bins), align))
+    count = max(target, align_up(len(bins), align))
     if count > len(lengths):
         raise ScheduleError(
             f"step {step}: the samples need {len(bins)} micro-batches under the cap {cap} (best fit decreasing); "

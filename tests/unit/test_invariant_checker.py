@@ -121,3 +121,34 @@ def test_assert_valid_lists_every_violation(schedule):
     parts[1][0] = parts[0][0]
     with pytest.raises(ScheduleError, match=r"invalid schedule:\n  .*scheduled twice"):
         assert_valid_schedule(tamper(schedule, partitions=parts, samples_per_step=[0, 0]))
+
+
+def test_edited_stats_are_caught(schedule):
+    stats = list(schedule.stats)
+    stats[0] = dataclasses.replace(stats[0], rank_flops_max=stats[0].rank_flops_max * 0.5, cap_violations=3)
+    problems = check_schedule(tamper(schedule, stats=stats))
+    first_problem_matching(problems, "stats[0].cap_violations = 3 but the schedule has 0")
+    first_problem_matching(problems, "stats[0].rank_flops_max")
+
+
+def test_one_broken_rank_does_not_cascade(schedule):
+    # one rank claims an extra micro-batch count: exactly that is reported, not every sample of the rank as lost
+    mbis = copy.deepcopy(schedule.micro_batch_indices)
+    first = mbis[0][0]
+    mbis[0][0:1] = [first[:1], first[1:]] if len(first) > 1 else [first, []]
+    problems = check_schedule(tamper(schedule, micro_batch_indices=mbis))
+    first_problem_matching(problems, "rank 0 has")
+    assert not any("neither scheduled nor reported" in p for p in problems), problems
+
+
+def test_malformed_dict_is_a_schedule_error(schedule):
+    from slime_ext.schedule import DPSchedule
+
+    d = schedule.to_dict()
+    d["stats"] = [{"bogus": 1}]
+    with pytest.raises(ScheduleError, match="malformed schedule dict"):
+        DPSchedule.from_dict(d)
+    d = schedule.to_dict()
+    del d["partitions"]
+    with pytest.raises(ScheduleError, match=r"missing fields \['partitions'\]"):
+        DPSchedule.from_dict(d)

@@ -1,0 +1,33 @@
+"""Micro-batch count bounds of a dynamic step (pure functions, shared by the planner and the invariant checker)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def bin_lower_bound(lengths: np.ndarray, cap: int) -> int:
+    """Fewest capped bins any packing needs: oversize samples alone, plus the rest by tokens and by halves."""
+    over = lengths > cap
+    fit = lengths[~over]
+    by_tokens = -(-int(fit.sum()) // cap)
+    by_halves = int(np.count_nonzero(2 * fit > cap))  # two samples above cap/2 never share a bin
+    return int(np.count_nonzero(over)) + max(by_tokens, by_halves)
+
+
+def align_up(count: int, align: int) -> int:
+    """The smallest positive multiple of ``align`` that is ``>= count``."""
+    return max(align, -(-count // align) * align)
+
+
+def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
+    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``.
+
+    Raised, where packing needs more, to :func:`bin_lower_bound`. Oversize samples count with all their tokens:
+    a packing could put each alone into one bin and use fewer, but the spare bins are what lets the ranks around
+    an oversize sample stay balanced -- unless that would need more micro-batches than there are samples; then
+    the largest aligned count the samples can fill (never below the true lower bound).
+    """
+    needed = align_up(bin_lower_bound(lengths, cap), align)
+    by_tokens = align_up(-(-int(lengths.sum()) // cap), align)
+    fillable = len(lengths) // align * align
+    return max(needed, min(by_tokens, fillable))
