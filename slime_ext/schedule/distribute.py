@@ -174,11 +174,17 @@ def build_rank_bins(
 def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per_rank: int) -> None:
     """Move the cheapest samples of ranks holding more than ``per_rank`` samples to ranks holding fewer."""
     counts = [sum(len(b) for b in rb) for rb in bins]
+    if min(counts) >= per_rank:
+        return
+    # callers guarantee n >= dp_size * per_rank, so donors never run out
+    donors = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
+              for k, b in enumerate(db) for i in b]
+    heapq.heapify(donors)
     for r, rb in enumerate(bins):
         while counts[r] < per_rank:
-            donor_items = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
-                           for k, b in enumerate(db) for i in b]
-            _, i, d, k = min(donor_items)  # callers guarantee n >= dp_size * per_rank, so a donor exists
+            _, i, d, k = heapq.heappop(donors)
+            if counts[d] <= per_rank:
+                continue  # that rank gave all it can spare
             bins[d][k].remove(i)
             counts[d] -= 1
             next(b for b in rb if not b).append(i)
