@@ -78,6 +78,8 @@ def build_model(config: TrainConfig) -> list:
             position_embedding_type="learned_absolute",
             vp_stage=v,
         ))
+    if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization), trained on this rank's GPU
+        chunks = [chunk.cuda(torch.cuda.current_device()) for chunk in chunks]
     init_canonical(chunks, config)
     return chunks
 
@@ -148,7 +150,7 @@ def init_canonical(chunks: list, config: TrainConfig) -> None:
         if param.dim() >= 2:
             std = scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else config.init_method_std
             gen = torch.Generator().manual_seed(_seed_for(config.seed, name))
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+            param.copy_(torch.randn(tuple(param.shape), generator=gen, dtype=torch.float32) * std)
         elif name.endswith(".bias"):
             param.zero_()
         else:

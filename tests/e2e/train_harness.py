@@ -50,10 +50,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job_main(fn: Callable, args: tuple, out_path: str) -> None:
+def _job_main(fn: Callable, args: tuple, out_path: str, gpu: bool) -> None:
     import faulthandler
     import signal
 
+    if not gpu:  # CPU jobs stay on CPU + gloo even on a GPU host (CUDA is initialised lazily, after this)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     faulthandler.register(signal.SIGUSR1)  # the parent asks for stacks before it kills a job that overran
@@ -72,23 +74,25 @@ class JobFailed(RuntimeError):
     pass
 
 
-def launch(jobs: Sequence[tuple[Callable, tuple]], timeout: float = 180.0, *, keep_going: bool = False
-           ) -> list[Any]:
+def launch(jobs: Sequence[tuple[Callable, tuple]], timeout: float = 180.0, *, keep_going: bool = False,
+           wait_for: Sequence[int] | None = None, gpu: bool = False) -> list[Any]:
     """Run ``fn(*args)`` for every job in its own process; returns their results in order.
 
     Without ``keep_going`` the first failure kills the rest and raises :class:`JobFailed`; with it every job
     runs to its end (or the deadline) and failures come back as ``JobFailed`` instances in the result list.
+    ``wait_for``: return once these jobs are done; the others are killed (their results stay ``None``).
+    ``gpu``: let the jobs see the host's GPUs (otherwise ``CUDA_VISIBLE_DEVICES`` is emptied: CPU and gloo).
     """
     ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         paths = [os.path.join(tmp, f"job{i}.pkl") for i in range(len(jobs))]
-        procs = [ctx.Process(target=_job_main, args=(fn, args, path), daemon=True)
+        procs = [ctx.Process(target=_job_main, args=(fn, args, path, gpu), daemon=True)
                  for (fn, args), path in zip(jobs, paths)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * len(jobs)
-        pending = set(range(len(jobs)))
+        pending = set(range(len(jobs)) if wait_for is None else wait_for)
         try:
             while pending:
                 for i in sorted(pending):
@@ -210,7 +214,6 @@ def reference_job(port: int, config: dict, scenarios: list[dict]) -> dict:
     """
     import torch
 
-    from patches.megatron_cpu import cpu_device_context
     from slime_ext.training.model import param_snapshot
     from slime_ext.training.worker import TrainWorker
 
@@ -224,7 +227,7 @@ def reference_job(port: int, config: dict, scenarios: list[dict]) -> dict:
             samples = sc["samples"]
             res: dict = {"lrs": []}
             if sc.get("forward_only"):
-                with torch.no_grad(), cpu_device_context():
+                with torch.no_grad(), _cpu_context():
                     res["log_probs"] = {i: _sample_log_probs(state.model[0], samples[0][i]).tolist()
                                         for i in sc["forward_only"]}
             for rollout, ids, increment in sc["reference_steps"]:
@@ -243,26 +246,36 @@ def _sample_log_probs(model, sample: dict):
     import torch
 
     total, response = sample["total_length"], sample["response_length"]
-    tokens = torch.tensor(sample["tokens"])[None]
-    causal = torch.triu(torch.ones(total, total, dtype=torch.bool), diagonal=1)[None, None]
-    logits = model(tokens, torch.arange(total)[None], causal)[0].float()
+    device = next(model.parameters()).device
+    tokens = torch.tensor(sample["tokens"], device=device)[None]
+    causal = torch.triu(torch.ones(total, total, dtype=torch.bool, device=device), diagonal=1)[None, None]
+    logits = model(tokens, torch.arange(total, device=device)[None], causal)[0].float()
     predicted = logits[total - response - 1: total - 1]
     return torch.log_softmax(predicted, -1).gather(-1, tokens[0, total - response:, None]).squeeze(-1)
+
+
+def _cpu_context():
+    """The CPU device context when training on CPU (the reference calls the model outside Megatron's schedules)."""
+    import contextlib
+
+    import torch
+
+    from patches.megatron_cpu import cpu_device_context
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else cpu_device_context()
 
 
 def _reference_step(state, samples: list[dict]) -> None:
     import torch
 
-    from patches.megatron_cpu import cpu_device_context
-
     model = state.model[0]
     model.zero_grad_buffer()
     state.optimizer.zero_grad()
     total_tokens = sum(sum(s["loss_mask"]) for s in samples)
-    with cpu_device_context():
+    with _cpu_context():
         for s in samples:
             logp = _sample_log_probs(model, s)
-            mask = torch.tensor(s["loss_mask"], dtype=torch.float32)
+            mask = torch.tensor(s["loss_mask"], dtype=torch.float32, device=logp.device)
             (-(s["advantage"] * logp * mask).sum() / total_tokens).backward()
         model.finish_grad_sync()
     state.optimizer.step()
