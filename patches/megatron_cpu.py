@@ -21,6 +21,7 @@ touched. Everything below exists because megatron-core assumes a CUDA device in 
    rank's call with a *later* call on its peer (e.g. PP=2, VPP=2 and two micro-batches: stage 0 finishes its
    warmup with a forward send while stage 1 already sends a gradient back), and waiting for that send inside the
    call deadlocks. NCCL hides this because its ``wait()`` only orders CUDA streams.
+
 How they are fixed, narrowest first:
 
 * **The CPU device context** (:func:`cpu_device_context`): a thread-local flag plus a

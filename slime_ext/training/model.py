@@ -52,6 +52,8 @@ def transformer_config(config: TrainConfig):
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # sent activations must stay intact until a (CPU: asynchronous, see patches.megatron_cpu) send completes
+        deallocate_pipeline_outputs=False,
     )
 
 

@@ -61,7 +61,7 @@ def legacy_scenario(name, samples_list, batch, dp_size):
 
 
 def run_layout(parallel: dict, world_size: int, scenarios: list[Scenario], timeout: float = 240.0):
-    config = {**REFERENCE_CONFIG, **parallel, "dist_timeout_seconds": 60}
+    config = {**REFERENCE_CONFIG, **parallel, "dist_timeout_seconds": 30}
     port, ref_port = free_port(), free_port()
     jobs = [(group_job, (rank, world_size, port, config, [s.job for s in scenarios])) for rank in range(world_size)]
     jobs.append((reference_job, (ref_port, REFERENCE_CONFIG, [s.reference for s in scenarios])))
@@ -203,6 +203,10 @@ def _pipeline_scenarios(parallel: dict, world_size: int, dp: int) -> list[Scenar
         rollout_scenario("dynamic_strided", mixed, dict(DYNAMIC, use_dynamic_global_batch_size=True), parallel,
                          world_size),
         rollout_scenario("static_balanced", single, dict(micro_batch_size=1, global_batch_size=8, balance_data=True),
+                         parallel, world_size),
+        # few micro-batches: with PP=2 x VPP=2, stage 0 runs them all as warmup while stage 1 already runs 1F1B
+        # (the case that needs asynchronous p2p sends on gloo, patches.megatron_cpu)
+        rollout_scenario("static_few_microbatches", single, dict(micro_batch_size=8 // (2 * dp), global_batch_size=8),
                          parallel, world_size),
         legacy_scenario("legacy_dynamic", single, dict(DYNAMIC, global_batch_size=8), dp),
         legacy_scenario("legacy_static", single, dict(micro_batch_size=1, global_batch_size=8), dp),
