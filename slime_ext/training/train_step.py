@@ -83,35 +83,46 @@ def _with_local_index(rollout_data: Mapping[str, Any]) -> dict:
     return data
 
 
-def _plan_checks(state: TrainState, iterators: list, num_microbatches: list[int], rollout_data: Mapping
-                 ) -> list[int]:
-    """Before any step: all ranks agree on the steps; returns each step's loss tokens over all DP ranks.
+def _local_step_tokens(iterators: list, num_microbatches: list[int], rollout_data: Mapping) -> list[int]:
+    """Loss-mask tokens of this rank in each step (read ahead without consuming the iterators)."""
+    masks = rollout_data["loss_masks"]
+    probe = iterators[0]
+    saved, local_tokens = probe.offset, []
+    try:
+        for n in num_microbatches:
+            mbs = probe.peek(n)
+            if len(mbs) != n:
+                raise RolloutDataError(f"a step needs {n} micro-batches but the iterator has only {len(mbs)} left; "
+                                       f"sum(num_microbatches) must equal the micro-batches sent")
+            local_tokens.append(sum(int(sum(masks[i])) for mb in mbs for i in mb))
+            probe.offset += n if probe.micro_batch_indices is not None else n * probe.micro_batch_size
+    finally:
+        probe.offset = saved
+    return local_tokens
 
-    One vector all-reduce per rollout. A disagreement in ``num_microbatches`` would hang pipeline stages (or
-    silently mis-scale DP gradients), so it is an error here instead. When the schedule carries
+
+def _agree(state: TrainState, local_error: Exception | None, num_microbatches: list[int],
+           local_tokens: list[int], rollout_data: Mapping) -> list[int]:
+    """Before any step: every rank is ready and runs the same steps; returns each step's loss tokens over DP.
+
+    A few small all-reduces per rollout. A rank whose data failed validation makes every rank fail here (instead
+    of leaving its peers in a collective until the timeout); a disagreement in ``num_microbatches`` would hang the
+    pipeline stages (or silently mis-scale DP gradients), so it is an error too. When the schedule carries
     ``loss_tokens_per_step`` the DP sum of the local counts must equal it.
     """
     from megatron.core import parallel_state
 
-    masks = rollout_data["loss_masks"]
-    probe = iterators[0]
-    saved = probe.offset
-    local_tokens = []
-    for n in num_microbatches:
-        mbs = probe.peek(n)
-        if len(mbs) != n:
-            raise RolloutDataError(f"the step needs {n} micro-batches but the iterator has only {len(mbs)} left")
-        local_tokens.append(sum(int(sum(masks[i])) for mb in mbs for i in mb))
-        probe.offset += n if probe.micro_batch_indices is not None else n * probe.micro_batch_size
-    probe.offset = saved
-
     steps = len(num_microbatches)
     device = _device()
-    shape = torch.tensor([steps, -steps], dtype=torch.int64, device=device)
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
-    if int(shape[0]) != -int(shape[1]):
+    head = torch.tensor([int(local_error is not None), steps, -steps], dtype=torch.int64, device=device)
+    dist.all_reduce(head, op=dist.ReduceOp.MAX)
+    if local_error is not None:
+        raise local_error
+    if int(head[0]):
+        raise RolloutDataError("another rank rejected its rollout_data (see that rank's error); nothing was trained")
+    if int(head[1]) != -int(head[2]):
         raise RolloutDataError(f"ranks disagree on the number of steps (rank {state.layout.rank} has {steps}, the "
-                               f"range is [{-int(shape[1])}, {int(shape[0])}]); every rank needs the same schedule")
+                               f"range is [{-int(head[2])}, {int(head[1])}]); every rank needs the same schedule")
     nmb = torch.tensor(list(num_microbatches) + [-n for n in num_microbatches], dtype=torch.int64, device=device)
     dist.all_reduce(nmb, op=dist.ReduceOp.MAX)
     if nmb[:steps].tolist() != [-x for x in nmb[steps:].tolist()]:
@@ -131,10 +142,15 @@ def train_rollout(state: TrainState, rollout_data: Mapping[str, Any]) -> list[di
     """Train on one rollout; returns one record per step (see :func:`train_one_step`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    validate_samples(rollout_data)
-    data = _with_local_index(rollout_data)
-    iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
-    step_tokens = _plan_checks(state, iterators, num_microbatches, data)
+    local_error, data, iterators, num_microbatches, local_tokens = None, None, [], [], []
+    try:
+        validate_samples(rollout_data)
+        data = _with_local_index(rollout_data)
+        iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
+        local_tokens = _local_step_tokens(iterators, num_microbatches, data)
+    except ValueError as exc:  # RolloutDataError, LegacyScheduleError: tell the other ranks before failing
+        local_error, num_microbatches, local_tokens = exc, [], []
+    step_tokens = _agree(state, local_error, num_microbatches, local_tokens, rollout_data)
     ids = sample_ids(rollout_data)
     forward_backward = get_forward_backward_func()
     return [train_one_step(state, forward_backward, iterators, data, ids, s, n, step_tokens[s])
