@@ -1,0 +1,76 @@
+"""Faults on the training side fail the job within a bounded time, with the error that caused them (no hang)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from train_harness import MODEL, OPTIM, free_port, launch, make_samples, plan, rollout_payloads
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 5.0
+CONFIG = {**MODEL, **OPTIM, "use_dynamic_batch_size": True, "max_tokens_per_gpu": 48,
+          "use_dynamic_global_batch_size": True, "dist_timeout_seconds": TIMEOUT_S}
+
+
+def _payloads():
+    samples = make_samples(10, seed=1)
+    return rollout_payloads(samples, plan(samples, CONFIG, 2))
+
+
+def _fault_job(rank: int, port: int, payloads: list, fault: str) -> dict:
+    """Rank 1 misbehaves after setup (``hang``: stops participating; ``die``: exits); rank 0 trains."""
+    from slime_ext.training.worker import TrainWorker
+
+    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker.setup()
+    if rank == 1:
+        if fault == "die":
+            os._exit(3)
+        time.sleep(600)
+    start = time.monotonic()
+    try:
+        worker.train_rollout(payloads[0])
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("fault", ["hang", "die"])
+def test_a_stuck_or_dead_peer_fails_the_step_within_the_timeout(fault):
+    port, payloads = free_port(), _payloads()
+    result, _ = launch([(_fault_job, (rank, port, payloads, fault)) for rank in range(2)], timeout=120,
+                       wait_for=[0])
+    assert result["error"] is not None, "training went on without its peer"
+    assert result["seconds"] < TIMEOUT_S + 15, result
+    if fault == "hang":
+        assert "Timed out" in result["error"] or "timeout" in result["error"].lower(), result["error"]
+
+
+def _disagree_job(rank: int, port: int, payloads: list) -> str:
+    from slime_ext.training.worker import TrainWorker
+
+    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker.setup()
+    try:
+        worker.train_rollout(payloads[worker.layout.dp_rank])
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        worker.shutdown()
+    return "no error"
+
+
+def test_ranks_with_different_micro_batch_counts_are_stopped_before_the_schedule_runs():
+    payloads = _payloads()
+    bad = dict(payloads[1])  # rank 1 splits its first micro-batch in two: one micro-batch more than rank 0
+    first, rest = bad["micro_batch_indices"][0], bad["micro_batch_indices"][1:]
+    assert len(first) > 1
+    bad["micro_batch_indices"] = [first[:1], first[1:], *rest]
+    bad["num_microbatches"] = [bad["num_microbatches"][0] + 1, *bad["num_microbatches"][1:]]
+    port = free_port()
+    errors = launch([(_disagree_job, (rank, port, [payloads[0], bad])) for rank in range(2)], timeout=60)
+    for err in errors:
+        assert "RolloutDataError: ranks disagree on num_microbatches" in err, err
