@@ -1,0 +1,356 @@
+"""What megatron-core 0.16 needs to train on a CPU-only host with torch.distributed gloo.
+
+Checked against megatron-core 0.16.1 with torch 2.13.0+cpu; supported range ``megatron-core>=0.16,<0.17``.
+:func:`apply_if_no_gpu` applies the set only when ``torch.cuda.is_available()`` is false; on a GPU host nothing is
+touched. Everything below exists because megatron-core assumes a CUDA device in code paths that CPU training runs:
+
+1. ``torch.cuda.current_device()`` as the ``device=`` of many allocations (pipeline p2p receive buffers and shape
+   exchange, DDP gradient buffers) and ``torch.cuda.synchronize()`` after p2p shape exchange;
+2. literal ``device="cuda"`` / ``device='cuda'`` tensors (token counters in the pipeline schedules, the default
+   causal mask, the FP32 optimizer's unit loss scale, the grad-norm buffers of the local multi-tensor fallback);
+3. ``Tensor.cuda()`` in the tied word-embedding sync of ``LanguageModule`` (PP > 1);
+4. the CUDA RNG tracker (``CudaRNGStatesTracker.add`` and ``.fork``), which dropout and model init run under;
+5. ``clip_grad_by_total_norm_fp32`` asserting ``param.grad.type() == 'torch.cuda.FloatTensor'``;
+6. untagged batched p2p (``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes``). gloo matches
+   messages between two ranks by ``(peer, tag)`` in posting order (the ``batch_isend_irecv`` contract). With PP=2
+   the previous and the next stage are one peer, so when the interleaved (VPP) schedule sends an activation
+   forward and a gradient backward in one call, the untagged messages cross: the gradient lands in the
+   activation buffer. With variable sequence lengths that shows as a shape mismatch in attention; with fixed
+   lengths it would be silent. NCCL is not affected by this patch (it only applies without a GPU).
+
+How they are fixed, narrowest first:
+
+* **The CPU device context** (:func:`cpu_device_context`): a thread-local flag plus a
+  ``torch.overrides.TorchFunctionMode`` that rewrites a CUDA ``device=`` argument (``"cuda"``, ``"cuda:N"``, a CUDA
+  ``torch.device``, an int index) to CPU, turns ``pin_memory=True`` off and makes ``Tensor.cuda()`` return the
+  tensor. It is entered only *inside* the megatron functions listed in :data:`CONTEXT_WRAPPED` (each patch wraps
+  one of them, and checks that the function still contains the CUDA call it is there for). Outside those
+  functions torch behaves exactly as before. The mode and the flag are **thread-local**: they are active on the
+  thread that called the wrapped function, which is where megatron runs these calls (CPU autograd runs
+  backward on the calling thread too). Code that calls megatron internals not in the list from another thread can
+  still enter :func:`cpu_device_context` itself.
+* ``torch.cuda.current_device`` and ``torch.cuda.synchronize`` are replaced by dispatchers that answer for the CPU
+  (``torch.device("cpu")`` -- a device, where upstream returns an int index; megatron only uses it as a
+  ``device=`` -- and a no-op, CPU kernels and waited-on gloo work being synchronous) **only inside the context**;
+  outside it they call the original, which raises on a CPU-only host as before.
+* ``CudaRNGStatesTracker.add``/``.fork`` are replaced by the same bookkeeping over the CPU default generator: named
+  states are CPU generator states, ``fork`` swaps ``torch.get_rng_state``/``set_rng_state`` in and out.
+* ``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes`` are replaced by the same exchanges with one
+  tag per direction (activations forward, gradients backward; shapes and tensors apart), so matching no longer
+  depends on posting order. ``use_ring_exchange_p2p`` still goes to the original.
+* ``clip_grad_by_total_norm_fp32`` (as looked up by ``megatron.core.optimizer.optimizer``) is replaced by the same
+  math without the CUDA type assertion: fp32 grads are scaled in place by ``max_norm / (total_norm + 1e-6)``
+  when that is below one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import Patch, PatchError, PatchSet, source_contains
+
+MEGATRON = "megatron-core"
+MEGATRON_SUPPORTED = ">=0.16,<0.17"
+MEGATRON_TESTED = ("0.16.1",)
+TORCH_SUPPORTED = ">=2.4"
+TORCH_TESTED = ("2.13.0+cpu",)
+
+_CPU = torch.device("cpu")
+_local = threading.local()
+
+
+# ---------------------------------------------------------------------------------------------------- the context
+def in_cpu_device_context() -> bool:
+    """True on a thread that is inside :func:`cpu_device_context`."""
+    return getattr(_local, "depth", 0) > 0
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    # an int device index: on a CPU-only host it can only come from code that assumed a GPU
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrite CUDA device arguments of torch calls to CPU; ``Tensor.cuda()`` returns the tensor itself."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_context() -> Iterator[None]:
+    """Run megatron-core's CUDA-assuming calls on the CPU (re-entrant, thread-local)."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    try:
+        if depth:
+            yield
+        else:
+            with _CudaToCpuMode():
+                yield
+    finally:
+        _local.depth = depth
+
+
+def _run_in_cpu_context(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with cpu_device_context():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------------------------- torch.cuda
+def _current_device(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def current_device():
+        if in_cpu_device_context():
+            return _CPU
+        return original()
+
+    return current_device
+
+
+def _synchronize(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def synchronize(device=None):
+        if in_cpu_device_context():
+            return None
+        return original(device)
+
+    return synchronize
+
+
+# ---------------------------------------------------------------------------------------------------- RNG tracker
+def _tracker_add(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def add(self, name, seed):
+        """Track a named RNG state: a CPU generator seeded with ``seed`` (upstream: a CUDA generator state)."""
+        if self.use_cudagraphable_rng:
+            raise PatchError("the CPU RNG tracker (patches.megatron_cpu) cannot serve use_cudagraphable_rng=True; "
+                             "CUDA graphs need a GPU")
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(int(seed)).get_state()
+
+    return add
+
+
+def _tracker_fork(original: Callable) -> Callable:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    default_name = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+    @contextlib.contextmanager
+    def fork(self, name=default_name):
+        """Swap the named state into the CPU default generator for the block (upstream: the CUDA generator)."""
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig_state = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            if self._current_state_name != name:
+                raise Exception(f"current state name {self._current_state_name} is not the same as the desired "
+                                f"state name {name}.")
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+    functools.update_wrapper(fork, original)
+    return fork
+
+
+# ---------------------------------------------------------------------------------------------------- grad clipping
+def _clip_grad_by_total_norm_fp32(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        """Scale fp32 grads in place by ``max_norm / (total_norm + 1e-6)`` when below 1 (CPU: no CUDA type check)."""
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        grads = []
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+            if grad is None:
+                continue
+            if grad.dtype != torch.float32:
+                raise PatchError(f"clip_grad_by_total_norm_fp32 expects fp32 grads, got {grad.dtype}")
+            grads.append(grad.detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for grad in grads:
+                grad.mul_(clip_coeff)
+
+    return clip_grad_by_total_norm_fp32
+
+
+# ---------------------------------------------------------------------------------------------------- tagged p2p
+#: gloo message tags: activations flow to the next stage (send_next / recv_prev), gradients to the previous one
+_TAG_FORWARD, _TAG_BACKWARD = 1, 2
+_TAG_SHAPE_FORWARD, _TAG_SHAPE_BACKWARD = 3, 4
+
+
+def _p2p_op(send: bool, tensor: torch.Tensor, peer: int, group, tag: int):
+    dist = torch.distributed
+    return dist.P2POp(dist.isend if send else dist.irecv, tensor, peer, group, tag)
+
+
+def _batched_p2p_ops(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                        prev_pipeline_rank, next_pipeline_rank):
+        """Upstream's batched isend/irecv, each direction under its own tag."""
+        ops = []
+        if tensor_send_prev is not None:
+            ops.append(_p2p_op(True, tensor_send_prev, prev_pipeline_rank, group, _TAG_BACKWARD))
+        if tensor_recv_prev is not None:
+            ops.append(_p2p_op(False, tensor_recv_prev, prev_pipeline_rank, group, _TAG_FORWARD))
+        if tensor_send_next is not None:
+            ops.append(_p2p_op(True, tensor_send_next, next_pipeline_rank, group, _TAG_FORWARD))
+        if tensor_recv_next is not None:
+            ops.append(_p2p_op(False, tensor_recv_next, next_pipeline_rank, group, _TAG_BACKWARD))
+        return torch.distributed.batch_isend_irecv(ops) if ops else []
+
+    return batched_p2p_ops
+
+
+def _communicate_shapes(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        """Upstream's shape exchange on CPU tensors, each direction under its own tag."""
+        if self.config.use_ring_exchange_p2p:
+            return original(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        ops = []
+        recv_prev_shape = torch.empty((3,), dtype=torch.int64) if recv_prev else None
+        recv_next_shape = torch.empty((3,), dtype=torch.int64) if recv_next else None
+        if tensor_send_prev is not None:
+            shape = torch.tensor(tensor_send_prev.size(), dtype=torch.int64)
+            ops.append(_p2p_op(True, shape, self.prev_rank, self.pp_group, _TAG_SHAPE_BACKWARD))
+        if recv_prev_shape is not None:
+            ops.append(_p2p_op(False, recv_prev_shape, self.prev_rank, self.pp_group, _TAG_SHAPE_FORWARD))
+        if tensor_send_next is not None:
+            shape = torch.tensor(tensor_send_next.size(), dtype=torch.int64)
+            ops.append(_p2p_op(True, shape, self.next_rank, self.pp_group, _TAG_SHAPE_FORWARD))
+        if recv_next_shape is not None:
+            ops.append(_p2p_op(False, recv_next_shape, self.next_rank, self.pp_group, _TAG_SHAPE_BACKWARD))
+        if ops:
+            for req in torch.distributed.batch_isend_irecv(ops):
+                req.wait()
+        return (recv_prev_shape.tolist() if recv_prev_shape is not None else [0, 0, 0],
+                recv_next_shape.tolist() if recv_next_shape is not None else [0, 0, 0])
+
+    return communicate_shapes
+
+
+# ---------------------------------------------------------------------------------------------------- the set
+def _mcore(name: str, module: str, attribute: str, make: Callable, doc: str, *needles: str) -> Patch:
+    return Patch(name=name, module=module, attribute=attribute, make=make, distribution=MEGATRON,
+                 supported=MEGATRON_SUPPORTED, tested=MEGATRON_TESTED, doc=doc,
+                 expect=source_contains(*needles) if needles else None)
+
+
+#: megatron functions run inside :func:`cpu_device_context`: (name, module, attribute, CUDA call it works around)
+CONTEXT_WRAPPED: tuple[tuple[str, str, str, str], ...] = (
+    ("schedule_no_pipelining", "megatron.core.pipeline_parallel.schedules", "forward_backward_no_pipelining",
+     'device="cuda"'),
+    ("schedule_1f1b", "megatron.core.pipeline_parallel.schedules",
+     "forward_backward_pipelining_without_interleaving", 'device="cuda"'),
+    ("schedule_interleaved", "megatron.core.pipeline_parallel.schedules",
+     "forward_backward_pipelining_with_interleaving", 'device="cuda"'),
+    ("ddp_init", "megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel.__init__",
+     "_ParamAndGradBuffer("),
+    ("tied_embedding_sync", "megatron.core.models.common.language_module.language_module",
+     "LanguageModule.setup_embeddings_and_output_layer", "weight.data.cuda()"),
+    ("fp32_optimizer_init", "megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", "device='cuda'"),
+    ("grad_norm", "megatron.core.optimizer.optimizer", "get_grad_norm_fp32", "device='cuda'"),
+    ("count_zeros", "megatron.core.optimizer.optimizer", "count_zeros_fp32", "device='cuda'"),
+)
+
+_CONTEXT_DOC = {
+    "schedule_no_pipelining": "token counter on device='cuda'; finalize_model_grads; the default causal mask",
+    "schedule_1f1b": "p2p buffers and shape exchange on current_device(), synchronize(); token counter on 'cuda'",
+    "schedule_interleaved": "as schedule_1f1b, for virtual pipeline stages",
+    "ddp_init": "gradient/parameter buffers allocated on torch.cuda.current_device()",
+    "tied_embedding_sync": "weight.data.cuda() before the first/last-stage all-reduce of tied embeddings (PP > 1)",
+    "fp32_optimizer_init": "unit loss scale torch.tensor([1.0], device='cuda')",
+    "grad_norm": "norm buffers on device='cuda' (also in the local multi-tensor l2-norm fallback)",
+    "count_zeros": "zero counter on device='cuda' (log_num_zeros_in_grad)",
+}
+
+
+def build_patches() -> PatchSet:
+    """A fresh, unapplied :class:`PatchSet` of every CPU patch."""
+    patches = [
+        Patch(name="cuda_current_device", module="torch.cuda", attribute="current_device", make=_current_device,
+              distribution="torch", supported=TORCH_SUPPORTED, tested=TORCH_TESTED,
+              doc="inside cpu_device_context: torch.device('cpu') (megatron allocates on current_device())"),
+        Patch(name="cuda_synchronize", module="torch.cuda", attribute="synchronize", make=_synchronize,
+              distribution="torch", supported=TORCH_SUPPORTED, tested=TORCH_TESTED,
+              doc="inside cpu_device_context: a no-op (pipeline p2p synchronises after batched isend/irecv)"),
+        _mcore("rng_tracker_add", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add", _tracker_add,
+               "named RNG states are CPU generator states", "torch.cuda.get_rng_state()"),
+        _mcore("rng_tracker_fork", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork",
+               _tracker_fork, "fork swaps the CPU default generator's state", "_set_cuda_rng_state("),
+        _mcore("p2p_batched_ops", "megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops",
+               _batched_p2p_ops, "batched p2p with one tag per direction (PP=2: prev and next are one peer)",
+               "batch_isend_irecv(ops)"),
+        _mcore("p2p_shapes", "megatron.core.pipeline_parallel.p2p_communication",
+               "P2PCommunicator._communicate_shapes", _communicate_shapes,
+               "shape exchange on CPU with one tag per direction", "batch_isend_irecv(ops)",
+               "torch.cuda.synchronize()"),
+        _mcore("clip_grad_fp32", "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+               _clip_grad_by_total_norm_fp32, "same clipping math without the torch.cuda.FloatTensor assertion",
+               "torch.cuda.FloatTensor"),
+    ]
+    for name, module, attribute, needle in CONTEXT_WRAPPED:
+        patches.append(_mcore(name, module, attribute, _run_in_cpu_context,
+                              f"run in cpu_device_context: {_CONTEXT_DOC[name]}", needle))
+    return PatchSet("megatron_cpu", patches)
+
+
+#: the process-wide patch set used by :func:`apply_if_no_gpu` / :func:`undo`
+PATCHES = build_patches()
+
+
+def apply_if_no_gpu() -> bool:
+    """Apply :data:`PATCHES` when no CUDA device is present. Returns whether the patches are (now) applied."""
+    if torch.cuda.is_available():
+        return False
+    PATCHES.apply()
+    return True
+
+
+def undo() -> None:
+    """Undo :data:`PATCHES` (no-op if not applied)."""
+    PATCHES.undo()

@@ -1,0 +1,29 @@
+"""Training adapter: runs the rollout-side schedule on megatron-core (torch + megatron.core; gloo on CPU).
+
+One concern per module, in the order a step touches them:
+
+* :mod:`.config` -- ``TrainConfig``: slime flag names, parallel sizes, model size, optimizer/LR (exact keys there);
+* :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
+* :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
+* :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
+* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator``, ``get_data_iterator(rollout_data)``;
+* :mod:`.batch` -- a micro-batch packed into tensors;  :mod:`.loss` -- the per-token policy loss and its scaling;
+* :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, and the forward-only pass;
+* :mod:`.legacy_backend` -- the slime-shaped training-side baseline (``dp_schedule: legacy``), which
+  ``patches.host_slime`` switches to the rollout-side schedule (``dp_schedule: rollout``);
+* :mod:`.worker` -- ``TrainWorker``, one training process, the unit the Ray side wraps.
+"""
+
+from .config import TrainConfig, TrainConfigError, load_train_config
+from .data import DataIterator, RolloutDataError, get_data_iterator
+
+__all__ = ["DataIterator", "RolloutDataError", "TrainConfig", "TrainConfigError", "TrainWorker", "get_data_iterator",
+           "load_train_config"]
+
+
+def __getattr__(name):  # TrainWorker pulls in megatron-core; import it on first use
+    if name == "TrainWorker":
+        from .worker import TrainWorker
+
+        return TrainWorker
+    raise AttributeError(name)

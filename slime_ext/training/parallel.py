@@ -1,0 +1,72 @@
+"""Process-group set-up: torch.distributed plus ``megatron.core.parallel_state`` (tp = cp = 1, pp, vpp, dp).
+
+Every process group gets the same bounded timeout (``dist_timeout_seconds``), so a dead or stuck peer fails a
+collective within that time instead of hanging the job (gloo also fails at once when a peer's socket closes).
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import Layout, TrainConfig, TrainConfigError
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_parallel(config: TrainConfig, rank: int, world_size: int, master_addr: str, master_port: int) -> Layout:
+    """Join the process group and build Megatron's model-parallel groups; returns this rank's :class:`Layout`."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    layout = config.layout(rank, world_size)  # validates world_size against tp*cp*pp before any rendezvous
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process; call shutdown_parallel() "
+                           "first (one TrainWorker per process)")
+    timeout = timedelta(seconds=config.dist_timeout_seconds)
+    backend = config.dist_backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{int(master_port)}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size
+        if config.vpp_size > 1 else None,
+        context_parallel_size=1,
+        # Megatron takes whole minutes here; the exact bound is set for every group right below
+        distributed_timeout_minutes=max(1, math.ceil(config.dist_timeout_seconds / 60)),
+    )
+    _set_group_timeouts(timeout)
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+
+    got = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+           parallel_state.get_pipeline_model_parallel_rank())
+    if got != (layout.dp_rank, layout.dp_size, layout.pp_rank):
+        raise TrainConfigError(f"rank {rank}: Megatron placed it at (dp_rank, dp_size, pp_rank)={got}, "
+                               f"the config expects {(layout.dp_rank, layout.dp_size, layout.pp_rank)}")
+    return layout
+
+
+def _set_group_timeouts(timeout: timedelta) -> None:
+    """Give every group Megatron created the exact ``timeout`` (Megatron's own helper also syncs CUDA)."""
+    from megatron.core import parallel_state
+
+    groups = getattr(parallel_state, "_global_process_group_list", None) or [None]
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def shutdown_parallel() -> None:
+    """Destroy Megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,242 @@
+"""The train loop: walk the steps of one rollout through Megatron's ``get_forward_backward_func()``.
+
+Per rollout::
+
+    iterators, num_microbatches = host.get_data_iterator(args, model, rollout_data)   # one iterator per VPP stage
+    check that every rank runs the same steps and micro-batches; count each step's loss tokens
+    for s, n in enumerate(num_microbatches):
+        zero grads; forward_backward_func(n micro-batches)  # DDP reduces grads after the last one
+        optimizer.step()                                     # Megatron optimizer, clips by clip_grad
+        host.step_lr_scheduler(args, scheduler, rollout_data, s)
+
+``host`` is the slime-shaped backend :mod:`slime_ext.training.legacy_backend`, called through the module so that
+:mod:`patches.host_slime` can swap its ``get_data_iterator`` / ``DataIterator`` / ``step_lr_scheduler`` for the
+rollout-side schedule's (``dp_schedule: rollout``); unpatched it is the legacy baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import legacy_backend as host
+from .batch import BATCH_KEYS, pack_micro_batch
+from .config import Layout, TrainConfig
+from .data import RolloutDataError, num_local_samples, sample_ids, validate_samples
+from .loss import log_prob_func, loss_scale, train_loss_func
+from .model import unwrap
+from .optimizer import current_lr
+
+
+@dataclass
+class TrainState:
+    """Everything a step touches (built by :class:`slime_ext.training.worker.TrainWorker`)."""
+
+    config: TrainConfig
+    args: Any  # slime-style namespace (config.to_args())
+    layout: Layout
+    model: list  # DDP-wrapped chunks, one per VPP stage
+    optimizer: Any
+    scheduler: Any
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _Ledger:
+    """Global sample ids of the micro-batches each model chunk consumed, in order."""
+
+    def __init__(self, num_chunks: int):
+        self.per_chunk: list[list[list[int]]] = [[] for _ in range(num_chunks)]
+
+    def record(self, chunk: int, ids: list[int]) -> None:
+        self.per_chunk[chunk].append(ids)
+
+    def micro_batches(self) -> list[list[int]]:
+        first = self.per_chunk[0]
+        for k, other in enumerate(self.per_chunk[1:], start=1):
+            if other != first:
+                raise RuntimeError(f"model chunk {k} consumed different micro-batches than chunk 0")
+        return first
+
+
+def _forward_step(state: TrainState, ledger: _Ledger, ids: list[int], make_loss, data_iterator, model):
+    """Megatron ``forward_step_func``: next micro-batch -> packed tensors -> model -> (output, loss function)."""
+    batch = data_iterator.get_next(BATCH_KEYS + ("local_index",))
+    chunk = unwrap(model).vp_stage or 0
+    ledger.record(chunk, [ids[i] for i in batch["local_index"]])
+    packed = pack_micro_batch(batch, max_positions=state.config.max_positions, device=_device())
+    output = model(packed.tokens, packed.position_ids, packed.attention_mask)
+    return output, partial(make_loss, packed)
+
+
+def _with_local_index(rollout_data: Mapping[str, Any]) -> dict:
+    """``rollout_data`` plus ``local_index`` (each sample's position), so the ledger can name what was consumed."""
+    data = dict(rollout_data)
+    data["local_index"] = list(range(num_local_samples(rollout_data)))
+    return data
+
+
+def _plan_checks(state: TrainState, iterators: list, num_microbatches: list[int], rollout_data: Mapping
+                 ) -> list[int]:
+    """Before any step: all ranks agree on the steps; returns each step's loss tokens over all DP ranks.
+
+    One vector all-reduce per rollout. A disagreement in ``num_microbatches`` would hang pipeline stages (or
+    silently mis-scale DP gradients), so it is an error here instead. When the schedule carries
+    ``loss_tokens_per_step`` the DP sum of the local counts must equal it.
+    """
+    from megatron.core import parallel_state
+
+    masks = rollout_data["loss_masks"]
+    probe = iterators[0]
+    saved = probe.offset
+    local_tokens = []
+    for n in num_microbatches:
+        mbs = probe.peek(n)
+        if len(mbs) != n:
+            raise RolloutDataError(f"the step needs {n} micro-batches but the iterator has only {len(mbs)} left")
+        local_tokens.append(sum(int(sum(masks[i])) for mb in mbs for i in mb))
+        probe.offset += n if probe.micro_batch_indices is not None else n * probe.micro_batch_size
+    probe.offset = saved
+
+    steps = len(num_microbatches)
+    device = _device()
+    shape = torch.tensor([steps, -steps], dtype=torch.int64, device=device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+    if int(shape[0]) != -int(shape[1]):
+        raise RolloutDataError(f"ranks disagree on the number of steps (rank {state.layout.rank} has {steps}, the "
+                               f"range is [{-int(shape[1])}, {int(shape[0])}]); every rank needs the same schedule")
+    nmb = torch.tensor(list(num_microbatches) + [-n for n in num_microbatches], dtype=torch.int64, device=device)
+    dist.all_reduce(nmb, op=dist.ReduceOp.MAX)
+    if nmb[:steps].tolist() != [-x for x in nmb[steps:].tolist()]:
+        raise RolloutDataError(f"ranks disagree on num_microbatches (rank {state.layout.rank}: {num_microbatches}); "
+                               f"all DP ranks and pipeline stages must run the same micro-batch counts")
+    tokens = torch.tensor(local_tokens, dtype=torch.int64, device=device)
+    dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+    totals = [int(t) for t in tokens.tolist()]
+    given = rollout_data.get("loss_tokens_per_step")
+    if given is not None and list(given) != totals:
+        raise RolloutDataError(f"loss_tokens_per_step={list(given)} but the DP ranks' loss masks sum to {totals}; "
+                               f"the schedule was planned from other loss masks than the ones sent")
+    return totals
+
+
+def train_rollout(state: TrainState, rollout_data: Mapping[str, Any]) -> list[dict]:
+    """Train on one rollout; returns one record per step (see :func:`train_one_step`)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    validate_samples(rollout_data)
+    data = _with_local_index(rollout_data)
+    iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
+    step_tokens = _plan_checks(state, iterators, num_microbatches, data)
+    ids = sample_ids(rollout_data)
+    forward_backward = get_forward_backward_func()
+    return [train_one_step(state, forward_backward, iterators, data, ids, s, n, step_tokens[s])
+            for s, n in enumerate(num_microbatches)]
+
+
+def train_one_step(state: TrainState, forward_backward, iterators: list, rollout_data: Mapping, ids: list[int],
+                   step_id: int, num_microbatches: int, step_loss_tokens: int) -> dict:
+    """One optimizer step over ``num_microbatches`` micro-batches per rank.
+
+    Returns ``{step, loss, lr, samples, num_microbatches, seconds, ledger, loss_tokens, grad_norm,
+    lr_increment, scheduler_samples, update_successful}``: ``loss`` is the step objective over all ranks (module
+    docstring of :mod:`slime_ext.training.loss`), ``lr`` the rate this step applied, ``samples`` the samples the
+    step trained on over all ranks (``lr_increment`` is what the LR scheduler was advanced by, and
+    ``scheduler_samples`` its sample counter afterwards), ``ledger`` the global sample ids of each micro-batch of
+    this rank, in order.
+    """
+    start = time.perf_counter()
+    model = state.model
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+
+    ledger = _Ledger(len(model))
+    scale = loss_scale(num_microbatches, state.layout.dp_size, step_loss_tokens)
+    step_func = partial(_forward_step, state, ledger, ids, partial(train_loss_func, scale=scale))
+    losses = forward_backward(
+        forward_step_func=step_func,
+        data_iterator=iterators,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=state.config.seq_length,  # ignored with variable_seq_lengths; shapes travel with the tensors
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    lr = current_lr(state.optimizer)
+    update_successful, grad_norm, _ = state.optimizer.step()
+    increment = host.step_lr_scheduler(state.args, state.scheduler, rollout_data, step_id)
+
+    # the step objective: last stages hold the micro-batch sums; summed over every rank (others add 0)
+    local = sum(float(x["loss_sum"]) for x in losses) if losses else 0.0
+    loss_t = torch.tensor([local], dtype=torch.float64, device=_device())
+    dist.all_reduce(loss_t)
+    micro_batches = ledger.micro_batches()
+    samples = rollout_data.get("samples_per_step")
+    return {
+        "step": step_id,
+        "loss": float(loss_t.item()) / step_loss_tokens if step_loss_tokens else 0.0,
+        "lr": lr,
+        "samples": int(samples[step_id]) if samples is not None else _dp_sum(sum(len(mb) for mb in micro_batches)),
+        "num_microbatches": num_microbatches,
+        "seconds": time.perf_counter() - start,
+        "ledger": micro_batches,
+        "loss_tokens": step_loss_tokens,
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "lr_increment": int(increment),
+        "scheduler_samples": int(state.scheduler.num_steps),
+        "update_successful": bool(update_successful),
+    }
+
+
+def _dp_sum(value: int) -> int:
+    from megatron.core import parallel_state
+
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return int(t.item())
+
+
+@torch.no_grad()
+def forward_only(state: TrainState, rollout_data: Mapping[str, Any]) -> dict:
+    """Per-token log-probs of every response token, over the same iterators as training.
+
+    Returns ``{"sample_indices": [...], "log_probs": [[...] per sample] or None}`` in ``rollout_data`` order;
+    ``log_probs`` is filled on the last pipeline stage (where the logits are) and ``None`` elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    validate_samples(rollout_data)
+    data = _with_local_index(rollout_data)
+    iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
+    ids = sample_ids(rollout_data)
+    forward_backward = get_forward_backward_func()
+    for chunk in state.model:
+        chunk.eval()
+    ledger = _Ledger(len(state.model))
+    outputs: list[dict] = []
+    try:
+        for n in num_microbatches:
+            outputs += forward_backward(
+                forward_step_func=partial(_forward_step, state, ledger, ids, log_prob_func),
+                data_iterator=iterators, model=state.model, num_microbatches=n,
+                seq_length=state.config.seq_length, micro_batch_size=1, forward_only=True)
+    finally:
+        for chunk in state.model:
+            chunk.train()
+    result = {"sample_indices": ids, "log_probs": None}
+    if state.layout.is_last_stage:
+        position = {sid: k for k, sid in enumerate(ids)}
+        log_probs: list[list[float] | None] = [None] * len(ids)
+        for mb_ids, out in zip(ledger.micro_batches(), outputs):
+            for sid, lp in zip(mb_ids, torch.split(out["log_probs"], out["response_lengths"])):
+                log_probs[position[sid]] = lp.tolist()
+        result["log_probs"] = log_probs
+    return result
