@@ -98,8 +98,10 @@ class TrainActor:
         cls = load_object(self.worker_class)
         self.worker = cls(self.train_config, self.rank, self.world_size, master_addr, master_port)
         layout = dict(self.worker.setup())
+        import slime_ext
+
         self.info = {**layout, "backend": dist.get_backend(), "pid": os.getpid(),
-                     "device": "cuda" if torch.cuda.is_available() else "cpu"}
+                     "device": "cuda" if torch.cuda.is_available() else "cpu", "slime_ext": slime_ext.__file__}
         return self.info
 
     def reset(self, changes: Mapping[str, Any]) -> None:

@@ -81,7 +81,11 @@ def worker_env(device: str, extra_pythonpath: Sequence[str] = ()) -> dict[str, s
 
 
 def start_ray(config: RunConfig, *, extra_pythonpath: Sequence[str] = ()) -> bool:
-    """``ray.init`` on loopback (no dashboard, small object store); ``False`` if Ray was already running."""
+    """``ray.init`` on loopback (no dashboard, small object store); ``False`` if Ray was already running.
+
+    The job's ``runtime_env`` (:func:`worker_env`) is what makes ``slime_ext`` importable in every actor; a Ray
+    started elsewhere must provide that itself (an installed ``slime-ext``, or ``PYTHONPATH``).
+    """
     import ray
 
     if ray.is_initialized():
@@ -161,8 +165,7 @@ class TrainGroup:
                 raise DeviceError(f"device=cuda needs one GPU per train process ({world}) but Ray sees {gpus:g}; "
                                   f"lower actor_num_gpus_per_node or run on a machine with more GPUs")
         cpus = ray.cluster_resources().get("CPU", 1) / (world + 1)
-        opts = dict(num_cpus=cpus, num_gpus=1 if device == "cuda" else 0,
-                    runtime_env={"env_vars": worker_env(device)})
+        opts = dict(num_cpus=cpus, num_gpus=1 if device == "cuda" else 0)
         actors = [remote(TrainActor, **opts).remote(config.options["train_worker_class"], config.train.to_dict(),
                                                     rank, world) for rank in range(world)]
         group = cls(config, actors, [])
@@ -319,8 +322,7 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
     manager = None
     try:
         cpus = ray.cluster_resources().get("CPU", 1) / (config.world_size + 1)
-        manager = remote(RolloutManager, num_cpus=cpus, num_gpus=0,
-                         runtime_env={"env_vars": worker_env("cpu", extra_pythonpath)}).remote(
+        manager = remote(RolloutManager, num_cpus=cpus, num_gpus=0).remote(
             config.to_dict(), config.train_parallel_config())
         pending_generate = manager.generate.remote(0)
         if own_group:
@@ -359,8 +361,8 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
         result.seconds = time.perf_counter() - start
         return result
     except BaseException:
-        if group is not None and not own_group:
-            group.kill()  # ranks may be stuck in a collective with a failed peer: the group is unusable
+        if group is not None:
+            group.kill()  # ranks may be stuck in a collective with a failed peer: no clean shutdown to wait for
         raise
     finally:
         if manager is not None:
@@ -383,7 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key (YAML value), e.g. --set num_rollout=5")
-    parser.add_argument("--json", metavar="PATH", help="also write the per-step rows as JSON")
+    parser.add_argument("--json", metavar="PATH", help="also write the train ranks' layouts and the per-step rows "
+                                                       "as JSON")
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     overrides = {}
@@ -407,5 +410,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         import json
 
         with open(ns.json, "w") as fh:
-            json.dump(result.rows, fh, indent=1)
+            json.dump({"layouts": result.layouts, "rows": result.rows,
+                       "dropped": {r.rollout_id: r.plan["dropped"] for r in result.rollouts}}, fh, indent=1)
     return 0
