@@ -18,7 +18,7 @@ import pytest
 
 from rollout_harness import CONFIGS, DEVICE, REPO, config
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_demo")]
+pytestmark = [pytest.mark.e2e]
 
 
 def _installed_copy(tmp_path):

@@ -21,7 +21,7 @@ import ray
 from rollout_harness import DEVICE, InjectedFault, config, free_cpus, ray_session, timer
 from slime_ext.rollout.driver import run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_faults")]
+pytestmark = [pytest.mark.e2e]
 
 BASE = "e2e/dp2_dynamic_balanced"
 #: a process-group timeout far above the bounds asserted below: a fast failure cannot come from it

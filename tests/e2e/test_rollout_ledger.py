@@ -6,7 +6,7 @@ are exactly the reported ones; and the LR scheduler advanced by the samples each
 (legacy: by the configured ``global_batch_size``).
 
 The DP=2 configs share one set of train processes (``TrainGroup`` reset between configs, as a long-lived slime
-job would reuse its actors), so the module pays the megatron start-up once.
+job would reuse its actors), so the module pays the megatron start-up once per pytest(-xdist) worker.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from slime_ext.rollout.driver import TrainGroup, run
 from slime_ext.rollout.ledger import check_ledger
 from slime_ext.schedule import DPSchedule, check_schedule
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_ledger_dp2")]
+pytestmark = [pytest.mark.e2e]
 
 DP2_CONFIGS = ["dp2_dynamic_balanced", "dp2_dynamic_strided", "dp2_static", "dp2_dynamic_gbs", "dp2_legacy",
                "dp2_legacy_balanced"]

@@ -9,7 +9,7 @@ from rollout_harness import config, ray_session
 from slime_ext.rollout.driver import run
 from slime_ext.rollout.ledger import check_ledger
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("rollout_pipeline")]
+pytestmark = [pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
