@@ -11,13 +11,16 @@ touched. Everything below exists because megatron-core assumes a CUDA device in 
 3. ``Tensor.cuda()`` in the tied word-embedding sync of ``LanguageModule`` (PP > 1);
 4. the CUDA RNG tracker (``CudaRNGStatesTracker.add`` and ``.fork``), which dropout and model init run under;
 5. ``clip_grad_by_total_norm_fp32`` asserting ``param.grad.type() == 'torch.cuda.FloatTensor'``;
-6. untagged batched p2p (``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes``). gloo matches
-   messages between two ranks by ``(peer, tag)`` in posting order (the ``batch_isend_irecv`` contract). With PP=2
-   the previous and the next stage are one peer, so when the interleaved (VPP) schedule sends an activation
-   forward and a gradient backward in one call, the untagged messages cross: the gradient lands in the
-   activation buffer. With variable sequence lengths that shows as a shape mismatch in attention; with fixed
-   lengths it would be silent. NCCL is not affected by this patch (it only applies without a GPU).
-
+6. blocking, untagged batched p2p (``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes``, which wait on
+   every request of a call, sends included). Two gloo properties break that on CPU:
+   (a) gloo matches messages between two ranks by ``(peer, tag)`` in posting order (the ``batch_isend_irecv``
+   contract); with PP=2 the previous and the next stage are one peer, so when the interleaved (VPP) schedule sends
+   an activation forward and a gradient backward in one call, the untagged messages cross (with variable sequence
+   lengths that shows as a shape mismatch in attention; with fixed lengths it would be silent);
+   (b) a gloo send completes only once the peer has posted the matching receive. The pipeline schedules pair one
+   rank's call with a *later* call on its peer (e.g. PP=2, VPP=2 and two micro-batches: stage 0 finishes its
+   warmup with a forward send while stage 1 already sends a gradient back), and waiting for that send inside the
+   call deadlocks. NCCL hides this because its ``wait()`` only orders CUDA streams.
 How they are fixed, narrowest first:
 
 * **The CPU device context** (:func:`cpu_device_context`): a thread-local flag plus a
@@ -37,7 +40,11 @@ How they are fixed, narrowest first:
   states are CPU generator states, ``fork`` swaps ``torch.get_rng_state``/``set_rng_state`` in and out.
 * ``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes`` are replaced by the same exchanges with one
   tag per direction (activations forward, gradients backward; shapes and tensors apart), so matching no longer
-  depends on posting order. ``use_ring_exchange_p2p`` still goes to the original.
+  depends on posting order, and whose sends complete **asynchronously**: only receives are waited on in the call
+  (their data is needed), send requests are kept and waited on when the schedule function returns (the three
+  schedule wrappers drain them), so a send can complete during the peer's later call. The sent tensors stay
+  referenced until then and Megatron does not modify them (``deallocate_pipeline_outputs`` is off).
+  ``use_ring_exchange_p2p`` still goes to the original.
 * ``clip_grad_by_total_norm_fp32`` (as looked up by ``megatron.core.optimizer.optimizer``) is replaced by the same
   math without the CUDA type assertion: fp32 grads are scaled in place by ``max_norm / (total_norm + 1e-6)``
   when that is below one.
@@ -109,6 +116,34 @@ def cpu_device_context() -> Iterator[None]:
                 yield
     finally:
         _local.depth = depth
+
+
+def _pending_sends() -> list:
+    if not hasattr(_local, "sends"):
+        _local.sends = []
+    return _local.sends
+
+
+def drain_pending_sends() -> None:
+    """Wait for every p2p send this thread left in flight (see the p2p patches)."""
+    sends = _pending_sends()
+    while sends:
+        sends.pop(0).wait()
+
+
+def _run_schedule_in_cpu_context(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with cpu_device_context():
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                _pending_sends().clear()  # the job is failing; do not block on a peer that may be gone
+                raise
+            drain_pending_sends()
+            return result
+
+    return wrapper
 
 
 def _run_in_cpu_context(original: Callable) -> Callable:
@@ -230,7 +265,7 @@ def _batched_p2p_ops(original: Callable) -> Callable:
     @functools.wraps(original)
     def batched_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
                         prev_pipeline_rank, next_pipeline_rank):
-        """Upstream's batched isend/irecv, each direction under its own tag."""
+        """Upstream's batched isend/irecv, each direction under its own tag; sends complete asynchronously."""
         ops = []
         if tensor_send_prev is not None:
             ops.append(_p2p_op(True, tensor_send_prev, prev_pipeline_rank, group, _TAG_BACKWARD))
@@ -240,15 +275,26 @@ def _batched_p2p_ops(original: Callable) -> Callable:
             ops.append(_p2p_op(True, tensor_send_next, next_pipeline_rank, group, _TAG_FORWARD))
         if tensor_recv_next is not None:
             ops.append(_p2p_op(False, tensor_recv_next, next_pipeline_rank, group, _TAG_BACKWARD))
-        return torch.distributed.batch_isend_irecv(ops) if ops else []
+        return _start(ops)
 
     return batched_p2p_ops
+
+
+def _start(ops: list) -> list:
+    """Post ``ops``; returns the receive requests, keeps the send requests pending (see the module docstring)."""
+    if not ops:
+        return []
+    reqs = torch.distributed.batch_isend_irecv(ops)
+    recvs = []
+    for op, req in zip(ops, reqs):
+        (recvs if op.op is torch.distributed.irecv else _pending_sends()).append(req)
+    return recvs
 
 
 def _communicate_shapes(original: Callable) -> Callable:
     @functools.wraps(original)
     def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        """Upstream's shape exchange on CPU tensors, each direction under its own tag."""
+        """Upstream's shape exchange on CPU tensors, one tag per direction; waits for the receives only."""
         if self.config.use_ring_exchange_p2p:
             return original(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
         ops = []
@@ -264,9 +310,8 @@ def _communicate_shapes(original: Callable) -> Callable:
             ops.append(_p2p_op(True, shape, self.next_rank, self.pp_group, _TAG_SHAPE_FORWARD))
         if recv_next_shape is not None:
             ops.append(_p2p_op(False, recv_next_shape, self.next_rank, self.pp_group, _TAG_SHAPE_BACKWARD))
-        if ops:
-            for req in torch.distributed.batch_isend_irecv(ops):
-                req.wait()
+        for req in _start(ops):
+            req.wait()
         return (recv_prev_shape.tolist() if recv_prev_shape is not None else [0, 0, 0],
                 recv_next_shape.tolist() if recv_next_shape is not None else [0, 0, 0])
 
@@ -323,19 +368,21 @@ def build_patches() -> PatchSet:
         _mcore("rng_tracker_fork", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork",
                _tracker_fork, "fork swaps the CPU default generator's state", "_set_cuda_rng_state("),
         _mcore("p2p_batched_ops", "megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops",
-               _batched_p2p_ops, "batched p2p with one tag per direction (PP=2: prev and next are one peer)",
+               _batched_p2p_ops, "batched p2p, one tag per direction, sends complete asynchronously (gloo)",
                "batch_isend_irecv(ops)"),
         _mcore("p2p_shapes", "megatron.core.pipeline_parallel.p2p_communication",
                "P2PCommunicator._communicate_shapes", _communicate_shapes,
-               "shape exchange on CPU with one tag per direction", "batch_isend_irecv(ops)",
+               "shape exchange on CPU, one tag per direction, waits for receives only", "batch_isend_irecv(ops)",
                "torch.cuda.synchronize()"),
         _mcore("clip_grad_fp32", "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
                _clip_grad_by_total_norm_fp32, "same clipping math without the torch.cuda.FloatTensor assertion",
                "torch.cuda.FloatTensor"),
     ]
     for name, module, attribute, needle in CONTEXT_WRAPPED:
-        patches.append(_mcore(name, module, attribute, _run_in_cpu_context,
-                              f"run in cpu_device_context: {_CONTEXT_DOC[name]}", needle))
+        wrap = _run_schedule_in_cpu_context if name.startswith("schedule_") else _run_in_cpu_context
+        extra = "; drains pending p2p sends on return" if name.startswith("schedule_") else ""
+        patches.append(_mcore(name, module, attribute, wrap,
+                              f"run in cpu_device_context: {_CONTEXT_DOC[name]}{extra}", needle))
     return PatchSet("megatron_cpu", patches)
 
 

@@ -6,7 +6,6 @@ collective within that time instead of hanging the job (gloo also fails at once 
 
 from __future__ import annotations
 
-import math
 from datetime import timedelta
 
 import torch
@@ -39,10 +38,9 @@ def init_parallel(config: TrainConfig, rank: int, world_size: int, master_addr: 
         virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size
         if config.vpp_size > 1 else None,
         context_parallel_size=1,
-        # Megatron takes whole minutes here; the exact bound is set for every group right below
-        distributed_timeout_minutes=max(1, math.ceil(config.dist_timeout_seconds / 60)),
+        # typed int, but only fed to timedelta(minutes=...): a fraction gives every group the exact bound
+        distributed_timeout_minutes=config.dist_timeout_seconds / 60.0,
     )
-    _set_group_timeouts(timeout)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
 
     got = (parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
@@ -51,15 +49,6 @@ def init_parallel(config: TrainConfig, rank: int, world_size: int, master_addr: 
         raise TrainConfigError(f"rank {rank}: Megatron placed it at (dp_rank, dp_size, pp_rank)={got}, "
                                f"the config expects {(layout.dp_rank, layout.dp_size, layout.pp_rank)}")
     return layout
-
-
-def _set_group_timeouts(timeout: timedelta) -> None:
-    """Give every group Megatron created the exact ``timeout`` (Megatron's own helper also syncs CUDA)."""
-    from megatron.core import parallel_state
-
-    groups = getattr(parallel_state, "_global_process_group_list", None) or [None]
-    for group in groups:
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def shutdown_parallel() -> None:
