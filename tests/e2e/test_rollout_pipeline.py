@@ -36,20 +36,10 @@ def test_ledger_dp2_pp2(session):
 
 
 def test_ledger_pp2_vpp2(session):
-    cfg = config("e2e/pp2_vpp2", verify_ledger=False)
+    cfg = config("e2e/pp2_vpp2", verify_ledger=False, dist_timeout_seconds=20, train_timeout_seconds=120)
     result = run(cfg, out=None)
     _assert_pipeline_ledger(result, dp=1, pp=2)
-    group = cfg.train.mb_group_size
-    assert all(n % group == 0 for r in result.rollouts for n in r.plan["num_microbatches"])
-
-
-@pytest.mark.xfail(strict=True, raises=(RuntimeError, TimeoutError), reason=(
-    "training-side bug, reported: under VPP on CPU/gloo a step with num_microbatches == "
-    "pipeline_model_parallel_size (2) hangs in send_forward_backward_recv_forward_backward -> the CPU patch's "
-    "_communicate_shapes (and the p2p wait ignores dist_timeout_seconds); remove this marker when it is fixed"))
-def test_vpp_step_with_as_many_microbatches_as_stages(session):
-    cfg = config("e2e/pp2_vpp2", global_batch_size=2, num_rollout=1, dist_timeout_seconds=10,
-                 train_timeout_seconds=15)
-    result = run(cfg, out=None)
-    assert any(n == 2 for n in result.rollouts[0].plan["num_microbatches"])
-    _assert_pipeline_ledger(result, dp=1, pp=2)
+    counts = [n for r in result.rollouts for n in r.plan["num_microbatches"]]
+    assert all(n % cfg.train.mb_group_size == 0 for n in counts)
+    # a step with as many micro-batches as stages (all in warmup on stage 0) once deadlocked gloo p2p
+    assert 2 in counts and max(counts) > 2
