@@ -1,0 +1,14 @@
+"""The rollout adapter (Ray): rollouts -> train data -> the schedule -> one payload per DP rank -> train actors.
+
+One concern per module:
+
+* :mod:`.types` -- ``Sample``, what a rollout function returns;
+* :mod:`.synthetic` -- the default rollout function, a seeded synthetic generator;
+* :mod:`.train_data` -- samples -> per-sample train data (advantages, loss tokens);
+* :mod:`.dispatch` -- **where the schedule is computed**: train data -> per-DP-rank payloads (or the legacy split);
+* :mod:`.config` -- the run config (one YAML: training keys + rollout/harness keys), validated before any process;
+* :mod:`.actors` -- the Ray actors: ``RolloutManager`` and ``TrainActor`` (wraps a ``TrainWorker``);
+* :mod:`.driver` -- the harness: starts Ray on loopback, runs rollout -> train steps, prints them, shuts down.
+
+Only :mod:`.actors` and :mod:`.driver` import Ray; the planning layer never imports this package.
+"""

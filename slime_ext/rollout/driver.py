@@ -1,0 +1,415 @@
+"""The harness: start Ray on loopback, run ``num_rollout`` rollout -> train iterations, print each step, shut down.
+
+::
+
+    config = load_run_config("configs/demo_cpu.yaml")     # validated: nothing has started yet
+    result = run(config)                                  # starts Ray (unless running), actors, trains, stops
+
+Failure handling -- a run never hangs and always fails with the original error:
+
+* every wait on actors goes through :func:`gather`, which returns as soon as any awaited call fails and re-raises
+  that call's exception (Ray re-raises it as a subclass of the original type, remote traceback included), or
+  raises :class:`StepTimeout` naming the calls still running after the configured timeout;
+* train ranks blocked in a collective with a failed peer are killed with their group (their process groups
+  also time out on their own after ``dist_timeout_seconds``);
+* actors are killed and Ray is shut down in ``finally`` -- Ray only if this run started it.
+
+A :class:`TrainGroup` (the dp x pp train actors) can outlive one run: ``run(config, group=group)`` resets it to the
+initial parameters with the config's batch/schedule/optimizer keys, so several configs with the same model and
+layout share one set of processes (the e2e tests do).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from slime_ext.schedule import CostModel
+
+from .actors import RolloutManager, TrainActor, remote
+from .config import RunConfig
+from .ledger import check_ledger
+
+logger = logging.getLogger("slime_ext.rollout")
+
+
+def _resettable_keys() -> frozenset:
+    """Keys a running TrainGroup can change between runs (``TrainWorker.reset``); the rest need new processes."""
+    from slime_ext.training.worker import RESETTABLE_KEYS  # imports torch: only when a group is reused
+
+    return RESETTABLE_KEYS
+
+
+class StepTimeout(TimeoutError):
+    """Actor calls still running after their timeout; the message names them."""
+
+
+class LedgerError(RuntimeError):
+    """A trained rollout broke a ledger invariant (:mod:`slime_ext.rollout.ledger`)."""
+
+
+class DeviceError(RuntimeError):
+    """The requested device is not there (e.g. ``device: cuda`` without enough GPUs)."""
+
+
+# ---------------------------------------------------------------------------------------------------- Ray
+def _package_root() -> str:
+    """The directory that holds ``slime_ext`` (and ``patches``): the repo in a checkout, site-packages installed."""
+    return str(Path(__file__).resolve().parents[2])
+
+
+#: megatron-core warnings that only say TE/Apex are missing (always true on CPU)
+_CPU_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                 "full scope is deprecated")
+
+
+def worker_env(device: str, extra_pythonpath: Sequence[str] = ()) -> dict[str, str]:
+    """Environment of every actor: ``slime_ext`` importable, one compute thread per process on CPU."""
+    paths = [_package_root(), *map(str, extra_pythonpath)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "RAY_USAGE_STATS_ENABLED": "0"}
+    if device == "cpu":
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        # expected on a CPU host without TE/Apex; every other warning still shows
+        env["PYTHONWARNINGS"] = ",".join(f"ignore:{m}:UserWarning" for m in _CPU_WARNINGS)
+    return env
+
+
+def start_ray(config: RunConfig, *, extra_pythonpath: Sequence[str] = ()) -> bool:
+    """``ray.init`` on loopback (no dashboard, small object store); ``False`` if Ray was already running.
+
+    The job's ``runtime_env`` (:func:`worker_env`) is what makes ``slime_ext`` importable in every actor; a Ray
+    started elsewhere must provide that itself (an installed ``slime-ext``, or ``PYTHONPATH``).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    device = config.options["device"]
+    ray.init(
+        address="local",
+        num_cpus=config.options["ray_num_cpus"] or os.cpu_count() or 1,
+        num_gpus=None if device == "cuda" else 0,
+        object_store_memory=int(config.options["ray_object_store_memory_mb"]) * 1024 * 1024,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": worker_env(device, extra_pythonpath)},
+        namespace="slime_ext",
+        log_to_driver=True,
+        configure_logging=False,
+    )
+    return True
+
+
+def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[Any]:
+    """Results of ``calls`` (``(name, ObjectRef)``) in order; the first failure or the timeout raises at once."""
+    import ray
+
+    names = {ref: name for name, ref in calls}
+    results: dict[Any, Any] = {}
+    pending = [ref for _, ref in calls]
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StepTimeout(f"{what}: {', '.join(names[r] for r in pending)} did not finish within {timeout:.0f}s "
+                              f"(raise the *_timeout_seconds key if the work is legitimately slower)")
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"slime-ext: raised by {names[ref]} during {what}")
+                raise
+    return [results[ref] for _, ref in calls]
+
+
+def _kill(actors: Sequence[Any]) -> None:
+    import ray
+
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------- train group
+class TrainGroup:
+    """The ``world_size`` train actors of one layout (rank ``r``: dp_rank ``r % dp``, pp_rank ``r // dp``)."""
+
+    def __init__(self, config: RunConfig, actors: list, setup_refs: list):
+        self.config = config
+        self.actors = actors
+        self._setup_refs = setup_refs
+        self.layouts: list[dict] = []
+        self.alive = True
+
+    @classmethod
+    def launch(cls, config: RunConfig) -> "TrainGroup":
+        """Create the actors and start their set-up (returns at once; :meth:`wait_ready` waits)."""
+        import ray
+
+        world = config.world_size
+        device = config.options["device"]
+        if device == "cuda":
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if gpus < world:
+                raise DeviceError(f"device=cuda needs one GPU per train process ({world}) but Ray sees {gpus:g}; "
+                                  f"lower actor_num_gpus_per_node or run on a machine with more GPUs")
+        cpus = ray.cluster_resources().get("CPU", 1) / (world + 1)
+        opts = dict(num_cpus=cpus, num_gpus=1 if device == "cuda" else 0)
+        actors = [remote(TrainActor, **opts).remote(config.options["train_worker_class"], config.train.to_dict(),
+                                                    rank, world) for rank in range(world)]
+        group = cls(config, actors, [])
+        try:
+            addr, port = gather([("train rank 0", actors[0].address.remote())], config.options["setup_timeout_seconds"],
+                                "the rendezvous")[0]
+            group._setup_refs = [a.setup.remote(addr, port) for a in actors]
+        except BaseException:
+            group.kill()
+            raise
+        return group
+
+    def setup_calls(self) -> list[tuple[str, Any]]:
+        return [(f"train rank {r}", ref) for r, ref in enumerate(self._setup_refs)]
+
+    def wait_ready(self, extra: Sequence[tuple[str, Any]] = ()) -> list[Any]:
+        """Wait for every rank's set-up (and ``extra`` calls, failing fast on any); returns the extra results."""
+        if self._setup_refs:
+            results = gather([*self.setup_calls(), *extra], self.config.options["setup_timeout_seconds"],
+                             "set-up")
+            self.layouts = results[:len(self._setup_refs)]
+            self._setup_refs = []
+            return results[len(self.layouts):]
+        return gather(list(extra), self.config.options["setup_timeout_seconds"], "set-up") if extra else []
+
+    def fixed_key_changes(self, config: RunConfig) -> list[str]:
+        """Keys that differ from this group's and cannot change without new processes."""
+        mine, theirs = self.config.train.to_dict(), config.train.to_dict()
+        resettable = _resettable_keys()
+        diffs = [k for k in mine if mine[k] != theirs[k] and k not in resettable]
+        if config.world_size != self.config.world_size:
+            diffs.append("actor_num_gpus_per_node")
+        if config.options["train_worker_class"] != self.config.options["train_worker_class"]:
+            diffs.append("train_worker_class")
+        return diffs
+
+    def reset(self, config: RunConfig) -> None:
+        """Back to the initial parameters, with ``config``'s batch/schedule/optimizer keys."""
+        fixed = self.fixed_key_changes(config)
+        if fixed:
+            raise ValueError(f"this TrainGroup cannot run the config: {fixed} differ and are fixed at set-up; "
+                             f"start a new group")
+        resettable = _resettable_keys()
+        changes = {k: v for k, v in config.train.to_dict().items() if k in resettable}
+        self.wait_ready()
+        gather([(f"train rank {r}", a.reset.remote(changes)) for r, a in enumerate(self.actors)],
+               config.options["setup_timeout_seconds"], "reset")
+        self.config = config
+
+    def train(self, rollout_id: int, payload_refs: list, timeout: float) -> list[dict]:
+        calls = [(f"train rank {r}", a.train_rollout.remote(rollout_id, payload_refs))
+                 for r, a in enumerate(self.actors)]
+        return gather(calls, timeout, f"training on rollout {rollout_id}")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Leave the process groups cleanly, then end the processes (kill if that does not finish)."""
+        if not self.alive:
+            return
+        try:
+            if not self._setup_refs:
+                gather([(f"train rank {r}", a.shutdown.remote()) for r, a in enumerate(self.actors)], timeout,
+                       "shutdown")
+        except Exception as exc:  # the processes are killed below either way
+            logger.warning("train group shutdown: %s", exc)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        _kill(self.actors)
+        self.alive = False
+
+
+# ---------------------------------------------------------------------------------------------------- the run
+@dataclass
+class RolloutResult:
+    rollout_id: int
+    plan: dict
+    ranks: list[dict]
+    rows: list[dict]
+    generate_seconds: float
+    seconds: float
+
+
+@dataclass
+class RunResult:
+    config: RunConfig
+    layouts: list[dict]
+    rollouts: list[RolloutResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def rows(self) -> list[dict]:
+        return [row for r in self.rollouts for row in r.rows]
+
+
+def step_rows(config: RunConfig, plan: dict, ranks: list[dict]) -> list[dict]:
+    """Per step: samples, micro-batches per DP rank, tokens and estimated FLOPs per DP rank, loss, LR, time."""
+    lengths = plan["total_lengths"]
+    cost = CostModel.from_args(config.args())
+    flops = cost.flops(lengths).tolist() if cost is not None else [float(x) for x in lengths]
+    stage0 = sorted((r for r in ranks if r["pp_rank"] == 0), key=lambda r: r["dp_rank"])
+    rows = []
+    for s in range(len(plan["step_samples"])):
+        recs = [r["records"][s] for r in stage0]
+        tokens = [sum(lengths[i] for mb in rec["ledger"] for i in mb) for rec in recs]
+        rank_flops = [sum(flops[i] for mb in rec["ledger"] for i in mb) for rec in recs]
+        mean_flops = sum(rank_flops) / len(rank_flops)
+        rows.append({
+            "rollout": plan["rollout_id"],
+            "step": s,
+            "samples": recs[0]["samples"],
+            "mbs_per_rank": [rec["num_microbatches"] for rec in recs],
+            "tokens_per_rank": tokens,
+            "flops_balance": max(rank_flops) / mean_flops if mean_flops else 1.0,
+            "loss": recs[0]["loss"],
+            "lr": recs[0]["lr"],
+            "seconds": max(r["records"][s]["seconds"] for r in ranks),
+        })
+    return rows
+
+
+HEADER = (f"{'rollout':>7} {'step':>4} {'samples':>7} {'mbs/rank':>10} {'tokens/rank':>15} {'FLOPs max/mean':>14} "
+          f"{'loss':>10} {'lr':>9} {'time s':>7}")
+
+
+def format_row(row: dict) -> str:
+    mbs = ",".join(str(m) for m in row["mbs_per_rank"])
+    tokens = ",".join(str(t) for t in row["tokens_per_rank"])
+    return (f"{row['rollout']:>7} {row['step']:>4} {row['samples']:>7} {mbs:>10} {tokens:>15} "
+            f"{row['flops_balance']:>14.3f} {row['loss']:>10.4f} {row['lr']:>9.2e} {row['seconds']:>7.2f}")
+
+
+def describe(config: RunConfig) -> str:
+    t = config.train
+    batch = (f"dynamic max_tokens_per_gpu={t.max_tokens_per_gpu}" if t.use_dynamic_batch_size
+             else f"static micro_batch_size={t.micro_batch_size}")
+    gbs = "dynamic" if t.use_dynamic_global_batch_size else str(t.global_batch_size)
+    return (f"world={config.world_size} dp={config.dp_size} pp={t.pipeline_model_parallel_size} vpp={t.vpp_size} "
+            f"backend={t.dist_backend} | dp_schedule={t.dp_schedule} batch={batch} global_batch_size={gbs} "
+            f"balance_data={t.balance_data} | model layers={t.num_layers} hidden={t.hidden_size} "
+            f"vocab={t.vocab_size} seq={t.seq_length}")
+
+
+def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[str], None] | None = print,
+        extra_pythonpath: Sequence[str] = ()) -> RunResult:
+    """Run ``config``: ``num_rollout`` rollouts, each trained to the end; see the module docstring."""
+    import ray
+
+    emit = out or (lambda line: None)
+    opts = config.options
+    start = time.perf_counter()
+    started_ray = start_ray(config, extra_pythonpath=extra_pythonpath)
+    own_group = group is None
+    manager = None
+    try:
+        cpus = ray.cluster_resources().get("CPU", 1) / (config.world_size + 1)
+        manager = remote(RolloutManager, num_cpus=cpus, num_gpus=0).remote(
+            config.to_dict(), config.train_parallel_config())
+        pending_generate = manager.generate.remote(0)
+        if own_group:
+            group = TrainGroup.launch(config)
+        else:
+            if not group.alive:
+                raise RuntimeError("the TrainGroup was killed by an earlier failure; start a new one")
+            group.reset(config)
+        first = group.wait_ready([("the rollout manager", pending_generate)])[0]
+        result = RunResult(config=config, layouts=list(group.layouts))
+        emit(describe(config))
+        emit(HEADER)
+        for rollout_id in range(opts["num_rollout"]):
+            t0 = time.perf_counter()
+            if rollout_id == 0:
+                gen = first
+            else:
+                gen = gather([("the rollout manager", manager.generate.remote(rollout_id))],
+                             opts["rollout_timeout_seconds"], f"rollout {rollout_id}")[0]
+            plan = gen["plan"]
+            if plan["dropped"]:
+                emit(f"  rollout {rollout_id}: dropped {plan['dropped_reason']}")
+            ranks = sorted(group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"]),
+                           key=lambda r: r["rank"])
+            if opts["verify_ledger"]:
+                problems = check_ledger(plan, ranks)
+                if problems:
+                    raise LedgerError(f"rollout {rollout_id}: the trained samples do not match the plan:\n  "
+                                      + "\n  ".join(problems))
+            rows = step_rows(config, plan, ranks)
+            for row in rows:
+                emit(format_row(row))
+            result.rollouts.append(RolloutResult(rollout_id=rollout_id, plan=plan, ranks=ranks, rows=rows,
+                                                 generate_seconds=gen["seconds"],
+                                                 seconds=time.perf_counter() - t0))
+        result.seconds = time.perf_counter() - start
+        return result
+    except BaseException:
+        if group is not None:
+            group.kill()  # ranks may be stuck in a collective with a failed peer: no clean shutdown to wait for
+        raise
+    finally:
+        if manager is not None:
+            _kill([manager])
+        if own_group and group is not None:
+            group.shutdown()
+        if started_ray:
+            ray.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slime_ext.run --config FILE [--set key=value ...]``; exit 2 on a bad config, 1 on a failed run."""
+    import argparse
+
+    import yaml
+
+    from .config import ConfigError, load_run_config
+
+    parser = argparse.ArgumentParser(prog="python -m slime_ext.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (YAML value), e.g. --set num_rollout=5")
+    parser.add_argument("--json", metavar="PATH", help="also write the train ranks' layouts and the per-step rows "
+                                                       "as JSON")
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    overrides = {}
+    for item in ns.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip()] = yaml.safe_load(value)
+    try:
+        config = load_run_config(ns.config, **overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run(config)
+    except Exception as exc:
+        print(f"error: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"done: {len(result.rollouts)} rollouts, {len(result.rows)} steps in {result.seconds:.1f}s")
+    if ns.json:
+        import json
+
+        with open(ns.json, "w") as fh:
+            json.dump({"layouts": result.layouts, "rows": result.rows,
+                       "dropped": {r.rollout_id: r.plan["dropped"] for r in result.rollouts}}, fh, indent=1)
+    return 0
