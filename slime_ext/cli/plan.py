@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan one rollout's schedule and print per-step stats (or validate a saved one)",
         description="Plan one rollout's micro-batch schedule with the training flags and print, per step: "
-                    "samples, micro-batches per rank vs the aligned lower bound, token utilisation, largest "
+                    "samples, micro-batches per rank vs the aligned bound, token utilisation, largest "
                     "micro-batch vs the cap, FLOPs max/mean over DP ranks and an estimated step time.",
         epilog="synthetic SPEC: " + inputs.SYNTHETIC_HELP + ". JSONL fields: total_length or tokens (list or int), "
                "optional rollout_id, loss_tokens. Exit codes: 0 ok, 1 invalid saved schedule, 2 bad input.",

@@ -41,7 +41,7 @@ def _columns(unit: str) -> list[Column]:
         Column("samples", "samples trained in the step (the LR scheduler steps by this)"),
         Column("tokens", ""),
         Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
-        Column("bound/rank", "aligned lower bound on micro-batches, per rank (aligned_lower_bound / dp_size)"),
+        Column("bound/rank", "aligned token bound on micro-batches, per rank (aligned_lower_bound / dp_size)"),
         Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
         Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
         Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),
@@ -189,7 +189,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     over = sum(s.cap_violations for s in stats)
     parts = [
         f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",
-        f"{mbs} micro-batches per rank (lower bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
+        f"{mbs} micro-batches per rank (aligned bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
         f"{cost_unit(schedule)} max/mean {fmax / max(1e-300, sum(s.rank_flops_mean for s in stats)):.3f}",
     ]
     if t is not None:

@@ -30,8 +30,11 @@ class StepStats:
     num_microbatches: int
     #: micro-batches over all ranks (``num_microbatches * dp_size``)
     total_microbatches: int
-    #: lower bound on ``total_microbatches``: bins needed by tokens (oversize samples alone, at most one sample
-    #: above cap/2 per bin), rounded up to the alignment; ``ceil(ceil(n / micro_batch_size) / align) * align`` static
+    #: the aligned bound the step was packed to: ``ceil(ceil(tokens / cap) / align) * align`` (the issue's
+    #: bound), raised where packing provably needs more (two samples above cap/2 never share a bin); with
+    #: samples longer than the cap a packing could use fewer, the spare bins go to balance. Static:
+    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it only when balance_data spends extra
+    #: micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
     aligned_lower_bound: int
     #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
     cap: int | None
