@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 
 from slime_ext.baselines import legacy_schedule, reference_args, reference_schedule
 from slime_ext.metrics import Metrics, fwd_flops, measure

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from slime_ext.schedule import DPSchedule, ScheduleError, build_dp_schedule, karmarkar_karp
-from slime_ext.schedule.planner import compute_dynamic_global_batch_size
+from slime_ext.schedule import compute_dynamic_global_batch_size
 
 from .train_data import PER_SAMPLE_KEYS
 

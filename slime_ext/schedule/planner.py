@@ -39,14 +39,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .bounds import align_up, bin_lower_bound, microbatch_target
+from .bounds import align_up, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
-from .steps import as_int_array, compute_dynamic_global_batch_size, rollout_ordinals, split_into_steps
+from .steps import as_int_array, rollout_ordinals, split_into_steps
 
 __all__ = ["plan_schedule"]
 

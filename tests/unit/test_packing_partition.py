@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slime_ext.schedule import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, karmarkar_karp, lpt_rounds
+from slime_ext import baselines  # upstream's loops, spelled out: the oracle
 from slime_ext.schedule.packing import cost_lpt_pack
 from slime_ext.schedule.packing import split_bin_by_tokens
 from slime_ext.schedule.partition import refine_equal_size
@@ -15,33 +16,6 @@ from slime_ext.schedule.partition import refine_equal_size
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
 cap_st = st.integers(50, 400)
 quick = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def naive_first_fit(lengths, cap):
-    """Upstream's quadratic loop, spelled out."""
-    bins, sums = [], []
-    for i, x in enumerate(lengths):
-        for j in range(len(bins)):
-            if sums[j] + x <= cap:
-                bins[j].append(i)
-                sums[j] += x
-                break
-        else:
-            bins.append([i])
-            sums.append(x)
-    return bins
-
-
-def naive_expand(bins, target, lengths):
-    """Upstream's splitter: the largest (tokens, index) multi-sample bin, halves by LPT."""
-    while len(bins) < target:
-        cands = [(sum(lengths[i] for i in b), j) for j, b in enumerate(bins) if len(b) > 1]
-        if not cands:
-            break
-        _, j = max(cands)
-        left, right = split_bin_by_tokens(bins[j], lengths)
-        bins[j] = left
-        bins.append(right)
 
 
 def assert_packing(bins, lengths, cap):
@@ -55,7 +29,7 @@ def assert_packing(bins, lengths, cap):
 @quick
 @given(lengths_st, cap_st)
 def test_first_fit_matches_upstream_loop(lengths, cap):
-    assert first_fit_pack(lengths, cap) == naive_first_fit(lengths, cap)
+    assert first_fit_pack(lengths, cap) == baselines.first_fit_pack(lengths, cap)
 
 
 @quick
@@ -63,7 +37,7 @@ def test_first_fit_matches_upstream_loop(lengths, cap):
 def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, cap):
     bins = best_fit_decreasing(np.array(lengths), cap)
     assert_packing(bins, lengths, cap)
-    assert len(bins) <= len(naive_first_fit(lengths, cap))
+    assert len(bins) <= len(baselines.first_fit_pack(lengths, cap))
 
 
 def labels_to_bins(bin_of, count):
@@ -102,11 +76,11 @@ def test_lpt_rounds_balances_the_given_weights():
 @quick
 @given(lengths_st, cap_st, st.integers(0, 60))
 def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
-    ours = naive_first_fit(lengths, cap)
+    ours = baselines.first_fit_pack(lengths, cap)
     theirs = [list(b) for b in ours]
     target = len(ours) + extra
     expand_bins_by_splitting(ours, target, lengths)
-    naive_expand(theirs, target, lengths)
+    baselines.expand_bins_by_splitting(theirs, target, lengths)
     assert ours == theirs
     assert_packing(ours, lengths, cap)
     assert len(ours) == min(target, len(lengths))
