@@ -112,6 +112,17 @@ def check_forward_only(group, reference, sc: Scenario) -> None:
     assert seen == len(ref), f"{sc.name}: forward-only returned {seen} of {len(ref)} samples"
 
 
+def check_scenarios(group, reference, scenarios: list[Scenario]) -> None:
+    """Invariance and the ledger for every scenario; forward-only for the first (the one that runs it)."""
+    for sc in scenarios:
+        check_invariance(group, reference, sc)
+        if sc.schedules is not None:
+            check_ledger(group, sc)
+        else:
+            check_legacy_ledger(group, sc)
+    check_forward_only(group, reference, scenarios[0])
+
+
 def expected_lr(samples_seen: int) -> float:
     """Megatron's linear warmup + linear decay, written out (LR_SCHEDULE)."""
     lr, min_lr = LR_SCHEDULE["lr"], LR_SCHEDULE["min_lr"]
@@ -149,13 +160,7 @@ def test_dp2_invariance_ledger_lr_forward_only():
                         dict(DYNAMIC, global_batch_size=4, **LR_SCHEDULE), dp),
     ]
     group, reference = run_layout(parallel, dp, scenarios)
-    for sc in scenarios:
-        check_invariance(group, reference, sc)
-        if sc.schedules is not None:
-            check_ledger(group, sc)
-        else:
-            check_legacy_ledger(group, sc)
-    check_forward_only(group, reference, scenarios[0])
+    check_scenarios(group, reference, scenarios)
 
     # LR: stepped by the samples each step really trained on
     lr_sc = scenarios[-2]
@@ -223,10 +228,4 @@ def test_pipeline_invariance_ledger_forward_only(parallel, world_size, dp):
     group, reference = run_layout(parallel, world_size, scenarios)
     assert sorted((r["layout"]["dp_rank"], r["layout"]["pp_rank"]) for r in group) == \
         sorted((d, p) for d in range(dp) for p in range(2))
-    for sc in scenarios:
-        check_invariance(group, reference, sc)
-        if sc.schedules is not None:
-            check_ledger(group, sc)
-        else:
-            check_legacy_ledger(group, sc)
-    check_forward_only(group, reference, scenarios[0])
+    check_scenarios(group, reference, scenarios)
