@@ -9,7 +9,7 @@ Three layers, each in its own subpackage:
 The :class:`slime_ext.schedule.DPSchedule` dataclass is the contract between them. Beside them:
 :mod:`slime_ext.cli` (``slime-ext plan``, planning layer only), :mod:`slime_ext.baselines` and
 :mod:`slime_ext.metrics` (upstream's schemes re-implemented, and the one measure used to compare them), and
-``patches/`` (the only code that changes third-party modules).
+``slime_ext/patches/`` (the only code that changes third-party modules).
 """
 
 __version__ = "0.1.0"

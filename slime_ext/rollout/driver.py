@@ -59,7 +59,7 @@ class DeviceError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------- Ray
 def _package_root() -> str:
-    """The directory that holds ``slime_ext`` (and ``patches``): the repo in a checkout, site-packages installed."""
+    """The directory that holds ``slime_ext``: the repo in a checkout, site-packages installed."""
     return str(Path(__file__).resolve().parents[2])
 
 

@@ -10,7 +10,7 @@ One concern per module, in the order a step touches them:
 * :mod:`.batch` -- a micro-batch packed into tensors;  :mod:`.loss` -- the per-token policy loss and its scaling;
 * :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, and the forward-only pass;
 * :mod:`.legacy_backend` -- the slime-shaped training-side baseline (``dp_schedule: legacy``), which
-  ``patches.host_slime`` switches to the rollout-side schedule (``dp_schedule: rollout``);
+  ``slime_ext.patches.host_slime`` switches to the rollout-side schedule (``dp_schedule: rollout``);
 * :mod:`.worker` -- ``TrainWorker``, one training process, the unit the Ray side wraps.
 """
 

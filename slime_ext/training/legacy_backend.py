@@ -1,7 +1,7 @@
 """The baseline: a slime-shaped training backend that plans micro-batches on the training side, as upstream does.
 
 This module mirrors upstream slime's ``slime/backends/megatron_utils/data.py`` data path and stands in for it as
-the **host** that :mod:`patches.host_slime` patches. The train loop (:mod:`slime_ext.training.train_step`) calls
+the **host** that :mod:`slime_ext.patches.host_slime` patches. The train loop (:mod:`slime_ext.training.train_step`) calls
 its functions through the module (``legacy_backend.get_data_iterator(...)``), so the host patch can swap them:
 
 * :class:`DataIterator` -- fixed ``micro_batch_size`` slices, or explicit ``micro_batch_indices``;
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from slime_ext.schedule import first_fit_pack, karmarkar_karp
 
-#: marker the host patch checks (``patches.host_slime`` supports ``>=1.0,<2``)
+#: marker the host patch checks (``slime_ext.patches.host_slime`` supports ``>=1.0,<2``)
 HOST_API_VERSION = "1.0"
 
 

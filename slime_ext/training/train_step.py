@@ -10,7 +10,7 @@ Per rollout::
         host.step_lr_scheduler(args, scheduler, rollout_data, s)
 
 ``host`` is the slime-shaped backend :mod:`slime_ext.training.legacy_backend`, called through the module so that
-:mod:`patches.host_slime` can swap its ``get_data_iterator`` / ``DataIterator`` / ``step_lr_scheduler`` for the
+:mod:`slime_ext.patches.host_slime` can swap its ``get_data_iterator`` / ``DataIterator`` / ``step_lr_scheduler`` for the
 rollout-side schedule's (``dp_schedule: rollout``); unpatched it is the legacy baseline.
 """
 

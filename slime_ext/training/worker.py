@@ -47,7 +47,7 @@ class TrainWorker:
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> dict:
         """Patch for CPU if there is no GPU, join the process groups, build model, optimizer and LR scheduler."""
-        from patches import host_slime, megatron_cpu
+        from slime_ext.patches import host_slime, megatron_cpu
 
         from .parallel import init_parallel
 
@@ -75,7 +75,7 @@ class TrainWorker:
         """Back to the initial parameters with a fresh optimizer and LR scheduler; optionally change batch, schedule
         or optimizer keys (``RESETTABLE_KEYS``) -- e.g. to run the legacy baseline and the rollout-side schedule
         from the same start in one job."""
-        from patches import host_slime
+        from slime_ext.patches import host_slime
 
         from .lr import build_scheduler
         from .model import init_canonical, unwrap
@@ -97,7 +97,7 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         """Leave the process groups and undo this worker's patches (safe to call twice, or before setup)."""
-        from patches import host_slime, megatron_cpu
+        from slime_ext.patches import host_slime, megatron_cpu
 
         from .parallel import shutdown_parallel
 

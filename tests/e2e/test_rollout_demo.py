@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.e2e]
 
 def _installed_copy(tmp_path):
     site = tmp_path / "site"
-    for pkg in ("slime_ext", "patches"):
+    for pkg in ("slime_ext",):
         shutil.copytree(REPO / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     return site
 

@@ -260,7 +260,7 @@ def _cpu_context():
 
     import torch
 
-    from patches.megatron_cpu import cpu_device_context
+    from slime_ext.patches.megatron_cpu import cpu_device_context
 
     return contextlib.nullcontext() if torch.cuda.is_available() else cpu_device_context()
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from patches import PatchError, host_slime
+from slime_ext.patches import PatchError, host_slime
 from slime_ext.training import data, legacy_backend, lr
 
 

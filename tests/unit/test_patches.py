@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-import patches
-from patches import Patch, PatchError, PatchSet, megatron_cpu, source_contains
+import slime_ext.patches as patches
+from slime_ext.patches import Patch, PatchError, PatchSet, megatron_cpu, source_contains
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ repo; checked against its ``HOST_API_VERSION`` marker, supported ``>=1.0,<2``, t
 
 :func:`configure` applies the patch when the flag selects the rollout-side schedule and undoes it for
 ``dp_schedule: legacy``; apply and undo are idempotent, and a host whose marker is missing or out of range, or
-that lacks a target, is refused with a :class:`patches.PatchError` before anything is changed.
+that lacks a target, is refused with a :class:`slime_ext.patches.PatchError` before anything is changed.
 """
 
 from __future__ import annotations
