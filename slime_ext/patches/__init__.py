@@ -8,6 +8,12 @@ A patch
   with, and refuses (``PatchError``) to apply outside that range or when the target is missing or not what it
   expected (``expect`` is a check on the original object, e.g. that its source still holds the call we work
   around),
+* judges the code that is actually imported: the version comes from the imported module when it carries one
+  (``version``, e.g. ``megatron.core.package_info``), so a source checkout on ``PYTHONPATH`` whose installed
+  metadata says something else (or nothing) is judged by what it is; source checks (``expect``) and attribute
+  presence do the rest,
+* may be needed only by some versions of its target (``needed``, e.g. a call that appeared in megatron-core 0.19):
+  where it is not needed it is *skipped* -- reported, not applied, not an error,
 * applies idempotently (applying twice is a no-op) and undoes exactly (the original object is restored; undo
   refuses if someone else replaced the attribute in the meantime, since restoring would drop their change).
 
@@ -15,7 +21,8 @@ A :class:`PatchSet` groups patches that belong together; it applies all or nothi
 
 Modules:
 
-* :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 needs to train on a CPU-only host with gloo;
+* :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 to 0.19 needs to train on a CPU-only host with
+  gloo;
 * :mod:`slime_ext.patches.host_slime` -- swaps a slime-shaped training backend's data path for slime-ext's.
 """
 
@@ -30,7 +37,8 @@ from typing import Any, Callable, Iterable
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["Patch", "PatchError", "PatchSet", "installed_version", "source_contains"]
+__all__ = ["ImportedVersion", "Patch", "PatchError", "PatchSet", "imported_version", "installed_version",
+           "source_contains"]
 
 
 class PatchError(RuntimeError):
@@ -43,6 +51,44 @@ def installed_version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError as exc:
         raise PatchError(f"{distribution} is not installed; install it (see pyproject.toml extras)") from exc
+
+
+@dataclass(frozen=True)
+class ImportedVersion:
+    """A version read from imported code, with where it was read (for error messages)."""
+
+    version: str
+    origin: str
+
+    def __str__(self) -> str:
+        return self.version
+
+
+def imported_version(module: str, attribute: str, distribution: str) -> ImportedVersion:
+    """The version the *imported* ``module`` declares in ``attribute`` (e.g. ``megatron.core.package_info``,
+    ``__version__``), rather than what pip's metadata says: the two differ when a source checkout sits on
+    ``PYTHONPATH`` in front of (or without) an installed ``distribution``. The origin names the module's file and,
+    when they differ, the installed distribution's version. ``PatchError`` if the module cannot be imported or has
+    no such attribute."""
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise PatchError(f"cannot import {module} to read the {distribution} version ({exc}); install "
+                         f"{distribution} (see pyproject.toml extras) or put its source tree on PYTHONPATH") from exc
+    version = getattr(mod, attribute, None)
+    if not isinstance(version, str):
+        raise PatchError(f"{module} ({getattr(mod, '__file__', '?')}) has no string {attribute}; it is not the "
+                         f"{distribution} the patches were written for")
+    origin = f"{module}.{attribute} in {getattr(mod, '__file__', '?')}"
+    try:
+        meta = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        meta = None
+    if meta is None:
+        origin += f"; no {distribution} distribution is installed (a source tree)"
+    elif meta != version:
+        origin += f"; the installed {distribution} distribution says {meta}, the imported code wins"
+    return ImportedVersion(version, origin)
 
 
 def source_contains(*needles: str) -> Callable[[Any], str | None]:
@@ -82,10 +128,13 @@ class Patch:
     """Replace ``module.attribute`` by ``make(original)``.
 
     ``distribution``/``supported``/``tested``: the package whose code is patched, the version range the patch
-    accepts (a PEP 440 specifier such as ``">=0.16,<0.17"``) and the exact versions it was tested with.
-    ``version`` reads the version to check when it is not an installed distribution's (e.g. a marker attribute
-    of the target module). ``expect(original)`` returns ``None`` when the original is what the patch was written
-    for, else a reason.
+    accepts (a PEP 440 specifier such as ``">=0.16.0rc0,<0.20"``; write ``rc0`` in the lower bound to accept that
+    release's dev builds) and the exact versions it was tested with. ``version`` reads the version to check when
+    it is not the installed distribution's (e.g. :func:`imported_version`, or a marker attribute of the target
+    module). ``expect(original)`` returns ``None`` when the original is what the patch was written for, else a
+    reason. ``needed()`` returns ``None`` when the imported code needs the patch, else why not; a patch that is not
+    needed is skipped (``skipped`` holds the reason). It is asked after the version check and before the target
+    checks (a target that only newer versions have may be absent).
     """
 
     name: str
@@ -97,10 +146,12 @@ class Patch:
     tested: tuple[str, ...]
     doc: str = ""
     expect: Callable[[Any], str | None] | None = None
-    version: Callable[[], str] | None = None
+    version: Callable[[], str | ImportedVersion] | None = None
+    needed: Callable[[], str | None] | None = None
     _original: Any = field(default=None, init=False, repr=False)
     _replacement: Any = field(default=None, init=False, repr=False)
     _applied: bool = field(default=False, init=False, repr=False)
+    _skipped: str | None = field(default=None, init=False, repr=False)
 
     @property
     def target(self) -> str:
@@ -111,24 +162,41 @@ class Patch:
         return self._applied
 
     @property
+    def skipped(self) -> str | None:
+        """Why the last apply skipped this patch (not needed by the imported code); ``None`` if it did not."""
+        return self._skipped
+
+    @property
     def original(self) -> Any:
         """The object the patch replaced (``None`` while not applied)."""
         return self._original
 
-    def check(self) -> None:
-        """Raise ``PatchError`` unless the installed version is supported and the target is what we expect."""
-        version = str(self.version() if self.version is not None else installed_version(self.distribution))
+    def check(self) -> str | None:
+        """Raise ``PatchError`` unless the version is supported and the target is what we expect.
+
+        Returns ``None`` when the patch is to be applied, or the reason it is not needed (then the target is not
+        checked)."""
+        found = self.version() if self.version is not None else installed_version(self.distribution)
+        version = str(found)
+        where = f" ({found.origin})" if isinstance(found, ImportedVersion) else ""
         try:
             parsed = Version(version)
         except InvalidVersion:
-            raise PatchError(f"patch {self.name!r} ({self.target}): {self.distribution} version {version!r} is not "
-                             f"a version number; the patch supports {self.distribution}{self.supported}") from None
-        if parsed not in SpecifierSet(self.supported):
+            raise PatchError(f"patch {self.name!r} ({self.target}): {self.distribution} version {version!r}{where} "
+                             f"is not a version number; the patch supports {self.distribution}{self.supported}"
+                             ) from None
+        # prereleases=True: a range written with an rc0 lower bound takes that release's dev builds, and one
+        # without (">=1.0,<2") must still refuse 2.0.0rc1, which it does by its bounds alone
+        if not SpecifierSet(self.supported).contains(parsed, prereleases=True):
             raise PatchError(
                 f"patch {self.name!r} ({self.target}) supports {self.distribution}{self.supported} "
-                f"(tested: {', '.join(self.tested)}) but {version} is installed; install a supported "
+                f"(tested: {', '.join(self.tested)}) but {version} is imported{where}; install a supported "
                 f"{self.distribution} or re-check the patch against {version} and widen its range"
             )
+        if self.needed is not None and not self._applied:
+            reason = self.needed()
+            if reason:
+                return reason
         owner, attr = _resolve(self.module, self.attribute)
         if not hasattr(owner, attr):
             raise PatchError(
@@ -142,12 +210,15 @@ class Patch:
                     f"patch {self.name!r}: {self.target} in {self.distribution} {version} is not what the patch "
                     f"was written for: {reason}; re-check the patch against {version}"
                 )
+        return None
 
     def apply(self) -> None:
         """Check, then replace the target. A second call is a no-op."""
         if self._applied:
             return
-        self.check()
+        self._skipped = self.check()
+        if self._skipped:
+            return
         owner, attr = _resolve(self.module, self.attribute)
         original = inspect.getattr_static(owner, attr) if inspect.isclass(owner) else getattr(owner, attr)
         bound = getattr(owner, attr)
@@ -162,6 +233,7 @@ class Patch:
     def undo(self) -> None:
         """Restore the original. A call while not applied is a no-op."""
         if not self._applied:
+            self._skipped = None
             return
         owner, attr = _resolve(self.module, self.attribute)
         current = inspect.getattr_static(owner, attr) if inspect.isclass(owner) else getattr(owner, attr)
@@ -183,7 +255,8 @@ class PatchSet:
 
     @property
     def applied(self) -> bool:
-        return all(p.applied for p in self.patches)
+        """Every patch is applied or was skipped as not needed (and at least one is applied)."""
+        return any(p.applied for p in self.patches) and all(p.applied or p.skipped for p in self.patches)
 
     def check(self) -> None:
         for p in self.patches:
@@ -209,9 +282,12 @@ class PatchSet:
         return iter(self.patches)
 
     def describe(self) -> str:
-        """One line per patch: target, supported range, tested versions, first line of its doc."""
+        """One line per patch: target, supported range, tested versions, first line of its doc; a skipped patch
+        says why."""
         lines = []
         for p in self.patches:
             first = (p.doc.strip().splitlines() or [""])[0]
-            lines.append(f"{p.name}: {p.target} [{p.distribution}{p.supported}; tested {', '.join(p.tested)}] {first}")
+            skipped = f" -- skipped: {p.skipped}" if p.skipped else ""
+            lines.append(f"{p.name}: {p.target} [{p.distribution}{p.supported}; tested {', '.join(p.tested)}] "
+                         f"{first}{skipped}")
         return "\n".join(lines)

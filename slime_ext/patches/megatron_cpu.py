@@ -1,6 +1,13 @@
-"""What megatron-core 0.16 needs to train on a CPU-only host with torch.distributed gloo.
+"""What megatron-core 0.16 to 0.19 needs to train on a CPU-only host with torch.distributed gloo.
 
-Checked against megatron-core 0.16.1 with torch 2.13.0+cpu; supported range ``megatron-core>=0.16,<0.17``.
+Supported range ``megatron-core>=0.16.0rc0,<0.20`` (dev builds included: slime pins Megatron-LM commits that report
+``0.16.0rc0``); checked with torch 2.13.0 against megatron-core 0.16.1 (Python 3.11) and 0.17.1, 0.18.2, 0.19.2
+(Python 3.12). The version is read from the imported ``megatron.core.package_info`` (:func:`megatron_core_version`),
+not from pip's metadata, so a Megatron-LM source tree on ``PYTHONPATH`` is judged by what it is; each patch also
+checks that its target exists and still holds the CUDA call it is there for. Patches for calls that appeared in 0.19
+(:data:`FROM_0_19`) are applied when the imported code has the call -- required from 0.19 on, skipped before unless
+a dev tree already has it. Outside the range every patch refuses with a ``PatchError`` naming version and range.
+
 :func:`apply_if_no_gpu` applies the set only when ``torch.cuda.is_available()`` is false; on a GPU host nothing is
 touched. Everything below exists because megatron-core assumes a CUDA device in code paths that CPU training runs:
 
@@ -21,6 +28,8 @@ touched. Everything below exists because megatron-core assumes a CUDA device in 
    rank's call with a *later* call on its peer (e.g. PP=2, VPP=2 and two micro-batches: stage 0 finishes its
    warmup with a forward send while stage 1 already sends a gradient back), and waiting for that send inside the
    call deadlocks. NCCL hides this because its ``wait()`` only orders CUDA streams.
+7. from 0.19: ``torch.cuda.current_stream()`` in the DDP bucket group's ``start_grad_sync`` (it waits on CUDA-graph
+   events, which a CPU run never has) and a ``device='cuda'`` flag tensor in ``MegatronOptimizer.has_grad_norm_group``.
 
 How they are fixed, narrowest first:
 
@@ -36,7 +45,9 @@ How they are fixed, narrowest first:
 * ``torch.cuda.current_device`` and ``torch.cuda.synchronize`` are replaced by dispatchers that answer for the CPU
   (``torch.device("cpu")`` -- a device, where upstream returns an int index; megatron only uses it as a
   ``device=`` -- and a no-op, CPU kernels and waited-on gloo work being synchronous) **only inside the context**;
-  outside it they call the original, which raises on a CPU-only host as before.
+  outside it they call the original, which raises on a CPU-only host as before. From 0.19 ``torch.cuda.current_stream``
+  likewise answers ``torch.cpu.current_stream()`` inside the context (its ``wait_event``/``wait_stream`` are
+  no-ops: CPU work is synchronous).
 * ``CudaRNGStatesTracker.add``/``.fork`` are replaced by the same bookkeeping over the CPU default generator: named
   states are CPU generator states, ``fork`` swaps ``torch.get_rng_state``/``set_rng_state`` in and out.
 * ``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes`` are replaced by the same exchanges with one
@@ -61,13 +72,25 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import Patch, PatchError, PatchSet, source_contains
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from . import ImportedVersion, Patch, PatchError, PatchSet, _resolve, imported_version, source_contains
 
 MEGATRON = "megatron-core"
-MEGATRON_SUPPORTED = ">=0.16,<0.17"
-MEGATRON_TESTED = ("0.16.1",)
+#: every megatron patch's range; ``rc0`` so that dev builds of 0.16.0 (slime's pinned Megatron-LM) are accepted
+MEGATRON_SUPPORTED = ">=0.16.0rc0,<0.20"
+MEGATRON_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+#: the patches for CUDA calls that appeared in 0.19 are required from here on (before: only if the code has the call)
+FROM_0_19 = ">=0.19.0rc0"
 TORCH_SUPPORTED = ">=2.4"
-TORCH_TESTED = ("2.13.0+cpu",)
+TORCH_TESTED = ("2.13.0+cpu", "2.13.0+cu130")
+
+
+def megatron_core_version() -> ImportedVersion:
+    """The version of the megatron-core that is imported: ``megatron.core.package_info.__version__`` (a source
+    checkout reports its own), with where it was read."""
+    return imported_version("megatron.core.package_info", "__version__", MEGATRON)
 
 _CPU = torch.device("cpu")
 _local = threading.local()
@@ -175,6 +198,16 @@ def _synchronize(original: Callable) -> Callable:
         return original(device)
 
     return synchronize
+
+
+def _current_stream(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def current_stream(device=None):
+        if in_cpu_device_context():
+            return torch.cpu.current_stream()
+        return original(device)
+
+    return current_stream
 
 
 # ---------------------------------------------------------------------------------------------------- RNG tracker
@@ -320,10 +353,35 @@ def _communicate_shapes(original: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------------------------------- the set
-def _mcore(name: str, module: str, attribute: str, make: Callable, doc: str, *needles: str) -> Patch:
+def _mcore(name: str, module: str, attribute: str, make: Callable, doc: str, *needles: str,
+           needed: Callable[[], str | None] | None = None) -> Patch:
     return Patch(name=name, module=module, attribute=attribute, make=make, distribution=MEGATRON,
                  supported=MEGATRON_SUPPORTED, tested=MEGATRON_TESTED, doc=doc,
-                 expect=source_contains(*needles) if needles else None)
+                 expect=source_contains(*needles) if needles else None, version=megatron_core_version,
+                 needed=needed)
+
+
+def code_has_call(module: str, attribute: str, needle: str, required_from: str = FROM_0_19) -> Callable[[], str | None]:
+    """A ``needed`` check for a patch that works around a call newer megatron-core versions make: needed when the
+    imported ``module.attribute`` contains ``needle`` (a dev tree is judged by its code), and always from
+    ``required_from`` on (if the call is gone there, the patch's ``expect`` refuses loudly instead of skipping)."""
+
+    def needed() -> str | None:
+        version = megatron_core_version()
+        if SpecifierSet(required_from).contains(Version(version.version), prereleases=True):
+            return None
+        *path, name = attribute.split(".")
+        try:
+            owner, last = _resolve(module, attribute)
+        except PatchError:
+            return f"{module} has no {'.'.join(path)} in megatron-core {version}"
+        if not hasattr(owner, last):
+            return f"{module}.{attribute} does not exist in megatron-core {version}"
+        check = source_contains(needle)(getattr(owner, last))
+        return f"megatron-core {version}: {module}.{attribute} has no {needle} (needed from {required_from})" \
+            if check else None
+
+    return needed
 
 
 #: megatron functions run inside :func:`cpu_device_context`: (name, module, attribute, CUDA call it works around)
@@ -341,7 +399,14 @@ CONTEXT_WRAPPED: tuple[tuple[str, str, str, str], ...] = (
     ("fp32_optimizer_init", "megatron.core.optimizer.optimizer", "FP32Optimizer.__init__", "device='cuda'"),
     ("grad_norm", "megatron.core.optimizer.optimizer", "get_grad_norm_fp32", "device='cuda'"),
     ("count_zeros", "megatron.core.optimizer.optimizer", "count_zeros_fp32", "device='cuda'"),
+    # from 0.19 (see :data:`FROM_0_19`)
+    ("grad_sync_stream", "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
+     "torch.cuda.current_stream()"),
+    ("grad_norm_group_flag", "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group",
+     "device='cuda'"),
 )
+#: the CONTEXT_WRAPPED entries that only megatron-core 0.19 (or a dev tree with the same call) needs
+NEW_IN_0_19 = ("grad_sync_stream", "grad_norm_group_flag")
 
 _CONTEXT_DOC = {
     "schedule_no_pipelining": "token counter on device='cuda'; finalize_model_grads; the default causal mask",
@@ -352,7 +417,14 @@ _CONTEXT_DOC = {
     "fp32_optimizer_init": "unit loss scale torch.tensor([1.0], device='cuda')",
     "grad_norm": "norm buffers on device='cuda' (also in the local multi-tensor l2-norm fallback)",
     "count_zeros": "zero counter on device='cuda' (log_num_zeros_in_grad)",
+    "grad_sync_stream": "torch.cuda.current_stream() waits on CUDA-graph wgrad events (none on CPU; from 0.19)",
+    "grad_norm_group_flag": "the per-group flag all-reduced as a device='cuda' tensor (from 0.19)",
 }
+
+
+def _needed_0_19(name: str) -> Callable[[], str | None]:
+    _, module, attribute, needle = next(entry for entry in CONTEXT_WRAPPED if entry[0] == name)
+    return code_has_call(module, attribute, needle)
 
 
 def build_patches() -> PatchSet:
@@ -364,6 +436,10 @@ def build_patches() -> PatchSet:
         Patch(name="cuda_synchronize", module="torch.cuda", attribute="synchronize", make=_synchronize,
               distribution="torch", supported=TORCH_SUPPORTED, tested=TORCH_TESTED,
               doc="inside cpu_device_context: a no-op (pipeline p2p synchronises after batched isend/irecv)"),
+        Patch(name="cuda_current_stream", module="torch.cuda", attribute="current_stream", make=_current_stream,
+              distribution="torch", supported=TORCH_SUPPORTED, tested=TORCH_TESTED,
+              doc="inside cpu_device_context: torch.cpu.current_stream() (megatron-core 0.19's start_grad_sync)",
+              needed=_needed_0_19("grad_sync_stream")),
         _mcore("rng_tracker_add", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.add", _tracker_add,
                "named RNG states are CPU generator states", "torch.cuda.get_rng_state()"),
         _mcore("rng_tracker_fork", "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker.fork",
@@ -383,7 +459,8 @@ def build_patches() -> PatchSet:
         wrap = _run_schedule_in_cpu_context if name.startswith("schedule_") else _run_in_cpu_context
         extra = "; drains pending p2p sends on return" if name.startswith("schedule_") else ""
         patches.append(_mcore(name, module, attribute, wrap,
-                              f"run in cpu_device_context: {_CONTEXT_DOC[name]}{extra}", needle))
+                              f"run in cpu_device_context: {_CONTEXT_DOC[name]}{extra}", needle,
+                              needed=_needed_0_19(name) if name in NEW_IN_0_19 else None))
     return PatchSet("megatron_cpu", patches)
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 
 import slime_ext.patches as patches
-from slime_ext.patches import Patch, PatchError, PatchSet, megatron_cpu, source_contains
+from slime_ext.patches import ImportedVersion, Patch, PatchError, PatchSet, megatron_cpu, source_contains
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -33,11 +37,11 @@ def target_module():
     del sys.modules["fake_target"]
 
 
-def _patch(attribute="greet", supported=">=1.0,<2", make=None, expect=None, version=None):
+def _patch(attribute="greet", supported=">=1.0,<2", make=None, expect=None, version=None, needed=None):
     return Patch(name="p", module="fake_target", attribute=attribute,
                  make=make or (lambda orig: lambda *a: "patched " + orig(*a)), distribution="fake",
                  supported=supported, tested=("1.2.0",), expect=expect,
-                 version=version or (lambda: sys.modules["fake_target"].VERSION))
+                 version=version or (lambda: sys.modules["fake_target"].VERSION), needed=needed)
 
 
 def test_apply_undo_idempotent(target_module):
@@ -62,10 +66,34 @@ def test_methods_and_staticmethods(target_module):
 
 
 def test_version_outside_range_is_refused(target_module):
-    target_module.VERSION = "2.0.0"
-    with pytest.raises(PatchError, match=r"supports fake>=1.0,<2 \(tested: 1.2.0\) but 2.0.0 is installed"):
-        _patch().apply()
+    for version in ("2.0.0", "2.0.0rc1", "0.9"):
+        target_module.VERSION = version
+        with pytest.raises(PatchError, match=rf"supports fake>=1.0,<2 \(tested: 1.2.0\) but {version} is imported"):
+            _patch().apply()
     assert target_module.greet("x") == "hello x"
+
+
+def test_dev_builds_are_accepted_by_an_rc0_lower_bound(target_module):
+    target_module.VERSION = "1.0.0rc0"
+    with pytest.raises(PatchError, match="but 1.0.0rc0 is imported"):
+        _patch().apply()  # ">=1.0" means the release
+    p = _patch(supported=">=1.0.0rc0,<2")
+    p.apply()
+    assert target_module.greet("x") == "patched hello x"
+    p.undo()
+
+
+def test_a_patch_that_is_not_needed_is_skipped_and_reported(target_module):
+    p = _patch(attribute="only_in_2_0", needed=lambda: "only_in_2_0 does not exist here")
+    q = _patch()
+    ps = PatchSet("s", [p, q])
+    ps.apply()  # a missing target is no error when the patch is not needed
+    assert ps.applied and q.applied and not p.applied
+    assert p.skipped == "only_in_2_0 does not exist here" and "skipped: only_in_2_0" in ps.describe()
+    ps.undo()
+    assert p.skipped is None and target_module.greet("x") == "hello x"
+    with pytest.raises(PatchError, match="does not exist"):  # needed: the same target is checked as usual
+        _patch(attribute="only_in_2_0", needed=lambda: None).apply()
 
 
 def test_missing_target_and_unexpected_source_are_refused(target_module):
@@ -103,33 +131,89 @@ def cpu_patches():
     ps.undo()
 
 
+def _static(owner, attr):
+    return owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+
+
+def _mcore_version() -> Version:
+    return Version(megatron_cpu.megatron_core_version().version)
+
+
 def test_megatron_cpu_set_applies_and_restores_every_target():
     ps = megatron_cpu.build_patches()
-    before = {p.target: patches._resolve(p.module, p.attribute) for p in ps}
-    originals = {t: (o.__dict__[a] if isinstance(o, type) else getattr(o, a)) for t, (o, a) in before.items()}
+    ps.check()
+    present = {p.target: patches._resolve(p.module, p.attribute) for p in ps if p.check() is None}
+    originals = {t: _static(o, a) for t, (o, a) in present.items()}
     ps.apply()
     ps.apply()
-    assert ps.applied and len(ps.patches) >= 10
-    changed = [t for t, (o, a) in before.items()
-               if (o.__dict__[a] if isinstance(o, type) else getattr(o, a)) is originals[t]]
-    assert changed == []
+    assert ps.applied and len(present) >= 15
+    assert [t for t, (o, a) in present.items() if _static(o, a) is originals[t]] == []
+    skipped = {p.name for p in ps if p.skipped}
+    # the patches for calls that appeared in 0.19 apply exactly on 0.19 (the installed wheels have no dev trees)
+    new = {"cuda_current_stream", *megatron_cpu.NEW_IN_0_19}
+    assert skipped == (set() if _mcore_version() >= Version("0.19.0rc0") else new), ps.describe()
     ps.undo()
-    assert all((o.__dict__[a] if isinstance(o, type) else getattr(o, a)) is originals[t]
-               for t, (o, a) in before.items())
+    assert all(_static(o, a) is originals[t] for t, (o, a) in present.items())
+    assert not any(p.skipped for p in ps)
 
 
-def test_megatron_cpu_refuses_an_unsupported_megatron(monkeypatch):
-    monkeypatch.setattr(patches, "installed_version", lambda dist: "0.17.0" if dist == "megatron-core" else "2.13.0")
+def _fake_megatron_version(monkeypatch, version: str) -> None:
+    monkeypatch.setattr(megatron_cpu, "imported_version",
+                        lambda module, attribute, dist: ImportedVersion(version, f"{module}.{attribute} (test)"))
+
+
+@pytest.mark.parametrize("version", ["0.20.0", "0.20.0rc1", "0.15.3"])
+def test_megatron_cpu_refuses_an_unsupported_megatron(monkeypatch, version):
+    _fake_megatron_version(monkeypatch, version)
     ps = megatron_cpu.build_patches()
-    with pytest.raises(PatchError, match=r"megatron-core>=0.16,<0.17.*0.17.0 is installed"):
+    with pytest.raises(PatchError, match=rf"supports megatron-core>=0.16.0rc0,<0.20 .*but {version} is imported "
+                                         r"\(megatron.core.package_info.__version__ \(test\)\)"):
         ps.apply()
     assert not any(p.applied for p in ps)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patch set is only applied without a GPU")
+@pytest.mark.skipif(_mcore_version() >= Version("0.17"), reason="pairs a 0.16 dev version with 0.16 code")
+def test_megatron_cpu_accepts_a_dev_build(monkeypatch):
+    """slime's Megatron-LM commits report 0.16.0rc0: accepted, judged by their code (0.16's here)."""
+    _fake_megatron_version(monkeypatch, "0.16.0rc0")
+    ps = megatron_cpu.build_patches()
+    ps.apply()
+    try:
+        assert ps.applied and {p.name for p in ps if p.skipped} == {"cuda_current_stream", *megatron_cpu.NEW_IN_0_19}
+    finally:
+        ps.undo()
+
+
+@pytest.mark.skipif(_mcore_version() >= Version("0.19.0rc0"), reason="needs code older than 0.19")
+def test_the_0_19_patches_are_required_from_0_19(monkeypatch):
+    """A tree that says 0.19 but lacks 0.19's targets is refused, not silently half-patched."""
+    _fake_megatron_version(monkeypatch, "0.19.0")
+    with pytest.raises(PatchError, match=r"grad_(sync_stream|norm_group_flag).*(does not exist|no longer contains)"):
+        megatron_cpu.build_patches().apply()
+
+
+def test_a_0_19_patch_follows_the_code_of_an_older_dev_tree(monkeypatch, tmp_path):
+    """Before 0.19 a patch for a 0.19 call is applied exactly when the imported code makes that call."""
+    (tmp_path / "fake_bucket_group.py").write_text("import torch\n\n\n"
+                                                 "def with_call():\n    return torch.cuda.current_stream()\n\n\n"
+                                                 "def without_call():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_bucket_group", raising=False)
+    _fake_megatron_version(monkeypatch, "0.16.0rc0")
+    call = "torch.cuda.current_stream()"
+    assert megatron_cpu.code_has_call("fake_bucket_group", "with_call", call)() is None
+    reason = megatron_cpu.code_has_call("fake_bucket_group", "without_call", call)()
+    assert f"has no {call}" in reason and "0.16.0rc0" in reason
+    assert "does not exist" in megatron_cpu.code_has_call("fake_bucket_group", "gone", call)()
+    _fake_megatron_version(monkeypatch, "0.19.1")  # required from 0.19: the patch's own checks decide
+    assert megatron_cpu.code_has_call("fake_bucket_group", "without_call", call)() is None
 
 
 def test_every_patch_documents_target_and_versions():
     for p in megatron_cpu.build_patches():
         assert p.doc and p.tested and p.supported and p.distribution in ("megatron-core", "torch"), p.name
-    assert "tested 0.16.1" in megatron_cpu.build_patches().describe()
+    assert "tested 0.16.1, 0.17.1, 0.18.2, 0.19.2" in megatron_cpu.build_patches().describe()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
@@ -187,3 +271,52 @@ def test_apply_if_no_gpu_is_a_no_op_with_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert megatron_cpu.apply_if_no_gpu() is False
     assert not megatron_cpu.PATCHES.applied
+
+
+SOURCE_TREE_PROBE = """
+import warnings; warnings.simplefilter("ignore")
+import megatron.core, megatron.core.package_info as info
+from slime_ext.patches import PatchError, megatron_cpu
+print("FILE", megatron.core.__file__)
+found = megatron_cpu.megatron_core_version()
+print("VERSION", found.version, "|", found.origin)
+ps = megatron_cpu.build_patches()
+ps.apply()
+print("APPLIED", ps.applied)
+ps.undo()
+info.__version__ = "0.20.0"  # the same tree, were it a 0.20 checkout
+try:
+    megatron_cpu.build_patches().apply()
+except PatchError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patch set is only applied without a GPU")
+def test_a_source_tree_on_pythonpath_is_judged_by_what_it_is(tmp_path):
+    """A Megatron-LM checkout in front of the installed wheel (slime's set-up): its package_info decides, not pip."""
+    import importlib.metadata
+    import os
+    import shutil
+    import subprocess
+
+    import megatron.core
+
+    installed = Version(importlib.metadata.version("megatron-core"))
+    dev = f"{installed.major}.{installed.minor}.0rc0"  # a dev build of the installed code's release
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(Path(megatron.core.__file__).parent, tree / "megatron" / "core",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tree / "megatron" / "core" / "package_info.py", "a") as f:
+        f.write(f"\n__version__ = {dev!r}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-c", SOURCE_TREE_PROBE], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines["FILE"].startswith(str(tree)), lines["FILE"]
+    assert lines["VERSION"].startswith(f"{dev} | ") and str(tree) in lines["VERSION"]
+    assert f"the installed megatron-core distribution says {installed}, the imported code wins" in lines["VERSION"]
+    assert lines["APPLIED"] == "True"
+    assert "supports megatron-core>=0.16.0rc0,<0.20" in lines["REFUSED"] and "but 0.20.0 is imported" \
+        in lines["REFUSED"] and str(tree) in lines["REFUSED"]

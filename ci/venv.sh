@@ -1,0 +1,66 @@
+# Sourced by ci/test and ci/demo: `ensure_venv EXTRAS` makes "$VENV" ready and sets PY to its python.
+#
+# VENV              the virtualenv (ci/test and ci/demo: ${SLIME_EXT_VENV:-.venv}); created with ${PYTHON:-python3}
+#                   when missing.
+# SLIME_EXT_MEGATRON  a megatron-core version to pin (e.g. 0.19.2); unset: whatever the `megatron` extra resolves to
+#                   (already installed wins), i.e. the newest supported release for the interpreter.
+#
+# torch is pinned to 2.13.0: on Python 3.11 that is the CPU build lying on this machine's disk; elsewhere PyPI's
+# (CUDA) build, which imports and trains on a CPU-only host. Never an unpinned torch (a multi-GB download).
+#
+# The install is skipped when nothing changed: a stamp in the venv holds a hash of pyproject.toml, the interpreter
+# (`python -VV`), the clone's path (the editable install points there), the extras and the pins.
+TORCH_PIN="torch==2.13.0"
+
+_ci_hash() {
+  if command -v sha256sum >/dev/null 2>&1; then sha256sum | cut -c1-16; else shasum -a 256 | cut -c1-16; fi
+}
+
+ensure_venv() {
+  local extras="$1" megatron_pin="" key stamp
+  if [ ! -x "$VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VENV"
+  fi
+  PY="$VENV/bin/python"
+  if [ -n "${SLIME_EXT_MEGATRON:-}" ]; then
+    megatron_pin="megatron-core==${SLIME_EXT_MEGATRON}"
+  fi
+  stamp="$VENV/.slime-ext-stamp-${extras//,/-}"
+  key=$(_install_key "$extras $TORCH_PIN $megatron_pin")
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
+    echo "ci: $VENV is up to date for [$extras] $megatron_pin (stamp $key); no install"
+    return 0
+  fi
+  rm -f "$stamp"
+  "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
+  # shellcheck disable=SC2086
+  "$PY" -m pip install -q --disable-pip-version-check "$TORCH_PIN" $megatron_pin -e ".[$extras]"
+  _install_key "$extras $TORCH_PIN $megatron_pin" > "$stamp"
+}
+
+# the stamp's key; it includes the installed torch and megatron-core versions, so a venv changed by hand (or by
+# another job swapping megatron-core) is reinstalled
+_install_key() {
+  { cat pyproject.toml; "$PY" -VV; pwd; echo "$1"
+    "$PY" -c 'import importlib.metadata as m
+for d in ("torch", "megatron-core"):
+    try:
+        print(d, m.version(d))
+    except m.PackageNotFoundError:
+        print(d, "-")'; } | _ci_hash
+}
+
+# One line naming what is tested: python, torch, and the megatron-core that is actually imported (its
+# package_info, which a source checkout on PYTHONPATH reports too) with the place it comes from.
+print_versions() {
+  "$PY" -W ignore - <<'EOF'
+import platform, torch
+try:
+    from megatron.core import package_info
+    import megatron.core
+    mcore = f"megatron-core {package_info.__version__} ({megatron.core.__path__[0]})"
+except ImportError as exc:
+    mcore = f"megatron-core not importable ({exc})"
+print(f"ci: python {platform.python_version()}, torch {torch.__version__}, {mcore}")
+EOF
+}
