@@ -2,7 +2,6 @@
 
 import contextlib
 import io
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -150,15 +149,13 @@ def test_measure_flags_a_broken_schedule():
     assert any("twice" in p for p in m.problems)
 
 
-def test_one_case_runs_quickly():
+def test_one_case_runs_every_scheme():
+    """One small benchmark case end to end (its speed is the benchmark's business, not a test's)."""
     out = io.StringIO()
-    t0 = time.perf_counter()
     with contextlib.redirect_stdout(out):
         rc = run(["--cases", "rl-1k-dp8", "--repeats", "1"])
-    elapsed = time.perf_counter() - t0
     text = out.getvalue()
     assert rc == 0
-    assert elapsed < 10, f"one small case took {elapsed:.1f} s"
     for flags in ("strided", "balance_data", "balance_by_flops", "both"):
         for scheme in ("ours", "legacy", "reference"):
             assert any(line.split()[:2] == [flags, scheme] for line in text.splitlines()), (flags, scheme)
