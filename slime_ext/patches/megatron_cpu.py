@@ -370,11 +370,10 @@ def code_has_call(module: str, attribute: str, needle: str, required_from: str =
         version = megatron_core_version()
         if SpecifierSet(required_from).contains(Version(version.version), prereleases=True):
             return None
-        *path, name = attribute.split(".")
         try:
             owner, last = _resolve(module, attribute)
-        except PatchError:
-            return f"{module} has no {'.'.join(path)} in megatron-core {version}"
+        except PatchError as exc:  # the module or the class is missing
+            return f"{exc} in megatron-core {version}"
         if not hasattr(owner, last):
             return f"{module}.{attribute} does not exist in megatron-core {version}"
         check = source_contains(needle)(getattr(owner, last))
