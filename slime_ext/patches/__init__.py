@@ -178,19 +178,20 @@ class Patch:
         checked)."""
         found = self.version() if self.version is not None else installed_version(self.distribution)
         version = str(found)
-        where = f" ({found.origin})" if isinstance(found, ImportedVersion) else ""
+        # "is imported (read from ...)" when the version was read from the imported code, else "is installed"
+        where = f"imported ({found.origin})" if isinstance(found, ImportedVersion) else "installed"
         try:
             parsed = Version(version)
         except InvalidVersion:
-            raise PatchError(f"patch {self.name!r} ({self.target}): {self.distribution} version {version!r}{where} "
-                             f"is not a version number; the patch supports {self.distribution}{self.supported}"
-                             ) from None
+            raise PatchError(f"patch {self.name!r} ({self.target}): {self.distribution} version {version!r} (as "
+                             f"{where}) is not a version number; the patch supports "
+                             f"{self.distribution}{self.supported}") from None
         # prereleases=True: a range written with an rc0 lower bound takes that release's dev builds, and one
         # without (">=1.0,<2") must still refuse 2.0.0rc1, which it does by its bounds alone
         if not SpecifierSet(self.supported).contains(parsed, prereleases=True):
             raise PatchError(
                 f"patch {self.name!r} ({self.target}) supports {self.distribution}{self.supported} "
-                f"(tested: {', '.join(self.tested)}) but {version} is imported{where}; install a supported "
+                f"(tested: {', '.join(self.tested)}) but {version} is {where}; install a supported "
                 f"{self.distribution} or re-check the patch against {version} and widen its range"
             )
         if self.needed is not None and not self._applied:

@@ -68,14 +68,14 @@ def test_methods_and_staticmethods(target_module):
 def test_version_outside_range_is_refused(target_module):
     for version in ("2.0.0", "2.0.0rc1", "0.9"):
         target_module.VERSION = version
-        with pytest.raises(PatchError, match=rf"supports fake>=1.0,<2 \(tested: 1.2.0\) but {version} is imported"):
+        with pytest.raises(PatchError, match=rf"supports fake>=1.0,<2 \(tested: 1.2.0\) but {version} is installed"):
             _patch().apply()
     assert target_module.greet("x") == "hello x"
 
 
 def test_dev_builds_are_accepted_by_an_rc0_lower_bound(target_module):
     target_module.VERSION = "1.0.0rc0"
-    with pytest.raises(PatchError, match="but 1.0.0rc0 is imported"):
+    with pytest.raises(PatchError, match="but 1.0.0rc0 is installed"):
         _patch().apply()  # ">=1.0" means the release
     p = _patch(supported=">=1.0.0rc0,<2")
     p.apply()
