@@ -9,15 +9,30 @@
 # (CUDA) build, which imports and trains on a CPU-only host. Never an unpinned torch (a multi-GB download).
 #
 # The install is skipped when nothing changed: a stamp in the venv holds a hash of pyproject.toml, the interpreter
-# (`python -VV`), the clone's path (the editable install points there), the extras and the pins.
+# (`python -VV`), the clone's path (the editable install points there), the extras, the torch pin and the installed
+# torch. When only the megatron-core pin differs from what is installed, only megatron-core is swapped (seconds).
 TORCH_PIN="torch==2.13.0"
 
 _ci_hash() {
   if command -v sha256sum >/dev/null 2>&1; then sha256sum | cut -c1-16; else shasum -a 256 | cut -c1-16; fi
 }
 
+# version of an installed distribution in the venv, "-" if absent
+_installed() {
+  "$PY" -c 'import sys, importlib.metadata as m
+try:
+    print(m.version(sys.argv[1]))
+except m.PackageNotFoundError:
+    print("-")' "$1"
+}
+
+# the stamp's key (megatron-core is checked apart, see ensure_venv)
+_install_key() {
+  { cat pyproject.toml; "$PY" -VV; pwd; echo "$1 $TORCH_PIN"; _installed torch; } | _ci_hash
+}
+
 ensure_venv() {
-  local extras="$1" megatron_pin="" key stamp
+  local extras="$1" megatron_pin="" key stamp mcore
   if [ ! -x "$VENV/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$VENV"
   fi
@@ -26,34 +41,28 @@ ensure_venv() {
     megatron_pin="megatron-core==${SLIME_EXT_MEGATRON}"
   fi
   stamp="$VENV/.slime-ext-stamp-${extras//,/-}"
-  key=$(_install_key "$extras $TORCH_PIN $megatron_pin")
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
-    echo "ci: $VENV is up to date for [$extras] $megatron_pin (stamp $key); no install"
+  key=$(_install_key "$extras")
+  mcore=$(_installed megatron-core)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && [ "$mcore" != "-" ]; then
+    if [ -z "$megatron_pin" ] || [ "$mcore" = "${SLIME_EXT_MEGATRON}" ]; then
+      echo "ci: $VENV is up to date for [$extras] (stamp $key, megatron-core $mcore); no install"
+    else
+      echo "ci: $VENV is up to date for [$extras] (stamp $key); megatron-core $mcore -> ${SLIME_EXT_MEGATRON}"
+      "$PY" -m pip install -q --disable-pip-version-check "$megatron_pin"
+    fi
     return 0
   fi
   rm -f "$stamp"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
   # shellcheck disable=SC2086
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_PIN" $megatron_pin -e ".[$extras]"
-  _install_key "$extras $TORCH_PIN $megatron_pin" > "$stamp"
-}
-
-# the stamp's key; it includes the installed torch and megatron-core versions, so a venv changed by hand (or by
-# another job swapping megatron-core) is reinstalled
-_install_key() {
-  { cat pyproject.toml; "$PY" -VV; pwd; echo "$1"
-    "$PY" -c 'import importlib.metadata as m
-for d in ("torch", "megatron-core"):
-    try:
-        print(d, m.version(d))
-    except m.PackageNotFoundError:
-        print(d, "-")'; } | _ci_hash
+  _install_key "$extras" > "$stamp"
 }
 
 # One line naming what is tested: python, torch, and the megatron-core that is actually imported (its
 # package_info, which a source checkout on PYTHONPATH reports too) with the place it comes from.
 print_versions() {
-  "$PY" -W ignore - <<'EOF'
+  "$PY" -W ignore - <<'EOF2'
 import platform, torch
 try:
     from megatron.core import package_info
@@ -62,5 +71,5 @@ try:
 except ImportError as exc:
     mcore = f"megatron-core not importable ({exc})"
 print(f"ci: python {platform.python_version()}, torch {torch.__version__}, {mcore}")
-EOF
+EOF2
 }
