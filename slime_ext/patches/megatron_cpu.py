@@ -399,8 +399,10 @@ CONTEXT_WRAPPED: tuple[tuple[str, str, str, str], ...] = (
     ("grad_norm", "megatron.core.optimizer.optimizer", "get_grad_norm_fp32", "device='cuda'"),
     ("count_zeros", "megatron.core.optimizer.optimizer", "count_zeros_fp32", "device='cuda'"),
     # from 0.19 (see :data:`FROM_0_19`)
+    # (0.17/0.18 call torch.cuda.current_stream() there too, but only with several distributed-optimizer instances;
+    # 0.19's unconditional call is this assignment)
     ("grad_sync_stream", "megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
-     "torch.cuda.current_stream()"),
+     "current_stream = torch.cuda.current_stream()"),
     ("grad_norm_group_flag", "megatron.core.optimizer.optimizer", "MegatronOptimizer.has_grad_norm_group",
      "device='cuda'"),
 )
