@@ -231,9 +231,11 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
     """The constructor's arguments from a saved schedule, every field checked (see ``DPSchedule.from_dict``)."""
     n_max = dict(minimum=INT64_MIN, maximum=INT64_MAX)
     lengths, ids, loss = check_samples(
-        int_list("total_lengths", d["total_lengths"], **n_max),
-        None if d.get("rollout_ids") is None else int_list("rollout_ids", d["rollout_ids"], **n_max),
-        None if d.get("loss_tokens") is None else int_list("loss_tokens", d["loss_tokens"], **n_max),
+        int_list("total_lengths", d["total_lengths"], what="integer token counts", **n_max),
+        None if d.get("rollout_ids") is None else int_list("rollout_ids", d["rollout_ids"], what="integer ids",
+                                                           **n_max),
+        None if d.get("loss_tokens") is None else int_list("loss_tokens", d["loss_tokens"],
+                                                           what="integer token counts", **n_max),
     )
     stats = d["stats"]
     if not isinstance(stats, list):

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .bounds import bin_lower_bound
+from .bounds import bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, sample_costs
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
@@ -181,6 +181,12 @@ def check_schedule(
             bad("dropped holds a whole step's worth of rollouts")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
+    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
+        if len(sched.step_samples) != num_steps:
+            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
+        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
+            if sorted(recorded) != sorted(members):
+                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
     if not out:
         _check_stats(sched, measured, bad)
     return out
@@ -231,6 +237,9 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             "num_microbatches": sched.num_microbatches[s],
             "total_microbatches": sched.num_microbatches[s] * dp,
             "cap": cap,
+            "num_rollouts": sched.rollouts_per_step[s],
+            "aligned_lower_bound": (microbatch_target(lengths[members], cap, align) if cap is not None
+                                    else -(-len(members) // sched.batch.micro_batch_size)),
             "largest_bin_tokens": max(t for _, t, _ in mbs),
             "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
         }

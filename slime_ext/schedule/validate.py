@@ -272,11 +272,12 @@ def check_mapping(name: str, value: Any, keys: Any = None) -> Mapping[str, Any]:
     return value
 
 
-def int_list(name: str, value: Any, *, minimum: int = INT64_MIN, maximum: int = INT64_MAX) -> list[int]:
+def int_list(name: str, value: Any, *, minimum: int = INT64_MIN, maximum: int = INT64_MAX,
+             what: str = "integers") -> list[int]:
     """A list of exact ints in range, as plain Python ints (for fields read back from JSON)."""
     if not isinstance(value, (list, tuple)):
         raise ScheduleError(f"{name} must be a list of integers, got {show(value)} ({type(value).__name__})")
-    return check_int_array(name, value, minimum=minimum, maximum=maximum).tolist()
+    return check_int_array(name, value, minimum=minimum, maximum=maximum, what=what).tolist()
 
 
 def nested_int_lists(name: str, value: Any, depth: int, **bounds: int) -> list:
