@@ -229,6 +229,10 @@ def check_cost_model_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
         if fields[name] is not None:
             out[name] = check_int(f"CostModel.{name}", fields[name], maximum=MAX_MODEL_DIM,
                                   fix="give a positive size or leave it unset (None) for Megatron's default")
+    if out["kv_channels"] is None and out["num_attention_heads"] > out["hidden_size"]:
+        raise ScheduleError(f"CostModel.num_attention_heads = {out['num_attention_heads']} exceeds hidden_size = "
+                            f"{out['hidden_size']}: the default kv_channels = hidden_size // num_attention_heads "
+                            f"would be 0 (no attention FLOPs); pass kv_channels or check the dims")
     out["vocab_size"] = check_int("CostModel.vocab_size", fields["vocab_size"], minimum=0, maximum=MAX_MODEL_DIM,
                                   fix="give the (padded) vocabulary size, or 0 to leave the LM head out")
     out["moe_router_topk"] = check_int("CostModel.moe_router_topk", fields["moe_router_topk"],
