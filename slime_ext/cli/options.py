@@ -205,7 +205,8 @@ def load_config(path: str) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise CLIError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+        raise CLIError(f"{where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -89,7 +89,7 @@ def _load_schedule_json(path: str):
             if head.lstrip()[:1] not in (b"{", b""):  # /dev/zero, a binary file: refused before reading it all
                 raise CLIError(f"{path}: does not start with a JSON object ('{{'); --from-json takes a schedule "
                                f"written by --json")
-            data = head + f.read(MAX_SCHEDULE_BYTES + 1 - len(head))
+            data = head + f.read(max(0, MAX_SCHEDULE_BYTES + 1 - len(head)))
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
     if len(data) > MAX_SCHEDULE_BYTES:
