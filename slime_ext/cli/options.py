@@ -270,10 +270,17 @@ def _positive(values: Mapping[str, Any], source: Mapping[str, str], name: str, d
     return value
 
 
+#: the achieved TFLOP/s per GPU the step-time estimate accepts (outside it the estimate is 0 s or inf s)
+TFLOPS_RANGE = (1e-6, 1e6)
+
+
 def _tflops(values: Mapping[str, Any], source: str) -> float:
     tflops = values.get("tflops", DEFAULT_TFLOPS)
     if type(tflops) not in (int, float) or not (math.isfinite(tflops) and tflops > 0):
         raise CLIError(f"{source} is {show(tflops)}; it must be a finite number > 0 (achieved TFLOP/s per GPU)")
+    if not TFLOPS_RANGE[0] <= tflops <= TFLOPS_RANGE[1]:
+        raise CLIError(f"{source} is {tflops:g}; it must be in [{TFLOPS_RANGE[0]:g}, {TFLOPS_RANGE[1]:g}] "
+                       f"(achieved TFLOP/s per GPU, e.g. {DEFAULT_TFLOPS:g} on an H100)")
     return float(tflops)
 
 

@@ -284,6 +284,8 @@ FLAG_CASES = [
     (["--tflops", "nan"], "--tflops is nan; it must be a finite number > 0"),
     (["--tflops", "inf"], "--tflops is inf"),
     (["--tflops", "-1"], "--tflops is -1.0"),
+    (["--tflops", "1e-300"], "--tflops is 1e-300; it must be in [1e-06, 1e+06]"),
+    (["--tflops", "1e308"], "--tflops is 1e+308; it must be in"),
     (["--dp-size", str(10**30)], "--dp-size is 1000000000000000000000000000000, above the limit MAX_PARALLEL_SIZE"),
     (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size is 0; it must be a positive integer"),
     (["--num-gpus", str(2**40)], "--num-gpus is 1099511627776, above the limit"),
