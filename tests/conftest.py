@@ -8,8 +8,7 @@ Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (default ``ci``):
 * ``thorough``: :data:`THOROUGH_SCALE` times as many of each (the ~300,000-case fuzz of the planner and the input
   boundary; hours on 2 cores)::
 
-      HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest -n auto -p no:cacheprovider tests/unit \\
-          -k "propert or hardening or packing" --timeout 0
+      HYPOTHESIS_PROFILE=thorough ci/test tests/unit -k "propert or hardening" --timeout 0
 
 Tests that fix their own ``max_examples`` should wrap the number in :func:`examples` so the profile scales it.
 """

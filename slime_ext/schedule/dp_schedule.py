@@ -15,7 +15,7 @@ from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
 from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_number, check_samples, int_list,
-                       nested_int_lists, show)
+                       is_int, nested_int_lists, show)
 
 SCHEMA_VERSION = 1
 
@@ -180,7 +180,7 @@ class DPSchedule:
             raise ScheduleError(f"a schedule must be a JSON object written by DPSchedule.to_dict, got "
                                 f"{type(d).__name__}")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION or isinstance(version, bool):
+        if not is_int(version) or version != SCHEMA_VERSION:  # not ==: an array would compare elementwise
             raise ScheduleError(
                 f"schema_version={show(version)} is not supported (expected {SCHEMA_VERSION}); "
                 f"re-create the schedule with this version of slime-ext"

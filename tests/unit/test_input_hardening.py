@@ -509,6 +509,9 @@ def test_from_dict_refuses_non_mappings_and_unknown_keys(saved):
     for bad in (None, [], "x", 3):
         with pytest.raises(ScheduleError, match="a schedule must be a JSON object"):
             DPSchedule.from_dict(bad)
+    for version in (np.array([1, 2]), True, 1.0, "1", None):  # found by the fuzz: an array compared elementwise
+        with pytest.raises(ScheduleError, match="schema_version=.* is not supported"):
+            DPSchedule.from_dict({**saved.to_dict(), "schema_version": version})
     d = saved.to_dict()
     d["batch"]["use_dynamic_batch_size"] = "True"
     with pytest.raises(ScheduleError, match="use_dynamic_batch_size must be a bool"):
