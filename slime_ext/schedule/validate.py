@@ -57,7 +57,9 @@ def show(value: Any, width: int = 60) -> str:
     """``repr(value)`` shortened for a one-line message (also for ints too long to print)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and abs(int(value)) > 10**30:
         v = int(value)
-        return f"{'-' if v < 0 else ''}an integer of {abs(v).bit_length()} bits (~{'-' if v < 0 else ''}2**{abs(v).bit_length() - 1})"
+        bits = abs(v).bit_length()
+        sign = "-" if v < 0 else ""
+        return f"{'a negative' if v < 0 else 'an'} integer of {bits} bits (~{sign}2**{bits - 1})"
     try:
         text = repr(value)
     except Exception:  # noqa: BLE001 -- a hostile __repr__ must not replace the real error

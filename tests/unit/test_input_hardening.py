@@ -51,15 +51,16 @@ ODD_VALUES = [np.bool_(True), np.bool_(False), np.float64(3.0), np.float32("nan"
 HOSTILE = st.one_of(
     st.none(), st.booleans(),
     st.integers(-(2**70), 2**70),
-    st.integers(MAX_TOKENS - 2, MAX_TOKENS + 2), st.integers(2**63 - 2, 2**64 + 2), st.integers(-(2**63) - 2, -(2**63) + 2),
+    st.integers(MAX_TOKENS - 2, MAX_TOKENS + 2), st.integers(2**63 - 2, 2**64 + 2),
+    st.integers(-(2**63) - 2, -(2**63) + 2),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=3), st.binary(max_size=2),
     st.integers(1, 3000).map(np.int64), st.integers(0, 2**64 - 1).map(np.uint64), st.integers(-5, 5).map(np.int32),
     st.sampled_from(ODD_VALUES),
 )
 STATIC = (ParallelConfig(), BatchConfig(global_batch_size=1))
-DYNAMIC = (ParallelConfig(), BatchConfig(global_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS,
-                                         balance_data=True, balance_by_flops=True))
+DYNAMIC = (ParallelConfig(), BatchConfig(global_batch_size=1, use_dynamic_batch_size=True,
+                                         max_tokens_per_gpu=MAX_TOKENS, balance_data=True, balance_by_flops=True))
 MODEL = CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=500)
 
 
@@ -479,7 +480,8 @@ def test_issue_examples_saved_inputs(saved, field, value, pattern):
 def test_check_schedule_revalidates_the_given_inputs(saved):
     assert check_schedule(saved, total_lengths=saved.total_lengths, rollout_ids=saved.rollout_ids) == []
     bad = [x + 0.5 for x in saved.total_lengths]  # int() would read 100.5 as 100
-    assert re.search(r"the given total_lengths\[0\] = [\d.]+ is not an integer", check_schedule(saved, total_lengths=bad)[0])
+    problems = check_schedule(saved, total_lengths=bad)
+    assert re.search(r"the given total_lengths\[0\] = [\d.]+ is not an integer", problems[0]), problems
     assert "the given rollout_ids[1] = 'x'" in check_schedule(saved, rollout_ids=[0, "x"])[0]
 
 
@@ -489,7 +491,8 @@ def test_structure_that_could_hang_or_index_out_is_a_violation(saved):
     assert "dropped lists sample indices outside [0, 12)" in check_schedule(dataclasses.replace(saved, dropped=[-1]))[0]
     moved = [list(x) for x in saved.step_samples]
     moved[0][0], moved[1][0] = moved[1][0], moved[0][0]
-    assert any("step_samples does not list" in p for p in check_schedule(dataclasses.replace(saved, step_samples=moved)))
+    problems = check_schedule(dataclasses.replace(saved, step_samples=moved))
+    assert any("step_samples does not list" in p for p in problems), problems
 
 
 def test_to_dict_returns_copies(saved):
