@@ -45,18 +45,27 @@ class ParallelConfig:
     """The training job's parallel layout, as far as scheduling cares.
 
     ``microbatch_group_size_per_vp_stage`` only matters with ``vpp_size > 1`` (Megatron defaults it to the pipeline
-    size); the per-step micro-batch count is then aligned to ``dp_size * microbatch_group_size_per_vp_stage``.
+    size); the per-step micro-batch count is then aligned to ``dp_size * microbatch_group_size_per_vp_stage``. With
+    ``vpp_size > 1`` it must be given (``None`` is refused, here, in ``from_dict`` and in ``slime-ext plan``, which
+    takes the pipeline size for it when ``--pipeline-model-parallel-size`` is given); without VPP it is 1.
     """
 
     dp_size: int = 1
     cp_size: int = 1
     vpp_size: int = 1
-    microbatch_group_size_per_vp_stage: int = 1
+    microbatch_group_size_per_vp_stage: int | None = None  # required with vpp_size > 1, else 1
 
     def __post_init__(self) -> None:
         _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
         _positive_int(self, "cp_size", MAX_PARALLEL_SIZE, "pass the context-parallel size (>= 1)")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
+        if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
+            if self.vpp_size > 1:
+                raise ScheduleError(
+                    f"microbatch_group_size_per_vp_stage is None but vpp_size = {self.vpp_size}; pass it (Megatron "
+                    f"defaults it to the pipeline-parallel size)"
+                )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
         _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
                       "Megatron defaults it to the pipeline-parallel size: pass that")
 

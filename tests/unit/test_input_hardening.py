@@ -294,6 +294,7 @@ def test_dp_size_is_checked_against_the_samples_before_any_allocation(dp, n, dyn
 
 @pytest.mark.parametrize("make, field, limit", [
     (lambda: ParallelConfig(dp_size=10**9), "dp_size", "MAX_PARALLEL_SIZE = 2**24"),
+    (lambda: ParallelConfig(vpp_size=2), "microbatch_group_size_per_vp_stage", "vpp_size = 2; pass it"),
     (lambda: ParallelConfig(microbatch_group_size_per_vp_stage=2**40), "microbatch_group_size_per_vp_stage",
      "MAX_PARALLEL_SIZE"),
     (lambda: BatchConfig(global_batch_size=10**12), "global_batch_size", "MAX_SAMPLES = 2**27"),
