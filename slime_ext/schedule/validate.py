@@ -142,8 +142,12 @@ def check_int_array(
                 or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
             raise ScheduleError(f"{name} must be a sequence of integers (a list or a 1-D numpy array), got "
                                 f"{type(values).__name__}")
-        count = len(values)
-        arr = values if isinstance(values, list) else list(values)
+        try:
+            count = len(values)
+            arr = values if isinstance(values, list) else list(values)
+        except TypeError:  # e.g. a 0-d tensor: it has __len__ but no length
+            raise ScheduleError(f"{name} must be a sequence of integers (a list or a 1-D numpy array), got "
+                                f"{type(values).__name__} without a length") from None
     _check_count(name, count, n)
     if count == 0:
         return np.zeros(0, dtype=np.int64)

@@ -185,6 +185,8 @@ def test_any_container_plans_or_is_refused_naming_it(lengths, cfg):
     (iter([1, 2]), r"got list_iterator"),
     ([10, np.float64(3.0)], r"total_lengths\[1\] = 3.0 \(float64\) is not an integer"),
     ([10, np.bool_(True)], r"total_lengths\[1\] = True \(bool\) is not an integer"),
+    (type("ZeroDim", (), {"__len__": lambda self: len(5), "__iter__": lambda self: iter(())})(),
+     r"got ZeroDim without a length"),  # like a 0-d tensor
 ])
 def test_issue_examples_containers(lengths, pattern):
     with pytest.raises(ScheduleError, match=pattern):
