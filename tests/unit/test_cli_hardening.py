@@ -356,8 +356,6 @@ def saved_json(tmp_path_factory):
 
 def _with_stats_patched(d: dict) -> dict:
     """What the issue did: edit an input, then patch the stats to match, so that only the input is wrong."""
-    from slime_ext.schedule import DPSchedule, plan_schedule  # noqa: F401 -- the planner recomputes nothing here
-
     out = copy.deepcopy(d)
     lengths = out["total_lengths"]
     for s, st_ in enumerate(out["stats"]):
