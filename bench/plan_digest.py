@@ -4,6 +4,9 @@ exactly as before").
     python -m bench.plan_digest --write before.json    # on the old code
     python -m bench.plan_digest --check before.json    # on the new code: exit 1 and list every schedule that moved
 
+``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening):
+``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules a later change moved.
+
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
 and ``RANDOM_CASES`` small seeded rollouts over parallel layouts, static/dynamic batches, rollout groups, loss
 tokens and cost models, half of them through ``build_dp_schedule`` (slime's entry). A case's digest is the SHA-256
