@@ -10,7 +10,9 @@ skipped. Fields:
 * ``rollout_id`` (int, optional): the rollout the sample belongs to (all samples of a rollout stay in one step);
 * ``loss_tokens`` (int, 0 <= loss_tokens <= length, optional): loss-mask tokens, for ``loss_tokens_per_step``.
 
-An optional field is given on every line or on none. Other fields are ignored.
+An optional field is given on every line or on none. Other fields are ignored. Limits (so that token sums stay
+inside int64 and nothing is read or allocated without bound): a length is at most ``MAX_TOKENS`` (2**32), a file
+holds at most ``MAX_SAMPLES`` (2**27) samples and a line at most :data:`MAX_LINE_BYTES` (64 MiB).
 
 **.npy**: a one-dimensional integer array of lengths (``np.save(path, lengths.astype(np.int64))``); one rollout per
 sample.
@@ -38,15 +40,21 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from typing import IO, Callable
 
 import numpy as np
 
+from ..schedule.validate import INT64_MAX, INT64_MIN, MAX_SAMPLES, MAX_TOKENS, limit_name, show
 from .errors import CLIError
+
+#: longest JSONL line read (bytes); a longer one (``/dev/zero``, a binary file) is an error, not an endless read
+MAX_LINE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -107,12 +115,15 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------------- JSONL
-def _int_field(where: str, name: str, value, minimum: int) -> int:
+def _int_field(where: str, name: str, value, minimum: int, maximum: int = MAX_TOKENS) -> int:
     if type(value) is not int:  # bool is an int subclass: reject it too
         raise CLIError(f"{where}: field '{name}' is {json.dumps(value)[:40]}, not an integer; "
                        f"give the token count as a JSON integer")
     if value < minimum:
-        raise CLIError(f"{where}: field '{name}' is {value}; it must be >= {minimum}")
+        raise CLIError(f"{where}: field '{name}' is {show(value)}; it must be >= {minimum}")
+    if value > maximum:
+        raise CLIError(f"{where}: field '{name}' is {show(value)}, above the limit {limit_name(maximum)} "
+                       f"(token sums must stay inside int64)")
     return value
 
 
@@ -152,6 +163,35 @@ def _open_binary(path: str) -> tuple[IO[bytes], IO[bytes]]:
     return raw, raw
 
 
+def _lines(stream: IO[bytes], path: str):
+    """``(line number, line)``; a line longer than :data:`MAX_LINE_BYTES` (``/dev/zero``) is an error, not a hang."""
+    lineno = 0
+    while True:
+        line = stream.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            raise CLIError(f"{path}:{lineno}: the line is longer than {MAX_LINE_BYTES // 2**20} MiB "
+                           f"(MAX_LINE_BYTES); a JSONL file holds one sample per line: is this a text file?")
+        yield lineno, line
+
+
+def _parse_line(where: str, line: bytes):
+    try:
+        return json.loads(line)
+    except UnicodeDecodeError:
+        raise CLIError(f"{where}: not UTF-8 text; a JSONL file holds one JSON object per line") from None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
+                       f"a JSONL file holds one JSON object per line") from None
+    except RecursionError:
+        raise CLIError(f"{where}: JSON nested too deeply to read; each line is one flat object like "
+                       f"{{\"total_length\": 1234}}") from None
+    except ValueError as e:  # e.g. an integer literal of more than 4300 digits
+        raise CLIError(f"{where}: not readable JSON ({e})") from None
+
+
 def read_jsonl(path: str, progress: bool = True) -> Samples:
     lengths: list[int] = []
     rids: list[int] = []
@@ -159,25 +199,25 @@ def read_jsonl(path: str, progress: bool = True) -> Samples:
     has_rid = has_loss = None  # decided by the first sample; every later line must agree
     first_line = 0
     stream, raw = _open_binary(path)
-    size = os.fstat(raw.fileno()).st_size
+    try:
+        size = os.fstat(raw.fileno()).st_size
+    except OSError:
+        size = 0
     bar = Progress(f"reading {path}", size, enabled=progress)
     with stream, raw:
         lineno = 0
         try:
-            for lineno, line in enumerate(stream, 1):
+            for lineno, line in _lines(stream, path):
                 if lineno % 4096 == 0:
                     bar.update(raw.tell(), lambda: f"{len(lengths):,} samples")
                 line = line.strip()
                 if not line:
                     continue
                 where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except UnicodeDecodeError:
-                    raise CLIError(f"{where}: not UTF-8 text; a JSONL file holds one JSON object per line") from None
-                except json.JSONDecodeError as e:
-                    raise CLIError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
-                                   f"a JSONL file holds one JSON object per line") from None
+                if len(lengths) >= MAX_SAMPLES:
+                    raise CLIError(f"{where}: more than {limit_name(MAX_SAMPLES)} samples (the most one rollout may "
+                                   f"hold, so that token sums stay inside int64); plan the rollout in parts")
+                obj = _parse_line(where, line)
                 if not isinstance(obj, dict):
                     raise CLIError(f"{where}: a JSON {type(obj).__name__}, not an object; "
                                    f"each line is one sample like {{\"total_length\": 1234, \"rollout_id\": 0}}")
@@ -195,6 +235,9 @@ def read_jsonl(path: str, progress: bool = True) -> Samples:
                 if has_rid:
                     if type(rid) is not int:
                         raise CLIError(f"{where}: field 'rollout_id' is {json.dumps(rid)[:40]}, not an integer")
+                    if not INT64_MIN <= rid <= INT64_MAX:
+                        raise CLIError(f"{where}: field 'rollout_id' is {show(rid)}, outside int64; give the "
+                                       f"rollout's index")
                     rids.append(rid)
                 if has_loss:
                     lt = _int_field(where, "loss_tokens", lt, 0)
@@ -203,8 +246,9 @@ def read_jsonl(path: str, progress: bool = True) -> Samples:
                                        f"tokens; loss tokens are a subset of the sample's tokens")
                     loss.append(lt)
                 lengths.append(length)
-        except (OSError, EOFError) as e:  # truncated or corrupt .gz
-            raise CLIError(f"{path}:{lineno + 1}: cannot read: {e}") from None
+        except (OSError, EOFError, zlib.error) as e:  # truncated or corrupt .gz, an unreadable device
+            raise CLIError(f"{path}:{lineno + 1}: cannot read: {e}"
+                           f"{'; is it a complete gzip file?' if path.endswith('.gz') else ''}") from None
     if not lengths:
         raise CLIError(f"{path}: empty file, no samples; it needs one JSON object per line, "
                        f"e.g. {{\"total_length\": 1234}}")
@@ -219,12 +263,12 @@ def read_jsonl(path: str, progress: bool = True) -> Samples:
 
 # ---------------------------------------------------------------------------------------------------- .npy
 def read_npy(path: str) -> Samples:
-    try:
-        arr = np.load(path, allow_pickle=False)
+    try:  # memory-mapped first: a header that claims more data than the file holds fails here, not in an allocation
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise CLIError(f"{path}: not a plain .npy array ({e}); save integer lengths with "
+    except Exception as e:  # noqa: BLE001 -- numpy's header parser raises several types for a corrupt file
+        raise CLIError(f"{path}: not a plain .npy array ({type(e).__name__}: {e}); save integer lengths with "
                        f"np.save(path, lengths.astype(np.int64))") from None
     if not isinstance(arr, np.ndarray):  # np.load of an .npz gives an NpzFile
         raise CLIError(f"{path}: an .npz archive, not an .npy array; save the lengths alone with np.save")
@@ -235,11 +279,17 @@ def read_npy(path: str) -> Samples:
                        f"np.save(path, lengths.astype(np.int64))")
     if arr.size == 0:
         raise CLIError(f"{path}: empty array, no samples")
-    arr = arr.astype(np.int64)
-    if arr.min() < 1:
-        bad = int(np.argmax(arr < 1))
-        raise CLIError(f"{path}: entry {bad} is {int(arr[bad])}; every length must be >= 1")
-    return Samples(total_lengths=arr, rollout_ids=None, loss_tokens=None, source=path)
+    if arr.size > MAX_SAMPLES:
+        raise CLIError(f"{path}: {arr.size:,} lengths, above the limit {limit_name(MAX_SAMPLES)} samples per rollout "
+                       f"(token sums must stay inside int64); plan the rollout in parts")
+    arr = np.array(arr)  # compared in its own dtype: a uint64 above int64 never wraps
+    for bad_entries, rule in ((arr < 1, "every length must be >= 1"),
+                              (arr > MAX_TOKENS, f"every length must be <= {limit_name(MAX_TOKENS)}")):
+        if bad_entries.any():
+            bad = int(np.argmax(bad_entries))
+            raise CLIError(f"{path}: entry {bad} is {show(int(arr[bad]))}; {rule}")
+    lengths = arr.astype(np.int64)
+    return Samples(total_lengths=lengths, rollout_ids=None, loss_tokens=None, source=path)
 
 
 # ---------------------------------------------------------------------------------------------------- synthetic
@@ -290,30 +340,60 @@ def _parse_spec(spec: str) -> tuple[str, dict]:
     return kind, params
 
 
+#: the largest synthetic seed (numpy takes any non-negative integer; a bound keeps the spec readable)
+MAX_SEED = 2**64 - 1
+
+
+def _check_params(spec: str, kind: str, p: dict) -> None:
+    """Every key in range, naming the key; before anything is drawn or allocated."""
+    lo, hi = p["prompt"]
+
+    def fail(msg: str) -> None:
+        raise CLIError(f"--synthetic {spec!r}: {msg}")
+
+    def bounded(key: str, low: int, high: int, why: str = "") -> None:
+        if not low <= p[key] <= high:
+            fail(f"{key}={show(p[key])} is outside {low}..{limit_name(high)}{why}")
+
+    bounded("n", 1, MAX_SAMPLES, " (samples; refused before anything is allocated)")
+    bounded("seed", 0, MAX_SEED, " (numpy seeds are non-negative)")
+    bounded("samples_per_rollout", 1, MAX_SAMPLES)
+    bounded("cap", 0, MAX_TOKENS - 1, " (response-length cap; 0 = none)")
+    if not 0 <= lo <= hi:
+        fail(f"prompt={lo}-{hi} must be 0 <= LO <= HI")
+    if hi > MAX_TOKENS - 1:
+        fail(f"prompt={lo}-{hi}: HI is above {MAX_TOKENS - 1:,} (a sample is at most {limit_name(MAX_TOKENS)} tokens)")
+    for key, value in p.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"{key}={value!r} must be a finite number")
+    if kind == "lognormal" and p["sigma"] < 0:
+        fail(f"sigma={p['sigma']!r} must be >= 0")
+    if kind == "pareto" and not (p["alpha"] > 0 and p["scale"] > 0):
+        fail(f"alpha={p['alpha']!r} and scale={p['scale']!r} must both be > 0")
+
+
 def synthetic(spec: str) -> Samples:
     kind, p = _parse_spec(spec)
+    _check_params(spec, kind, p)
     lo, hi = p["prompt"]
-    checks = [
-        (p["n"] >= 1, "n must be >= 1"),
-        (0 <= lo <= hi, f"prompt={lo}-{hi} must be 0 <= LO <= HI"),
-        (p["cap"] >= 0, "cap must be >= 0 (0 = no cap)"),
-        (p["samples_per_rollout"] >= 1, "samples_per_rollout must be >= 1"),
-        (kind != "lognormal" or p["sigma"] >= 0, "sigma must be >= 0"),
-        (kind != "pareto" or (p["alpha"] > 0 and p["scale"] > 0), "alpha and scale must be > 0"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise CLIError(f"--synthetic {spec!r}: {msg}")
     n = p["n"]
     rng = np.random.default_rng(p["seed"])
     prompt = rng.integers(lo, hi, size=n, endpoint=True)
-    if kind == "lognormal":
-        raw = rng.lognormal(mean=p["mu"], sigma=p["sigma"], size=n)
-    else:
-        raw = p["scale"] * (1.0 + rng.pareto(p["alpha"], size=n))
-    response = np.maximum(1, np.rint(raw)).astype(np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow to inf is caught below, naming the keys
+        if kind == "lognormal":
+            raw = rng.lognormal(mean=p["mu"], sigma=p["sigma"], size=n)
+        else:
+            raw = p["scale"] * (1.0 + rng.pareto(p["alpha"], size=n))
+        response = np.maximum(1.0, np.rint(raw))
     if p["cap"]:
         response = np.minimum(response, p["cap"])
+    longest = float(response.max())
+    if not longest <= MAX_TOKENS - hi:  # also NaN
+        keys = "mu, sigma" if kind == "lognormal" else "alpha, scale"
+        fail_value = f"{longest:.3g}" if math.isfinite(longest) else "infinity"
+        raise CLIError(f"--synthetic {spec!r}: the {kind} responses reach {fail_value} tokens, above the limit "
+                       f"{limit_name(MAX_TOKENS)} tokens per sample; lower {keys} or set cap=N")
+    response = response.astype(np.int64)
     k = p["samples_per_rollout"]
     return Samples(
         total_lengths=(prompt + response).astype(np.int64),

@@ -25,11 +25,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..schedule import BatchConfig, CostModel, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
+from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from .errors import CLIError
 
 #: Achieved bf16 TFLOP/s per GPU assumed by the step-time estimate: ~40% MFU of an H100's 989 dense TFLOP/s.
@@ -141,7 +143,7 @@ def _int_arg(text: str) -> int:
 def _freq_arg(text: str) -> int | list[int]:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer of > 4300 digits, nested too deeply
         value = None
     if type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)):
         return value
@@ -195,10 +197,16 @@ def load_config(path: str) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except OSError as e:
         raise CLIError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise CLIError(f"{path}: not UTF-8 text (byte {e.start}); a run config is a UTF-8 YAML mapping") from None
+    except RecursionError:
+        raise CLIError(f"{path}: YAML nested too deeply to read; a run config is a flat mapping of flag names "
+                       f"to values") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
-        raise CLIError(f"{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())  # one line
+        raise CLIError(f"{where}: not valid YAML ({problem})") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -252,10 +260,28 @@ def given_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _positive(values: Mapping[str, Any], source: Mapping[str, str], name: str, default: int | None) -> int | None:
+    """A parallel size or GPU count: a positive integer up to ``MAX_PARALLEL_SIZE``."""
     value = values.get(name, default)
     if value is not None and (type(value) is not int or value < 1):
-        raise CLIError(f"{source.get(name, name)} is {value!r}; it must be a positive integer")
+        raise CLIError(f"{source.get(name, name)} is {show(value)}; it must be a positive integer")
+    if value is not None and value > MAX_PARALLEL_SIZE:
+        raise CLIError(f"{source.get(name, name)} is {show(value)}, above the limit {limit_name(MAX_PARALLEL_SIZE)}; "
+                       f"give the real size")
     return value
+
+
+#: the achieved TFLOP/s per GPU the step-time estimate accepts (outside it the estimate is 0 s or inf s)
+TFLOPS_RANGE = (1e-6, 1e6)
+
+
+def _tflops(values: Mapping[str, Any], source: str) -> float:
+    tflops = values.get("tflops", DEFAULT_TFLOPS)
+    if type(tflops) not in (int, float) or not (math.isfinite(tflops) and tflops > 0):
+        raise CLIError(f"{source} is {show(tflops)}; it must be a finite number > 0 (achieved TFLOP/s per GPU)")
+    if not TFLOPS_RANGE[0] <= tflops <= TFLOPS_RANGE[1]:
+        raise CLIError(f"{source} is {tflops:g}; it must be in [{TFLOPS_RANGE[0]:g}, {TFLOPS_RANGE[1]:g}] "
+                       f"(achieved TFLOP/s per GPU, e.g. {DEFAULT_TFLOPS:g} on an H100)")
+    return float(tflops)
 
 
 def _one_of(values, source, a: str, b: str) -> int | None:
@@ -308,9 +334,7 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
                            f"--pipeline-model-parallel-size; give either)")
         mb_group = pp if vpp > 1 else 1
 
-    tflops = values.get("tflops", DEFAULT_TFLOPS)
-    if not tflops > 0:
-        raise CLIError(f"{source['tflops']} is {tflops!r}; it must be > 0 (achieved TFLOP/s per GPU)")
+    tflops = _tflops(values, source["tflops"])
     model = {k.name: values[k.name] for k in MODEL if k.name in values}
     core = ("hidden_size", "num_layers", "num_attention_heads")
     if model and not all(k in model for k in core):
@@ -334,9 +358,7 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
 def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:
     """A saved schedule's own configs, plus the step-time keys (tp, pp, tflops) from the command line."""
     source = {k: "--" + k.replace("_", "-") for k in KEYS}
-    tflops = cli.get("tflops", DEFAULT_TFLOPS)
-    if not tflops > 0:
-        raise CLIError(f"--tflops is {tflops!r}; it must be > 0 (achieved TFLOP/s per GPU)")
+    tflops = _tflops(cli, "--tflops")
     return Setup(parallel=schedule.parallel, batch=schedule.batch, cost_model=schedule.cost_model,
                  tflops=float(tflops),
                  tensor_model_parallel_size=_positive(cli, source, "tensor_model_parallel_size", 1),

@@ -77,13 +77,26 @@ def _write_json(path: str, schedule: DPSchedule) -> None:
         raise CLIError(f"cannot write {path}: {e.strerror}") from None
 
 
+#: largest saved schedule read by --from-json (a schedule of MAX_SAMPLES samples would be larger; plan in parts)
+MAX_SCHEDULE_BYTES = 4 * 2**30
+
+
 def _load_schedule_json(path: str):
     """The JSON object in ``path``; a file that is not JSON is bad input (exit 2), not an invalid schedule."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            head = f.read(4096)
+            if head.lstrip()[:1] not in (b"{", b""):  # /dev/zero, a binary file: refused before reading it all
+                raise CLIError(f"{path}: does not start with a JSON object ('{{'); --from-json takes a schedule "
+                               f"written by --json")
+            data = head + f.read(max(0, MAX_SCHEDULE_BYTES + 1 - len(head)))
     except OSError as e:
-        raise CLIError(f"cannot read {path}: {e.strerror}") from None
+        raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_SCHEDULE_BYTES:
+        raise CLIError(f"{path}: larger than {MAX_SCHEDULE_BYTES // 2**30} GiB (MAX_SCHEDULE_BYTES); --from-json "
+                       f"takes a schedule written by --json")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise CLIError(f"{path}: not UTF-8 text; --from-json takes a schedule written by --json") from None
     if not text.strip():
@@ -92,6 +105,11 @@ def _load_schedule_json(path: str):
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise CLIError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise CLIError(f"{path}: JSON nested too deeply to read; --from-json takes a schedule written by --json") \
+            from None
+    except ValueError as e:  # e.g. an integer literal of more than 4300 digits
+        raise CLIError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(data, dict):
         raise CLIError(f"{path}: a JSON {type(data).__name__}, not a schedule object; --from-json takes a "
                        f"schedule written by --json")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ScheduleError
+from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, check_int, is_int, show
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
@@ -28,9 +29,14 @@ BATCH_FLAGS = (
 )
 
 
-def _positive_int(name: str, value: Any, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ScheduleError(f"{name} must be a positive integer, got {value!r}; {fix}")
+_BOOL_FLAGS = ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
+               "disable_rollout_trim_samples")
+
+
+def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
+    """Check ``obj.name`` and store it back as a plain ``int`` (numpy integers are accepted)."""
+    value = check_int(name, getattr(obj, name), maximum=maximum, fix=fix)
+    object.__setattr__(obj, name, value)
     return value
 
 
@@ -39,23 +45,29 @@ class ParallelConfig:
     """The training job's parallel layout, as far as scheduling cares.
 
     ``microbatch_group_size_per_vp_stage`` only matters with ``vpp_size > 1`` (Megatron defaults it to the pipeline
-    size); the per-step micro-batch count is then aligned to ``dp_size * microbatch_group_size_per_vp_stage``.
+    size); the per-step micro-batch count is then aligned to ``dp_size * microbatch_group_size_per_vp_stage``. With
+    ``vpp_size > 1`` it must be given (``None`` is refused, here, in ``from_dict`` and in ``slime-ext plan``, which
+    takes the pipeline size for it when ``--pipeline-model-parallel-size`` is given); without VPP it is 1.
     """
 
     dp_size: int = 1
     cp_size: int = 1
     vpp_size: int = 1
-    microbatch_group_size_per_vp_stage: int = 1
+    microbatch_group_size_per_vp_stage: int | None = None  # required with vpp_size > 1, else 1
 
     def __post_init__(self) -> None:
-        _positive_int("dp_size", self.dp_size, "pass the data-parallel world size (>= 1)")
-        _positive_int("cp_size", self.cp_size, "pass the context-parallel size (>= 1)")
-        _positive_int("vpp_size", self.vpp_size, "pass 1 without virtual pipeline parallelism")
-        _positive_int(
-            "microbatch_group_size_per_vp_stage",
-            self.microbatch_group_size_per_vp_stage,
-            "Megatron defaults it to the pipeline-parallel size",
-        )
+        _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
+        _positive_int(self, "cp_size", MAX_PARALLEL_SIZE, "pass the context-parallel size (>= 1)")
+        _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
+        if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
+            if self.vpp_size > 1:
+                raise ScheduleError(
+                    f"microbatch_group_size_per_vp_stage is None but vpp_size = {self.vpp_size}; pass it (Megatron "
+                    f"defaults it to the pipeline-parallel size)"
+                )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
+        _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
+                      "Megatron defaults it to the pipeline-parallel size: pass that")
 
     @property
     def align(self) -> int:
@@ -65,15 +77,29 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, train_parallel_config: Mapping[str, Any]) -> "ParallelConfig":
-        """Build from slime's ``train_parallel_config`` dict (``dp_size`` required, the rest default)."""
+        """Build from slime's ``train_parallel_config`` dict.
+
+        ``dp_size`` is required (``None`` is refused, it never means 1). ``cp_size`` and ``vpp_size`` may be missing
+        or ``None``: Megatron's "not used", i.e. 1. ``microbatch_group_size_per_vp_stage`` may be missing or ``None``
+        only without virtual pipelining (it is then unused); with ``vpp_size > 1`` it is required, as in
+        ``slime-ext plan`` (Megatron defaults it to the pipeline size, which this dict does not carry).
+        """
         if isinstance(train_parallel_config, ParallelConfig):
             return train_parallel_config
         if not isinstance(train_parallel_config, Mapping) or "dp_size" not in train_parallel_config:
             raise ScheduleError(
-                f"train_parallel_config must be a mapping with at least 'dp_size', got {train_parallel_config!r}; "
+                f"train_parallel_config must be a mapping with at least 'dp_size', got {show(train_parallel_config)}; "
                 f"pass {{'dp_size': ..., 'cp_size': ..., 'vpp_size': ..., 'microbatch_group_size_per_vp_stage': ...}}"
             )
+        if train_parallel_config["dp_size"] is None:
+            raise ScheduleError("train_parallel_config['dp_size'] is None; pass the data-parallel world size (>= 1)")
         kwargs = {k: train_parallel_config[k] for k in PARALLEL_KEYS if train_parallel_config.get(k) is not None}
+        vpp = kwargs.get("vpp_size", 1)
+        if "microbatch_group_size_per_vp_stage" not in kwargs and is_int(vpp) and vpp > 1:
+            raise ScheduleError(
+                f"train_parallel_config has vpp_size = {vpp} but no microbatch_group_size_per_vp_stage; pass it "
+                f"(Megatron defaults it to the pipeline-parallel size)"
+            )
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -103,30 +129,32 @@ class BatchConfig:
     disable_rollout_trim_samples: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
-                     "disable_rollout_trim_samples"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ScheduleError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        for flag in _BOOL_FLAGS:
+            object.__setattr__(self, flag, check_bool(flag, getattr(self, flag)))
         if not self.use_dynamic_global_batch_size:
             if self.global_batch_size is None:
                 raise ScheduleError(
                     "global_batch_size is None; pass --global-batch-size N (rollouts per step) "
                     "or --use-dynamic-global-batch-size"
                 )
-            _positive_int("global_batch_size", self.global_batch_size, "pass --global-batch-size N (rollouts per step)")
+            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass --global-batch-size N (rollouts per step)")
         elif self.global_batch_size is not None:
-            _positive_int("global_batch_size", self.global_batch_size, "pass a positive --global-batch-size or omit it")
+            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass a positive --global-batch-size or omit it")
         if self.use_dynamic_batch_size:
             if self.max_tokens_per_gpu is None:
                 raise ScheduleError(
                     "max_tokens_per_gpu is None but use_dynamic_batch_size is set; pass --max-tokens-per-gpu N"
                 )
-            _positive_int("max_tokens_per_gpu", self.max_tokens_per_gpu, "pass --max-tokens-per-gpu N")
+            _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass --max-tokens-per-gpu N")
+            if self.micro_batch_size is not None:  # unused with dynamic batches, but never garbage
+                _positive_int(self, "micro_batch_size", MAX_SAMPLES, "pass a positive --micro-batch-size or omit it")
         else:
             _positive_int(
-                "micro_batch_size", self.micro_batch_size,
+                self, "micro_batch_size", MAX_SAMPLES,
                 "pass --micro-batch-size N or use --use-dynamic-batch-size --max-tokens-per-gpu N",
             )
+            if self.max_tokens_per_gpu is not None:  # unused with static batches, but never garbage
+                _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass a positive --max-tokens-per-gpu or omit it")
             if self.balance_by_flops:
                 raise ScheduleError(
                     "balance_by_flops=True needs use_dynamic_batch_size=True (static micro-batches have a fixed "
@@ -139,6 +167,8 @@ class BatchConfig:
         """Read slime's flags from any attribute object (argparse Namespace, SimpleNamespace, a dataclass).
 
         Missing attributes take the defaults above; ``global_batch_size`` overrides ``args.global_batch_size``.
+        A boolean flag that is ``None`` is unset (``False``, argparse's default); any other non-bool value (e.g. the
+        string ``"False"``) is refused, never read as truthy.
         """
         if isinstance(args, BatchConfig):
             return args if global_batch_size is None else dataclasses.replace(args, global_batch_size=global_batch_size)
@@ -146,9 +176,8 @@ class BatchConfig:
         for flag in BATCH_FLAGS:
             if hasattr(args, flag):
                 value = getattr(args, flag)
-                if flag in ("use_dynamic_batch_size", "balance_data", "balance_by_flops",
-                            "use_dynamic_global_batch_size", "disable_rollout_trim_samples"):
-                    value = bool(value) if value is not None else False
+                if flag in _BOOL_FLAGS and value is None:
+                    value = False
                 kwargs[flag] = value
         if global_batch_size is not None:
             kwargs["global_batch_size"] = global_batch_size
@@ -167,4 +196,6 @@ class BatchConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BatchConfig":
+        if not isinstance(d, Mapping):
+            raise ScheduleError(f"batch must be a mapping of slime's batch flags, got {show(d)}")
         return cls(**{k: d[k] for k in BATCH_FLAGS if k in d})

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .errors import ScheduleError
+from .validate import check_coefficients, check_cost_model_fields
 
 _MODEL_FIELDS = (
     "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
@@ -42,12 +43,12 @@ class CostModel:
     swiglu: bool = False  # gated MLP (SwiGLU): three matmuls instead of two; Megatron's default is off
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_layers", "num_attention_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ScheduleError(f"CostModel.{name} must be a positive integer, got {value!r}")
-        if isinstance(self.moe_layer_freq, list):
-            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        # every dim is an exact, bounded integer (numpy ints become int, a list moe_layer_freq a tuple) and the
+        # coefficients are finite and positive: see slime_ext.schedule.validate
+        fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        check_coefficients(*self.coefficients())
 
     # ------------------------------------------------------------------ derived dims
     def _layer_counts(self) -> tuple[int, int]:

@@ -14,6 +14,8 @@ from typing import Any, Iterator, Mapping
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
 from .errors import ScheduleError
+from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_number, check_samples, int_list,
+                       is_int, nested_int_lists, show)
 
 SCHEMA_VERSION = 1
 
@@ -148,31 +150,39 @@ class DPSchedule:
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:
+        """Plain JSON-ready data; every list is a fresh copy (the caller may edit it, the schedule stays as it is)."""
         return {
             "schema_version": SCHEMA_VERSION,
-            "partitions": self.partitions,
-            "micro_batch_indices": self.micro_batch_indices,
-            "num_microbatches": self.num_microbatches,
-            "samples_per_step": self.samples_per_step,
-            "rollouts_per_step": self.rollouts_per_step,
-            "dropped": self.dropped,
+            "partitions": [list(p) for p in self.partitions],
+            "micro_batch_indices": [[list(mb) for mb in r] for r in self.micro_batch_indices],
+            "num_microbatches": list(self.num_microbatches),
+            "samples_per_step": list(self.samples_per_step),
+            "rollouts_per_step": list(self.rollouts_per_step),
+            "dropped": list(self.dropped),
             "stats": [dataclasses.asdict(s) for s in self.stats],
             "parallel": self.parallel.to_dict(),
             "batch": self.batch.to_dict(),
-            "total_lengths": self.total_lengths,
-            "rollout_ids": self.rollout_ids,
-            "loss_tokens": self.loss_tokens,
-            "loss_tokens_per_step": self.loss_tokens_per_step,
+            "total_lengths": list(self.total_lengths),
+            "rollout_ids": None if self.rollout_ids is None else list(self.rollout_ids),
+            "loss_tokens": None if self.loss_tokens is None else list(self.loss_tokens),
+            "loss_tokens_per_step": None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
             "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
-            "step_samples": self.step_samples,
+            "step_samples": [list(s) for s in self.step_samples],
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DPSchedule":
+        """Read back :meth:`to_dict`'s data, checking every field's type and range (the recorded inputs by the
+        planner's own rules: lengths in ``[1, MAX_TOKENS]``, ``0 <= loss_tokens <= length``, int64 rollout ids).
+        Anything else is a :class:`ScheduleError`; whether the structure is a valid schedule is
+        :func:`~slime_ext.schedule.invariants.check_schedule`'s job."""
+        if not isinstance(d, Mapping):
+            raise ScheduleError(f"a schedule must be a JSON object written by DPSchedule.to_dict, got "
+                                f"{type(d).__name__}")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if not is_int(version) or version != SCHEMA_VERSION:  # not ==: an array would compare elementwise
             raise ScheduleError(
-                f"schema_version={version!r} is not supported (expected {SCHEMA_VERSION}); "
+                f"schema_version={show(version)} is not supported (expected {SCHEMA_VERSION}); "
                 f"re-create the schedule with this version of slime-ext"
             )
         missing = [k for k in ("partitions", "micro_batch_indices", "num_microbatches", "samples_per_step",
@@ -181,25 +191,72 @@ class DPSchedule:
         if missing:
             raise ScheduleError(f"schedule dict is missing fields {missing}; it was not written by DPSchedule.to_dict")
         try:
-            return cls(
-                partitions=[list(p) for p in d["partitions"]],
-                micro_batch_indices=[[list(mb) for mb in r] for r in d["micro_batch_indices"]],
-                num_microbatches=list(d["num_microbatches"]),
-                samples_per_step=list(d["samples_per_step"]),
-                rollouts_per_step=list(d["rollouts_per_step"]),
-                dropped=list(d["dropped"]),
-                stats=[StepStats(**s) for s in d["stats"]],
-                parallel=ParallelConfig(**d["parallel"]),
-                batch=BatchConfig.from_dict(d["batch"]),
-                total_lengths=list(d["total_lengths"]),
-                rollout_ids=None if d.get("rollout_ids") is None else list(d["rollout_ids"]),
-                loss_tokens=None if d.get("loss_tokens") is None else list(d["loss_tokens"]),
-                loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None else list(d["loss_tokens_per_step"]),
-                cost_model=None if d.get("cost_model") is None else CostModel(**d["cost_model"]),
-                step_samples=[list(s) for s in d.get("step_samples", [])],
-            )
-        except (TypeError, KeyError, ValueError, AttributeError) as e:
-            if isinstance(e, ScheduleError):
-                raise
+            return cls(**fields_from_dict(d))
+        except ScheduleError as e:
+            raise ScheduleError(f"malformed schedule dict: {e}; it was not written by DPSchedule.to_dict or was "
+                                f"edited") from None
+        except (TypeError, KeyError, ValueError, AttributeError) as e:  # a backstop: every field is checked first
             raise ScheduleError(f"malformed schedule dict ({type(e).__name__}: {e}); it was not written by "
                                 f"DPSchedule.to_dict or was edited") from None
+
+
+def _names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _step_stats(i: int, s: Any) -> StepStats:
+    """One ``stats`` entry, each field checked against its declared type."""
+    fields = {f.name: f for f in dataclasses.fields(StepStats)}
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    check_mapping(f"stats[{i}]", s, fields)
+    absent = [n for n in required if n not in s]
+    if absent:
+        raise ScheduleError(f"stats[{i}] is missing {absent}")
+    out = {}
+    for name, value in s.items():
+        where, kind = f"stats[{i}].{name}", str(fields[name].type)
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ScheduleError(f"{where} must be a string, got {show(value)}")
+        elif kind == "float":
+            value = check_number(where, value)
+        elif kind.startswith("int"):
+            if not (value is None and "None" in kind):
+                value = check_int(where, value, minimum=INT64_MIN, maximum=INT64_MAX)
+        out[name] = value
+    return StepStats(**out)
+
+
+def fields_from_dict(d: Mapping[str, Any]) -> dict:
+    """The constructor's arguments from a saved schedule, every field checked (see ``DPSchedule.from_dict``)."""
+    n_max = dict(minimum=INT64_MIN, maximum=INT64_MAX)
+    lengths, ids, loss = check_samples(
+        int_list("total_lengths", d["total_lengths"], what="integer token counts", **n_max),
+        None if d.get("rollout_ids") is None else int_list("rollout_ids", d["rollout_ids"], what="integer ids",
+                                                           **n_max),
+        None if d.get("loss_tokens") is None else int_list("loss_tokens", d["loss_tokens"],
+                                                           what="integer token counts", **n_max),
+    )
+    stats = d["stats"]
+    if not isinstance(stats, list):
+        raise ScheduleError(f"stats must be a list, got {show(stats)}")
+    cost_model = d.get("cost_model")
+    return dict(
+        partitions=nested_int_lists("partitions", d["partitions"], 1, **n_max),
+        micro_batch_indices=nested_int_lists("micro_batch_indices", d["micro_batch_indices"], 2, **n_max),
+        num_microbatches=int_list("num_microbatches", d["num_microbatches"], **n_max),
+        samples_per_step=int_list("samples_per_step", d["samples_per_step"], **n_max),
+        rollouts_per_step=int_list("rollouts_per_step", d["rollouts_per_step"], **n_max),
+        dropped=int_list("dropped", d["dropped"], **n_max),
+        stats=[_step_stats(i, s) for i, s in enumerate(stats)],
+        parallel=ParallelConfig(**check_mapping("parallel", d["parallel"], _names(ParallelConfig))),
+        batch=BatchConfig(**check_mapping("batch", d["batch"], _names(BatchConfig))),
+        total_lengths=lengths.tolist(),
+        rollout_ids=None if ids is None else ids.tolist(),
+        loss_tokens=None if loss is None else loss.tolist(),
+        loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None
+        else int_list("loss_tokens_per_step", d["loss_tokens_per_step"], **n_max),
+        cost_model=None if cost_model is None else CostModel(
+            **check_mapping("cost_model", cost_model, _names(CostModel))),
+        step_samples=nested_int_lists("step_samples", d.get("step_samples", []), 1, **n_max),
+    )

@@ -6,15 +6,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import chain
 from typing import Sequence
 
 import numpy as np
 
-from .bounds import bin_lower_bound
-from .cost import sample_costs
-from .dp_schedule import DPSchedule
+from .bounds import bin_lower_bound, microbatch_target
+from .config import BatchConfig, ParallelConfig
+from .cost import CostModel, sample_costs
+from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
+from .validate import check_int_array
 
 
 def check_schedule(
@@ -32,13 +35,23 @@ def check_schedule(
             out.append(msg)
 
     sched = schedule
+    problem = input_problem(sched)  # the recorded inputs and every field's type, by the planner's own rules
+    if problem:
+        bad(problem)
+        return out
     dp = sched.parallel.dp_size
     align = sched.parallel.align
     lengths = sched.total_lengths
     n = len(lengths)
-    if total_lengths is not None and list(map(int, total_lengths)) != list(lengths):
+    try:  # the caller's inputs by the same rules (an int(), as before, would read 2.5 as 2)
+        given_lengths = None if total_lengths is None else check_int_array("total_lengths", total_lengths).tolist()
+        given_ids = None if rollout_ids is None else check_int_array("rollout_ids", rollout_ids).tolist()
+    except ScheduleError as e:
+        bad(f"the given {e}")
+        return out
+    if given_lengths is not None and given_lengths != list(lengths):
         bad("total_lengths recorded in the schedule differ from the input lengths")
-    if rollout_ids is not None and (sched.rollout_ids is None or list(map(int, rollout_ids)) != sched.rollout_ids):
+    if given_ids is not None and (sched.rollout_ids is None or given_ids != sched.rollout_ids):
         bad("rollout_ids recorded in the schedule differ from the input rollout ids")
     rids = sched.rollout_ids if sched.rollout_ids is not None else list(range(n))
     if len(rids) != n:
@@ -53,6 +66,13 @@ def check_schedule(
     if num_steps == 0:
         bad("the schedule has no steps")
     total_mbs = sum(sched.num_microbatches)
+    if total_mbs > n:  # every micro-batch holds a sample: no rank can have more micro-batches than samples
+        bad(f"num_microbatches sums to {total_mbs} per rank, more than the {n} samples")
+        return out
+    outside = [g for g in sched.dropped if not 0 <= g < n]
+    if outside:
+        bad(f"dropped lists sample indices outside [0, {n}), e.g. {outside[:5]}")
+        return out
     for s, m in enumerate(sched.num_microbatches):
         if m < 1 or (m * dp) % align:
             bad(f"step {s}: num_microbatches={m} per rank; total {m * dp} is not a positive multiple of align={align}")
@@ -161,9 +181,38 @@ def check_schedule(
             bad("dropped holds a whole step's worth of rollouts")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
+    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
+        if len(sched.step_samples) != num_steps:
+            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
+        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
+            if sorted(recorded) != sorted(members):
+                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
     if not out:
         _check_stats(sched, measured, bad)
     return out
+
+
+def input_problem(sched: DPSchedule) -> str | None:
+    """Why ``sched``'s fields or recorded inputs are not what the planner accepts, or ``None``.
+
+    The same checks as :meth:`DPSchedule.from_dict` (lengths in ``[1, MAX_TOKENS]``, ``0 <= loss_tokens <=
+    length``, integer rollout ids, integer lists for the structure), for a schedule built or edited in memory.
+    """
+    if not isinstance(sched, DPSchedule):
+        return f"not a DPSchedule: {type(sched).__name__}"
+    kinds = ((sched.parallel, ParallelConfig), (sched.batch, BatchConfig))
+    if any(not isinstance(value, kind) for value, kind in kinds) or not isinstance(sched.stats, list) \
+            or not all(isinstance(s, StepStats) for s in sched.stats) \
+            or not (sched.cost_model is None or isinstance(sched.cost_model, CostModel)):
+        return "parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, CostModel"
+    d = {f.name: getattr(sched, f.name) for f in dataclasses.fields(DPSchedule)}
+    d.update(stats=[dataclasses.asdict(s) for s in sched.stats], parallel=sched.parallel.to_dict(),
+             batch=sched.batch.to_dict(), cost_model=None if sched.cost_model is None else sched.cost_model.to_dict())
+    try:
+        fields_from_dict(d)
+    except ScheduleError as e:
+        return f"recorded input: {e}"
+    return None
 
 
 def _close(a: float, b: float) -> bool:
@@ -188,6 +237,9 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             "num_microbatches": sched.num_microbatches[s],
             "total_microbatches": sched.num_microbatches[s] * dp,
             "cap": cap,
+            "num_rollouts": sched.rollouts_per_step[s],
+            "aligned_lower_bound": (microbatch_target(lengths[members], cap, align) if cap is not None
+                                    else -(-len(members) // sched.batch.micro_batch_size)),
             "largest_bin_tokens": max(t for _, t, _ in mbs),
             "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
         }

@@ -46,7 +46,8 @@ from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, r
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
-from .steps import as_int_array, rollout_ordinals, split_into_steps
+from .steps import rollout_ordinals, split_into_steps
+from .validate import check_samples
 
 __all__ = ["plan_schedule"]
 
@@ -241,24 +242,23 @@ def plan_schedule(
                             f"use ParallelConfig.from_dict(train_parallel_config)")
     if not isinstance(batch, BatchConfig):
         raise ScheduleError(f"batch must be a BatchConfig, got {type(batch).__name__}; use BatchConfig.from_args(args)")
-    lengths = as_int_array("total_lengths", total_lengths, None, minimum=1)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ScheduleError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
+                            f"use CostModel(...) or CostModel.from_args(args)")
+    lengths, ids, loss = check_samples(total_lengths, rollout_ids, loss_tokens)  # types and ranges, once
     n = len(lengths)
-    if n == 0:
-        raise ScheduleError("total_lengths is empty: the rollout produced no samples; check the rollout function")
-    ordinals = rollout_ordinals(rollout_ids, n)
-    loss = None if loss_tokens is None else as_int_array("loss_tokens", loss_tokens, n, minimum=0)
-    if loss is not None and np.any(loss > lengths):
-        bad = int(np.argmax(loss > lengths))
-        raise ScheduleError(
-            f"loss_tokens[{bad}] = {int(loss[bad])} exceeds total_lengths[{bad}] = {int(lengths[bad])}; "
-            f"a sample cannot have more loss tokens than tokens"
-        )
+    ordinals = rollout_ordinals(ids, n)
     costs = sample_costs(lengths, cost_model)
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
     steps, rollouts_per_step, dropped = split_into_steps(ordinals, parallel, batch)
+    if len(steps[0]) < dp:  # before any per-rank allocation: dp_size can be huge (the step loop repeats this)
+        raise ScheduleError(
+            f"step 0 has {len(steps[0])} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
+            f"raise --global-batch-size or collect more samples per rollout"
+        )
 
     partitions: list[list[int]] = [[] for _ in range(dp)]
     micro_batch_indices: list[list[list[int]]] = [[] for _ in range(dp)]
@@ -314,7 +314,7 @@ def plan_schedule(
         parallel=parallel,
         batch=batch,
         total_lengths=lengths.tolist(),
-        rollout_ids=None if rollout_ids is None else np.asarray(rollout_ids).astype(np.int64).tolist(),
+        rollout_ids=None if ids is None else ids.tolist(),
         loss_tokens=None if loss is None else loss.tolist(),
         loss_tokens_per_step=None if loss is None else [int(loss[x].sum()) for x in steps],
         cost_model=cost_model,

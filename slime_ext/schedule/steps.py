@@ -8,47 +8,19 @@ import numpy as np
 
 from .config import BatchConfig, ParallelConfig
 from .errors import ScheduleError
-
-_INT_TYPES = (int, np.integer)
+from .validate import INT64_MIN, MAX_PARALLEL_SIZE, MAX_SAMPLES, check_int, check_int_array
 
 
 def compute_dynamic_global_batch_size(num_samples: int, dp_size: int) -> int:
     """``num_samples`` rounded down to a multiple of ``dp_size`` (at least ``dp_size``): one step per rollout."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, _INT_TYPES) or num_samples < 0:
-        raise ScheduleError(f"num_samples must be a non-negative integer, got {num_samples!r}")
-    if isinstance(dp_size, bool) or not isinstance(dp_size, _INT_TYPES) or dp_size < 1:
-        raise ScheduleError(f"dp_size must be a positive integer, got {dp_size!r}")
-    return max(int(dp_size), (int(num_samples) // int(dp_size)) * int(dp_size))
+    num_samples = check_int("num_samples", num_samples, minimum=0, maximum=MAX_SAMPLES)
+    dp_size = check_int("dp_size", dp_size, maximum=MAX_PARALLEL_SIZE, fix="pass the data-parallel world size")
+    return max(dp_size, (num_samples // dp_size) * dp_size)
 
 
 def as_int_array(name: str, values: Sequence[int] | np.ndarray, n: int | None, minimum: int | None) -> np.ndarray:
-    """``values`` as int64, or a :class:`ScheduleError` naming the first bad entry."""
-    if values is None or isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise ScheduleError(f"{name} must be a sequence of integers, got {type(values).__name__}")
-    if n is not None and len(values) != n:
-        raise ScheduleError(f"{name} has {len(values)} entries but total_lengths has {n}; give exactly one per sample")
-    if len(values) == 0:
-        return np.zeros(0, dtype=np.int64)
-    if isinstance(values, np.ndarray):
-        ok = values.ndim == 1 and values.dtype.kind in "iu"
-    else:
-        types = set(map(type, values))
-        ok = bool not in types and all(issubclass(t, _INT_TYPES) for t in types)
-    if not ok:
-        arr = np.asarray(values, dtype=object)
-        if arr.ndim != 1:
-            raise ScheduleError(f"{name} must be one-dimensional, got shape {arr.shape}")
-        bad = next(i for i, v in enumerate(values) if isinstance(v, bool) or not isinstance(v, _INT_TYPES))
-        raise ScheduleError(f"{name}[{bad}] = {values[bad]!r} is not an integer; {name} must hold integer counts")
-    arr = np.asarray(values, dtype=np.int64)
-    if minimum is not None:
-        low = arr < minimum
-        if low.any():
-            bad = int(np.argmax(low))
-            raise ScheduleError(
-                f"{name}[{bad}] = {int(arr[bad])} is below {minimum}; every entry must be >= {minimum}"
-            )
-    return arr
+    """``values`` as int64, or a :class:`ScheduleError` naming the first bad entry (see :mod:`.validate`)."""
+    return check_int_array(name, values, n=n, minimum=INT64_MIN if minimum is None else minimum)
 
 
 def rollout_ordinals(rollout_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:

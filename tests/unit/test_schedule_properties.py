@@ -22,14 +22,14 @@ from slime_ext.schedule import (
     bin_lower_bound,
     plan_schedule,
 )
-from tests.conftest import plan_checked
+from tests.conftest import examples, plan_checked
 
 MODELS = [None, CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=500),
           CostModel(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, num_experts=4,
                     moe_ffn_hidden_size=128, moe_router_topk=2, vocab_size=1000)]
 
 def fast(max_examples: int):
-    return settings(max_examples=max_examples, deadline=None,
+    return settings(max_examples=examples(max_examples), deadline=None,  # HYPOTHESIS_PROFILE=thorough: x100
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
