@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
+from .profile import CostProfile, is_profile_dict
 from .errors import ScheduleError
 
 SCHEMA_VERSION = 1
@@ -195,7 +196,7 @@ class DPSchedule:
                 rollout_ids=None if d.get("rollout_ids") is None else list(d["rollout_ids"]),
                 loss_tokens=None if d.get("loss_tokens") is None else list(d["loss_tokens"]),
                 loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None else list(d["loss_tokens_per_step"]),
-                cost_model=None if d.get("cost_model") is None else CostModel(**d["cost_model"]),
+                cost_model=_cost_from_dict(d.get("cost_model")),
                 step_samples=[list(s) for s in d.get("step_samples", [])],
             )
         except (TypeError, KeyError, ValueError, AttributeError) as e:
@@ -203,3 +204,10 @@ class DPSchedule:
                 raise
             raise ScheduleError(f"malformed schedule dict ({type(e).__name__}: {e}); it was not written by "
                                 f"DPSchedule.to_dict or was edited") from None
+
+
+def _cost_from_dict(d: Any) -> "CostModel | CostProfile | None":
+    """A saved cost model: model dims (``CostModel``), or a measured profile (``slime-ext calibrate``)."""
+    if d is None:
+        return None
+    return CostProfile.from_dict(d, source="the schedule's cost_model") if is_profile_dict(d) else CostModel(**d)

@@ -45,6 +45,7 @@ from .cost import CostModel, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
+from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
 from .steps import as_int_array, rollout_ordinals, split_into_steps
 
@@ -87,11 +88,30 @@ def pack_step(
 
 
 def _plan_dynamic(
-    lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int
+    lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
+    profile: CostProfile | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, str, int]:
-    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step."""
+    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step.
+
+    With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
+    (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
+    extra micro-batch is spent only when it lowers the predicted step time.
+    """
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
+
+    def slowest(b_of: np.ndarray, r_of_b: np.ndarray) -> float:
+        if profile is not None:
+            return float(profile.labelled_rank_times(lengths, b_of, r_of_b, dp).max())
+        return float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs, minlength=len(r_of_b)),
+                                 minlength=dp).max())
+
+    def floor_at(k_count: int) -> float:  # no assignment of k_count micro-batches beats this (cost or seconds)
+        floor = max(float(costs.sum()) / dp, float(costs.max()))
+        if profile is not None:
+            floor += profile.step_overhead_s + profile.microbatch_overhead_s * (k_count // dp)
+        return floor
+
     target = microbatch_target(lengths, cap, align)
     if n < target:
         raise ScheduleError(
@@ -110,10 +130,9 @@ def _plan_dynamic(
         return bin_of, serpentine(bin_costs, dp), count, strategy, target
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
-    floor = max(float(costs.sum()) / dp, float(costs.max()))
-    good = floor * (1 + BALANCE_TOLERANCE)
+    good = floor_at(count) * (1 + BALANCE_TOLERANCE)
     rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
-    best_max = float(np.bincount(rank_of_bin, weights=bin_costs, minlength=dp).max())
+    best_max = slowest(bin_of, rank_of_bin)
     best = (bin_of, rank_of_bin, count, strategy)
     if best_max <= good:
         return (*best, target)
@@ -128,14 +147,15 @@ def _plan_dynamic(
         if rank_bins is None:
             continue
         b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
-        rank_max = float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs), minlength=dp).max())
-        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] else 0.0
+        rank_max = slowest(b_of, r_of_b)
+        # FLOPs price no micro-batch, so an extra one must win by EXTRA_MB_MIN_GAIN; a profile prices it exactly
+        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] and profile is None else 0.0
         if rank_max < best_max * (1 - min_gain):
             name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
             best, best_max = (b_of, r_of_b, k_count, name), rank_max
         elif extra:
             break  # more micro-batches stopped paying off
-        if best_max <= floor * (1 + EXTRA_MB_MIN_GAIN):
+        if best_max <= floor_at(k_count) * (1 + EXTRA_MB_MIN_GAIN):
             break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
     return (*best, target)
 
@@ -228,13 +248,14 @@ def plan_schedule(
     *,
     rollout_ids: Sequence[int] | np.ndarray | None = None,
     loss_tokens: Sequence[int] | np.ndarray | None = None,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | CostProfile | None = None,
 ) -> DPSchedule:
     """Plan one rollout: walk the four stages of the module docstring for every step.
 
     ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
     sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
-    balancing (default: tokens).
+    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
+    seconds and prices every micro-batch.
     """
     if not isinstance(parallel, ParallelConfig):
         raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}; "
@@ -253,7 +274,8 @@ def plan_schedule(
             f"loss_tokens[{bad}] = {int(loss[bad])} exceeds total_lengths[{bad}] = {int(lengths[bad])}; "
             f"a sample cannot have more loss tokens than tokens"
         )
-    costs = sample_costs(lengths, cost_model)
+    costs = sample_costs(lengths, cost_model)  # a CostProfile gives seconds (its per-sample part)
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
 
@@ -276,7 +298,8 @@ def plan_schedule(
         if cap is None:
             bin_of, rank_of_bin, count, strategy, bound = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s)
+            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s,
+                                                                        profile=profile)
         mb_sizes, mb_cost, mb_tokens = _emit_step(bin_of, rank_of_bin, count, step_idx, step_len, step_cost,
                                                   partitions, micro_batch_indices)
         per_rank = count // dp
