@@ -43,7 +43,9 @@ def calibration_design(max_tokens: int, *, min_length: int = 32, seed: int = 0) 
     rng = np.random.default_rng(seed)
     singles = np.unique(np.geomspace(min_length, max_tokens, num=7).astype(int)).tolist()
     micro_batches: list[list[int]] = [[L] for L in singles]
-    for parts in (2, 3, 4, 6):  # packed: `parts` samples of mixed lengths filling 50-100% of the cap
+    for parts in (2, 3, 4, 6, 12):  # packed: `parts` samples of mixed lengths filling 50-100% of the cap
+        if parts * min_length * 2 > max_tokens:
+            continue
         for fill in (0.5, 1.0):
             budget = max(parts * min_length, int(max_tokens * fill))
             cuts = np.sort(rng.choice(np.arange(1, budget // min_length), size=parts - 1, replace=False))
@@ -160,6 +162,17 @@ def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int
     ``config``: anything :func:`slime_ext.training.config.load_train_config` takes (its model dims and optimizer
     are what is timed; the parallel layout is forced to one process, the schedule to the rollout-side path).
     """
+    observations, meta = measure(config, max_tokens=max_tokens, repeats=repeats, min_length=min_length, timer=timer,
+                                 autocast=autocast, master_port=master_port, progress=progress, seed=seed)
+    profile, report = fit_profile(observations, meta=meta)
+    return profile, report, observations
+
+
+def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
+            autocast: Callable[[], Any] | None = None, master_port: int | None = None,
+            progress: Callable[[str], None] | None = None, seed: int = 0) -> tuple[list[Observation], dict]:
+    """The timing half of :func:`calibrate`: ``(observations, meta)``. Several processes may measure at once (with
+    different ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run."""
     import socket
 
     import torch
@@ -196,5 +209,4 @@ def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int
         "repeats": repeats,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    profile, report = fit_profile(observations, meta=meta)
-    return profile, report, observations
+    return observations, meta
