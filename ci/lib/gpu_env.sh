@@ -6,7 +6,8 @@
 #   SLIME_EXT_GPU_VENV=DIR           where our packages go: a venv over PYTHON's site-packages (default .venv-gpu);
 #                                    "none" installs into PYTHON's own environment (use it when PYTHON is a venv)
 #
-# After gpu_env_setup, $PY is the interpreter to run.
+# After gpu_env_setup, $PY is the interpreter to run. GPU_ENV_CPU_OK=1 (ci/gpu_bench --dry-run only) accepts a CPU
+# torch, so that the offline install can be checked on a machine without a GPU.
 
 gpu_env_refuse() {  # message; exit status 2 = this machine cannot run the script
   echo "$GPU_SCRIPT: $1" >&2
@@ -26,12 +27,13 @@ gpu_env_setup() {
   # the machine's torch, before anything is installed: it must be a CUDA build that sees a GPU
   local torch_before
   torch_before=$("$base" - <<'PYEOF'
+import os
 import sys
 try:
     import torch
 except ImportError:
     sys.exit("no torch in this Python: install the machine's CUDA build of torch first (this script never installs torch)")
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and os.environ.get("GPU_ENV_CPU_OK") != "1":
     sys.exit(f"torch {torch.__version__} sees no CUDA device (a CPU build, or no driver); point PYTHON at the Python with the CUDA torch")
 print(f"{torch.__version__} {torch.__file__}")
 PYEOF
@@ -64,7 +66,8 @@ PYEOF
   fi
   "$PY" - <<'PYEOF'
 import torch, megatron.core, ray
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s): "
-      f"{torch.cuda.get_device_name()}), megatron-core {megatron.core.__version__}, ray {ray.__version__}")
+gpus = f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
+print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus}), megatron-core {megatron.core.__version__}, "
+      f"ray {ray.__version__}")
 PYEOF
 }
