@@ -80,6 +80,14 @@ def quick_workloads() -> list[Workload]:
     return [Workload("heavy-small", "heavy", n=32, seed=13, cap=512, scale=1 / 16, max_len=512)]
 
 
+def model_dims() -> dict:
+    """The benchmark model's dims under Megatron's names (for the FLOPs estimates of the reference and the report)."""
+    return dict(hidden_size=MODEL["hidden_size"], num_layers=MODEL["num_layers"],
+                num_attention_heads=MODEL["num_attention_heads"], num_query_groups=MODEL["num_attention_heads"],
+                kv_channels=MODEL["hidden_size"] // MODEL["num_attention_heads"],
+                ffn_hidden_size=MODEL["ffn_hidden_size"], vocab_size=MODEL["vocab_size"])
+
+
 def workload_lengths(w: Workload) -> list[int]:
     raw = make_lengths(w.dist, w.n, w.seed).astype(np.float64) * w.scale
     return np.clip(np.rint(raw), 8, w.max_len).astype(int).tolist()
@@ -112,11 +120,7 @@ def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profil
         return {"dp_schedule": "legacy", **common, "balance_data": False, "balance_by_flops": False}, \
             legacy_payloads(samples, dp)
     if scheme == "reference":
-        dims = dict(hidden_size=MODEL["hidden_size"], num_layers=MODEL["num_layers"],
-                    num_attention_heads=MODEL["num_attention_heads"], num_query_groups=MODEL["num_attention_heads"],
-                    kv_channels=MODEL["hidden_size"] // MODEL["num_attention_heads"],
-                    ffn_hidden_size=MODEL["ffn_hidden_size"], vocab_size=MODEL["vocab_size"])
-        args = baselines.reference_args(dims, max_tokens_per_gpu=w.cap, balance_data=True, balance_by_flops=False)
+        args = baselines.reference_args(model_dims(), max_tokens_per_gpu=w.cap, balance_data=True, balance_by_flops=False)
         tpc = {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
         ref = baselines.reference_schedule(args, tpc, lengths, global_batch_size=n, rollout_indices=list(range(n)))
         payloads = [{**_fields(samples, ref.partitions[r]), "partition": list(ref.partitions[r]),
@@ -205,6 +209,8 @@ def _ms(x: float) -> str:
 def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths_of: dict, dp: int, pp: int,
             targets: list[tuple[bool, str]], summary: list[tuple]) -> None:
     """Per-run rows, then medians, ratios and the targets for one layout."""
+    from slime_ext.schedule import CostModel
+
     world = dp * pp
     by_key: dict[tuple, list[dict]] = {}
     for rank, res in enumerate(results):
@@ -215,9 +221,11 @@ def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths
     repeats = sorted({k[2] for k in by_key})
     say(f"\n### {layout_name}: per run (ms; busy = thread CPU time per DP replica, pred = profile on the consumed "
         f"micro-batches)\n")
-    say("| workload | scheme | rep | #mb/rank | step wall | busy per replica | busy max/mean | pred max/mean |"
-        " pred/meas (max) |")
-    say("|---|---|---|---|---|---|---|---|---|")
+    per_rank_col = " busy per rank (dp.pp) |" if pp > 1 else ""
+    say(f"| workload | scheme | rep | #mb/rank | step wall |{per_rank_col} busy per replica | busy max/mean | "
+        f"pred max/mean | pred/meas (max) | FLOPs-model max/mean |")
+    say("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pp > 1 else ""))
+    flops_model = CostModel(**model_dims())
     med: dict[tuple, dict] = {}
     for wname in workloads:
         lengths = lengths_of[wname]
@@ -231,15 +239,19 @@ def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths
                 # micro-batches of each DP replica: from its first stage's ledger (every stage consumes the same)
                 mbs = [next(r["ledger"] for r in ranks if r["dp_rank"] == d and r["pp_rank"] == 0) for d in range(dp)]
                 pred = [profile.rank_time([[lengths[i] for i in mb] for mb in m]) for m in mbs]
+                flops = [float(flops_model.flops([lengths[i] for mb in m for i in mb]).sum()) for m in mbs]
                 wall = max(r["wall"] for r in ranks)
                 walls.append(wall)
                 busy_max.append(max(replica_busy))
                 pred_max.append(max(pred))
                 per_replica.append(replica_busy)
-                say(f"| {wname} | {scheme} | {rep} | {ranks[0]['num_microbatches']} | {_ms(wall)} | "
+                per_rank = (" " + " ".join(f"{r['dp_rank']}.{r['pp_rank']}:{_ms(r['busy']).strip()}" for r in ranks)
+                            + " |") if pp > 1 else ""
+                say(f"| {wname} | {scheme} | {rep} | {ranks[0]['num_microbatches']} | {_ms(wall)} |{per_rank} "
                     f"{' '.join(_ms(b).strip() for b in replica_busy)} | "
                     f"{_ms(max(replica_busy))}/{_ms(float(np.mean(replica_busy))).strip()} | "
-                    f"{_ms(max(pred))}/{_ms(float(np.mean(pred))).strip()} | {max(pred) / max(replica_busy):.3f} |")
+                    f"{_ms(max(pred))}/{_ms(float(np.mean(pred))).strip()} | {max(pred) / max(replica_busy):.3f} | "
+                    f"{max(flops) / np.mean(flops):.3f} |")
             if walls:
                 # prediction error per replica: against its median busy time over the repeats
                 errs = [p / statistics.median(b[d] for b in per_replica) - 1 for d, p in enumerate(pred)]
