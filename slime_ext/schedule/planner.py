@@ -125,7 +125,9 @@ def _plan_dynamic(
     bin_of, count, strategy = pack_step(lengths, weights, order, cap, target, align, step)
     if batch.balance_by_flops:
         strategy = "cost-" + strategy
-    bin_costs = np.bincount(bin_of, weights=costs, minlength=count)
+    # a profile prices each micro-batch as a whole (its overhead, attention over the packed row), not as a sum
+    bin_costs = np.bincount(bin_of, weights=costs, minlength=count) if profile is None \
+        else profile.bin_times(lengths, bin_of, count)
     if not (batch.balance_data and dp > 1):
         return bin_of, serpentine(bin_costs, dp), count, strategy, target
 
@@ -133,6 +135,11 @@ def _plan_dynamic(
     good = floor_at(count) * (1 + BALANCE_TOLERANCE)
     rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
     best_max = slowest(bin_of, rank_of_bin)
+    if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
+        strided = serpentine(bin_costs, dp)
+        strided_max = slowest(bin_of, strided)
+        if strided_max < best_max:
+            rank_of_bin, best_max = strided, strided_max
     best = (bin_of, rank_of_bin, count, strategy)
     if best_max <= good:
         return (*best, target)

@@ -102,15 +102,18 @@ class CostProfile:
         """Predicted busy seconds of one rank in one step: ``step_overhead`` plus its micro-batches."""
         return self.step_overhead_s + sum(self.microbatch_time(mb) for mb in micro_batches)
 
+    def bin_times(self, lengths: np.ndarray, bin_of: np.ndarray, count: int) -> np.ndarray:
+        """Predicted seconds of each of ``count`` micro-batches given as labels (``bin_of[i]`` = sample i's)."""
+        L = np.asarray(lengths, dtype=np.float64)
+        tokens = np.bincount(bin_of, weights=L, minlength=count)
+        squares = np.bincount(bin_of, weights=L * L, minlength=count)
+        return (self.microbatch_overhead_s + self.per_token_s * tokens + self.per_sample_quadratic_s * squares
+                + self.packed_quadratic_s * tokens * tokens)
+
     def labelled_rank_times(self, lengths: np.ndarray, bin_of: np.ndarray, rank_of_bin: np.ndarray,
                             dp_size: int) -> np.ndarray:
         """Predicted seconds per rank of one step given as planner labels (``bin_of`` per sample, ``rank_of_bin``)."""
-        L = np.asarray(lengths, dtype=np.float64)
-        count = len(rank_of_bin)
-        tokens = np.bincount(bin_of, weights=L, minlength=count)
-        squares = np.bincount(bin_of, weights=L * L, minlength=count)
-        mb = (self.microbatch_overhead_s + self.per_token_s * tokens + self.per_sample_quadratic_s * squares
-              + self.packed_quadratic_s * tokens * tokens)
+        mb = self.bin_times(lengths, bin_of, len(rank_of_bin))
         return self.step_overhead_s + np.bincount(rank_of_bin, weights=mb, minlength=dp_size)
 
     # ------------------------------------------------------------------ files

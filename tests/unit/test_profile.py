@@ -235,3 +235,20 @@ def test_schedule_round_trip_keeps_the_profile():
     back = DPSchedule.from_dict(json.loads(json.dumps(sched.to_dict())))
     assert isinstance(back.cost_model, CostProfile) and back.cost_model == prof
     assert math.isclose(back.stats[0].rank_flops_max, sched.stats[0].rank_flops_max)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_balance_data_with_a_profile_never_predicts_slower_than_strided(seed):
+    # packed attention (tokens^2 per micro-batch) is not a sum over samples: balancing must price whole micro-batches
+    prof = CostProfile(step_overhead_s=0.0, microbatch_overhead_s=0.05, per_token_s=1e-4, per_sample_quadratic_s=0.0,
+                       packed_quadratic_s=8e-7)
+    rng = np.random.default_rng(seed)
+    lengths = np.clip((rng.integers(50, 600, 64) + 300 * rng.pareto(1.2, 64)) / 10, 8, 1024).astype(np.int64)
+    parallel = ParallelConfig(dp_size=2)
+    plans = {}
+    for balance in (False, True):
+        batch = BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
+                            balance_data=balance)
+        plans[balance] = plan_schedule(lengths, parallel, batch, cost_model=prof)
+        assert_valid_schedule(plans[balance])
+    assert _predicted_step(plans[True], prof) <= _predicted_step(plans[False], prof) * (1 + 1e-12)
