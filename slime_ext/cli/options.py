@@ -237,6 +237,8 @@ class Setup:
     pipeline_model_parallel_size: int
     #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
     dp_schedule: str = "rollout"
+    #: the FLOPs model from the model dims even when a measured profile is the cost (upstream's reference needs them)
+    flops_model: CostModel | None = None
 
     @property
     def gpus_per_replica(self) -> int:
@@ -331,12 +333,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
             cost_model.coefficients()  # validates moe_layer_freq against num_layers
+        flops_model = cost_model
         if values.get("cost_profile"):  # measured seconds replace the FLOPs estimate
             cost_model = CostProfile.load(values["cost_profile"])
     except ScheduleError as e:
         raise CLIError(str(e)) from None
     return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule)
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule,
+                 flops_model=flops_model)
 
 
 def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:
