@@ -1,6 +1,6 @@
 """DP=8 schedules replayed rank by rank on one GPU (``ci/gpu_bench``): measured step time of every scheme.
 
-    python -m bench.gpu_replay                 # on a GPU: ~1B-parameter GPT under bf16 autocast, ~4 min
+    python -m bench.gpu_replay                 # on a GPU: ~1B-parameter GPT under bf16 autocast (sized for ~4 min)
     python -m bench.gpu_replay --dry-run       # anywhere: a tiny model on CPU through the same code, ~1 min
 
 1. Calibrate (:func:`slime_ext.training.calibrate.calibrate`) the model on this device: a cost profile in seconds.
@@ -80,7 +80,7 @@ def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, p
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, small workloads (checks the code path)")
-    p.add_argument("--repeats", type=int, default=None, help="replays per scheme (default 3; dry run 1)")
+    p.add_argument("--repeats", type=int, default=None, help="replays per scheme (default 2; dry run 1)")
     p.add_argument("--out", help="also write the report (markdown) here")
     p.add_argument("--profile-out", help="write the calibrated profile (JSON) here")
     args = p.parse_args(argv)
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     model = TINY_MODEL if args.dry_run else GPU_MODEL
     cap = 256 if args.dry_run else 4096
-    n = 48 if args.dry_run else 256
-    repeats = args.repeats or (1 if args.dry_run else 3)
+    n = 48 if args.dry_run else 128  # GPU: ~4 micro-batches of up to 4096 tokens per rank
+    repeats = args.repeats or (1 if args.dry_run else 2)
     scale = cap / 16384  # bench/workloads.py's lengths are planned for a 16k cap
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu and not args.dry_run else None
     config = {**model, **OPTIM, "seq_length": cap, "max_position_embeddings": cap,

@@ -18,7 +18,10 @@ Strategy (one call plans a whole rollout):
      swaps). When bins of even size cannot balance the ranks (a sample costing a large share of a rank's work),
      bins are chosen per rank instead: samples dealt in decreasing cost to the lightest rank that has room in one
      of its own capped bins; and when even that is capacity-bound, ``align`` more micro-batches are spent if
-     they cut the slowest rank by more than 1%.
+     they cut the slowest rank by more than 1%. With a measured :class:`CostProfile` (``slime-ext calibrate``)
+     instead of FLOPs, micro-batches are priced whole (overhead, attention over the packed row) and the choices
+     of this stage are made by the predicted time of the slowest rank: an extra micro-batch must lower it, balancing
+     never predicts slower than the strided deal.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
