@@ -4,6 +4,8 @@ Subcommands:
 
 * ``slime-ext plan`` -- :mod:`slime_ext.cli.plan`: see what the scheduler will do with a rollout's lengths and
   the training flags, before launching the job; validate a saved schedule.
+* ``slime-ext calibrate`` -- :mod:`slime_ext.cli.calibrate`: time training steps of the model on this device and
+  write a measured cost profile for ``plan --cost-profile`` and run configs (needs the ``train`` extra).
 
 A thin layer over :mod:`slime_ext.schedule`: it reads inputs, calls the planner once and reports; it never plans
 by itself. It imports nothing heavy (no torch, ray or megatron; matplotlib only for ``--plot``).
@@ -22,12 +24,13 @@ PROG = "slime-ext"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import plan
+    from . import calibrate, plan
 
     parser = argparse.ArgumentParser(prog=PROG, description="slime-ext: rollout-side micro-batch scheduling tools")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan.add_parser(sub)
+    calibrate.add_parser(sub)
     return parser
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..schedule import DPSchedule
+from ..schedule import CostModel, CostProfile, DPSchedule
 from .errors import CLIError
 from .options import Setup
 from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, render_table
@@ -58,9 +58,13 @@ def _kept(schedule: DPSchedule) -> list[int]:
     return [i for step in schedule.step_samples for i in step]
 
 
+def _dense_source(setup: Setup):
+    return setup.flops_model if setup.flops_model is not None else setup.cost_model
+
+
 def _dense_dims(setup: Setup) -> dict:
     """The model dims upstream's ``calculate_fwd_flops`` reads, with Megatron's defaults filled in."""
-    cm = setup.cost_model
+    cm = _dense_source(setup)
     heads = cm.num_attention_heads
     return dict(hidden_size=cm.hidden_size, num_layers=cm.num_layers, num_attention_heads=heads,
                 num_query_groups=cm.num_query_groups or heads, kv_channels=cm.kv_channels or cm.hidden_size // heads,
@@ -99,9 +103,9 @@ def _run_reference(schedule: DPSchedule, setup: Setup) -> SchemeRun:
     p, b = setup.parallel, setup.batch
     dims: dict = {}
     note = ""
-    if setup.cost_model is not None:
+    if isinstance(_dense_source(setup), CostModel):
         dims = _dense_dims(setup)
-        if setup.cost_model.num_experts:
+        if _dense_source(setup).num_experts:
             note = "balances by upstream's dense calculate_fwd_flops (no MoE terms)"
     elif b.balance_data or b.balance_by_flops:
         return SchemeRun("reference", note="not run: with balance_data/balance_by_flops upstream balances by "
@@ -161,7 +165,8 @@ def run_compare(names: list[str], schedule: DPSchedule, setup: Setup, plan_secon
 
 # ---------------------------------------------------------------------------------------------------- the table
 def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> str:
-    unit = "FLOPs" if setup.cost_model is not None else "tokens"
+    unit = "seconds" if isinstance(setup.cost_model, CostProfile) else "FLOPs" if setup.cost_model is not None \
+        else "tokens"
     tok = setup.cost_model is None
     dp, cap = setup.parallel.dp_size, schedule.cap
     headers = ["step", "scheme", "mbs/rank", "bound/rank", "util", "largest", "over_cap", f"rank_{unit}_max",

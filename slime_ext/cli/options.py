@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..schedule import BatchConfig, CostModel, ParallelConfig, ScheduleError
+from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from .errors import CLIError
@@ -43,7 +43,7 @@ FWD_BWD_FACTOR = 3.0
 @dataclass(frozen=True)
 class Key:
     name: str
-    kind: str  # "int" | "bool" | "float" | "freq"
+    kind: str  # "int" | "bool" | "float" | "freq" | "choice" | "path"
     help: str
 
 
@@ -95,6 +95,8 @@ MODEL = [
     Key("swiglu", "bool", "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)"),
 ]
 ESTIMATE = [
+    Key("cost_profile", "path", "a measured cost profile (JSON from `slime-ext calibrate`): balance and price "
+                                "micro-batches by seconds on your hardware instead of the FLOPs model"),
     Key("tflops", "float", f"achieved TFLOP/s per GPU for the step-time estimate (default {DEFAULT_TFLOPS:g}: "
                            f"~40%% MFU of an H100 in bf16)"),
 ]
@@ -104,7 +106,7 @@ KEYS: dict[str, Key] = {k.name: k for _, group in GROUPS for k in group}
 assert set(BATCH_FLAGS) | {"dp_schedule"} == {k.name for k in BATCH}
 assert set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
 #: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is)
-PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {
+PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {"cost_profile",
     "num_gpus", "actor_num_nodes", "actor_num_gpus_per_node", "data_parallel_size", "context_parallel_size",
     "virtual_pipeline_model_parallel_size"}
 
@@ -163,8 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=key.name, choices=CHOICES[key.name], default=None,
                                    help=key.help or None)
             else:
-                kind = {"int": _int_arg, "float": float, "freq": _freq_arg}[key.kind]
-                group.add_argument(flag, dest=key.name, type=kind, default=None, metavar="N",
+                kind = {"int": _int_arg, "float": float, "freq": _freq_arg, "path": str}[key.kind]
+                group.add_argument(flag, dest=key.name, type=kind, default=None,
+                                   metavar="FILE" if key.kind == "path" else "N",
                                    help=key.help or None)
 
 
@@ -176,11 +179,12 @@ def _check_type(where: str, key: Key, value: Any) -> Any:
         "float": type(value) in (int, float),
         "freq": type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)),
         "choice": value in CHOICES.get(key.name, ()),
+        "path": isinstance(value, str) and bool(value),
     }[key.kind]
     if not ok:
         want = {"int": "an integer", "bool": "true or false", "float": "a number",
                 "freq": "an integer or a list of 0/1 integers",
-                "choice": " or ".join(CHOICES.get(key.name, ()))}[key.kind]
+                "choice": " or ".join(CHOICES.get(key.name, ())), "path": "a file path"}[key.kind]
         raise CLIError(f"{where}: key '{key.name}' is {value!r}; it must be {want}")
     return value
 
@@ -235,12 +239,14 @@ class Setup:
 
     parallel: ParallelConfig
     batch: BatchConfig
-    cost_model: CostModel | None
+    cost_model: CostModel | CostProfile | None
     tflops: float
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
     dp_schedule: str = "rollout"
+    #: the FLOPs model from the model dims even when a measured profile is the cost (upstream's reference needs them)
+    flops_model: CostModel | None = None
 
     @property
     def gpus_per_replica(self) -> int:
@@ -251,6 +257,8 @@ class Setup:
         """``3 x`` forward FLOPs of the slowest rank over the replica's throughput; ``None`` without a FLOPs model."""
         if self.cost_model is None:
             return None
+        if isinstance(self.cost_model, CostProfile):  # the cost is already seconds of forward + backward
+            return fwd_flops_of_slowest_rank
         return FWD_BWD_FACTOR * fwd_flops_of_slowest_rank / (self.tflops * 1e12 * self.gpus_per_replica)
 
 
@@ -349,10 +357,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
             cost_model.coefficients()  # validates moe_layer_freq against num_layers
+        flops_model = cost_model
+        if values.get("cost_profile"):  # measured seconds replace the FLOPs estimate
+            cost_model = CostProfile.load(values["cost_profile"])
     except ScheduleError as e:
         raise CLIError(str(e)) from None
     return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule)
+                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule,
+                 flops_model=flops_model)
 
 
 def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:

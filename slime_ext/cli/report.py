@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..schedule import DPSchedule, StepStats
+from ..schedule import CostProfile, DPSchedule, StepStats
 from .options import FWD_BWD_FACTOR, Setup
 
 
@@ -106,6 +106,8 @@ def render_table(rows: list[list[str]], headers: list[str], rule_before_last: bo
 
 
 def cost_unit(schedule: DPSchedule) -> str:
+    if isinstance(schedule.cost_model, CostProfile):
+        return "seconds"
     return "FLOPs" if schedule.cost_model is not None else "tokens"
 
 
@@ -148,6 +150,13 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
     if schedule.cost_model is None:
         lines.append("cost: tokens (no model dims: pass --hidden-size --num-layers --num-attention-heads ... "
                      "for FLOPs and a step-time estimate)")
+    elif isinstance(schedule.cost_model, CostProfile):
+        prof = schedule.cost_model
+        lines.append(f"cost: measured profile (seconds; the FLOPs columns hold seconds) = {prof.per_token_s:.3g} x L + "
+                     f"{prof.per_sample_quadratic_s + prof.packed_quadratic_s:.3g} x L^2 per sample of L tokens, "
+                     f"+ {prof.microbatch_overhead_s:.3g} per micro-batch; measured on "
+                     f"{prof.meta.get('device', '?')}")
+        lines.append("time: time_s = the slowest rank's per-sample seconds (micro-batch and step overheads excluded)")
     else:
         lin, quad = schedule.cost_model.coefficients()
         lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample of L tokens")

@@ -63,6 +63,7 @@ RUN_DEFAULTS: dict[str, Any] = {
     "rollout_timeout_seconds": 300.0,
     "train_timeout_seconds": 600.0,
     "verify_ledger": True,
+    "cost_profile": None,  # a measured cost profile (slime-ext calibrate) for the planner instead of FLOPs
 }
 TRAIN_KEYS = frozenset(TrainConfig.__dataclass_fields__)
 ALL_KEYS = TRAIN_KEYS | frozenset(RUN_DEFAULTS)
@@ -136,6 +137,13 @@ def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
         problems.append(f"synthetic_response_length_sigma={sigma!r}: must be a number >= 0")
     if not isinstance(options["verify_ledger"], bool):
         problems.append(f"verify_ledger={options['verify_ledger']!r}: must be true or false")
+    if options["cost_profile"] is not None:
+        from slime_ext.schedule import CostProfile, ScheduleError
+
+        try:
+            CostProfile.load(str(options["cost_profile"]))
+        except ScheduleError as e:
+            problems.append(f"cost_profile={options['cost_profile']!r}: {e}")
     ncpu = options["ray_num_cpus"]
     if ncpu is not None and (isinstance(ncpu, bool) or not isinstance(ncpu, (int, float)) or not ncpu > 0):
         problems.append(f"ray_num_cpus={ncpu!r}: must be a positive number or null (the machine's CPU count)")

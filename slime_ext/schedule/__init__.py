@@ -16,6 +16,7 @@ slime-compatible API::
 from .compat import build_dp_schedule
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
+from .profile import CostProfile, fit_profile
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .invariants import assert_valid_schedule, check_schedule
@@ -28,6 +29,7 @@ from .steps import compute_dynamic_global_batch_size
 __all__ = [
     "BatchConfig",
     "CostModel",
+    "CostProfile",
     "DPSchedule",
     "ParallelConfig",
     "ScheduleError",
@@ -40,6 +42,7 @@ __all__ = [
     "compute_dynamic_global_batch_size",
     "expand_bins_by_splitting",
     "first_fit_pack",
+    "fit_profile",
     "karmarkar_karp",
     "lpt_rounds",
     "microbatch_target",

@@ -13,6 +13,7 @@ from typing import Any, Iterator, Mapping
 
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
+from .profile import CostProfile, is_profile_dict
 from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_number, check_samples, int_list,
                        is_int, nested_int_lists, show)
@@ -256,7 +257,15 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
         loss_tokens=None if loss is None else loss.tolist(),
         loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None
         else int_list("loss_tokens_per_step", d["loss_tokens_per_step"], **n_max),
-        cost_model=None if cost_model is None else CostModel(
-            **check_mapping("cost_model", cost_model, _names(CostModel))),
+        cost_model=_cost_from_dict(cost_model),
         step_samples=nested_int_lists("step_samples", d.get("step_samples", []), 1, **n_max),
     )
+
+
+def _cost_from_dict(d: Any) -> "CostModel | CostProfile | None":
+    """A saved cost model: model dims (``CostModel``), or a measured profile (``slime-ext calibrate``)."""
+    if d is None:
+        return None
+    if is_profile_dict(d):
+        return CostProfile.from_dict(d, source="the schedule's cost_model")
+    return CostModel(**check_mapping("cost_model", d, _names(CostModel)))

@@ -18,7 +18,10 @@ Strategy (one call plans a whole rollout):
      swaps). When bins of even size cannot balance the ranks (a sample costing a large share of a rank's work),
      bins are chosen per rank instead: samples dealt in decreasing cost to the lightest rank that has room in one
      of its own capped bins; and when even that is capacity-bound, ``align`` more micro-batches are spent if
-     they cut the slowest rank by more than 1%.
+     they cut the slowest rank by more than 1%. With a measured :class:`CostProfile` (``slime-ext calibrate``)
+     instead of FLOPs, micro-batches are priced whole (overhead, attention over the packed row) and the choices
+     of this stage are made by the predicted time of the slowest rank: an extra micro-batch must lower it, balancing
+     never predicts slower than the strided deal.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
@@ -45,6 +48,7 @@ from .cost import CostModel, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
+from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
@@ -88,11 +92,30 @@ def pack_step(
 
 
 def _plan_dynamic(
-    lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int
+    lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
+    profile: CostProfile | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int, str, int]:
-    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step."""
+    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step.
+
+    With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
+    (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
+    extra micro-batch is spent only when it lowers the predicted step time.
+    """
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
+
+    def slowest(b_of: np.ndarray, r_of_b: np.ndarray) -> float:
+        if profile is not None:
+            return float(profile.labelled_rank_times(lengths, b_of, r_of_b, dp).max())
+        return float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs, minlength=len(r_of_b)),
+                                 minlength=dp).max())
+
+    def floor_at(k_count: int) -> float:  # no assignment of k_count micro-batches beats this (cost or seconds)
+        floor = max(float(costs.sum()) / dp, float(costs.max()))
+        if profile is not None:
+            floor += profile.step_overhead_s + profile.microbatch_overhead_s * (k_count // dp)
+        return floor
+
     target = microbatch_target(lengths, cap, align)
     if n < target:
         raise ScheduleError(
@@ -106,15 +129,21 @@ def _plan_dynamic(
     bin_of, count, strategy = pack_step(lengths, weights, order, cap, target, align, step)
     if batch.balance_by_flops:
         strategy = "cost-" + strategy
-    bin_costs = np.bincount(bin_of, weights=costs, minlength=count)
+    # a profile prices each micro-batch as a whole (its overhead, attention over the packed row), not as a sum
+    bin_costs = np.bincount(bin_of, weights=costs, minlength=count) if profile is None \
+        else profile.bin_times(lengths, bin_of, count)
     if not (batch.balance_data and dp > 1):
         return bin_of, serpentine(bin_costs, dp), count, strategy, target
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
-    floor = max(float(costs.sum()) / dp, float(costs.max()))
-    good = floor * (1 + BALANCE_TOLERANCE)
+    good = floor_at(count) * (1 + BALANCE_TOLERANCE)
     rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
-    best_max = float(np.bincount(rank_of_bin, weights=bin_costs, minlength=dp).max())
+    best_max = slowest(bin_of, rank_of_bin)
+    if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
+        strided = serpentine(bin_costs, dp)
+        strided_max = slowest(bin_of, strided)
+        if strided_max < best_max:
+            rank_of_bin, best_max = strided, strided_max
     best = (bin_of, rank_of_bin, count, strategy)
     if best_max <= good:
         return (*best, target)
@@ -129,14 +158,15 @@ def _plan_dynamic(
         if rank_bins is None:
             continue
         b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
-        rank_max = float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs), minlength=dp).max())
-        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] else 0.0
+        rank_max = slowest(b_of, r_of_b)
+        # FLOPs price no micro-batch, so an extra one must win by EXTRA_MB_MIN_GAIN; a profile prices it exactly
+        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] and profile is None else 0.0
         if rank_max < best_max * (1 - min_gain):
             name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
             best, best_max = (b_of, r_of_b, k_count, name), rank_max
         elif extra:
             break  # more micro-batches stopped paying off
-        if best_max <= floor * (1 + EXTRA_MB_MIN_GAIN):
+        if best_max <= floor_at(k_count) * (1 + EXTRA_MB_MIN_GAIN):
             break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
     return (*best, target)
 
@@ -229,26 +259,28 @@ def plan_schedule(
     *,
     rollout_ids: Sequence[int] | np.ndarray | None = None,
     loss_tokens: Sequence[int] | np.ndarray | None = None,
-    cost_model: CostModel | None = None,
+    cost_model: CostModel | CostProfile | None = None,
 ) -> DPSchedule:
     """Plan one rollout: walk the four stages of the module docstring for every step.
 
     ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
     sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
-    balancing (default: tokens).
+    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
+    seconds and prices every micro-batch.
     """
     if not isinstance(parallel, ParallelConfig):
         raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}; "
                             f"use ParallelConfig.from_dict(train_parallel_config)")
     if not isinstance(batch, BatchConfig):
         raise ScheduleError(f"batch must be a BatchConfig, got {type(batch).__name__}; use BatchConfig.from_args(args)")
-    if cost_model is not None and not isinstance(cost_model, CostModel):
-        raise ScheduleError(f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
-                            f"use CostModel(...) or CostModel.from_args(args)")
+    if cost_model is not None and not isinstance(cost_model, (CostModel, CostProfile)):
+        raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}; "
+                            f"use CostModel(...), CostModel.from_args(args) or CostProfile.load(path)")
     lengths, ids, loss = check_samples(total_lengths, rollout_ids, loss_tokens)  # types and ranges, once
     n = len(lengths)
     ordinals = rollout_ordinals(ids, n)
-    costs = sample_costs(lengths, cost_model)
+    costs = sample_costs(lengths, cost_model)  # a CostProfile gives seconds (its per-sample part)
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
 
@@ -276,7 +308,8 @@ def plan_schedule(
         if cap is None:
             bin_of, rank_of_bin, count, strategy, bound = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s)
+            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s,
+                                                                        profile=profile)
         mb_sizes, mb_cost, mb_tokens = _emit_step(bin_of, rank_of_bin, count, step_idx, step_len, step_cost,
                                                   partitions, micro_batch_indices)
         per_rank = count // dp

@@ -1,0 +1,393 @@
+"""Measured step time: a real megatron-core GPT trained on identical rollouts under every schedule (issue 11).
+
+    python -m bench.train_step            # full run: rl + heavy-tail, DP=2 and DP=2 x PP=2 (about 5 min)
+    python -m bench.train_step --quick    # smoke run: one small workload, DP=2, one repeat (about 1 min)
+
+What it does, in one run:
+
+1. **Calibrate** (:mod:`slime_ext.training.calibrate`) the benchmark model in one process with one torch thread:
+   a :class:`slime_ext.schedule.CostProfile` in seconds (``--profile FILE`` reuses a saved one).
+2. **Plan** every workload (one rollout = one optimizer step) under each scheme:
+
+   * ``legacy``       -- training-side: strided split on the rollout side, then on every rank first-fit count,
+                         all-reduce(MAX), Karmarkar-Karp into that many micro-batches (``dp_schedule: legacy``, the
+                         slime-shaped backend :mod:`slime_ext.training.legacy_backend` running for real);
+   * ``reference``    -- upstream's rollout-side ``build_dp_schedule``: first fit, then equal-size KK of the
+                         micro-batches over the ranks (:func:`slime_ext.baselines.reference_schedule`, balance_data);
+   * ``ours:strided`` / ``ours:balance_data`` / ``ours:balance_by_flops`` -- :func:`slime_ext.schedule.plan_schedule`
+     with the calibrated profile as its cost (``balance_by_flops`` runs with ``balance_data`` too). ``ours`` in the
+     ratios is ``ours:balance_by_flops``.
+3. **Train** each layout (gloo, one process per rank, one torch thread each): per repeat, every scheme on every
+   workload from the same initial parameters (``TrainWorker.reset``), the order of the schemes rotating between
+   repeats so that drift in the machine's load spreads over all of them.
+
+Measured per rank and step: ``busy`` = ``time.thread_time()`` of the rank's main thread around
+``TrainWorker.train_rollout`` -- CPU time of forward, backward, packing and the optimizer, *not* time blocked in
+collectives: gloo runs a collective on its own worker threads while the caller sleeps in ``wait()``, and a PP
+``recv`` likewise sleeps, so waits cost the measuring thread no CPU time (checked with torch 2.13's gloo: a rank
+that waits 2 s in ``all_reduce`` or in a ``recv`` spends under 1 ms of ``thread_time``); ``wall`` = ``perf_counter`` around the
+same call after a barrier (step wall time = the slowest rank's). Each rank's ``busy`` is compared with the profile's
+prediction for the micro-batches the rank *actually consumed* (its ledger; for legacy the training side chose
+them). Under PP a DP replica's busy time is the sum over its stages (the calibrated model is the whole model).
+
+Invariance: after the first repeat, every rank compares its parameters under each scheme with those of the first
+scheme run (the e2e tests' ``assert_params_match``: 1e-5 relative, update within 1e-4).
+
+The 2-core CI machines are shared; ``busy`` (CPU time) is robust to that, ``wall`` is not. Targets are printed as
+PASS/FAIL lines, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bench.workloads import make_lengths
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))  # the e2e harness: process launcher, parameter checks
+
+MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, vocab_size=1024)
+# SGD without momentum: equal parameters <=> equal gradients (see tests/e2e/train_harness.py)
+OPTIM = dict(optimizer="sgd", sgd_momentum=0.0, lr=0.5, weight_decay=0.0, clip_grad=1.0, seed=1234)
+SCHEMES = ("legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops")
+OURS = "ours:balance_by_flops"
+OURS_FLAGS = {"ours:strided": (False, False), "ours:balance_data": (True, False), "ours:balance_by_flops": (True, True)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    dist: str
+    n: int  # samples = rollouts in the one step
+    seed: int
+    cap: int  # max_tokens_per_gpu
+    scale: float  # lengths of bench.workloads' distribution times this (clipped to [8, max_len])
+    max_len: int
+
+
+def full_workloads() -> list[Workload]:
+    return [Workload("rl", "rl", n=32, seed=11, cap=1024, scale=1 / 12, max_len=1024),
+            Workload("heavy", "heavy", n=64, seed=12, cap=1024, scale=1 / 10, max_len=1024)]
+
+
+def quick_workloads() -> list[Workload]:
+    return [Workload("heavy-small", "heavy", n=32, seed=13, cap=512, scale=1 / 16, max_len=512)]
+
+
+def model_dims() -> dict:
+    """The benchmark model's dims under Megatron's names (for the FLOPs estimates of the reference and the report)."""
+    return dict(hidden_size=MODEL["hidden_size"], num_layers=MODEL["num_layers"],
+                num_attention_heads=MODEL["num_attention_heads"], num_query_groups=MODEL["num_attention_heads"],
+                kv_channels=MODEL["hidden_size"] // MODEL["num_attention_heads"],
+                ffn_hidden_size=MODEL["ffn_hidden_size"], vocab_size=MODEL["vocab_size"])
+
+
+def workload_lengths(w: Workload) -> list[int]:
+    raw = make_lengths(w.dist, w.n, w.seed).astype(np.float64) * w.scale
+    return np.clip(np.rint(raw), 8, w.max_len).astype(int).tolist()
+
+
+def make_samples(lengths: list[int], seed: int, vocab: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i, total in enumerate(lengths):
+        prompt = max(1, min(total - 1, int(rng.integers(1, max(2, total // 3)))))
+        response = total - prompt
+        samples.append(dict(tokens=rng.integers(0, vocab, total).tolist(), total_length=total,
+                            response_length=response, loss_mask=(rng.random(response) > 0.1).astype(int).tolist(),
+                            reward=0.0, advantage=float(rng.normal()), rollout_id=i))
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profile) -> tuple[dict, list[dict]]:
+    """``(reset changes, one rollout_data per DP rank)`` of ``scheme`` for one workload (one step)."""
+    from train_harness import _fields, legacy_payloads, rollout_payloads
+
+    from slime_ext import baselines
+    from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
+
+    n = len(samples)
+    lengths = [s["total_length"] for s in samples]
+    common = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=w.cap, global_batch_size=n)
+    if scheme == "legacy":
+        return {"dp_schedule": "legacy", **common, "balance_data": False, "balance_by_flops": False}, \
+            legacy_payloads(samples, dp)
+    if scheme == "reference":
+        args = baselines.reference_args(model_dims(), max_tokens_per_gpu=w.cap, balance_data=True, balance_by_flops=False)
+        tpc = {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+        ref = baselines.reference_schedule(args, tpc, lengths, global_batch_size=n, rollout_indices=list(range(n)))
+        payloads = [{**_fields(samples, ref.partitions[r]), "partition": list(ref.partitions[r]),
+                     "micro_batch_indices": ref.micro_batch_indices[r], "num_microbatches": list(ref.num_microbatches),
+                     "samples_per_step": [n]} for r in range(dp)]
+        return {"dp_schedule": "rollout", **common, "balance_data": True, "balance_by_flops": False}, payloads
+    balance_data, balance_by_flops = OURS_FLAGS[scheme]
+    sched = plan_schedule(lengths, ParallelConfig(dp_size=dp),
+                          BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=w.cap,
+                                      balance_data=balance_data, balance_by_flops=balance_by_flops),
+                          rollout_ids=list(range(n)), loss_tokens=[sum(s["loss_mask"]) for s in samples],
+                          cost_model=profile)
+    return {"dp_schedule": "rollout", **common, "balance_data": balance_data, "balance_by_flops": balance_by_flops}, \
+        rollout_payloads(samples, sched)
+
+
+# ---------------------------------------------------------------------------------------------------- rank jobs
+def calibrate_job(config: dict, max_tokens: int, repeats: int, seed: int) -> dict:
+    from slime_ext.training.calibrate import measure
+
+    obs, meta = measure(config, max_tokens=max_tokens, repeats=repeats, timer="thread", seed=seed)
+    return {"observations": obs, "meta": meta}
+
+
+def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[dict], repeats: int) -> dict:
+    """One rank: every (repeat, scheme, workload) run; busy/wall per run, invariance checks after repeat 0."""
+    import torch.distributed as dist
+    from train_harness import assert_params_match
+
+    from slime_ext.training.worker import TrainWorker
+
+    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port)
+    layout = worker.setup()
+    out: dict = {"layout": layout, "runs": [], "invariance": []}
+    initial = worker.param_snapshot()
+    first: dict[str, tuple[str, dict]] = {}
+    try:
+        for rep in range(repeats):
+            shift = rep % len(SCHEMES)
+            order = SCHEMES[shift:] + SCHEMES[:shift]
+            for scheme in order:
+                for run in runs:
+                    if run["scheme"] != scheme:
+                        continue
+                    worker.reset(**run["changes"])
+                    data = run["payloads"][layout["dp_rank"]]
+                    dist.barrier()
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    records = worker.train_rollout(data)
+                    busy, wall = time.thread_time() - c0, time.perf_counter() - w0
+                    ids = data["sample_indices"]
+                    out["runs"].append(dict(rep=rep, scheme=scheme, workload=run["workload"], busy=busy, wall=wall,
+                                            ledger=records[0]["ledger"], num_microbatches=records[0]["num_microbatches"],
+                                            num_local=len(ids)))
+                    if rep == 0:
+                        params = worker.param_snapshot()
+                        if run["workload"] not in first:
+                            first[run["workload"]] = (scheme, params)
+                        else:
+                            ref_scheme, ref = first[run["workload"]]
+                            try:
+                                errs = assert_params_match(params, ref, initial, rtol=1e-5,
+                                                           label=f"{scheme} vs {ref_scheme}")
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, True, errs, ""))
+                            except AssertionError as exc:
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, False, {}, str(exc)))
+    finally:
+        worker.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+class Report:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:7.0f}"
+
+
+def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths_of: dict, dp: int, pp: int,
+            targets: list[tuple[bool, str]], summary: list[tuple]) -> None:
+    """Per-run rows, then medians, ratios and the targets for one layout."""
+    from slime_ext.schedule import CostModel
+
+    world = dp * pp
+    by_key: dict[tuple, list[dict]] = {}
+    for rank, res in enumerate(results):
+        lay = res["layout"]
+        for r in res["runs"]:
+            by_key.setdefault((r["workload"], r["scheme"], r["rep"]), [None] * world)[rank] = {**r, **lay}
+    workloads = sorted({k[0] for k in by_key}, key=lambda x: list(lengths_of).index(x))
+    repeats = sorted({k[2] for k in by_key})
+    say(f"\n### {layout_name}: per run (ms; busy = thread CPU time per DP replica, pred = profile on the consumed "
+        f"micro-batches)\n")
+    per_rank_col = " busy per rank (dp.pp) |" if pp > 1 else ""
+    say(f"| workload | scheme | rep | #mb/rank | step wall |{per_rank_col} busy per replica | busy max/mean | "
+        f"pred max/mean | pred/meas (max) | FLOPs-model max/mean |")
+    say("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if pp > 1 else ""))
+    flops_model = CostModel(**model_dims())
+    med: dict[tuple, dict] = {}
+    for wname in workloads:
+        lengths = lengths_of[wname]
+        for scheme in SCHEMES:
+            walls, busy_max, pred_max, per_replica, pred = [], [], [], [], []
+            for rep in repeats:
+                ranks = by_key.get((wname, scheme, rep))
+                if not ranks:
+                    continue
+                replica_busy = [sum(r["busy"] for r in ranks if r["dp_rank"] == d) for d in range(dp)]
+                # micro-batches of each DP replica: from its first stage's ledger (every stage consumes the same)
+                mbs = [next(r["ledger"] for r in ranks if r["dp_rank"] == d and r["pp_rank"] == 0) for d in range(dp)]
+                pred = [profile.rank_time([[lengths[i] for i in mb] for mb in m]) for m in mbs]
+                flops = [float(flops_model.flops([lengths[i] for mb in m for i in mb]).sum()) for m in mbs]
+                wall = max(r["wall"] for r in ranks)
+                walls.append(wall)
+                busy_max.append(max(replica_busy))
+                pred_max.append(max(pred))
+                per_replica.append(replica_busy)
+                per_rank = (" " + " ".join(f"{r['dp_rank']}.{r['pp_rank']}:{_ms(r['busy']).strip()}" for r in ranks)
+                            + " |") if pp > 1 else ""
+                say(f"| {wname} | {scheme} | {rep} | {ranks[0]['num_microbatches']} | {_ms(wall)} |{per_rank} "
+                    f"{' '.join(_ms(b).strip() for b in replica_busy)} | "
+                    f"{_ms(max(replica_busy))}/{_ms(float(np.mean(replica_busy))).strip()} | "
+                    f"{_ms(max(pred))}/{_ms(float(np.mean(pred))).strip()} | {max(pred) / max(replica_busy):.3f} | "
+                    f"{max(flops) / np.mean(flops):.3f} |")
+            if walls:
+                # prediction error per replica: against its median busy time over the repeats
+                errs = [p / statistics.median(b[d] for b in per_replica) - 1 for d, p in enumerate(pred)]
+                med[(wname, scheme)] = dict(wall=statistics.median(walls), busy=statistics.median(busy_max),
+                                            pred=statistics.median(pred_max), errs=errs)
+    say(f"\n### {layout_name}: medians over {len(repeats)} repeat(s), ratio = scheme / {OURS}\n")
+    say("| workload | scheme | step wall (ms) | wall ratio | busy max (ms) | busy ratio | predicted ratio |"
+        " worst rank pred error |")
+    say("|---|---|---|---|---|---|---|---|")
+    for wname in workloads:
+        ours = med.get((wname, OURS))
+        for scheme in SCHEMES:
+            m = med.get((wname, scheme))
+            if not m or not ours:
+                continue
+            worst = max(m["errs"], key=abs)
+            say(f"| {wname} | {scheme} | {_ms(m['wall']).strip()} | {m['wall'] / ours['wall']:.3f} | "
+                f"{_ms(m['busy']).strip()} | {m['busy'] / ours['busy']:.3f} | {m['pred'] / ours['pred']:.3f} | "
+                f"{100 * worst:+.1f}% |")
+            summary.append((layout_name, wname, scheme, m["wall"] / ours["wall"], m["busy"] / ours["busy"],
+                            m["pred"] / ours["pred"]))
+    # targets
+    all_errs = [e for m in med.values() for e in m["errs"]]
+    within = sum(abs(e) <= 0.05 for e in all_errs)
+    targets.append((within == len(all_errs),
+                    f"{layout_name}: predicted busy time within 5% of the measured median for {within}/"
+                    f"{len(all_errs)} (workload, scheme, replica) (median |error| "
+                    f"{100 * statistics.median(map(abs, all_errs)):.1f}%, worst {100 * max(map(abs, all_errs)):.1f}%)"))
+    for wname in workloads:
+        ours = med.get((wname, OURS))
+        for other in ("legacy", "reference"):
+            m = med.get((wname, other))
+            if not m or not ours:
+                continue
+            targets.append((m["busy"] >= ours["busy"],
+                            f"{layout_name} {wname}: ours not slower than {other}: busy-max ratio "
+                            f"{m['busy'] / ours['busy']:.3f} (>= 1: ours is faster; step wall ratio "
+                            f"{m['wall'] / ours['wall']:.3f}, not judged: the cores are shared)"))
+            if "heavy" in wname:
+                predicted = m["pred"] / ours["pred"]
+                targets.append((m["busy"] / ours["busy"] >= predicted - 0.05,
+                                f"{layout_name} {wname}: {other}/ours measured busy ratio "
+                                f"{m['busy'] / ours['busy']:.3f} >= profile-predicted {predicted:.3f} - 0.05 "
+                                f"(wall ratio {m['wall'] / ours['wall']:.3f})"))
+
+
+def run(argv: list[str] | None = None) -> int:
+    from train_harness import free_port, launch
+
+    from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
+
+    p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small workload, DP=2 only, one repeat (~1 min)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeats per scheme (default 3 for DP=2 and 2 for DP=2 x PP=2; --quick 1)")
+    p.add_argument("--profile", help="use this saved cost profile instead of calibrating")
+    p.add_argument("--save-profile", help="write the calibrated profile here")
+    p.add_argument("--no-pp", action="store_true", help="skip the DP=2 x PP=2 layout")
+    p.add_argument("--out", help="also write the report (markdown) to this file")
+    args = p.parse_args(argv)
+    repeats_of = {1: args.repeats or (1 if args.quick else 3), 2: args.repeats or 2}  # by pp size
+    workloads = quick_workloads() if args.quick else full_workloads()
+    layouts = [("DP=2", 2, 1)] if (args.quick or args.no_pp) else [("DP=2", 2, 1), ("DP=2 x PP=2", 2, 2)]
+    cap = max(w.cap for w in workloads)
+    base = {**MODEL, **OPTIM, "seq_length": cap, "max_position_embeddings": max(w.max_len for w in workloads)}
+    say = Report()
+    t_start = time.perf_counter()
+    say(f"# Training step benchmark ({'quick' if args.quick else 'full'})\n")
+    say(f"model: GPT {MODEL} (megatron-core local spec, fp32), SGD; gloo, one process per rank, one torch thread "
+        f"each; machine: {os.cpu_count()} CPUs; started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}\n")
+
+    # 1. the cost profile
+    if args.profile:
+        profile = CostProfile.load(args.profile)
+        say(f"## Cost profile (loaded from {args.profile})\n")
+    else:
+        # as many calibrating processes at once as ranks per layout (DP=2: two, one per core), each timing its own
+        # draw of the design; their observations are pooled into one fit
+        t0 = time.perf_counter()
+        procs = 2
+        cals = launch([(calibrate_job, (base, cap, 1 if args.quick else 2, seed)) for seed in range(procs)],
+                      timeout=900)
+        profile, report = fit_profile([o for c in cals for o in c["observations"]],
+                                      meta={**cals[0]["meta"], "processes": procs})
+        say(f"## Cost profile (calibrated in {time.perf_counter() - t0:.0f} s: {procs} processes at once, one "
+            f"thread each, thread CPU time)\n")
+        say("```\n" + fit_summary(profile, report) + "\n```")
+        if args.save_profile:
+            profile.save(args.save_profile)
+    # 2. workloads and payloads
+    say("\n## Workloads (one rollout = one optimizer step; lengths from bench/workloads.py, scaled)\n")
+    lengths_of, samples_of = {}, {}
+    for w in workloads:
+        lengths = workload_lengths(w)
+        lengths_of[w.name], samples_of[w.name] = lengths, make_samples(lengths, w.seed, MODEL["vocab_size"])
+        say(f"- {w.name}: {w.n} samples, {sum(lengths)} tokens, max {max(lengths)}, median "
+            f"{int(np.median(lengths))}, max_tokens_per_gpu {w.cap}")
+    targets: list[tuple[bool, str]] = []
+    summary: list[tuple] = []
+    invariance_lines: list[str] = []
+    for layout_name, dp, pp in layouts:
+        runs = []
+        for w in workloads:
+            for scheme in SCHEMES:
+                changes, payloads = plan_payloads(scheme, samples_of[w.name], w, dp, profile)
+                changes = {**changes, "max_tokens_per_gpu": w.cap}
+                runs.append(dict(scheme=scheme, workload=w.name, changes=changes, payloads=payloads))
+        config = {**base, "pipeline_model_parallel_size": pp, "use_dynamic_batch_size": True,
+                  "max_tokens_per_gpu": cap, "dist_timeout_seconds": 600.0}
+        port = free_port()
+        t0 = time.perf_counter()
+        results = launch([(bench_job, (r, dp * pp, port, config, runs, repeats_of[pp])) for r in range(dp * pp)],
+                         timeout=1800)
+        say(f"\n## {layout_name} ({dp * pp} processes, {time.perf_counter() - t0:.0f} s)")
+        analyse(say, layout_name, results, profile, lengths_of, dp, pp, targets, summary)
+        for rank, res in enumerate(results):
+            for wname, scheme, ref, ok, errs, msg in res["invariance"]:
+                invariance_lines.append(
+                    f"{'PASS' if ok else 'FAIL'} {layout_name} rank {rank} {wname}: {scheme} vs {ref}: "
+                    + (f"params rel {errs['param_rel']:.1e}, update rel {errs['update_rel']:.1e}" if ok else msg))
+    say("\n## Invariance (parameters after the step, every scheme vs the first one run; 1e-5 relative)\n")
+    bad = [x for x in invariance_lines if x.startswith("FAIL")]
+    say(f"{'PASS' if not bad else 'FAIL'}: {len(invariance_lines) - len(bad)}/{len(invariance_lines)} comparisons "
+        f"equal within 1e-5")
+    for line in bad or invariance_lines[:4]:
+        say(f"    {line}")
+    say("\n## Targets\n")
+    for ok, text in targets:
+        say(f"- {'PASS' if ok else 'FAIL'} {text}")
+    say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(say.lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

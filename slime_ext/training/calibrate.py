@@ -1,0 +1,212 @@
+"""Calibration: time real training steps of chosen micro-batches on this model and device, fit a :class:`CostProfile`.
+
+::
+
+    profile, report, observations = calibrate(train_config, max_tokens=4096)   # one process, world size 1
+    profile.save("profile.json")                                               # slime-ext plan --cost-profile ...
+
+Every timed step goes through the same path as training (:class:`TrainWorker` ``.train_rollout`` on a rollout-side
+payload of one step): data validation, packing into tensors, megatron-core's ``forward_backward_func`` over the
+step's micro-batches, the gradient reduction and the optimizer. What a step costs beyond its micro-batches lands
+in ``step_overhead_s``; what each micro-batch costs beyond its tokens in ``microbatch_overhead_s``.
+
+Timers (``timer``): ``"thread"`` -- CPU time of the calling thread (``time.thread_time``; the default on CPU with
+one torch thread: other processes sharing the cores do not inflate it, and a wait in a collective is not counted);
+``"process"`` -- CPU time of the process (CPU with several torch threads); ``"cuda"`` -- wall time between two
+``torch.cuda.synchronize()`` (GPU).
+
+:func:`calibration_design` chooses the steps: single samples over a geometric range of lengths (the linear and
+quadratic terms), micro-batches packing 2-6 samples of mixed lengths (separating attention within a sample from
+attention over the packed row) and 1-3 micro-batches per step (separating the per-step from the per-micro-batch
+overhead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from slime_ext.schedule.profile import CostProfile, FitReport, Observation, fit_profile
+
+TIMERS = ("thread", "process", "cuda")
+
+
+def calibration_design(max_tokens: int, *, min_length: int = 32, seed: int = 0) -> list[list[list[int]]]:
+    """Steps to time: each a list of micro-batches, each a list of sample lengths (no micro-batch over
+    ``max_tokens`` tokens)."""
+    if max_tokens < 4 * min_length:
+        raise ValueError(f"max_tokens={max_tokens} must be at least 4 * min_length = {4 * min_length}")
+    rng = np.random.default_rng(seed)
+    singles = np.unique(np.geomspace(min_length, max_tokens, num=7).astype(int)).tolist()
+    micro_batches: list[list[int]] = [[L] for L in singles]
+    for parts in (2, 3, 4, 6, 12):  # packed: `parts` samples of mixed lengths filling 50-100% of the cap
+        if parts * min_length * 2 > max_tokens:
+            continue
+        for fill in (0.5, 1.0):
+            budget = max(parts * min_length, int(max_tokens * fill))
+            cuts = np.sort(rng.choice(np.arange(1, budget // min_length), size=parts - 1, replace=False))
+            lengths = np.diff(np.concatenate(([0], cuts, [budget // min_length]))) * min_length
+            micro_batches.append([int(x) for x in lengths])
+    steps = [[mb] for mb in micro_batches]  # one micro-batch per step
+    order = rng.permutation(len(micro_batches)).tolist()
+    for k in (2, 3):  # several micro-batches per step, drawn from the same shapes
+        for start in range(0, len(order) - k + 1, 2 * k):
+            steps.append([micro_batches[i] for i in order[start:start + k]])
+    return steps
+
+
+def synthetic_step(micro_batches: Sequence[Sequence[int]], *, vocab_size: int, seed: int = 0,
+                   global_offset: int = 0) -> dict:
+    """One DP rank's ``rollout_data`` for one step made of ``micro_batches`` (rollout-side payload, random tokens).
+
+    Every sample has a prompt of ``max(1, L // 4)`` tokens and the rest as response, all counted in the loss.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = [int(L) for mb in micro_batches for L in mb]
+    if any(L < 2 for L in lengths):
+        raise ValueError(f"sample lengths must be >= 2 (a prompt token and a response token), got {min(lengths)}")
+    responses = [L - max(1, L // 4) for L in lengths]
+    mbi, start = [], 0
+    for mb in micro_batches:
+        mbi.append(list(range(start, start + len(mb))))
+        start += len(mb)
+    return {
+        "tokens": [rng.integers(0, vocab_size, L).tolist() for L in lengths],
+        "total_lengths": lengths,
+        "response_lengths": responses,
+        "loss_masks": [[1] * r for r in responses],
+        "rewards": [0.0] * len(lengths),
+        "advantages": rng.standard_normal(len(lengths)).tolist(),
+        "sample_indices": list(range(global_offset, global_offset + len(lengths))),
+        "micro_batch_indices": mbi,
+        "num_microbatches": [len(micro_batches)],
+        "samples_per_step": [len(lengths)],
+    }
+
+
+def default_timer() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "thread" if torch.get_num_threads() == 1 else "process"
+
+
+@contextlib.contextmanager
+def _no_context():
+    yield
+
+
+def make_clock(timer: str) -> Callable[[Callable[[], Any]], tuple[Any, float, float]]:
+    """``clock(fn) -> (fn(), busy seconds by ``timer``, wall seconds)``."""
+    if timer not in TIMERS:
+        raise ValueError(f"timer={timer!r} must be one of {TIMERS}")
+    import torch
+
+    cpu = {"thread": time.thread_time, "process": time.process_time}.get(timer)
+
+    def clock(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+        if timer == "cuda":
+            torch.cuda.synchronize()
+        w0 = time.perf_counter()
+        c0 = cpu() if cpu else 0.0
+        out = fn()
+        if timer == "cuda":
+            torch.cuda.synchronize()
+        c1 = cpu() if cpu else 0.0
+        wall = time.perf_counter() - w0
+        return out, (c1 - c0) if cpu else wall, wall
+
+    return clock
+
+
+def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int = 3, timer: str | None = None,
+               autocast: Callable[[], Any] | None = None, warmup: int = 1,
+               progress: Callable[[str], None] | None = None) -> list[Observation]:
+    """Median busy seconds of each step in ``steps`` (run ``repeats`` times, interleaved) on ``worker``.
+
+    ``worker`` is a set-up :class:`slime_ext.training.worker.TrainWorker` on the rollout-side path, alone in its
+    data-parallel group (world size 1, or the caller times one rank while the others wait). ``autocast`` wraps
+    each step (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``).
+    """
+    clock = make_clock(timer or default_timer())
+    ctx = autocast or _no_context
+    vocab = worker.config.vocab_size
+    payloads = [synthetic_step(s, vocab_size=vocab, seed=i) for i, s in enumerate(steps)]
+    biggest = max(range(len(steps)), key=lambda i: sum(map(sum, steps[i])))
+    for _ in range(warmup):  # allocator and first-call costs stay out of the fit
+        with ctx():
+            worker.train_rollout(payloads[biggest])
+    samples: list[list[float]] = [[] for _ in steps]
+    for rep in range(repeats):
+        for i in (range(len(steps)) if rep % 2 == 0 else reversed(range(len(steps)))):
+            with ctx():
+                _, busy, _ = clock(lambda: worker.train_rollout(payloads[i]))
+            samples[i].append(busy)
+        if progress:
+            progress(f"repeat {rep + 1}/{repeats}: {len(steps)} steps timed")
+    return [Observation(tuple(tuple(int(x) for x in mb) for mb in s), statistics.median(t))
+            for s, t in zip(steps, samples)]
+
+
+def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
+              autocast: Callable[[], Any] | None = None, master_port: int | None = None,
+              progress: Callable[[str], None] | None = None, seed: int = 0
+              ) -> tuple[CostProfile, FitReport, list[Observation]]:
+    """Set up one training process (world size 1) for ``config``, time :func:`calibration_design`, fit a profile.
+
+    ``config``: anything :func:`slime_ext.training.config.load_train_config` takes (its model dims and optimizer
+    are what is timed; the parallel layout is forced to one process, the schedule to the rollout-side path).
+    """
+    observations, meta = measure(config, max_tokens=max_tokens, repeats=repeats, min_length=min_length, timer=timer,
+                                 autocast=autocast, master_port=master_port, progress=progress, seed=seed)
+    profile, report = fit_profile(observations, meta=meta)
+    return profile, report, observations
+
+
+def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
+            autocast: Callable[[], Any] | None = None, master_port: int | None = None,
+            progress: Callable[[str], None] | None = None, seed: int = 0) -> tuple[list[Observation], dict]:
+    """The timing half of :func:`calibrate`: ``(observations, meta)``. Several processes may measure at once (with
+    different ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run."""
+    import socket
+
+    import torch
+
+    from .config import load_train_config
+    from .worker import TrainWorker
+
+    cfg = load_train_config(config)
+    cfg = cfg.replace(dp_schedule="rollout", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                      use_dynamic_batch_size=True, max_tokens_per_gpu=max_tokens,
+                      seq_length=max(cfg.seq_length, max_tokens),
+                      max_position_embeddings=max(cfg.max_positions, max_tokens))
+    if master_port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            master_port = s.getsockname()[1]
+    steps = calibration_design(max_tokens, min_length=min_length, seed=seed)
+    timer = timer or default_timer()
+    worker = TrainWorker(cfg, 0, 1, "127.0.0.1", master_port)
+    worker.setup()
+    try:
+        observations = time_steps(worker, steps, repeats=repeats, timer=timer, autocast=autocast, progress=progress)
+    finally:
+        worker.shutdown()
+    meta = {
+        "device": torch.cuda.get_device_name() if timer == "cuda" else "cpu",
+        "timer": timer,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                               "ffn_hidden_size", "vocab_size")},
+        "optimizer": cfg.optimizer,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return observations, meta

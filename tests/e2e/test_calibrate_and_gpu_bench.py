@@ -1,0 +1,73 @@
+"""``slime-ext calibrate`` on a real (tiny) megatron-core model, and ``ci/gpu_bench``'s CPU dry run and refusal.
+
+Real processes, real training steps: the calibration times steps through ``TrainWorker.train_rollout`` and fits a
+profile; the dry run plans DP=8 schedules of every scheme and replays them rank by rank. Nothing here is timed
+against a threshold (speed targets live in the benchmarks); the checks are on what the commands produce.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slime_ext.schedule.profile import TERM_NAMES, CostProfile
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+       "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_calibrate_cli_writes_a_profile_the_planner_takes(tmp_path):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\nffn_hidden_size: 128\n"
+                   "vocab_size: 128\nseq_length: 256\noptimizer: sgd\nlr: 0.01\n")
+    out = tmp_path / "profile.json"
+    res = subprocess.run([sys.executable, "-m", "slime_ext.cli", "calibrate", "--config", str(cfg), "--max-tokens",
+                          "256", "--repeats", "1", "--threads", "1", "--out", str(out)],
+                         capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=400)
+    assert res.returncode == 0, res.stderr
+    assert "fit error: rms" in res.stdout and f"wrote {out}" in res.stdout
+    prof = CostProfile.load(str(out))
+    assert prof.meta["device"] == "cpu" and prof.meta["timer"] == "thread"
+    assert prof.meta["num_points"] >= 7 and prof.meta["model"]["hidden_size"] == 64
+    assert all(getattr(prof, t) >= 0 for t in TERM_NAMES)
+    # a longer micro-batch is predicted to take longer: the fit priced tokens or attention
+    assert prof.microbatch_time([256]) > prof.microbatch_time([32])
+    lengths = tmp_path / "lengths.npy"
+    import numpy as np
+
+    np.save(lengths, np.array([30, 200, 120, 60, 250, 40, 90, 100]))
+    res = subprocess.run([sys.executable, "-m", "slime_ext.cli", "plan", str(lengths), "--dp-size", "2",
+                          "--use-dynamic-batch-size", "--max-tokens-per-gpu", "256", "--global-batch-size", "8",
+                          "--balance-data", "--cost-profile", str(out)],
+                         capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "measured profile" in res.stdout
+
+
+def test_gpu_bench_dry_run_replays_every_scheme_on_cpu(tmp_path):
+    report = tmp_path / "dry.md"
+    res = subprocess.run([str(REPO / "ci" / "gpu_bench"), "--dry-run", "--out", str(report)],
+                         capture_output=True, text=True, env={**ENV, "PYTHON": sys.executable}, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    text = report.read_text()
+    for dist in ("rl", "heavy", "reasoning"):
+        for scheme in ("legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops"):
+            assert f"| {dist} | {scheme} |" in text, f"no row for {dist} / {scheme}"
+    assert "## Cost profile" in text and "## Targets" in text
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi: the refusal is "
+                                                                     "for machines without a GPU")
+@pytest.mark.parametrize("script", ["gpu_bench", "gpu_e2e"])
+def test_gpu_scripts_refuse_without_a_gpu(script):
+    res = subprocess.run([str(REPO / "ci" / script)], capture_output=True, text=True, env=ENV, timeout=60)
+    assert res.returncode == 2
+    assert "no NVIDIA GPU here" in res.stderr
