@@ -15,8 +15,7 @@ A :class:`PatchSet` groups patches that belong together; it applies all or nothi
 
 Modules:
 
-* :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 needs to train on a CPU-only host with gloo;
-* :mod:`slime_ext.patches.host_slime` -- swaps a slime-shaped training backend's data path for slime-ext's.
+* :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 needs to train on a CPU-only host with gloo.
 """
 
 from __future__ import annotations

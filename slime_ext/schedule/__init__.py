@@ -21,12 +21,16 @@ from .errors import ScheduleError
 from .invariants import assert_valid_schedule, check_schedule
 from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_rounds
 from .partition import karmarkar_karp
+from .payload import DP_SCHEDULES, RankPayload, SampleBatch
 from .bounds import bin_lower_bound, microbatch_target
 from .planner import plan_schedule
 from .steps import compute_dynamic_global_batch_size
 
 __all__ = [
     "BatchConfig",
+    "DP_SCHEDULES",
+    "RankPayload",
+    "SampleBatch",
     "CostModel",
     "DPSchedule",
     "ParallelConfig",

@@ -44,7 +44,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-DP_SCHEDULES = ("rollout", "legacy")
+from slime_ext.schedule import DP_SCHEDULES
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 

@@ -4,6 +4,7 @@ FLOPs balancing, the slime-compatible form, serialisation and every kind of bad 
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +15,7 @@ from slime_ext.schedule import (
     CostModel,
     DPSchedule,
     ParallelConfig,
+    SampleBatch,
     ScheduleError,
     build_dp_schedule,
     compute_dynamic_global_batch_size,
@@ -238,11 +240,16 @@ def test_round_trip_through_json():
 def test_rank_payload_is_the_rank_slice():
     s = plan_schedule([30, 70, 20, 90], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN),
                       loss_tokens=[1, 1, 1, 1])
-    p = s.rank_payload(1)
-    assert p["partition"] == s.partitions[1] and p["micro_batch_indices"] == s.micro_batch_indices[1]
-    assert p["num_microbatches"] == s.num_microbatches and p["loss_tokens_per_step"] == [4]
+    lengths = [30, 70, 20, 90]
+    samples = SampleBatch(tokens=[[0] * n for n in lengths], total_lengths=lengths, response_lengths=[1] * 4,
+                          loss_masks=[[1]] * 4, rewards=[0.0] * 4, advantages=[0.0] * 4, rollout_ids=[0, 1, 2, 3])
+    p = s.rank_payload(1, samples, rollout_id=7)
+    assert p.partition == s.partitions[1] and p.micro_batch_indices == s.micro_batch_indices[1]
+    assert p.samples.total_lengths == [lengths[i] for i in s.partitions[1]] and p.rollout_id == 7
+    assert p.num_microbatches == s.num_microbatches and p.loss_tokens_per_step == [4]
+    assert pickle.loads(pickle.dumps(p)) == p
     with pytest.raises(ScheduleError, match="rank=2"):
-        s.rank_payload(2)
+        s.rank_payload(2, samples)
 
 
 def test_deterministic():
