@@ -18,34 +18,23 @@ from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
-from .invariants import assert_valid_schedule, check_schedule
-from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_rounds
-from .partition import karmarkar_karp
+from .invariants import check_schedule
 from .payload import DP_SCHEDULES, RankPayload, SampleBatch
-from .bounds import bin_lower_bound, microbatch_target
 from .planner import plan_schedule
 from .steps import compute_dynamic_global_batch_size
 
 __all__ = [
     "BatchConfig",
-    "DP_SCHEDULES",
-    "RankPayload",
-    "SampleBatch",
     "CostModel",
+    "DP_SCHEDULES",
     "DPSchedule",
     "ParallelConfig",
+    "RankPayload",
+    "SampleBatch",
     "ScheduleError",
     "StepStats",
-    "assert_valid_schedule",
-    "best_fit_decreasing",
-    "bin_lower_bound",
     "build_dp_schedule",
     "check_schedule",
     "compute_dynamic_global_batch_size",
-    "expand_bins_by_splitting",
-    "first_fit_pack",
-    "karmarkar_karp",
-    "lpt_rounds",
-    "microbatch_target",
     "plan_schedule",
 ]

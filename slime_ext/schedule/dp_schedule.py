@@ -15,7 +15,7 @@ from .cost import CostModel
 from .errors import ScheduleError
 from .payload import RankPayload, SampleBatch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: StepStats.aligned_lower_bound renamed packing_target
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,11 @@ class StepStats:
     num_microbatches: int
     #: micro-batches over all ranks (``num_microbatches * dp_size``)
     total_microbatches: int
-    #: the aligned bound the step was packed to: ``ceil(ceil(tokens / cap) / align) * align`` (the issue's
-    #: bound), raised where packing provably needs more (two samples above cap/2 never share a bin); with
-    #: samples longer than the cap a packing could use fewer, the spare bins go to balance. Static:
-    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it only when balance_data spends extra
-    #: micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
-    aligned_lower_bound: int
+    #: the micro-batch count the planner aimed for: ``ceil(ceil(tokens / cap) / align) * align``, raised where
+    #: packing provably needs more (not a lower bound: with samples above the cap fewer bins could do). Static:
+    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it when the target does not fit, or when
+    #: balance_data spends extra micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
+    packing_target: int
     #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
     cap: int | None
     largest_bin_tokens: int

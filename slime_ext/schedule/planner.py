@@ -35,6 +35,7 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -57,6 +58,18 @@ REFINE_TOLERANCE = 1e-5
 #: an extra micro-batch per rank must cut the slowest rank's FLOPs by at least this much
 EXTRA_MB_MIN_GAIN = 0.01
 MAX_EXTRA_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step after stages 2-4: ``bin_of[i]`` is the micro-batch of the step's i-th sample and
+    ``rank_of_bin[b]`` the rank of micro-batch ``b``; ``count`` micro-batches in all, aimed at ``target``."""
+
+    bin_of: np.ndarray
+    rank_of_bin: np.ndarray
+    count: int
+    strategy: str
+    target: int
 
 
 # ---------------------------------------------------------------------------------------------------- stages 2-4
@@ -88,8 +101,8 @@ def pack_step(
 
 def _plan_dynamic(
     lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int
-) -> tuple[np.ndarray, np.ndarray, int, str, int]:
-    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step."""
+) -> StepPlan:
+    """One dynamic step: capped bins, aligned, on ranks."""
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
     target = microbatch_target(lengths, cap, align)
@@ -107,16 +120,16 @@ def _plan_dynamic(
         strategy = "cost-" + strategy
     bin_costs = np.bincount(bin_of, weights=costs, minlength=count)
     if not (batch.balance_data and dp > 1):
-        return bin_of, serpentine(bin_costs, dp), count, strategy, target
+        return StepPlan(bin_of, serpentine(bin_costs, dp), count, strategy, target)
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
     floor = max(float(costs.sum()) / dp, float(costs.max()))
     good = floor * (1 + BALANCE_TOLERANCE)
     rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
     best_max = float(np.bincount(rank_of_bin, weights=bin_costs, minlength=dp).max())
-    best = (bin_of, rank_of_bin, count, strategy)
+    best = StepPlan(bin_of, rank_of_bin, count, strategy, target)
     if best_max <= good:
-        return (*best, target)
+        return best
 
     # bins of even size cannot balance this step: choose bins per rank, spending `align` extra micro-batches at a
     # time when the ranks around a costly sample are capacity-bound and that cuts the slowest rank by > 1%
@@ -129,20 +142,20 @@ def _plan_dynamic(
             continue
         b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
         rank_max = float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs), minlength=dp).max())
-        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] else 0.0
+        min_gain = EXTRA_MB_MIN_GAIN if k_count > best.count else 0.0
         if rank_max < best_max * (1 - min_gain):
             name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
-            best, best_max = (b_of, r_of_b, k_count, name), rank_max
+            best, best_max = StepPlan(b_of, r_of_b, k_count, name, target), rank_max
         elif extra:
             break  # more micro-batches stopped paying off
         if best_max <= floor * (1 + EXTRA_MB_MIN_GAIN):
             break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
-    return (*best, target)
+    return best
 
 
 def _plan_static(
     n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int
-) -> tuple[np.ndarray, np.ndarray, int, str, int]:
+) -> StepPlan:
     mbs = batch.micro_batch_size
     align, dp = parallel.align, parallel.dp_size
     count = -(-n // mbs)
@@ -153,7 +166,7 @@ def _plan_static(
             f"(--global-batch-size, --micro-batch-size) or use --use-dynamic-batch-size"
         )
     if not batch.balance_data or dp == 1:  # upstream's chunks, strided over the ranks
-        return np.arange(n) // mbs, np.arange(count) % dp, count, "static", count
+        return StepPlan(np.arange(n) // mbs, np.arange(count) % dp, count, "static", count)
     # balanced: equal sample counts per rank (the rank that strided gives the short chunk keeps it), LPT on FLOPs
     per_rank = count // dp
     sizes = [per_rank * mbs] * dp
@@ -165,7 +178,7 @@ def _plan_static(
         chunk_sizes[-1] -= per_rank * mbs - len(members)
         for k, chunk in enumerate(_lpt_with_sizes(costs[members], chunk_sizes)):
             bin_of[members[chunk]] = r * per_rank + k
-    return bin_of, np.arange(count) // per_rank, count, "static-balanced", count
+    return StepPlan(bin_of, np.arange(count) // per_rank, count, "static-balanced", count)
 
 
 def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
@@ -274,11 +287,12 @@ def plan_schedule(
         step_len, step_cost = lengths[step_idx], costs[step_idx]
         # 2.-4. pack, align, distribute: bin_of[i] = micro-batch of the step's i-th sample, rank_of_bin[b] = rank
         if cap is None:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_static(n_s, step_cost, parallel, batch, s)
+            plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s)
-        mb_sizes, mb_cost, mb_tokens = _emit_step(bin_of, rank_of_bin, count, step_idx, step_len, step_cost,
-                                                  partitions, micro_batch_indices)
+            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s)
+        count = plan.count
+        mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
+                                                  step_cost, partitions, micro_batch_indices)
         per_rank = count // dp
         num_microbatches.append(per_rank)
         rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
@@ -291,7 +305,7 @@ def plan_schedule(
             total_tokens=int(step_len.sum()),
             num_microbatches=per_rank,
             total_microbatches=count,
-            aligned_lower_bound=bound,
+            packing_target=plan.target,
             cap=cap,
             largest_bin_tokens=int(mb_tokens.max()),
             cap_violations=violations,
@@ -300,7 +314,7 @@ def plan_schedule(
             balance_lower_bound=max(1.0, float(step_cost.max()) / mean) if mean > 0 else 1.0,
             microbatch_flops_max=float(mb_cost.max()),
             microbatch_flops_mean=float(mb_cost.mean()),
-            strategy=strategy,
+            strategy=plan.strategy,
         ))
 
     return DPSchedule(

@@ -77,7 +77,7 @@ def test_dynamic_reaches_the_aligned_bound_under_the_cap(checked):
     lengths = [60, 50, 40, 40, 30, 30, 20, 10, 10, 10]  # 300 tokens, cap 100 -> 3 bins -> aligned to 4
     s = checked(lengths, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=10, **DYN))
     assert s.num_microbatches == [2]
-    assert s.stats[0].total_microbatches == s.stats[0].aligned_lower_bound == 4
+    assert s.stats[0].total_microbatches == s.stats[0].packing_target == 4
     assert all(t <= 100 for r in range(2) for t in mb_tokens(s, r))
     assert s.stats[0].cap_violations == 0 and s.stats[0].largest_bin_tokens <= 100
 
@@ -86,7 +86,7 @@ def test_dynamic_cap_scales_with_cp(checked):
     s = checked([150, 150, 150, 150], ParallelConfig(dp_size=1, cp_size=2), BatchConfig(global_batch_size=4, **DYN))
     assert s.cap == 200
     # 600 tokens / 200 would be 3 bins, but two samples above cap/2 never share one: 4
-    assert s.num_microbatches == [4] and s.stats[0].aligned_lower_bound == 4
+    assert s.num_microbatches == [4] and s.stats[0].packing_target == 4
     assert mb_tokens(s, 0) == [150] * 4
 
 
@@ -137,7 +137,7 @@ def test_balance_data_is_near_perfect_on_rl_lengths(checked):
                         balance_data=True)
     s = checked(lengths, ParallelConfig(dp_size=16), batch, cost_model=cost)
     for st in s.stats:
-        assert st.total_microbatches == st.aligned_lower_bound
+        assert st.total_microbatches == st.packing_target
         assert st.flops_imbalance <= 1.005
         assert st.cap_violations == 0
 

@@ -139,7 +139,7 @@ def _run(data, parallel, batch, cost_model):
     assert s.step_samples == steps
     for st_, step in zip(s.stats, steps):
         assert st_.cap_violations == 0
-        assert st_.total_microbatches >= st_.aligned_lower_bound or batch.use_dynamic_batch_size is False
+        assert st_.total_microbatches >= st_.packing_target or batch.use_dynamic_batch_size is False
         if batch.use_dynamic_batch_size:
             cap = batch.max_tokens_per_gpu * parallel.cp_size
             true_bound = math.ceil(bin_lower_bound(np.array([lengths[i] for i in step]), cap) / parallel.align)
