@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slime_ext import baselines  # upstream's algorithms in our words: the oracle
+from slime_ext.schedule import distribute
 from slime_ext.schedule.packing import (best_fit_decreasing, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds,
                                         split_bin_by_tokens)
 from tests.brute_force import min_bins, min_max_load
@@ -134,3 +135,23 @@ def test_karmarkar_karp_known_answer():
     assert [sum([8, 7, 6, 5, 4][i] for i in g) for g in groups] == [16, 14]
     groups = baselines.karmarkar_karp([1, 2, 3, 4, 5, 6], 3, equal_size=True)
     assert sorted(sum(i + 1 for i in g) for g in groups) == [7, 7, 7]
+
+
+@pytest.mark.parametrize("per_rank", [3, 20, 130])
+def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch):
+    """The binary-search branch (more than DENSE_SWAP_LIMIT bins per rank) makes the same swaps as the dense one;
+    130 bins per rank reach it without the limit lowered. Sizes are kept and the maximum never rises."""
+    rng = np.random.default_rng(per_rank)
+    for dp in (2, 5):
+        costs = rng.lognormal(0.0, 1.0, dp * per_rank)
+        start = np.repeat(np.arange(dp), per_rank)
+        rng.shuffle(start)
+        dense = distribute.refine_by_swaps(costs, start, dp, 1e-9)
+        monkeypatch.setattr(distribute, "DENSE_SWAP_LIMIT", 0 if per_rank <= 128 else 10**9)
+        other = distribute.refine_by_swaps(costs, start, dp, 1e-9)
+        monkeypatch.undo()
+        assert dense.tolist() == other.tolist()
+        assert np.bincount(dense, minlength=dp).tolist() == [per_rank] * dp
+        loads = lambda r: np.bincount(r, weights=costs, minlength=dp).max()  # noqa: E731
+        assert loads(dense) <= loads(start) + 1e-9
+        assert loads(dense) < loads(start) or loads(start) <= costs.sum() / dp * (1 + 1e-9)
