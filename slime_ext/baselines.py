@@ -44,35 +44,53 @@ class BaselineSchedule:
 
 
 # ================================================================================================ seqlen_balancing
-def _group_key(group: tuple[float, list[tuple[int, Any]]]):
-    """Groups compare by sum, then member count, then the ``(index, weight)`` members (upstream's order)."""
-    total, members = group
-    return total, len(members), members
+class _Group:
+    """One group of a partial solution. Groups order by sum, then member count, then the ``(index, weight)``
+    members -- upstream's order. Kept as Python objects compared in Python, one member appended at a time, so that
+    the benchmark pays what upstream pays for the same work."""
+
+    __slots__ = ("total", "members")
+
+    def __init__(self, members: list[tuple[int, Any]]):
+        self.members = members
+        self.total = sum(w for _, w in members)
+
+    def take(self, other: "_Group") -> None:
+        for member in other.members:
+            self.members.append(member)
+            self.total += member[1]
+
+    def __lt__(self, other: "_Group") -> bool:
+        if self.total != other.total:
+            return self.total < other.total
+        if len(self.members) != len(other.members):
+            return len(self.members) < len(other.members)
+        return self.members < other.members
 
 
 class _Partial:
-    """A partial largest-differencing solution: ``k`` groups ``(sum, [(index, weight), ...])``, heaviest first."""
+    """A partial largest-differencing solution: ``k`` groups, heaviest first."""
 
     __slots__ = ("groups",)
 
-    def __init__(self, groups: list[tuple[float, list[tuple[int, Any]]]]):
-        self.groups = sorted(groups, key=_group_key, reverse=True)
+    def __init__(self, groups: list[_Group]):
+        self.groups = sorted(groups, reverse=True)
 
     def spread(self):
-        return self.groups[0][0] - self.groups[-1][0]
+        return self.groups[0].total - self.groups[-1].total
 
     def absorb(self, other: "_Partial") -> None:
-        """Pair this solution's i-th heaviest group with the other's i-th lightest, then re-sort."""
-        k = len(self.groups)
-        self.groups = sorted(((a_sum + other.groups[k - 1 - i][0], a_members + other.groups[k - 1 - i][1])
-                              for i, (a_sum, a_members) in enumerate(self.groups)), key=_group_key, reverse=True)
+        """Give this solution's i-th heaviest group the other's i-th lightest, then re-sort."""
+        for mine, theirs in zip(self.groups, reversed(other.groups)):
+            mine.take(theirs)
+        self.groups = sorted(self.groups, reverse=True)
 
     def __lt__(self, other: "_Partial") -> bool:
         """Heap order: the widest spread first; on a tie, the heavier heaviest group."""
         mine, theirs = self.spread(), other.spread()
         if mine != theirs:
             return mine > theirs
-        return _group_key(self.groups[0]) > _group_key(other.groups[0])
+        return other.groups[0] < self.groups[0]
 
 
 def karmarkar_karp(weights: Sequence, k: int, equal_size: bool) -> list[list[int]]:
@@ -89,13 +107,13 @@ def karmarkar_karp(weights: Sequence, k: int, equal_size: bool) -> list[list[int
     width = k if equal_size else 1
     heap: list[_Partial] = []
     for first in range(0, n, width):
-        seed = [(w, [(i, w)]) for w, i in ranked[first:first + width]]
-        heapq.heappush(heap, _Partial(seed + [(0, [])] * (k - len(seed))))
+        seed = [_Group([(i, w)]) for w, i in ranked[first:first + width]]
+        heapq.heappush(heap, _Partial(seed + [_Group([]) for _ in range(k - len(seed))]))
     while len(heap) > 1:
         widest = heapq.heappop(heap)
         widest.absorb(heapq.heappop(heap))
         heapq.heappush(heap, widest)
-    return [[i for i, _ in members] for _, members in heap[0].groups]
+    return [[i for i, _ in group.members] for group in heap[0].groups]
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Sequence, k_partitions: int, equal_size: bool) -> list[list[int]]:

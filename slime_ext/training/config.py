@@ -1,38 +1,9 @@
-"""The training side's run config: one flat dataclass under slime's / Megatron's flag names.
+"""The training side's run config: one flat dataclass under slime's / Megatron's flag names, each field documented
+where it is declared.
 
 Build it with :meth:`TrainConfig.from_mapping` (a dict, e.g. a YAML file's content), :meth:`TrainConfig.from_args`
 (an argparse ``Namespace`` / ``SimpleNamespace``) or :func:`load_train_config` (path, mapping or namespace). Unknown
 keys are an error unless ``ignore_unknown=True`` (a shared YAML that also holds rollout-side keys).
-
-Keys (``name: default`` -- meaning):
-
-batch (slime flag names, read by the legacy path and handed to the planner by the rollout side)
-  ``use_dynamic_batch_size: False``, ``max_tokens_per_gpu: None``, ``micro_batch_size: 1``,
-  ``global_batch_size: None`` (rollouts per step for the rollout-side schedule; **samples** per step for the legacy
-  path, as upstream), ``balance_data: False``, ``balance_by_flops: False``, ``use_dynamic_global_batch_size: False``,
-  ``disable_rollout_trim_samples: False``,
-  ``dp_schedule: "rollout"`` -- ``rollout``: consume the schedule the rollout side planned (``--dp-schedule``);
-  ``legacy``: upstream's training-side path (per-rank first-fit counts, all-reduce MAX, LR stepped by
-  ``global_batch_size``).
-parallel
-  ``tensor_model_parallel_size: 1`` (must be 1), ``pipeline_model_parallel_size: 1``,
-  ``virtual_pipeline_model_parallel_size: None``, ``microbatch_group_size_per_vp_stage: None`` (Megatron's
-  default: the pipeline size), ``context_parallel_size: 1`` (must be 1). The data-parallel size is
-  ``world_size / (tp * cp * pp)``.
-model (a Megatron GPTModel with the local layer spec)
-  ``num_layers: 2``, ``hidden_size: 64``, ``num_attention_heads: 4``, ``ffn_hidden_size: None`` (4 * hidden),
-  ``vocab_size: 128``, ``seq_length: 256``, ``max_position_embeddings: None`` (``seq_length``; every sample's
-  ``total_length`` must fit), ``untie_embeddings_and_output_weights: False``, ``init_method_std: 0.02``,
-  ``hidden_dropout: 0.0``, ``attention_dropout: 0.0``.
-optimizer / LR (Megatron names; the LR schedule counts samples)
-  ``optimizer: "adam"`` (or ``"sgd"``), ``lr: 1e-4``, ``min_lr: 0.0``, ``lr_warmup_init: 0.0``,
-  ``lr_decay_style: "constant"`` (``linear``, ``cosine``, ``inverse-square-root`` need
-  ``lr_decay_samples``), ``lr_warmup_samples: 0``, ``lr_decay_samples: None``, ``weight_decay: 0.0``,
-  ``clip_grad: 1.0`` (0 disables), ``adam_beta1: 0.9``, ``adam_beta2: 0.999``, ``adam_eps: 1e-8``,
-  ``sgd_momentum: 0.9``, ``seed: 1234``.
-runtime
-  ``dist_backend: None`` (``nccl`` with a GPU, else ``gloo``), ``dist_timeout_seconds: 60`` (every process group:
-  a dead or stuck peer fails the job within this bound).
 """
 
 from __future__ import annotations
@@ -75,52 +46,52 @@ class Layout:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # ---- batch (slime flags)
+    # ---- batch (slime flags; meanings: slime_ext.schedule.BatchConfig)
     use_dynamic_batch_size: bool = False
     max_tokens_per_gpu: int | None = None
     micro_batch_size: int | None = 1
-    global_batch_size: int | None = None
+    global_batch_size: int | None = None  # rollouts per step (rollout path); samples per step (legacy, as upstream)
     balance_data: bool = False
     balance_by_flops: bool = False
     use_dynamic_global_batch_size: bool = False
     disable_rollout_trim_samples: bool = False
-    dp_schedule: str = "rollout"
-    # ---- parallel
-    tensor_model_parallel_size: int = 1
+    dp_schedule: str = "rollout"  # who plans micro-batches: slime_ext.schedule.DP_SCHEDULES
+    # ---- parallel (data parallel = world_size / (tp * cp * pp))
+    tensor_model_parallel_size: int = 1  # must be 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
-    microbatch_group_size_per_vp_stage: int | None = None
-    context_parallel_size: int = 1
-    # ---- model
+    microbatch_group_size_per_vp_stage: int | None = None  # default: the pipeline size (Megatron's)
+    context_parallel_size: int = 1  # must be 1
+    # ---- model (a Megatron GPTModel with the local layer spec)
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: int | None = None  # default: 4 * hidden_size
     vocab_size: int = 128
     seq_length: int = 256
-    max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None  # default: seq_length; every sample's total_length must fit
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # ---- optimizer / LR
-    optimizer: str = "adam"
+    # ---- optimizer / LR (Megatron names; the LR schedule counts samples)
+    optimizer: str = "adam"  # or "sgd"
     lr: float = 1e-4
     min_lr: float = 0.0
     lr_warmup_init: float = 0.0
-    lr_decay_style: str = "constant"
+    lr_decay_style: str = "constant"  # linear, cosine, inverse-square-root need lr_decay_samples
     lr_warmup_samples: int = 0
     lr_decay_samples: int | None = None
     weight_decay: float = 0.0
-    clip_grad: float = 1.0
+    clip_grad: float = 1.0  # 0 disables
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     sgd_momentum: float = 0.9
     seed: int = 1234
     # ---- runtime
-    dist_backend: str | None = None
-    dist_timeout_seconds: float = 60.0
+    dist_backend: str | None = None  # default: nccl with a GPU, else gloo
+    dist_timeout_seconds: float = 60.0  # every process group: a dead or stuck peer fails the job within this
 
     def __post_init__(self) -> None:
         def fail(key: str, fix: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime_ext.patches import megatron_cpu
 from slime_ext.schedule import RankPayload
 
 from .config import TrainConfig, TrainConfigError, load_train_config
@@ -49,8 +50,6 @@ class TrainWorker:
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> dict:
         """Patch for CPU if there is no GPU, join the process groups, build model, optimizer and LR scheduler."""
-        from slime_ext.patches import megatron_cpu
-
         from .parallel import init_parallel
 
         if self.state is not None:
@@ -95,8 +94,6 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         """Leave the process groups and undo this worker's patches (safe to call twice, or before setup)."""
-        from slime_ext.patches import megatron_cpu
-
         from .parallel import shutdown_parallel
 
         try:
