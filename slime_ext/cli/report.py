@@ -41,7 +41,8 @@ def _columns(unit: str) -> list[Column]:
         Column("samples", "samples trained in the step (the LR scheduler steps by this)"),
         Column("tokens", ""),
         Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
-        Column("bound/rank", "aligned token bound on micro-batches, per rank (packing_target / dp_size)"),
+        Column("bound/rank", "micro-batches per rank the planner aimed for: the aligned token bound, raised where "
+                             "packing needs more (packing_target / dp_size)"),
         Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
         Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
         Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),

@@ -76,7 +76,12 @@ class StepPlan:
 def pack_step(
     lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, cap: int, target: int, align: int, step: int
 ) -> tuple[np.ndarray, int, str]:
-    """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins."""
+    """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins.
+
+    One path: LPT into exactly ``target`` bins. Two exceptions, each for a case LPT's rounds cannot fit: with
+    ``balance_by_flops`` a sequential LPT still keeps FLOPs-even bins; otherwise best fit decreasing packs tighter
+    (fewest bins) and is split up to the aligned count.
+    """
     bin_of = lpt_rounds(lengths, weights, order, target, cap)
     if bin_of is not None:
         return bin_of, target, "lpt"
