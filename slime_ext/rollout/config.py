@@ -1,6 +1,6 @@
 """The run config: one YAML file with the training keys and the rollout/harness keys, validated before any process.
 
-Training keys are :class:`slime_ext.training.config.TrainConfig`'s fields; the rollout/harness keys are
+Training keys are :class:`slime_ext.train_config.TrainConfig`'s fields; the rollout/harness keys are
 :data:`RUN_DEFAULTS`, each documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
 listing every problem, each naming the key and the fix.
 """
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
-from slime_ext.training.config import TrainConfig, TrainConfigError
+from slime_ext.train_config import TrainConfig, TrainConfigError
 
 from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 

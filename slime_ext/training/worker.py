@@ -10,7 +10,7 @@
 
 Every rank of a DP replica (all its pipeline stages) gets the same payload: the first stage reads the
 tokens, every stage the lengths (for the attention mask), the last stage the loss masks and advantages.
-``config`` is a :class:`slime_ext.training.config.TrainConfig` or anything :func:`load_train_config` takes.
+``config`` is a :class:`slime_ext.train_config.TrainConfig` or anything :func:`load_train_config` takes.
 Process groups time out after ``dist_timeout_seconds``, so a dead or stuck peer makes every call fail within that
 bound instead of hanging.
 """
@@ -26,16 +26,7 @@ import torch
 from slime_ext.patches import megatron_cpu
 from slime_ext.schedule import RankPayload
 
-from .config import TrainConfig, TrainConfigError, load_train_config
-
-#: keys that :meth:`TrainWorker.reset` may change (everything else is fixed by the process groups and the model)
-RESETTABLE_KEYS = frozenset({
-    "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "global_batch_size", "balance_data",
-    "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples", "dp_schedule",
-    "optimizer", "lr", "min_lr", "lr_warmup_init", "lr_decay_style", "lr_warmup_samples", "lr_decay_samples",
-    "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
-})
-
+from .config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
 
 class TrainWorker:
     def __init__(self, config: Any, rank: int, world_size: int, master_addr: str = "127.0.0.1",
