@@ -109,7 +109,7 @@ def make_samples(lengths: list[int], seed: int, vocab: int) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------- planning
 def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profile) -> tuple[dict, list[dict]]:
     """``(reset changes, one rollout_data per DP rank)`` of ``scheme`` for one workload (one step)."""
-    from train_harness import _fields, legacy_payloads, rollout_payloads
+    from train_harness import _batch, legacy_payloads, rollout_payloads
 
     from slime_ext import baselines
     from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
@@ -119,14 +119,19 @@ def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profil
     common = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=w.cap, global_batch_size=n)
     if scheme == "legacy":
         return {"dp_schedule": "legacy", **common, "balance_data": False, "balance_by_flops": False}, \
-            legacy_payloads(samples, dp)
+            legacy_payloads(samples, dp, n)
     if scheme == "reference":
         args = baselines.reference_args(model_dims(), max_tokens_per_gpu=w.cap, balance_data=True, balance_by_flops=False)
         tpc = {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
         ref = baselines.reference_schedule(args, tpc, lengths, global_batch_size=n, rollout_indices=list(range(n)))
-        payloads = [{**_fields(samples, ref.partitions[r]), "partition": list(ref.partitions[r]),
-                     "micro_batch_indices": ref.micro_batch_indices[r], "num_microbatches": list(ref.num_microbatches),
-                     "samples_per_step": [n]} for r in range(dp)]
+        from slime_ext.schedule import RankPayload
+
+        batch = _batch(samples)
+        loss_tokens = sum(sum(s["loss_mask"]) for s in samples)
+        payloads = [RankPayload(rollout_id=0, dp_rank=r, dp_size=dp, partition=list(ref.partitions[r]),
+                                samples=batch.take(ref.partitions[r]), micro_batch_indices=ref.micro_batch_indices[r],
+                                num_microbatches=list(ref.num_microbatches), samples_per_step=[n],
+                                rollouts_per_step=[n], loss_tokens_per_step=[loss_tokens]) for r in range(dp)]
         return {"dp_schedule": "rollout", **common, "balance_data": True, "balance_by_flops": False}, payloads
     balance_data, balance_by_flops = OURS_FLAGS[scheme]
     sched = plan_schedule(lengths, ParallelConfig(dp_size=dp),
@@ -172,7 +177,7 @@ def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[di
                     w0, c0 = time.perf_counter(), time.thread_time()
                     records = worker.train_rollout(data)
                     busy, wall = time.thread_time() - c0, time.perf_counter() - w0
-                    ids = data["sample_indices"]
+                    ids = data.partition
                     out["runs"].append(dict(rep=rep, scheme=scheme, workload=run["workload"], busy=busy, wall=wall,
                                             ledger=records[0]["ledger"], num_microbatches=records[0]["num_microbatches"],
                                             num_local=len(ids)))

@@ -1,14 +1,15 @@
-"""The two baselines of issue 2, re-implemented in plain Python, step by step as upstream slime writes them.
+"""Upstream slime's two schemes in our own words: the one legacy implementation, and the reference planner.
 
-Upstream code (THUDM/slime) was read as reference only; this is our own code for the same algorithms, with the
-same loops, data structures and tie-breaking, deliberately not vectorised: the point is to measure what upstream
-costs. Where upstream has a quirk we keep it and say so.
+Upstream code (THUDM/slime) was read as reference only; this is our own code for the same algorithms, with the same
+behaviour and tie-breaking, deliberately not vectorised: the point is to measure what upstream costs. Where upstream
+has a quirk we keep it and say so. The benchmark (``bench/run.py``), ``slime-ext plan --compare`` and the runtime
+legacy path (``dp_schedule: legacy``, :mod:`slime_ext.training.legacy_backend`) all use this module.
 
 * ``seqlen_balancing``  -- ``karmarkar_karp`` (sets/states in a ``heapq``, as in ``slime/utils/seqlen_balancing.py``,
   itself from verl), ``get_seqlen_balanced_partitions``, the quadratic ``first_fit_pack``,
   ``expand_bins_by_splitting``.
-* ``flops_utils``       -- ``calculate_fwd_flops`` for a dense model (``slime/utils/flops_utils.py``); it keeps
-  upstream's K/V projection term ``2 L h (heads // groups) kv``.
+* ``flops_utils``       -- ``calculate_fwd_flops`` for a dense model (``slime/utils/flops_utils.py``), as the one
+  formula's upstream variant (``CostModel.flops(..., formula="upstream")``).
 * (a) :func:`legacy_schedule` -- the training-side scheme: the rollout side splits samples across DP ranks
   (``_split_train_data_by_dp``: strided, or equal-size KK on ``total_lengths`` with ``balance_data``); every rank
   then runs ``get_data_iterator``: per local step a first-fit count (``get_minimum_num_micro_batch_size``),
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+from slime_ext.schedule import CostModel
+
 
 @dataclass
 class BaselineSchedule:
@@ -41,99 +44,86 @@ class BaselineSchedule:
 
 
 # ================================================================================================ seqlen_balancing
-class _KKSet:
-    """One group of a partial KK solution: its sum and its ``(index, value)`` items."""
+class _Group:
+    """One group of a partial solution. Groups order by sum, then member count, then the ``(index, weight)``
+    members -- upstream's order. Kept as Python objects compared in Python, one member appended at a time, so that
+    the benchmark pays what upstream pays for the same work."""
 
-    def __init__(self) -> None:
-        self.sum = 0
-        self.items: list[tuple[int, Any]] = []
+    __slots__ = ("total", "members")
 
-    def add(self, idx: int, val) -> None:
-        self.items.append((idx, val))
-        self.sum += val
+    def __init__(self, members: list[tuple[int, Any]]):
+        self.members = members
+        self.total = sum(w for _, w in members)
 
-    def merge(self, other: "_KKSet") -> None:
-        for idx, val in other.items:
-            self.items.append((idx, val))
-            self.sum += val
+    def take(self, other: "_Group") -> None:
+        for member in other.members:
+            self.members.append(member)
+            self.total += member[1]
 
-    def __lt__(self, other: "_KKSet") -> bool:  # by sum, then item count, then the items themselves
-        if self.sum != other.sum:
-            return self.sum < other.sum
-        if len(self.items) != len(other.items):
-            return len(self.items) < len(other.items)
-        return self.items < other.items
+    def __lt__(self, other: "_Group") -> bool:
+        if self.total != other.total:
+            return self.total < other.total
+        if len(self.members) != len(other.members):
+            return len(self.members) < len(other.members)
+        return self.members < other.members
 
 
-class _KKState:
-    """A partial KK solution: ``k`` sets kept in decreasing order."""
+class _Partial:
+    """A partial largest-differencing solution: ``k`` groups, heaviest first."""
 
-    def __init__(self, items: list[tuple[int, Any]], k: int) -> None:
-        self.k = k
-        self.sets = [_KKSet() for _ in range(k)]
-        assert len(items) in (1, k), f"{len(items)} not in [1, {k}]"
-        for i, (idx, val) in enumerate(items):
-            self.sets[i].add(idx, val)
-        self.sets = sorted(self.sets, reverse=True)
+    __slots__ = ("groups",)
 
-    def get_partitions(self) -> list[list[int]]:
-        return [[idx for idx, _ in s.items] for s in self.sets]
+    def __init__(self, groups: list[_Group]):
+        self.groups = sorted(groups, reverse=True)
 
-    def merge(self, other: "_KKState") -> None:
-        for i in range(self.k):  # heaviest of one with the lightest of the other
-            self.sets[i].merge(other.sets[self.k - 1 - i])
-        self.sets = sorted(self.sets, reverse=True)
-
-    @property
     def spread(self):
-        return self.sets[0].sum - self.sets[-1].sum
+        return self.groups[0].total - self.groups[-1].total
 
-    def __lt__(self, other: "_KKState") -> bool:  # min-heap pops the largest spread first, then the largest set
-        if self.spread != other.spread:
-            return self.spread > other.spread
-        return self.sets[0] > other.sets[0]
+    def absorb(self, other: "_Partial") -> None:
+        """Give this solution's i-th heaviest group the other's i-th lightest, then re-sort."""
+        for mine, theirs in zip(self.groups, reversed(other.groups)):
+            mine.take(theirs)
+        self.groups = sorted(self.groups, reverse=True)
+
+    def __lt__(self, other: "_Partial") -> bool:
+        """Heap order: the widest spread first; on a tie, the heavier heaviest group."""
+        mine, theirs = self.spread(), other.spread()
+        if mine != theirs:
+            return mine > theirs
+        return other.groups[0] < self.groups[0]
 
 
-def karmarkar_karp(seqlen_list: Sequence, k_partitions: int, equal_size: bool) -> list[list[int]]:
-    """Largest differencing method over ``k_partitions`` groups (equal item counts with ``equal_size``)."""
-    sorted_seqlen_list = sorted((seqlen, i) for i, seqlen in enumerate(seqlen_list))
-    states_pq: list[_KKState] = []
-    if equal_size:
-        assert len(seqlen_list) % k_partitions == 0, f"{len(seqlen_list)} % {k_partitions} != 0"
-        for offset in range(0, len(sorted_seqlen_list), k_partitions):
-            items = []
-            for i in range(k_partitions):
-                seqlen, idx = sorted_seqlen_list[offset + i]
-                items.append((idx, seqlen))
-            heapq.heappush(states_pq, _KKState(items, k_partitions))
-    else:
-        for seqlen, idx in sorted_seqlen_list:
-            heapq.heappush(states_pq, _KKState([(idx, seqlen)], k_partitions))
-    while len(states_pq) > 1:
-        state0 = heapq.heappop(states_pq)
-        state1 = heapq.heappop(states_pq)
-        state0.merge(state1)
-        heapq.heappush(states_pq, state0)
-    partitions = states_pq[0].get_partitions()
-    if equal_size:
-        for partition in partitions:
-            assert len(partition) * k_partitions == len(seqlen_list)
-    return partitions
+def karmarkar_karp(weights: Sequence, k: int, equal_size: bool) -> list[list[int]]:
+    """Largest differencing over ``k`` groups, heaviest group first (equal member counts with ``equal_size``).
+
+    Items are taken in increasing ``(weight, index)`` order, one per seed solution (or, with ``equal_size``, ``k``
+    per seed, one in each group); while more than one solution is left, the two with the widest spread are merged.
+    Behaves as upstream's ``seqlen_balancing.karmarkar_karp`` (same seeds, heap order and tie-breaks).
+    """
+    n = len(weights)
+    if equal_size and n % k:
+        raise ValueError(f"equal_size needs len(weights) % k == 0, got {n} % {k}")
+    ranked = sorted((w, i) for i, w in enumerate(weights))
+    width = k if equal_size else 1
+    heap: list[_Partial] = []
+    for first in range(0, n, width):
+        seed = [_Group([(i, w)]) for w, i in ranked[first:first + width]]
+        heapq.heappush(heap, _Partial(seed + [_Group([]) for _ in range(k - len(seed))]))
+    while len(heap) > 1:
+        widest = heapq.heappop(heap)
+        widest.absorb(heapq.heappop(heap))
+        heapq.heappush(heap, widest)
+    return [[i for i, _ in group.members] for group in heap[0].groups]
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Sequence, k_partitions: int, equal_size: bool) -> list[list[int]]:
-    """KK, then checks (k groups, none empty, every index once) and each group sorted by index."""
-    assert len(seqlen_list) >= k_partitions, f"number of items:[{len(seqlen_list)}] < k_partitions:[{k_partitions}]"
-    partitions = karmarkar_karp(seqlen_list, k_partitions, equal_size)
-    assert len(partitions) == k_partitions
-    seen: set[int] = set()
-    out: list[list[int]] = [None] * k_partitions  # type: ignore[list-item]
-    for i, partition in enumerate(partitions):
-        assert len(partition) > 0, f"the {i}-th partition is empty"
-        seen.update(partition)
-        out[i] = sorted(partition)
-    assert seen == set(range(len(seqlen_list)))
-    return out
+    """:func:`karmarkar_karp`, checked (``k`` non-empty groups covering every index) and each group sorted."""
+    if len(seqlen_list) < k_partitions:
+        raise ValueError(f"{len(seqlen_list)} items cannot fill k_partitions={k_partitions} groups")
+    groups = [sorted(g) for g in karmarkar_karp(seqlen_list, k_partitions, equal_size)]
+    if any(not g for g in groups) or sorted(i for g in groups for i in g) != list(range(len(seqlen_list))):
+        raise ValueError("karmarkar_karp returned an empty group or lost an item")
+    return groups
 
 
 def first_fit_pack(total_lengths: Sequence[int], max_tokens_per_bin: int) -> list[list[int]]:
@@ -175,31 +165,21 @@ def expand_bins_by_splitting(bins: list[list[int]], target_count: int, lengths: 
 
 
 # ================================================================================================ flops_utils
-def calculate_fwd_flops(seqlens: Sequence[int], args: Any) -> float:
-    """Forward FLOPs of ``seqlens`` for a dense, non-MLA model (upstream's per-term formulas, summed per sample).
+def _upstream_cost_model(args: Any) -> CostModel:
+    dims = {k: getattr(args, k) for k in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                                          "kv_channels", "ffn_hidden_size", "vocab_size")}
+    return CostModel(**dims, swiglu=True)
 
-    Per layer: Q projection ``2 L h heads kv``, K/V projection ``2 L h (heads // groups) kv`` (upstream's term, see
-    the report: a K+V projection is ``2 L h 2 groups kv``), causal attention ``2 heads L^2 kv / 2 + heads L^2 kv``,
-    output ``2 L h^2``, gated MLP ``6 L h ffn``; plus the LM head ``2 L h vocab``.
-    """
-    h = args.hidden_size
-    heads = args.num_attention_heads
-    groups = args.num_query_groups
-    kv = args.kv_channels
-    ffn = args.ffn_hidden_size
-    total = 0
-    for seqlen in seqlens:
-        qkv = 2 * seqlen * h * heads * kv + 2 * seqlen * h * (heads // groups) * kv
-        attention = 2 * heads * seqlen * seqlen * kv / 2 + heads * seqlen * seqlen * kv
-        output = 2 * seqlen * h * h
-        mlp = 2 * seqlen * h * ffn * 3
-        total += (qkv + attention + output + mlp) * args.num_layers
-        total += 2 * seqlen * h * args.vocab_size
-    return total
+
+def calculate_fwd_flops(seqlens: Sequence[int], args: Any) -> float:
+    """Upstream's ``calculate_fwd_flops`` (dense, gated MLP): the one formula, ``CostModel(formula="upstream")``."""
+    return float(_upstream_cost_model(args).flops(seqlens, "upstream").sum())
 
 
 def _calculate_workloads(step_lengths: Sequence[int], args: Any) -> list[float]:
-    return [calculate_fwd_flops([sl], args) for sl in step_lengths]
+    """FLOPs per sample; evaluated one sample at a time in plain Python, as upstream does."""
+    linear, quadratic = _upstream_cost_model(args).coefficients("upstream")
+    return [length * (linear + quadratic * length) for length in step_lengths]
 
 
 # ================================================================================================ (b) reference
@@ -278,7 +258,10 @@ def reference_schedule(
 
 
 # ================================================================================================ (a) legacy
-def split_train_data_by_dp(total_lengths: list[int], dp_size: int, balance_data: bool) -> list[list[int]]:
+# The rollout side splits samples over DP ranks; each rank then plans its own micro-batches (``get_data_iterator``).
+# The runtime legacy path (:class:`slime_ext.training.legacy_backend.LegacyPath`) calls these same functions, with a
+# real all-reduce between ``legacy_step_counts`` and ``legacy_micro_batches``.
+def split_train_data_by_dp(total_lengths: Sequence[int], dp_size: int, balance_data: bool) -> list[list[int]]:
     """Legacy rollout side: which global samples each DP rank gets (the whole rollout at once, not per step)."""
     if balance_data:
         use_equal_size = len(total_lengths) % dp_size == 0  # upstream falls back to unequal sizes
@@ -299,23 +282,32 @@ def get_minimum_num_micro_batch_size(total_lengths: Sequence[int], max_tokens_pe
     return len(batches)
 
 
-def _legacy_local_counts(local_lengths: list[int], num_local_gbs: int, cap: int) -> list[int]:
+def legacy_step_counts(local_lengths: Sequence[int], num_local_gbs: int, cap: int) -> list[int]:
+    """This rank's first-fit count of each local step (``num_local_gbs`` samples each); all-reduced MAX next."""
     num_steps = len(local_lengths) // num_local_gbs
     return [get_minimum_num_micro_batch_size(local_lengths[i * num_local_gbs:(i + 1) * num_local_gbs], cap)
             for i in range(num_steps)]
 
 
-def _legacy_local_micro_batches(local_lengths: list[int], num_local_gbs: int, counts: list[int]) -> list[list[int]]:
+def round_for_vpp(counts: Sequence[int], vpp_size: int, group: int) -> list[int]:
+    """Upstream's VPP rounding: DOWN to a multiple of ``microbatch_group_size_per_vp_stage``, at least 1.
+
+    Decided once, here, for the benchmark, ``plan --compare`` and the runtime: rounding down is what upstream runs
+    (fewer, fuller micro-batches -- KK below has no cap). Where it clamps to 1 below a whole group, Megatron's
+    interleaved schedule cannot run the result; the runtime refuses that step instead of rounding differently.
+    """
+    if vpp_size <= 1:
+        return list(counts)
+    return [max(1, c // group * group) for c in counts]
+
+
+def legacy_micro_batches(local_lengths: Sequence[int], num_local_gbs: int, counts: Sequence[int]) -> list[list[int]]:
     """KK of each local step into ``counts[s]`` micro-batches, no cap; local indices into the rank's samples."""
     micro_batch_indices: list[list[int]] = []
-    for i, num_mbs in enumerate(counts):
-        start, end = i * num_local_gbs, (i + 1) * num_local_gbs
-        parts = get_seqlen_balanced_partitions(local_lengths[start:end], num_mbs, equal_size=False)
-        for part in parts:
-            for j in range(len(part)):
-                part[j] += start
-        micro_batch_indices.extend(parts)
-    assert len(set(sum(micro_batch_indices, []))) == len(local_lengths)
+    for s, num_mbs in enumerate(counts):
+        start = s * num_local_gbs
+        groups = get_seqlen_balanced_partitions(local_lengths[start:start + num_local_gbs], num_mbs, equal_size=False)
+        micro_batch_indices.extend([start + i for i in g] for g in groups)
     return micro_batch_indices
 
 
@@ -346,22 +338,21 @@ def legacy_schedule(
     t_count, per_rank_counts = [], []
     for r in range(dp_size):
         t0 = time.perf_counter()
-        per_rank_counts.append(_legacy_local_counts(local_lengths[r], num_local_gbs, cap))
+        per_rank_counts.append(legacy_step_counts(local_lengths[r], num_local_gbs, cap))
         t_count.append(time.perf_counter() - t0)
     # dist.all_reduce(num_microbatches, op=MAX) over the DP group; ranks with unequal step counts would hang there
     num_steps = {len(c) for c in per_rank_counts}
-    assert len(num_steps) == 1, f"ranks disagree on the number of steps: {sorted(num_steps)}"
+    if len(num_steps) != 1:
+        raise ValueError(f"ranks disagree on the number of steps: {sorted(num_steps)}")
     counts = [max(c[s] for c in per_rank_counts) for s in range(num_steps.pop())]
-    if vpp_size > 1:  # upstream rounds DOWN to a multiple of the group (clamped at 1)
-        g = microbatch_group_size_per_vp_stage
-        counts = [max(1, c // g * g) for c in counts]
+    counts = round_for_vpp(counts, vpp_size, microbatch_group_size_per_vp_stage)
 
     partitions: list[list[int]] = []
     micro_batch_indices: list[list[list[int]]] = []
     t_kk = []
     for r in range(dp_size):
         t0 = time.perf_counter()
-        local_mbs = _legacy_local_micro_batches(local_lengths[r], num_local_gbs, counts)
+        local_mbs = legacy_micro_batches(local_lengths[r], num_local_gbs, counts)
         t_kk.append(time.perf_counter() - t0)
         # re-express in the DPSchedule shape: the partition in micro-batch order, micro-batches tiling it
         part, mbis = [], []

@@ -5,10 +5,8 @@ micro-batch order), ``micro_batch_indices[r][k]`` (local indices into ``partitio
 ``num_microbatches[s]`` (per rank) -- our ``DPSchedule`` and the baselines' ``BaselineSchedule`` alike. Step ``s``
 is what every rank trains in its micro-batches ``[sum(num_microbatches[:s]), ... + num_microbatches[s])``.
 
-FLOPs come from :func:`fwd_flops`, written here from the model dims (not from ``slime_ext.schedule.CostModel`` and
-not from the baselines' ``calculate_fwd_flops``). ``formula="exact"`` (default) counts a GQA K+V projection as
-``2 L h 2 groups kv``; ``formula="upstream"`` uses upstream slime's ``2 L h (heads // groups) kv`` instead, so a
-reader can check that the choice does not move the balance numbers.
+FLOPs come from the one formula, :class:`slime_ext.schedule.CostModel` (``formula="upstream"`` is upstream slime's
+variant, so a reader can check that the choice does not move the balance numbers).
 """
 
 from __future__ import annotations
@@ -19,23 +17,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from slime_ext.schedule import CostModel
+
 
 def fwd_flops(lengths: Sequence[int] | np.ndarray, dims: dict, formula: str = "exact") -> np.ndarray:
-    """Forward FLOPs per sample of a dense decoder: linear (projections, gated MLP, LM head) + causal attention."""
-    h, layers = dims["hidden_size"], dims["num_layers"]
-    heads, groups = dims["num_attention_heads"], dims["num_query_groups"]
-    kv, ffn, vocab = dims["kv_channels"], dims["ffn_hidden_size"], dims["vocab_size"]
-    if formula == "exact":
-        kv_proj = 2 * h * 2 * groups * kv
-    elif formula == "upstream":
-        kv_proj = 2 * h * (heads // groups) * kv
-    else:
-        raise ValueError(f"formula must be 'exact' or 'upstream', got {formula!r}")
-    per_layer_linear = 2 * h * heads * kv + kv_proj + 2 * heads * kv * h + 3 * 2 * h * ffn
-    linear = layers * per_layer_linear + 2 * h * vocab
-    quadratic = layers * 2 * heads * kv  # QK^T and AV, each half of a full L x L (causal)
-    L = np.asarray(lengths, dtype=np.float64)
-    return L * (linear + quadratic * L)
+    """Forward FLOPs per sample of a dense decoder with a gated MLP: :meth:`slime_ext.schedule.CostModel.flops`."""
+    return CostModel(**{"swiglu": True, **dims}).flops(lengths, formula)
 
 
 def issue_bound(tokens: int, cap: int, align: int) -> int:

@@ -41,7 +41,8 @@ def _columns(unit: str) -> list[Column]:
         Column("samples", "samples trained in the step (the LR scheduler steps by this)"),
         Column("tokens", ""),
         Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
-        Column("bound/rank", "aligned token bound on micro-batches, per rank (aligned_lower_bound / dp_size)"),
+        Column("bound/rank", "micro-batches per rank the planner aimed for: the aligned token bound, raised where "
+                             "packing needs more (packing_target / dp_size)"),
         Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
         Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
         Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),
@@ -68,7 +69,7 @@ def _row(s: StepStats, dp: int, setup: Setup) -> list[str]:
     tok = setup.cost_model is None
     return [
         str(s.step), str(s.num_rollouts), str(s.num_samples), str(s.total_tokens),
-        str(s.num_microbatches), str(s.aligned_lower_bound // dp), fmt_pct(s.token_utilization),
+        str(s.num_microbatches), str(s.packing_target // dp), fmt_pct(s.token_utilization),
         fmt_largest(s.largest_bin_tokens, s.cap), "-" if s.cap is None else str(s.cap),
         fmt_cost(s.rank_flops_max, tok), fmt_cost(s.rank_flops_mean, tok), f"{s.flops_imbalance:.3f}",
         f"{s.balance_lower_bound:.3f}", fmt_float(setup.step_seconds(s.rank_flops_max)),
@@ -85,7 +86,7 @@ def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup) -> list[str]:
     fmean = sum(s.rank_flops_mean for s in stats)
     return [
         "all", str(sum(s.num_rollouts for s in stats)), str(sum(s.num_samples for s in stats)), str(tokens),
-        str(sum(s.num_microbatches for s in stats)), str(sum(s.aligned_lower_bound for s in stats) // dp),
+        str(sum(s.num_microbatches for s in stats)), str(sum(s.packing_target for s in stats) // dp),
         fmt_pct(util), fmt_largest(max(s.largest_bin_tokens for s in stats), min(caps, default=None)
                                    if None not in caps else None),
         "-" if None in caps else "/".join(map(str, sorted(caps))),
@@ -185,7 +186,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     dp = schedule.dp_size
     kept = sum(schedule.samples_per_step)
     mbs = sum(schedule.num_microbatches)
-    bound = sum(s.aligned_lower_bound for s in stats) // dp
+    bound = sum(s.packing_target for s in stats) // dp
     if schedule.dropped:
         rids = schedule.rollout_ids
         n_roll = len({rids[i] for i in schedule.dropped}) if rids is not None else len(schedule.dropped)

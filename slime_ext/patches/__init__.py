@@ -23,7 +23,8 @@ Modules:
 
 * :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 to 0.19 needs to train on a CPU-only host with
   gloo;
-* :mod:`slime_ext.patches.host_slime` -- swaps a slime-shaped training backend's data path for slime-ext's.
+* :mod:`slime_ext.patches.slime_host` -- where slime-ext's schedule enters slime (github.com/THUDM/slime), by
+  revision; applied by :mod:`slime_ext.integrations.slime`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ One concern per module:
 
 * :mod:`.types` -- ``Sample``, what a rollout function returns;
 * :mod:`.synthetic` -- the default rollout function, a seeded synthetic generator;
-* :mod:`.train_data` -- samples -> per-sample train data (advantages, loss tokens);
-* :mod:`.dispatch` -- **where the schedule is computed**: train data -> per-DP-rank payloads (or the legacy split);
+* :mod:`.train_data` -- samples -> one ``SampleBatch`` (advantages, loss masks);
+* :mod:`.dispatch` -- **where the schedule is computed**: train data -> a ``RankPayload`` per DP rank (or legacy split);
 * :mod:`.config` -- the run config (one YAML: training keys + rollout/harness keys), validated before any process;
 * :mod:`.actors` -- the Ray actors: ``RolloutManager`` and ``TrainActor`` (wraps a ``TrainWorker``);
 * :mod:`.driver` -- the harness: starts Ray on loopback, runs rollout -> train steps, prints them, shuts down.

@@ -64,9 +64,9 @@ class RolloutManager:
             "rollout_id": rollout_id,
             "partitions": plan.partitions,
             "step_samples": plan.step_samples,
-            "total_lengths": train_data["total_lengths"],
-            "rollout_ids": train_data["rollout_ids"],
-            "loss_tokens": train_data["loss_tokens"],
+            "total_lengths": train_data.total_lengths,
+            "rollout_ids": train_data.rollout_ids,
+            "loss_tokens": train_data.loss_tokens,
             "schedule": None if plan.schedule is None else plan.schedule.to_dict(),
         }
         return {"payload_refs": refs, "plan": info, "seconds": time.perf_counter() - start}
@@ -116,9 +116,9 @@ class TrainActor:
         start = time.perf_counter()
         payload = ray.get(payload_refs[self.info["dp_rank"]])
         fetched = time.perf_counter() - start
-        if payload.get("rollout_id") != rollout_id or payload.get("dp_rank") != self.info["dp_rank"]:
+        if payload.rollout_id != rollout_id or payload.dp_rank != self.info["dp_rank"]:
             raise RuntimeError(f"rank {self.rank} (dp_rank {self.info['dp_rank']}) got the payload of rollout "
-                               f"{payload.get('rollout_id')} / dp_rank {payload.get('dp_rank')}, expected rollout "
+                               f"{payload.rollout_id} / dp_rank {payload.dp_rank}, expected rollout "
                                f"{rollout_id}; the payload refs are out of order")
         records = worker.train_rollout(payload)
         return {"rank": self.rank, "dp_rank": self.info["dp_rank"], "pp_rank": self.info["pp_rank"],

@@ -1,28 +1,8 @@
 """The run config: one YAML file with the training keys and the rollout/harness keys, validated before any process.
 
-Training keys are :class:`slime_ext.training.config.TrainConfig`'s (slime's batch flags, parallel sizes, model,
-optimizer/LR -- the list is in that module). The rollout side adds (``name: default`` -- meaning):
-
-rollout (slime names)
-  ``rollout_function_path: slime_ext.rollout.synthetic.generate_rollout`` -- dotted path of the rollout function
-  ``fn(args, rollout_id, data_source, evaluation) -> list[Sample] | list[list[Sample]]``;
-  ``num_rollout: 3`` -- rollout -> train iterations; ``rollout_batch_size: 8`` -- prompts per rollout;
-  ``n_samples_per_prompt: 2`` -- rollouts per prompt; ``rollout_seed: 42``.
-synthetic generator (read by the default rollout function only)
-  ``synthetic_*`` -- see :mod:`slime_ext.rollout.synthetic`.
-cluster (slime names)
-  ``actor_num_nodes: 1`` (this harness runs a single-node Ray on loopback), ``actor_num_gpus_per_node: 2`` -- train
-  processes per node (one per GPU with ``device: cuda``, CPU processes otherwise); the world size is their
-  product and must be ``dp * pp * tp * cp``; ``data_parallel_size: null`` -- optional, checked against it.
-harness
-  ``device: cpu`` (``cpu``: gloo; ``cuda``: NCCL, one GPU per train process; the environment variable
-  ``SLIME_EXT_DEVICE`` overrides it), ``train_worker_class: slime_ext.training.worker.TrainWorker``,
-  ``ray_num_cpus: null`` (logical CPUs Ray advertises; default: the machine's), ``ray_object_store_memory_mb: 128``,
-  ``setup_timeout_seconds: 300``, ``rollout_timeout_seconds: 300``, ``train_timeout_seconds: 600`` (per rollout;
-  a train call that outruns it fails the run), ``verify_ledger: true`` (check after every rollout that each kept
-  sample was trained exactly once, where the schedule said).
-
-:func:`load_run_config` raises :class:`ConfigError` listing every problem, each naming the key and the fix.
+Training keys are :class:`slime_ext.train_config.TrainConfig`'s fields; the rollout/harness keys are
+:data:`RUN_DEFAULTS`, each documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
+listing every problem, each naming the key and the fix.
 """
 
 from __future__ import annotations
@@ -36,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
-from slime_ext.training.config import TrainConfig, TrainConfigError
+from slime_ext.train_config import TrainConfig, TrainConfigError
 
 from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 
@@ -46,23 +26,26 @@ DEVICES = ("cpu", "cuda")
 
 #: rollout-side and harness keys with their defaults (training keys are TrainConfig's fields)
 RUN_DEFAULTS: dict[str, Any] = {
-    "rollout_function_path": DEFAULT_ROLLOUT_FUNCTION,
-    "num_rollout": 3,
-    "rollout_batch_size": 8,
-    "n_samples_per_prompt": 2,
+    # rollout (slime names)
+    "rollout_function_path": DEFAULT_ROLLOUT_FUNCTION,  # fn(args, rollout_id, data_source, evaluation) -> samples
+    "num_rollout": 3,  # rollout -> train iterations
+    "rollout_batch_size": 8,  # prompts per rollout
+    "n_samples_per_prompt": 2,  # rollouts per prompt
     "rollout_seed": 42,
-    **SYNTHETIC_DEFAULTS,
-    "actor_num_nodes": 1,
-    "actor_num_gpus_per_node": 2,
-    "data_parallel_size": None,
-    "device": "cpu",
+    **SYNTHETIC_DEFAULTS,  # read by the default rollout function only (slime_ext.rollout.synthetic)
+    # cluster (slime names): world size = nodes x processes per node = dp * pp * tp * cp
+    "actor_num_nodes": 1,  # this harness runs a single-node Ray on loopback
+    "actor_num_gpus_per_node": 2,  # train processes per node (one per GPU with device: cuda)
+    "data_parallel_size": None,  # optional; checked against the world size
+    # harness
+    "device": "cpu",  # cpu: gloo; cuda: NCCL, one GPU per train process (SLIME_EXT_DEVICE overrides)
     "train_worker_class": "slime_ext.training.worker.TrainWorker",
-    "ray_num_cpus": None,
+    "ray_num_cpus": None,  # logical CPUs Ray advertises (default: the machine's)
     "ray_object_store_memory_mb": 128,
     "setup_timeout_seconds": 300.0,
     "rollout_timeout_seconds": 300.0,
-    "train_timeout_seconds": 600.0,
-    "verify_ledger": True,
+    "train_timeout_seconds": 600.0,  # per rollout; a train call that outruns it fails the run
+    "verify_ledger": True,  # check after every rollout that each kept sample trained exactly once, where planned
     "cost_profile": None,  # a measured cost profile (slime-ext calibrate) for the planner instead of FLOPs
 }
 TRAIN_KEYS = frozenset(TrainConfig.__dataclass_fields__)
@@ -96,7 +79,7 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        return int(self.options["actor_num_nodes"]) * int(self.options["actor_num_gpus_per_node"])
+        return _world_size(self.options)
 
     @property
     def dp_size(self) -> int:
@@ -117,6 +100,11 @@ class RunConfig:
 def _suggest(key: str) -> str:
     close = difflib.get_close_matches(key, sorted(ALL_KEYS), n=1, cutoff=0.75)
     return f"did you mean {close[0]!r}?" if close else "remove it (see slime_ext/rollout/config.py for the keys)"
+
+
+def _world_size(options: Mapping[str, Any]) -> int:
+    """Train processes: ``actor_num_nodes x actor_num_gpus_per_node`` (the one place it is computed)."""
+    return int(options["actor_num_nodes"]) * int(options["actor_num_gpus_per_node"])
 
 
 def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
@@ -167,7 +155,7 @@ def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
 
 
 def _check_layout(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
-    world = int(options["actor_num_nodes"]) * int(options["actor_num_gpus_per_node"])
+    world = _world_size(options)
     mp = train.model_parallel_size()
     sizes = (f"pipeline_model_parallel_size={train.pipeline_model_parallel_size} x tensor_model_parallel_size="
              f"{train.tensor_model_parallel_size} x context_parallel_size={train.context_parallel_size}")
@@ -187,7 +175,7 @@ def _check_layout(train: TrainConfig, options: Mapping[str, Any], problems: list
 def _check_gpus(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
     import torch  # only for device: cuda
 
-    world = int(options["actor_num_nodes"]) * int(options["actor_num_gpus_per_node"])
+    world = _world_size(options)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have < world:
         problems.append(f"device='cuda' (or {DEVICE_ENV}=cuda) needs one GPU per train process: {world}, but this "
@@ -197,7 +185,7 @@ def _check_gpus(train: TrainConfig, options: Mapping[str, Any], problems: list[s
 def _check_schedule(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
     """What the planner (or the legacy path) would reject on the first rollout, found before any process starts."""
     args = SimpleNamespace(**train.to_dict(), **options)
-    world = int(options["actor_num_nodes"]) * int(options["actor_num_gpus_per_node"])
+    world = _world_size(options)
     dp = train.dp_size(world)
     parallel = ParallelConfig.from_dict(train.train_parallel_config(world))
     synthetic = options["rollout_function_path"] == DEFAULT_ROLLOUT_FUNCTION

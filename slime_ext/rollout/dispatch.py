@@ -1,16 +1,14 @@
-"""Train data -> one payload per DP rank: where the rollout side plans the schedule (or, legacy, only splits).
+"""Train data -> one :class:`RankPayload` per DP rank: where the rollout side plans the schedule (or, legacy, splits).
 
 ``dp_schedule: rollout`` (the default): :func:`slime_ext.schedule.build_dp_schedule` plans the whole rollout with
-the loss-token counts; rank ``r``'s payload is its samples in partition order (``schedule.partitions[r]``) plus
-``schedule.rank_payload(r)`` (``micro_batch_indices``, ``num_microbatches``, ``samples_per_step``, ...). The
-training side runs it unchanged.
+the loss-token counts and ``schedule.rank_payload(r, samples)`` is rank ``r``'s payload; the training side runs it
+unchanged.
 
-``dp_schedule: legacy`` (the baseline, upstream slime's split): ``global_batch_size`` counts **samples**; the
-rollout is trimmed to a multiple of it (or, with ``use_dynamic_global_batch_size``, to a multiple of ``dp_size``,
-sent as ``dynamic_global_batch_size``) and split per sample -- strided (``range(r, n, dp_size)``) or, with
-``balance_data``, Karmarkar-Karp into equal-size groups on ``total_lengths``. No micro-batch schedule travels;
-the training side plans micro-batches per rank and all-reduces the MAX count. Rollout ids are ignored, so the
-samples of one rollout may land in different steps, as upstream.
+``dp_schedule: legacy`` (the baseline, upstream slime's split, :func:`slime_ext.baselines.split_train_data_by_dp`):
+``global_batch_size`` counts **samples**; the rollout is trimmed to a multiple of it (or, with
+``use_dynamic_global_batch_size``, to a multiple of ``dp_size``) and split per sample, strided or balanced. No
+micro-batch schedule travels; the training side plans micro-batches per rank and all-reduces the MAX count. Rollout
+ids are ignored, so the samples of one rollout may land in different steps, as upstream.
 
 Either way every sample is in exactly one payload or in :attr:`RolloutPlan.dropped`, and the plan says why.
 """
@@ -20,12 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from slime_ext.schedule import DPSchedule, ScheduleError, build_dp_schedule, karmarkar_karp
-from slime_ext.schedule import compute_dynamic_global_batch_size
-
-from .train_data import PER_SAMPLE_KEYS
-
-DP_SCHEDULES = ("rollout", "legacy")
+from slime_ext.baselines import split_train_data_by_dp
+from slime_ext.schedule import (DP_SCHEDULES, DPSchedule, RankPayload, SampleBatch, ScheduleError, build_dp_schedule,
+                                compute_dynamic_global_batch_size)
 
 
 @dataclass
@@ -33,8 +28,8 @@ class RolloutPlan:
     """What one rollout turned into: per-DP-rank payloads, the steps, and what was dropped."""
 
     dp_schedule: str
-    #: one dict per DP rank: per-sample lists in partition order (+ the rank's schedule slice on the rollout path)
-    payloads: list[dict]
+    #: what each DP rank trains on
+    payloads: list[RankPayload]
     #: global sample ids owned by each DP rank, in payload order
     partitions: list[list[int]]
     #: global sample ids of each training step (over all ranks, sorted)
@@ -60,11 +55,7 @@ class RolloutPlan:
         return out
 
 
-def _rank_fields(train_data: Mapping[str, list], partition: list[int]) -> dict:
-    return {key: [train_data[key][i] for i in partition] for key in PER_SAMPLE_KEYS}
-
-
-def plan_rollout(train_data: Mapping[str, list], args: Any, train_parallel_config: Mapping[str, int], *,
+def plan_rollout(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int], *,
                  rollout_id: int = 0) -> RolloutPlan:
     """Plan one rollout's ``train_data`` (:func:`slime_ext.rollout.train_data.samples_to_train_data`) for training.
 
@@ -75,23 +66,25 @@ def plan_rollout(train_data: Mapping[str, list], args: Any, train_parallel_confi
     mode = getattr(args, "dp_schedule", "rollout") or "rollout"
     if mode not in DP_SCHEDULES:
         raise ScheduleError(f"dp_schedule={mode!r} must be one of {DP_SCHEDULES}")
-    if mode == "legacy":
-        return _plan_legacy(train_data, args, int(train_parallel_config["dp_size"]), rollout_id)
+    return ROLLOUT_PLANNERS[mode](train_data, args, train_parallel_config, rollout_id)
+
+
+def _plan_rollout_side(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int],
+                       rollout_id: int) -> RolloutPlan:
     schedule = build_dp_schedule(
-        args, train_parallel_config, train_data["total_lengths"],
+        args, train_parallel_config, train_data.total_lengths,
         global_batch_size=getattr(args, "global_batch_size", None),
-        rollout_indices=train_data["rollout_ids"], loss_tokens=train_data["loss_tokens"],
+        rollout_indices=train_data.rollout_ids, loss_tokens=train_data.loss_tokens,
     )
-    payloads = [{**_rank_fields(train_data, schedule.partitions[r]), **schedule.rank_payload(r),
-                 "rollout_id": rollout_id, "dp_schedule": mode} for r in range(schedule.dp_size)]
+    payloads = [schedule.rank_payload(r, train_data, rollout_id) for r in range(schedule.dp_size)]
     reason = ""
     if schedule.dropped:
-        rollouts = sorted({train_data["rollout_ids"][i] for i in schedule.dropped})
+        rollouts = sorted({train_data.rollout_ids[i] for i in schedule.dropped})
         per_step = schedule.rollouts_per_step[0] if schedule.rollouts_per_step else None
         reason = (f"{len(schedule.dropped)} samples of {len(rollouts)} trailing rollouts {rollouts} do not fill a "
                   f"step of {per_step} rollouts (global_batch_size); make the rollout a multiple of it to train "
                   f"on every sample, or set disable_rollout_trim_samples to make this an error")
-    return RolloutPlan(dp_schedule=mode, payloads=payloads, partitions=[list(p) for p in schedule.partitions],
+    return RolloutPlan(dp_schedule="rollout", payloads=payloads, partitions=[list(p) for p in schedule.partitions],
                        step_samples=[sorted(s) for s in schedule.step_samples], dropped=list(schedule.dropped),
                        dropped_reason=reason, num_samples=schedule.num_samples, schedule=schedule)
 
@@ -110,8 +103,10 @@ def legacy_global_batch_size(num_samples: int, args: Any, dp_size: int) -> int:
     return gbs
 
 
-def _plan_legacy(train_data: Mapping[str, list], args: Any, dp_size: int, rollout_id: int) -> RolloutPlan:
-    n = len(train_data["total_lengths"])
+def _plan_legacy(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int],
+                 rollout_id: int) -> RolloutPlan:
+    dp_size = int(train_parallel_config["dp_size"])
+    n = len(train_data)
     gbs = legacy_global_batch_size(n, args, dp_size)
     keep = n // gbs * gbs
     if keep == 0:
@@ -120,16 +115,10 @@ def _plan_legacy(train_data: Mapping[str, list], args: Any, dp_size: int, rollou
     if keep < n and getattr(args, "disable_rollout_trim_samples", False):
         raise ScheduleError(f"the rollout has {n} samples, not a multiple of global_batch_size={gbs} (legacy path); "
                             f"make it a multiple or drop --disable-rollout-trim-samples to trim the tail")
-    lengths = train_data["total_lengths"][:keep]
-    if getattr(args, "balance_data", False) and dp_size > 1:
-        partitions = [sorted(g) for g in karmarkar_karp(lengths, dp_size, equal_size=True)]
-    else:
-        partitions = [list(range(r, keep, dp_size)) for r in range(dp_size)]
-    extra: dict[str, Any] = {"rollout_id": rollout_id, "dp_schedule": "legacy", "dp_rank": 0, "dp_size": dp_size}
-    if getattr(args, "use_dynamic_global_batch_size", False):
-        extra["dynamic_global_batch_size"] = gbs
-    payloads = [{**_rank_fields(train_data, p), **extra, "dp_rank": r, "partition": list(p)}
-                for r, p in enumerate(partitions)]
+    partitions = split_train_data_by_dp(train_data.total_lengths[:keep], dp_size,
+                                        bool(getattr(args, "balance_data", False)))
+    payloads = [RankPayload(rollout_id=rollout_id, dp_rank=r, dp_size=dp_size, partition=list(p),
+                            samples=train_data.take(p), global_batch_size=gbs) for r, p in enumerate(partitions)]
     local = gbs // dp_size  # the training side cuts each rank's samples into steps of gbs / dp_size
     step_samples = [sorted(i for p in partitions for i in p[s * local:(s + 1) * local]) for s in range(keep // gbs)]
     dropped = list(range(keep, n))
@@ -139,3 +128,8 @@ def _plan_legacy(train_data: Mapping[str, list], args: Any, dp_size: int, rollou
                   f"path trims by samples, as upstream)")
     return RolloutPlan(dp_schedule="legacy", payloads=payloads, partitions=partitions, step_samples=step_samples,
                        dropped=dropped, dropped_reason=reason, num_samples=n)
+
+
+#: the rollout-side half of each ``dp_schedule`` (the training-side half is ``slime_ext.training.data.DATA_PATHS``)
+ROLLOUT_PLANNERS = {"rollout": _plan_rollout_side, "legacy": _plan_legacy}
+assert tuple(ROLLOUT_PLANNERS) == DP_SCHEDULES

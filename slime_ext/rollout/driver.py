@@ -30,19 +30,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from slime_ext.schedule import CostModel
+from slime_ext.train_config import RESETTABLE_KEYS
 
 from .actors import RolloutManager, TrainActor, remote
 from .config import RunConfig
 from .ledger import check_ledger
 
 logger = logging.getLogger("slime_ext.rollout")
-
-
-def _resettable_keys() -> frozenset:
-    """Keys a running TrainGroup can change between runs (``TrainWorker.reset``); the rest need new processes."""
-    from slime_ext.training.worker import RESETTABLE_KEYS  # imports torch: only when a group is reused
-
-    return RESETTABLE_KEYS
 
 
 class StepTimeout(TimeoutError):
@@ -194,7 +188,7 @@ class TrainGroup:
     def fixed_key_changes(self, config: RunConfig) -> list[str]:
         """Keys that differ from this group's and cannot change without new processes."""
         mine, theirs = self.config.train.to_dict(), config.train.to_dict()
-        resettable = _resettable_keys()
+        resettable = RESETTABLE_KEYS  # keys a running group may change; the rest need new processes
         diffs = [k for k in mine if mine[k] != theirs[k] and k not in resettable]
         if config.world_size != self.config.world_size:
             diffs.append("actor_num_gpus_per_node")
@@ -208,7 +202,7 @@ class TrainGroup:
         if fixed:
             raise ValueError(f"this TrainGroup cannot run the config: {fixed} differ and are fixed at set-up; "
                              f"start a new group")
-        resettable = _resettable_keys()
+        resettable = RESETTABLE_KEYS
         changes = {k: v for k, v in config.train.to_dict().items() if k in resettable}
         self.wait_ready()
         gather([(f"train rank {r}", a.reset.remote(changes)) for r, a in enumerate(self.actors)],

@@ -1,16 +1,8 @@
-"""Samples -> train data: the per-sample lists the training side reads (slime's ``_convert_samples_to_train_data``).
+"""Samples -> train data: one :class:`slime_ext.schedule.SampleBatch` (slime's ``_convert_samples_to_train_data``).
 
-Keys (one entry per sample, in rollout order):
-
-* ``tokens``, ``total_lengths`` (``len(tokens)``), ``response_lengths``;
-* ``loss_masks``: one 0/1 per response token (all ones when the sample has none);
-* ``rewards``: the raw reward; ``advantages``: reward minus the mean reward of the sample's prompt group, taken
-  over *rollouts* (a rollout that emitted three samples counts once), GRPO-style without std normalisation;
-* ``sample_indices``: the sample's position in this rollout's train data -- the global sample id that
-  :class:`slime_ext.schedule.DPSchedule` partitions refer to;
-* ``rollout_ids``: ``Sample.index``, the rollout the sample came from (what the scheduler groups by);
-* ``loss_tokens``: ``sum(loss_mask)``, handed to the scheduler so each rank can normalise the loss without an
-  all-reduce.
+A sample's position in the batch is its global sample id (what ``DPSchedule.partitions`` refer to). Loss masks
+default to all ones; ``advantages`` are the reward minus the mean reward of the sample's prompt group, taken over
+*rollouts* (a rollout that emitted three samples counts once), GRPO-style without std normalisation.
 """
 
 from __future__ import annotations
@@ -18,11 +10,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Sequence
 
-from .types import Sample
+from slime_ext.schedule import SampleBatch
 
-#: per-sample keys sent to the training side
-PER_SAMPLE_KEYS = ("tokens", "total_lengths", "response_lengths", "loss_masks", "rewards", "advantages",
-                   "sample_indices", "rollout_ids")
+from .types import Sample
 
 
 class SampleError(ValueError):
@@ -92,17 +82,15 @@ def group_advantages(samples: Sequence[Sample]) -> list[float]:
 
 
 def samples_to_train_data(samples: Sequence[Sample], *, vocab_size: int | None = None,
-                          seq_length: int | None = None) -> dict[str, list]:
-    """Validate ``samples`` and lay them out as per-sample lists (module docstring)."""
+                          seq_length: int | None = None) -> SampleBatch:
+    """Validate ``samples`` and lay them out as one :class:`SampleBatch`, in rollout order."""
     masks = [_check_sample(k, s, vocab_size, seq_length) for k, s in enumerate(samples)]
-    return {
-        "tokens": [list(s.tokens) for s in samples],
-        "total_lengths": [len(s.tokens) for s in samples],
-        "response_lengths": [int(s.response_length) for s in samples],
-        "loss_masks": masks,
-        "rewards": [float(s.reward) for s in samples],
-        "advantages": group_advantages(samples),
-        "sample_indices": list(range(len(samples))),
-        "rollout_ids": [int(s.index) for s in samples],
-        "loss_tokens": [sum(m) for m in masks],
-    }
+    return SampleBatch(
+        tokens=[list(s.tokens) for s in samples],
+        total_lengths=[len(s.tokens) for s in samples],
+        response_lengths=[int(s.response_length) for s in samples],
+        loss_masks=masks,
+        rewards=[float(s.reward) for s in samples],
+        advantages=group_advantages(samples),
+        rollout_ids=[int(s.index) for s in samples],
+    )

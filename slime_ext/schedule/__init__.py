@@ -19,10 +19,8 @@ from .cost import CostModel
 from .profile import CostProfile, fit_profile
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
-from .invariants import assert_valid_schedule, check_schedule
-from .packing import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, lpt_rounds
-from .partition import karmarkar_karp
-from .bounds import bin_lower_bound, microbatch_target
+from .invariants import check_schedule
+from .payload import DP_SCHEDULES, RankPayload, SampleBatch
 from .planner import plan_schedule
 from .steps import compute_dynamic_global_batch_size
 
@@ -30,21 +28,16 @@ __all__ = [
     "BatchConfig",
     "CostModel",
     "CostProfile",
+    "DP_SCHEDULES",
     "DPSchedule",
     "ParallelConfig",
+    "RankPayload",
+    "SampleBatch",
     "ScheduleError",
     "StepStats",
-    "assert_valid_schedule",
-    "best_fit_decreasing",
-    "bin_lower_bound",
     "build_dp_schedule",
     "check_schedule",
     "compute_dynamic_global_batch_size",
-    "expand_bins_by_splitting",
-    "first_fit_pack",
     "fit_profile",
-    "karmarkar_karp",
-    "lpt_rounds",
-    "microbatch_target",
     "plan_schedule",
 ]

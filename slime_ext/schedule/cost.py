@@ -67,15 +67,25 @@ class CostModel:
             moe = sum(1 for i in range(self.num_layers) if i % int(freq) == 0)
         return self.num_layers - moe, moe
 
-    def coefficients(self) -> tuple[float, float]:
-        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``."""
+    def coefficients(self, formula: str = "exact") -> tuple[float, float]:
+        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``.
+
+        ``formula="upstream"`` reproduces upstream slime's ``calculate_fwd_flops`` (dense layers only): its K/V
+        projection ``2 h (heads // groups) kv`` and output projection ``2 h h``; "exact" counts a GQA K+V projection
+        as ``2 h 2 groups kv`` and the output as ``2 heads kv h``.
+        """
         h = self.hidden_size
         heads = self.num_attention_heads
         groups = self.num_query_groups or heads
         kv = self.kv_channels or h // heads
         ffn = self.ffn_hidden_size or 4 * h
         mlp_mats = 3 if self.swiglu else 2
-        attn_proj = 2 * h * heads * kv + 2 * h * 2 * groups * kv + 2 * heads * kv * h  # q, k+v, out
+        if formula == "exact":
+            attn_proj = 2 * h * heads * kv + 2 * h * 2 * groups * kv + 2 * heads * kv * h  # q, k+v, out
+        elif formula == "upstream":
+            attn_proj = 2 * h * heads * kv + 2 * h * (heads // groups) * kv + 2 * h * h
+        else:
+            raise ScheduleError(f"formula={formula!r} must be 'exact' or 'upstream'")
         dense_layer = attn_proj + 2 * h * ffn * mlp_mats
         dense, moe = self._layer_counts()
         linear = dense * dense_layer + 2 * h * self.vocab_size
@@ -86,9 +96,9 @@ class CostModel:
         quadratic = self.num_layers * 2 * heads * kv  # causal QK^T + AV: 2 * (2 * heads * kv * L^2 / 2)
         return float(linear), float(quadratic)
 
-    def flops(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Forward FLOPs per sample, vectorised (float64)."""
-        linear, quadratic = self.coefficients()
+    def flops(self, lengths: Sequence[int] | np.ndarray, formula: str = "exact") -> np.ndarray:
+        """Forward FLOPs per sample, vectorised (float64); ``formula`` as in :meth:`coefficients`."""
+        linear, quadratic = self.coefficients(formula)
         L = np.asarray(lengths, dtype=np.float64)
         return L * (linear + quadratic * L)
 

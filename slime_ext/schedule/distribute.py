@@ -42,6 +42,10 @@ def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
     return rank_of_bin
 
 
+#: up to this many bins per rank, refine_by_swaps scores every pair of bins at once (``per_rank**2`` memory per pair)
+DENSE_SWAP_LIMIT = 128
+
+
 def refine_by_swaps(
     bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_rounds: int = 64
 ) -> np.ndarray:
@@ -66,7 +70,7 @@ def refine_by_swaps(
         heavy, light = ranked[::-1][:half], ranked[:half]
         gap = sums[heavy] - sums[light]
         ch, cl = bin_costs[by_rank[heavy]], bin_costs[by_rank[light]]  # (half, per_rank)
-        if per_rank <= 128:
+        if per_rank <= DENSE_SWAP_LIMIT:
             d = ch[:, :, None] - cl[:, None, :]  # cost each swap moves from heavy to light
             score = np.abs(d - gap[:, None, None] / 2)
             score[(d <= 0) | (d >= gap[:, None, None])] = np.inf

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, Iterator, Mapping
 
 from .config import BatchConfig, ParallelConfig
@@ -17,8 +16,9 @@ from .profile import CostProfile, is_profile_dict
 from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_number, check_samples, int_list,
                        is_int, nested_int_lists, show)
+from .payload import RankPayload, SampleBatch
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: StepStats.aligned_lower_bound renamed packing_target
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,11 @@ class StepStats:
     num_microbatches: int
     #: micro-batches over all ranks (``num_microbatches * dp_size``)
     total_microbatches: int
-    #: the aligned bound the step was packed to: ``ceil(ceil(tokens / cap) / align) * align`` (the issue's
-    #: bound), raised where packing provably needs more (two samples above cap/2 never share a bin); with
-    #: samples longer than the cap a packing could use fewer, the spare bins go to balance. Static:
-    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it only when balance_data spends extra
-    #: micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
-    aligned_lower_bound: int
+    #: the micro-batch count the planner aimed for: ``ceil(ceil(tokens / cap) / align) * align``, raised where
+    #: packing provably needs more (not a lower bound: with samples above the cap fewer bins could do). Static:
+    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it when the target does not fit, or when
+    #: balance_data spends extra micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
+    packing_target: int
     #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
     cap: int | None
     largest_bin_tokens: int
@@ -129,25 +128,21 @@ class DPSchedule:
         """slime-compatible unpacking: ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``."""
         return iter((self.partitions, self.micro_batch_indices, self.num_microbatches, self.rollouts_per_step))
 
-    def step_bounds(self) -> list[tuple[int, int]]:
-        """``[(first_mb, end_mb)]`` per step, into each rank's micro-batch list."""
-        ends = list(accumulate(self.num_microbatches))
-        return [(e - n, e) for e, n in zip(ends, self.num_microbatches)]
-
-    def rank_payload(self, rank: int) -> dict:
-        """What DP rank ``rank`` needs to train: its slice of the schedule (plain data, ready for Ray)."""
+    def rank_payload(self, rank: int, samples: SampleBatch, rollout_id: int = 0) -> RankPayload:
+        """What DP rank ``rank`` trains on: its samples (taken from the rollout's ``samples``) and schedule slice."""
         if not 0 <= rank < self.dp_size:
             raise ScheduleError(f"rank={rank} is outside [0, dp_size={self.dp_size})")
-        return {
-            "dp_rank": rank,
-            "dp_size": self.dp_size,
-            "partition": list(self.partitions[rank]),
-            "micro_batch_indices": [list(mb) for mb in self.micro_batch_indices[rank]],
-            "num_microbatches": list(self.num_microbatches),
-            "samples_per_step": list(self.samples_per_step),
-            "rollouts_per_step": list(self.rollouts_per_step),
-            "loss_tokens_per_step": None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
-        }
+        if len(samples) != self.num_samples:
+            raise ScheduleError(f"samples has {len(samples)} entries but the schedule was planned for "
+                                f"{self.num_samples}; pass the whole rollout's SampleBatch")
+        return RankPayload(
+            rollout_id=rollout_id, dp_rank=rank, dp_size=self.dp_size, partition=list(self.partitions[rank]),
+            samples=samples.take(self.partitions[rank]),
+            micro_batch_indices=[list(mb) for mb in self.micro_batch_indices[rank]],
+            num_microbatches=list(self.num_microbatches), samples_per_step=list(self.samples_per_step),
+            rollouts_per_step=list(self.rollouts_per_step),
+            loss_tokens_per_step=None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
+        )
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:

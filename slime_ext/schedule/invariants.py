@@ -238,8 +238,8 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             "total_microbatches": sched.num_microbatches[s] * dp,
             "cap": cap,
             "num_rollouts": sched.rollouts_per_step[s],
-            "aligned_lower_bound": (microbatch_target(lengths[members], cap, align) if cap is not None
-                                    else -(-len(members) // sched.batch.micro_batch_size)),
+            "packing_target": (microbatch_target(lengths[members], cap, align) if cap is not None
+                               else -(-len(members) // sched.batch.micro_batch_size)),
             "largest_bin_tokens": max(t for _, t, _ in mbs),
             "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
         }

@@ -3,8 +3,6 @@
 Packers return bins of indices into ``lengths`` (``list[list[int]]``), or, vectorised, ``bin_of`` labels per
 sample. A sample longer than the cap always sits alone in its bin; every other bin holds at most ``cap`` tokens.
 
-* :func:`first_fit_pack` -- arrival-order first fit (upstream slime's packer, kept for compatibility; same result,
-  ``O(n log n)`` with a max segment tree instead of ``O(n * bins)``).
 * :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum).
 * :func:`lpt_rounds` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (worst-fit decreasing,
   vectorised by rounds); :func:`cost_lpt_pack` -- the same by FLOPs, sequential. ``None`` when they cannot fit.
@@ -20,40 +18,6 @@ from itertools import chain
 from typing import Sequence
 
 import numpy as np
-
-
-def first_fit_pack(lengths: Sequence[int], cap: int) -> list[list[int]]:
-    """Arrival-order first fit: each sample goes to the first (oldest) bin it fits in, else a new bin.
-
-    Identical output to the quadratic reference loop; a max segment tree over bin residuals finds the leftmost bin
-    with room in ``O(log bins)``.
-    """
-    n = len(lengths)
-    size = 1
-    while size < max(n, 1):
-        size *= 2
-    tree = [-1] * (2 * size)  # max residual per node; -1 = no bin yet (nothing fits)
-    bins: list[list[int]] = []
-    for idx in range(n):
-        length = int(lengths[idx])
-        if tree[1] >= length:
-            node = 1
-            while node < size:  # descend to the leftmost leaf with residual >= length
-                node = 2 * node if tree[2 * node] >= length else 2 * node + 1
-            b = node - size
-            bins[b].append(idx)
-            tree[node] -= length
-        else:
-            b = len(bins)
-            bins.append([idx])
-            node = size + b
-            tree[node] = cap - length  # negative for an oversize sample: it never takes a partner
-        node //= 2
-        while node:
-            left, right = tree[2 * node], tree[2 * node + 1]
-            tree[node] = left if left >= right else right
-            node //= 2
-    return bins
 
 
 def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None = None) -> list[list[int]]:

@@ -38,6 +38,7 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -64,11 +65,28 @@ EXTRA_MB_MIN_GAIN = 0.01
 MAX_EXTRA_ROUNDS = 3
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One step after stages 2-4: ``bin_of[i]`` is the micro-batch of the step's i-th sample and
+    ``rank_of_bin[b]`` the rank of micro-batch ``b``; ``count`` micro-batches in all, aimed at ``target``."""
+
+    bin_of: np.ndarray
+    rank_of_bin: np.ndarray
+    count: int
+    strategy: str
+    target: int
+
+
 # ---------------------------------------------------------------------------------------------------- stages 2-4
 def pack_step(
     lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, cap: int, target: int, align: int, step: int
 ) -> tuple[np.ndarray, int, str]:
-    """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins."""
+    """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins.
+
+    One path: LPT into exactly ``target`` bins. Two exceptions, each for a case LPT's rounds cannot fit: with
+    ``balance_by_flops`` a sequential LPT still keeps FLOPs-even bins; otherwise best fit decreasing packs tighter
+    (fewest bins) and is split up to the aligned count.
+    """
     bin_of = lpt_rounds(lengths, weights, order, target, cap)
     if bin_of is not None:
         return bin_of, target, "lpt"
@@ -94,8 +112,8 @@ def pack_step(
 def _plan_dynamic(
     lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
     profile: CostProfile | None = None,
-) -> tuple[np.ndarray, np.ndarray, int, str, int]:
-    """``(bin_of, rank_of_bin, count, strategy, target)`` for one dynamic step.
+) -> StepPlan:
+    """One dynamic step: capped bins, aligned, on ranks.
 
     With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
     (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
@@ -133,7 +151,7 @@ def _plan_dynamic(
     bin_costs = np.bincount(bin_of, weights=costs, minlength=count) if profile is None \
         else profile.bin_times(lengths, bin_of, count)
     if not (batch.balance_data and dp > 1):
-        return bin_of, serpentine(bin_costs, dp), count, strategy, target
+        return StepPlan(bin_of, serpentine(bin_costs, dp), count, strategy, target)
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
     good = floor_at(count) * (1 + BALANCE_TOLERANCE)
@@ -144,9 +162,9 @@ def _plan_dynamic(
         strided_max = slowest(bin_of, strided)
         if strided_max < best_max:
             rank_of_bin, best_max = strided, strided_max
-    best = (bin_of, rank_of_bin, count, strategy)
+    best = StepPlan(bin_of, rank_of_bin, count, strategy, target)
     if best_max <= good:
-        return (*best, target)
+        return best
 
     # bins of even size cannot balance this step: choose bins per rank, spending `align` extra micro-batches at a
     # time when the ranks around a costly sample are capacity-bound and that cuts the slowest rank by > 1%
@@ -160,20 +178,20 @@ def _plan_dynamic(
         b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
         rank_max = slowest(b_of, r_of_b)
         # FLOPs price no micro-batch, so an extra one must win by EXTRA_MB_MIN_GAIN; a profile prices it exactly
-        min_gain = EXTRA_MB_MIN_GAIN if k_count > best[2] and profile is None else 0.0
+        min_gain = EXTRA_MB_MIN_GAIN if k_count > best.count and profile is None else 0.0
         if rank_max < best_max * (1 - min_gain):
             name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
-            best, best_max = (b_of, r_of_b, k_count, name), rank_max
+            best, best_max = StepPlan(b_of, r_of_b, k_count, name, target), rank_max
         elif extra:
             break  # more micro-batches stopped paying off
         if best_max <= floor_at(k_count) * (1 + EXTRA_MB_MIN_GAIN):
             break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
-    return (*best, target)
+    return best
 
 
 def _plan_static(
     n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int
-) -> tuple[np.ndarray, np.ndarray, int, str, int]:
+) -> StepPlan:
     mbs = batch.micro_batch_size
     align, dp = parallel.align, parallel.dp_size
     count = -(-n // mbs)
@@ -184,7 +202,7 @@ def _plan_static(
             f"(--global-batch-size, --micro-batch-size) or use --use-dynamic-batch-size"
         )
     if not batch.balance_data or dp == 1:  # upstream's chunks, strided over the ranks
-        return np.arange(n) // mbs, np.arange(count) % dp, count, "static", count
+        return StepPlan(np.arange(n) // mbs, np.arange(count) % dp, count, "static", count)
     # balanced: equal sample counts per rank (the rank that strided gives the short chunk keeps it), LPT on FLOPs
     per_rank = count // dp
     sizes = [per_rank * mbs] * dp
@@ -196,7 +214,7 @@ def _plan_static(
         chunk_sizes[-1] -= per_rank * mbs - len(members)
         for k, chunk in enumerate(_lpt_with_sizes(costs[members], chunk_sizes)):
             bin_of[members[chunk]] = r * per_rank + k
-    return bin_of, np.arange(count) // per_rank, count, "static-balanced", count
+    return StepPlan(bin_of, np.arange(count) // per_rank, count, "static-balanced", count)
 
 
 def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
@@ -306,12 +324,12 @@ def plan_schedule(
         step_len, step_cost = lengths[step_idx], costs[step_idx]
         # 2.-4. pack, align, distribute: bin_of[i] = micro-batch of the step's i-th sample, rank_of_bin[b] = rank
         if cap is None:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_static(n_s, step_cost, parallel, batch, s)
+            plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            bin_of, rank_of_bin, count, strategy, bound = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s,
-                                                                        profile=profile)
-        mb_sizes, mb_cost, mb_tokens = _emit_step(bin_of, rank_of_bin, count, step_idx, step_len, step_cost,
-                                                  partitions, micro_batch_indices)
+            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile)
+        count = plan.count
+        mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
+                                                  step_cost, partitions, micro_batch_indices)
         per_rank = count // dp
         num_microbatches.append(per_rank)
         rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
@@ -324,7 +342,7 @@ def plan_schedule(
             total_tokens=int(step_len.sum()),
             num_microbatches=per_rank,
             total_microbatches=count,
-            aligned_lower_bound=bound,
+            packing_target=plan.target,
             cap=cap,
             largest_bin_tokens=int(mb_tokens.max()),
             cap_violations=violations,
@@ -333,7 +351,7 @@ def plan_schedule(
             balance_lower_bound=max(1.0, float(step_cost.max()) / mean) if mean > 0 else 1.0,
             microbatch_flops_max=float(mb_cost.max()),
             microbatch_flops_mean=float(mb_cost.mean()),
-            strategy=strategy,
+            strategy=plan.strategy,
         ))
 
     return DPSchedule(

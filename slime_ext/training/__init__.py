@@ -6,18 +6,18 @@ One concern per module, in the order a step touches them:
 * :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
 * :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
-* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator``, ``get_data_iterator(rollout_data)``;
+* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator`` over a ``RankPayload``, ``RolloutPath``;
 * :mod:`.batch` -- a micro-batch packed into tensors;  :mod:`.loss` -- the per-token policy loss and its scaling;
-* :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, and the forward-only pass;
-* :mod:`.legacy_backend` -- the slime-shaped training-side baseline (``dp_schedule: legacy``), which
-  ``slime_ext.patches.host_slime`` switches to the rollout-side schedule (``dp_schedule: rollout``);
+* :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, the forward-only pass, and
+  ``DATA_PATHS``: the data path chosen by ``dp_schedule``;
+* :mod:`.legacy_backend` -- ``LegacyPath``, upstream's training-side planning (``dp_schedule: legacy``);
 * :mod:`.worker` -- ``TrainWorker``, one training process, the unit the Ray side wraps.
 """
 
 from .config import TrainConfig, TrainConfigError, load_train_config
-from .data import DataIterator, RolloutDataError, get_data_iterator
+from .data import DataIterator, RolloutDataError, RolloutPath
 
-__all__ = ["DataIterator", "RolloutDataError", "TrainConfig", "TrainConfigError", "TrainWorker", "get_data_iterator",
+__all__ = ["DataIterator", "RolloutDataError", "RolloutPath", "TrainConfig", "TrainConfigError", "TrainWorker",
            "load_train_config"]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-#: the fields a micro-batch needs from rollout_data
+#: the fields a micro-batch needs (``DataIterator.get_next`` keys)
 BATCH_KEYS = ("tokens", "total_lengths", "response_lengths", "loss_masks", "advantages", "sample_indices")
 
 

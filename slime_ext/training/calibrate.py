@@ -60,11 +60,14 @@ def calibration_design(max_tokens: int, *, min_length: int = 32, seed: int = 0) 
 
 
 def synthetic_step(micro_batches: Sequence[Sequence[int]], *, vocab_size: int, seed: int = 0,
-                   global_offset: int = 0) -> dict:
-    """One DP rank's ``rollout_data`` for one step made of ``micro_batches`` (rollout-side payload, random tokens).
+                   global_offset: int = 0):
+    """One DP rank's :class:`~slime_ext.schedule.RankPayload` for one step made of ``micro_batches`` (a rollout-side
+    payload of random tokens, planned as given).
 
     Every sample has a prompt of ``max(1, L // 4)`` tokens and the rest as response, all counted in the loss.
     """
+    from slime_ext.schedule import RankPayload, SampleBatch
+
     rng = np.random.default_rng(seed)
     lengths = [int(L) for mb in micro_batches for L in mb]
     if any(L < 2 for L in lengths):
@@ -74,18 +77,14 @@ def synthetic_step(micro_batches: Sequence[Sequence[int]], *, vocab_size: int, s
     for mb in micro_batches:
         mbi.append(list(range(start, start + len(mb))))
         start += len(mb)
-    return {
-        "tokens": [rng.integers(0, vocab_size, L).tolist() for L in lengths],
-        "total_lengths": lengths,
-        "response_lengths": responses,
-        "loss_masks": [[1] * r for r in responses],
-        "rewards": [0.0] * len(lengths),
-        "advantages": rng.standard_normal(len(lengths)).tolist(),
-        "sample_indices": list(range(global_offset, global_offset + len(lengths))),
-        "micro_batch_indices": mbi,
-        "num_microbatches": [len(micro_batches)],
-        "samples_per_step": [len(lengths)],
-    }
+    ids = list(range(global_offset, global_offset + len(lengths)))
+    samples = SampleBatch(tokens=[rng.integers(0, vocab_size, L).tolist() for L in lengths], total_lengths=lengths,
+                          response_lengths=responses, loss_masks=[[1] * r for r in responses],
+                          rewards=[0.0] * len(lengths), advantages=rng.standard_normal(len(lengths)).tolist(),
+                          rollout_ids=ids)
+    return RankPayload(rollout_id=0, dp_rank=0, dp_size=1, partition=ids, samples=samples, micro_batch_indices=mbi,
+                       num_microbatches=[len(micro_batches)], samples_per_step=[len(lengths)],
+                       rollouts_per_step=[len(lengths)], loss_tokens_per_step=[sum(responses)])
 
 
 def default_timer() -> str:

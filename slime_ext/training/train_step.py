@@ -2,16 +2,13 @@
 
 Per rollout::
 
-    iterators, num_microbatches = host.get_data_iterator(args, model, rollout_data)   # one iterator per VPP stage
+    path = DATA_PATHS[config.dp_schedule]                                   # who planned the micro-batches
+    iterators, num_microbatches = path.get_data_iterator(args, model, payload)  # one iterator per VPP stage
     check that every rank runs the same steps and micro-batches; count each step's loss tokens
     for s, n in enumerate(num_microbatches):
         zero grads; forward_backward_func(n micro-batches)  # DDP reduces grads after the last one
         optimizer.step()                                     # Megatron optimizer, clips by clip_grad
-        host.step_lr_scheduler(args, scheduler, rollout_data, s)
-
-``host`` is the slime-shaped backend :mod:`slime_ext.training.legacy_backend`, called through the module so that
-:mod:`slime_ext.patches.host_slime` can swap its ``get_data_iterator`` / ``DataIterator`` / ``step_lr_scheduler`` for the
-rollout-side schedule's (``dp_schedule: rollout``); unpatched it is the legacy baseline.
+        scheduler.step(increment=path.lr_increment(args, payload, s))
 """
 
 from __future__ import annotations
@@ -19,18 +16,24 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import legacy_backend as host
+from slime_ext.schedule import RankPayload
+
 from .batch import BATCH_KEYS, pack_micro_batch
 from .config import Layout, TrainConfig
-from .data import RolloutDataError, num_local_samples, sample_ids, validate_samples
+from .data import RolloutDataError, RolloutPath, check_payload
+from .legacy_backend import LegacyPath
 from .loss import log_prob_func, loss_scale, train_loss_func
 from .model import unwrap
 from .optimizer import current_lr
+
+
+#: the training-side half of each ``dp_schedule`` (the rollout-side half is ``slime_ext.rollout.dispatch``)
+DATA_PATHS = {"rollout": RolloutPath(), "legacy": LegacyPath()}
 
 
 @dataclass
@@ -66,43 +69,32 @@ class _Ledger:
         return first
 
 
-def _forward_step(state: TrainState, ledger: _Ledger, ids: list[int], make_loss, data_iterator, model):
+def _forward_step(state: TrainState, ledger: _Ledger, make_loss, data_iterator, model):
     """Megatron ``forward_step_func``: next micro-batch -> packed tensors -> model -> (output, loss function)."""
-    batch = data_iterator.get_next(BATCH_KEYS + ("local_index",))
+    batch = data_iterator.get_next(BATCH_KEYS)
     chunk = unwrap(model).vp_stage or 0
-    ledger.record(chunk, [ids[i] for i in batch["local_index"]])
+    ledger.record(chunk, list(batch["sample_indices"]))
     packed = pack_micro_batch(batch, max_positions=state.config.max_positions, device=_device())
     output = model(packed.tokens, packed.position_ids, packed.attention_mask)
     return output, partial(make_loss, packed)
 
 
-def _with_local_index(rollout_data: Mapping[str, Any]) -> dict:
-    """``rollout_data`` plus ``local_index`` (each sample's position), so the ledger can name what was consumed."""
-    data = dict(rollout_data)
-    data["local_index"] = list(range(num_local_samples(rollout_data)))
-    return data
-
-
-def _local_step_tokens(iterators: list, num_microbatches: list[int], rollout_data: Mapping) -> list[int]:
+def _local_step_tokens(iterators: list, num_microbatches: list[int], payload: RankPayload) -> list[int]:
     """Loss-mask tokens of this rank in each step (read ahead without consuming the iterators)."""
-    masks = rollout_data["loss_masks"]
-    probe = iterators[0]
-    saved, local_tokens = probe.offset, []
-    try:
-        for n in num_microbatches:
-            mbs = probe.peek(n)
-            if len(mbs) != n:
-                raise RolloutDataError(f"a step needs {n} micro-batches but the iterator has only {len(mbs)} left; "
-                                       f"sum(num_microbatches) must equal the micro-batches sent")
-            local_tokens.append(sum(int(sum(masks[i])) for mb in mbs for i in mb))
-            probe.offset += n if probe.micro_batch_indices is not None else n * probe.micro_batch_size
-    finally:
-        probe.offset = saved
+    masks = payload.samples.loss_masks
+    mbs = iterators[0].peek(sum(num_microbatches))
+    if len(mbs) != sum(num_microbatches):
+        raise RolloutDataError(f"the steps need {sum(num_microbatches)} micro-batches but the iterator has "
+                               f"{len(mbs)}; sum(num_microbatches) must equal the micro-batches sent")
+    local_tokens, first = [], 0
+    for n in num_microbatches:
+        local_tokens.append(sum(sum(masks[i]) for mb in mbs[first:first + n] for i in mb))
+        first += n
     return local_tokens
 
 
 def _agree(state: TrainState, local_error: Exception | None, num_microbatches: list[int],
-           local_tokens: list[int], rollout_data: Mapping) -> list[int]:
+           local_tokens: list[int], payload: RankPayload | None) -> list[int]:
     """Before any step: every rank is ready and runs the same steps; returns each step's loss tokens over DP.
 
     A few small all-reduces per rollout. A rank whose data failed validation makes every rank fail here (instead
@@ -119,7 +111,7 @@ def _agree(state: TrainState, local_error: Exception | None, num_microbatches: l
     if local_error is not None:
         raise local_error
     if int(head[0]):
-        raise RolloutDataError("another rank rejected its rollout_data (see that rank's error); nothing was trained")
+        raise RolloutDataError("another rank rejected its payload (see that rank's error); nothing was trained")
     if int(head[1]) != -int(head[2]):
         raise RolloutDataError(f"ranks disagree on the number of steps (rank {state.layout.rank} has {steps}, the "
                                f"range is [{-int(head[2])}, {int(head[1])}]); every rank needs the same schedule")
@@ -131,33 +123,31 @@ def _agree(state: TrainState, local_error: Exception | None, num_microbatches: l
     tokens = torch.tensor(local_tokens, dtype=torch.int64, device=device)
     dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
     totals = [int(t) for t in tokens.tolist()]
-    given = rollout_data.get("loss_tokens_per_step")
+    given = None if payload is None else payload.loss_tokens_per_step
     if given is not None and list(given) != totals:
         raise RolloutDataError(f"loss_tokens_per_step={list(given)} but the DP ranks' loss masks sum to {totals}; "
                                f"the schedule was planned from other loss masks than the ones sent")
     return totals
 
 
-def train_rollout(state: TrainState, rollout_data: Mapping[str, Any]) -> list[dict]:
+def train_rollout(state: TrainState, payload: RankPayload) -> list[dict]:
     """Train on one rollout; returns one record per step (see :func:`train_one_step`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    local_error, data, iterators, num_microbatches, local_tokens = None, None, [], [], []
+    path = DATA_PATHS[state.config.dp_schedule]
+    local_error, iterators, num_microbatches, local_tokens = None, [], [], []
     try:
-        validate_samples(rollout_data)
-        data = _with_local_index(rollout_data)
-        iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
-        local_tokens = _local_step_tokens(iterators, num_microbatches, data)
+        iterators, num_microbatches = path.get_data_iterator(state.args, state.model, payload)
+        local_tokens = _local_step_tokens(iterators, num_microbatches, payload)
     except ValueError as exc:  # RolloutDataError, LegacyScheduleError: tell the other ranks before failing
         local_error, num_microbatches, local_tokens = exc, [], []
-    step_tokens = _agree(state, local_error, num_microbatches, local_tokens, rollout_data)
-    ids = sample_ids(rollout_data)
+    step_tokens = _agree(state, local_error, num_microbatches, local_tokens, payload)
     forward_backward = get_forward_backward_func()
-    return [train_one_step(state, forward_backward, iterators, data, ids, s, n, step_tokens[s])
+    return [train_one_step(state, path, forward_backward, iterators, payload, s, n, step_tokens[s])
             for s, n in enumerate(num_microbatches)]
 
 
-def train_one_step(state: TrainState, forward_backward, iterators: list, rollout_data: Mapping, ids: list[int],
+def train_one_step(state: TrainState, path, forward_backward, iterators: list, payload: RankPayload,
                    step_id: int, num_microbatches: int, step_loss_tokens: int) -> dict:
     """One optimizer step over ``num_microbatches`` micro-batches per rank.
 
@@ -176,7 +166,7 @@ def train_one_step(state: TrainState, forward_backward, iterators: list, rollout
 
     ledger = _Ledger(len(model))
     scale = loss_scale(num_microbatches, state.layout.dp_size, step_loss_tokens)
-    step_func = partial(_forward_step, state, ledger, ids, partial(train_loss_func, scale=scale))
+    step_func = partial(_forward_step, state, ledger, partial(train_loss_func, scale=scale))
     losses = forward_backward(
         forward_step_func=step_func,
         data_iterator=iterators,
@@ -188,14 +178,15 @@ def train_one_step(state: TrainState, forward_backward, iterators: list, rollout
     )
     lr = current_lr(state.optimizer)
     update_successful, grad_norm, _ = state.optimizer.step()
-    increment = host.step_lr_scheduler(state.args, state.scheduler, rollout_data, step_id)
+    increment = path.lr_increment(state.args, payload, step_id)
+    state.scheduler.step(increment=increment)
 
     # the step objective: last stages hold the micro-batch sums; summed over every rank (others add 0)
     local = sum(float(x["loss_sum"]) for x in losses) if losses else 0.0
     loss_t = torch.tensor([local], dtype=torch.float64, device=_device())
     dist.all_reduce(loss_t)
     micro_batches = ledger.micro_batches()
-    samples = rollout_data.get("samples_per_step")
+    samples = payload.samples_per_step
     return {
         "step": step_id,
         "loss": float(loss_t.item()) / step_loss_tokens if step_loss_tokens else 0.0,
@@ -221,18 +212,17 @@ def _dp_sum(value: int) -> int:
 
 
 @torch.no_grad()
-def forward_only(state: TrainState, rollout_data: Mapping[str, Any]) -> dict:
+def forward_only(state: TrainState, payload: RankPayload) -> dict:
     """Per-token log-probs of every response token, over the same iterators as training.
 
-    Returns ``{"sample_indices": [...], "log_probs": [[...] per sample] or None}`` in ``rollout_data`` order;
+    Returns ``{"sample_indices": [...], "log_probs": [[...] per sample] or None}`` in payload order;
     ``log_probs`` is filled on the last pipeline stage (where the logits are) and ``None`` elsewhere.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    validate_samples(rollout_data)
-    data = _with_local_index(rollout_data)
-    iterators, num_microbatches = host.get_data_iterator(state.args, state.model, data)
-    ids = sample_ids(rollout_data)
+    iterators, num_microbatches = DATA_PATHS[state.config.dp_schedule].get_data_iterator(state.args, state.model,
+                                                                                         payload)
+    ids = list(payload.partition)
     forward_backward = get_forward_backward_func()
     for chunk in state.model:
         chunk.eval()
@@ -241,7 +231,7 @@ def forward_only(state: TrainState, rollout_data: Mapping[str, Any]) -> dict:
     try:
         for n in num_microbatches:
             outputs += forward_backward(
-                forward_step_func=partial(_forward_step, state, ledger, ids, log_prob_func),
+                forward_step_func=partial(_forward_step, state, ledger, log_prob_func),
                 data_iterator=iterators, model=state.model, num_microbatches=n,
                 seq_length=state.config.seq_length, micro_batch_size=1, forward_only=True)
     finally:

@@ -4,13 +4,13 @@
 
     worker = TrainWorker(config, rank, world_size, master_addr, master_port)
     layout = worker.setup()                  # {"rank", "world_size", "dp_rank", "dp_size", "pp_rank", "pp_size"}
-    records = worker.train_rollout(rollout_data_of_my_dp_rank)   # one dict per step
-    logp = worker.forward_only(rollout_data_of_my_dp_rank)
+    records = worker.train_rollout(payload_of_my_dp_rank)   # a RankPayload; one dict per step
+    logp = worker.forward_only(payload_of_my_dp_rank)
     worker.shutdown()
 
-Every rank of a DP replica (all its pipeline stages) gets the same ``rollout_data``: the first stage reads the
+Every rank of a DP replica (all its pipeline stages) gets the same payload: the first stage reads the
 tokens, every stage the lengths (for the attention mask), the last stage the loss masks and advantages.
-``config`` is a :class:`slime_ext.training.config.TrainConfig` or anything :func:`load_train_config` takes.
+``config`` is a :class:`slime_ext.train_config.TrainConfig` or anything :func:`load_train_config` takes.
 Process groups time out after ``dist_timeout_seconds``, so a dead or stuck peer makes every call fail within that
 bound instead of hanging.
 """
@@ -18,21 +18,15 @@ bound instead of hanging.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
-from .config import TrainConfig, TrainConfigError, load_train_config
+from slime_ext.patches import megatron_cpu
+from slime_ext.schedule import RankPayload
 
-#: keys that :meth:`TrainWorker.reset` may change (everything else is fixed by the process groups and the model)
-RESETTABLE_KEYS = frozenset({
-    "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "global_batch_size", "balance_data",
-    "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples", "dp_schedule",
-    "optimizer", "lr", "min_lr", "lr_warmup_init", "lr_decay_style", "lr_warmup_samples", "lr_decay_samples",
-    "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
-})
-
+from .config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
 
 class TrainWorker:
     def __init__(self, config: Any, rank: int, world_size: int, master_addr: str = "127.0.0.1",
@@ -47,14 +41,11 @@ class TrainWorker:
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> dict:
         """Patch for CPU if there is no GPU, join the process groups, build model, optimizer and LR scheduler."""
-        from slime_ext.patches import host_slime, megatron_cpu
-
         from .parallel import init_parallel
 
         if self.state is not None:
             raise RuntimeError("TrainWorker.setup() was already called")
         self._cpu_patched = megatron_cpu.apply_if_no_gpu()
-        host_slime.configure(self.config.dp_schedule)
         torch.manual_seed(self.config.seed)
         layout = init_parallel(self.config, self.rank, self.world_size, self.master_addr, self.master_port)
         self._build(layout)
@@ -75,8 +66,6 @@ class TrainWorker:
         """Back to the initial parameters with a fresh optimizer and LR scheduler; optionally change batch, schedule
         or optimizer keys (``RESETTABLE_KEYS``) -- e.g. to run the legacy baseline and the rollout-side schedule
         from the same start in one job."""
-        from slime_ext.patches import host_slime
-
         from .lr import build_scheduler
         from .model import init_canonical, unwrap
         from .optimizer import build_optimizer
@@ -86,7 +75,6 @@ class TrainWorker:
         if fixed:
             raise TrainConfigError(f"reset() cannot change {fixed}: they are fixed at setup(); start new workers")
         config = self.config.replace(**changes) if changes else self.config
-        host_slime.configure(config.dp_schedule)
         init_canonical([unwrap(c) for c in state.model], config)
         for chunk in state.model:
             chunk.zero_grad_buffer()
@@ -97,8 +85,6 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         """Leave the process groups and undo this worker's patches (safe to call twice, or before setup)."""
-        from slime_ext.patches import host_slime, megatron_cpu
-
         from .parallel import shutdown_parallel
 
         try:
@@ -106,23 +92,22 @@ class TrainWorker:
                 shutdown_parallel()
         finally:
             self.state = None
-            host_slime.undo()
             if self._cpu_patched:
                 megatron_cpu.undo()
                 self._cpu_patched = False
 
     # ------------------------------------------------------------------ work
-    def train_rollout(self, rollout_data: Mapping[str, Any]) -> list[dict]:
+    def train_rollout(self, payload: RankPayload) -> list[dict]:
         """Train on this DP rank's share of one rollout; one record per step (``train_step.train_one_step``)."""
         from .train_step import train_rollout
 
-        return train_rollout(self._require_setup(), rollout_data)
+        return train_rollout(self._require_setup(), payload)
 
-    def forward_only(self, rollout_data: Mapping[str, Any]) -> dict:
+    def forward_only(self, payload: RankPayload) -> dict:
         """Per-token log-probs of the response tokens (filled on the last pipeline stage)."""
         from .train_step import forward_only
 
-        return forward_only(self._require_setup(), rollout_data)
+        return forward_only(self._require_setup(), payload)
 
     # ------------------------------------------------------------------ inspection
     @property

@@ -77,7 +77,7 @@ class RaisingTrainWorker(TrainWorker):
     """Rank 1 raises on rollout 1, before any collective: its peers are left waiting in one."""
 
     def train_rollout(self, rollout_data):
-        if self.rank == 1 and rollout_data.get("rollout_id") == 1:
+        if self.rank == 1 and rollout_data.rollout_id == 1:
             raise InjectedFault("injected train failure on rank 1 at rollout 1")
         return super().train_rollout(rollout_data)
 
@@ -86,7 +86,7 @@ class HangingTrainWorker(TrainWorker):
     """Rank 1 stops responding on rollout 1: only the process-group timeout of its peers ends the wait."""
 
     def train_rollout(self, rollout_data):
-        if self.rank == 1 and rollout_data.get("rollout_id") == 1:
+        if self.rank == 1 and rollout_data.rollout_id == 1:
             time.sleep(3600)
         return super().train_rollout(rollout_data)
 
@@ -95,6 +95,6 @@ class DyingTrainWorker(TrainWorker):
     """Rank 1's process exits on rollout 1 (a crash: no exception, no clean-up)."""
 
     def train_rollout(self, rollout_data):
-        if self.rank == 1 and rollout_data.get("rollout_id") == 1:
+        if self.rank == 1 and rollout_data.rollout_id == 1:
             os._exit(17)
         return super().train_rollout(rollout_data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -65,11 +66,11 @@ def _disagree_job(rank: int, port: int, payloads: list) -> str:
 
 def test_ranks_with_different_micro_batch_counts_are_stopped_before_the_schedule_runs():
     payloads = _payloads()
-    bad = dict(payloads[1])  # rank 1 splits its first micro-batch in two: one micro-batch more than rank 0
-    first, rest = bad["micro_batch_indices"][0], bad["micro_batch_indices"][1:]
+    good = payloads[1]  # rank 1 splits its first micro-batch in two: one micro-batch more than rank 0
+    first, rest = good.micro_batch_indices[0], good.micro_batch_indices[1:]
     assert len(first) > 1
-    bad["micro_batch_indices"] = [first[:1], first[1:], *rest]
-    bad["num_microbatches"] = [bad["num_microbatches"][0] + 1, *bad["num_microbatches"][1:]]
+    bad = dataclasses.replace(good, micro_batch_indices=[first[:1], first[1:], *rest],
+                              num_microbatches=[good.num_microbatches[0] + 1, *good.num_microbatches[1:]])
     port = free_port()
     errors = launch([(_disagree_job, (rank, port, [payloads[0], bad])) for rank in range(2)], timeout=60)
     for err in errors:

@@ -54,7 +54,7 @@ def rollout_scenario(name, samples_list, batch, parallel, world_size, forward_on
 
 def legacy_scenario(name, samples_list, batch, dp_size):
     changes = {"dp_schedule": "legacy", **batch}
-    payloads = [legacy_payloads(samples, dp_size) for samples in samples_list]
+    payloads = [legacy_payloads(samples, dp_size, batch["global_batch_size"]) for samples in samples_list]
     steps = [(r, ids, batch["global_batch_size"])
              for r, p in enumerate(payloads) for ids in legacy_step_samples(p, batch["global_batch_size"])]
     return Scenario(name, samples_list, changes, payloads, steps)

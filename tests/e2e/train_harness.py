@@ -156,29 +156,36 @@ def plan(samples: list[dict], train_config: dict, world_size: int):
         loss_tokens=[sum(s["loss_mask"]) for s in samples])
 
 
-def _fields(samples: list[dict], ids: Sequence[int]) -> dict:
-    return dict(tokens=[samples[i]["tokens"] for i in ids], total_lengths=[samples[i]["total_length"] for i in ids],
-                response_lengths=[samples[i]["response_length"] for i in ids],
-                loss_masks=[samples[i]["loss_mask"] for i in ids], rewards=[samples[i]["reward"] for i in ids],
-                advantages=[samples[i]["advantage"] for i in ids], sample_indices=list(ids))
+def _batch(samples: list[dict]):
+    from slime_ext.schedule import SampleBatch
+
+    return SampleBatch(tokens=[s["tokens"] for s in samples], total_lengths=[s["total_length"] for s in samples],
+                       response_lengths=[s["response_length"] for s in samples],
+                       loss_masks=[s["loss_mask"] for s in samples], rewards=[s["reward"] for s in samples],
+                       advantages=[s["advantage"] for s in samples], rollout_ids=[s["rollout_id"] for s in samples])
 
 
-def rollout_payloads(samples: list[dict], schedule) -> list[dict]:
-    """Per DP rank: the samples of its partition (in order) plus ``schedule.rank_payload(r)``."""
-    return [{**_fields(samples, schedule.partitions[r]), **schedule.rank_payload(r)} for r in range(schedule.dp_size)]
+def rollout_payloads(samples: list[dict], schedule) -> list:
+    """Per DP rank: ``schedule.rank_payload(r, samples)``."""
+    batch = _batch(samples)
+    return [schedule.rank_payload(r, batch) for r in range(schedule.dp_size)]
 
 
-def legacy_payloads(samples: list[dict], dp_size: int) -> list[dict]:
+def legacy_payloads(samples: list[dict], dp_size: int, global_batch_size: int) -> list:
     """Upstream's split for the legacy path: strided over DP ranks, equal counts."""
-    n = len(samples) - len(samples) % dp_size
-    return [_fields(samples, list(range(r, n, dp_size))) for r in range(dp_size)]
+    from slime_ext.schedule import RankPayload
+
+    batch, n = _batch(samples), len(samples) - len(samples) % dp_size
+    return [RankPayload(rollout_id=0, dp_rank=r, dp_size=dp_size, partition=list(range(r, n, dp_size)),
+                        samples=batch.take(range(r, n, dp_size)), global_batch_size=global_batch_size)
+            for r in range(dp_size)]
 
 
 def legacy_step_samples(payloads: list[dict], global_batch_size: int) -> list[list[int]]:
     """Global ids per legacy step: rank r's samples [s * gbs/dp, (s+1) * gbs/dp), over all ranks."""
     local = global_batch_size // len(payloads)
-    steps = len(payloads[0]["sample_indices"]) // local
-    return [sorted(i for p in payloads for i in p["sample_indices"][s * local:(s + 1) * local]) for s in range(steps)]
+    steps = len(payloads[0].partition) // local
+    return [sorted(i for p in payloads for i in p.partition[s * local:(s + 1) * local]) for s in range(steps)]
 
 
 # ---------------------------------------------------------------------------------------------------- group jobs

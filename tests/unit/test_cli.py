@@ -136,7 +136,7 @@ def test_table_matches_the_schedule_and_the_planner(runner, rollout_jsonl, tmp_p
         assert int(row["samples"]) == st.num_samples
         assert int(row["tokens"]) == st.total_tokens
         assert int(row["mbs/rank"]) == st.num_microbatches
-        assert int(row["bound/rank"]) == st.aligned_lower_bound // 2
+        assert int(row["bound/rank"]) == st.packing_target // 2
         assert approx(row["util"], 100 * st.token_utilization)
         assert int(row["largest"].rstrip("*")) == st.largest_bin_tokens
         assert row["largest"].endswith("*") == (st.largest_bin_tokens > 4096)

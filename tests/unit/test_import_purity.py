@@ -1,4 +1,4 @@
-"""The planning layer must not import torch, ray or megatron (it runs on the rollout side, in CPU-only CI)."""
+"""Layer purity: planning imports no torch, ray or megatron; the rollout layer imports no training layer."""
 
 import subprocess
 import sys
@@ -15,3 +15,14 @@ def test_schedule_imports_no_torch_ray_megatron():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"slime_ext.schedule pulled in: {out.stdout.strip()}"
+
+
+def test_rollout_layer_does_not_import_the_training_layer():
+    code = (
+        "import sys\n"
+        "import slime_ext.rollout.driver, slime_ext.rollout.config, slime_ext.rollout.dispatch\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('slime_ext.training') or m.split('.')[0] == 'torch')\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"slime_ext.rollout pulled in: {out.stdout.strip()}"

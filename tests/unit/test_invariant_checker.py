@@ -11,10 +11,10 @@ from slime_ext.schedule import (
     BatchConfig,
     ParallelConfig,
     ScheduleError,
-    assert_valid_schedule,
     check_schedule,
     plan_schedule,
 )
+from slime_ext.schedule.invariants import assert_valid_schedule
 
 LENGTHS = [60, 50, 40, 40, 30, 30, 20, 10, 10, 10, 70, 80, 5, 5, 90, 15]
 IDS = [0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 10, 11, 12]

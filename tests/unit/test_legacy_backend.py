@@ -1,4 +1,5 @@
-"""The slime-shaped legacy backend: first-fit counts, all-reduce MAX, VPP rounding, KK without a cap, LR by gbs."""
+"""The runtime legacy path: first-fit counts, all-reduce MAX, VPP rounding (down, as upstream), KK without a cap,
+LR by gbs -- and the same schedule as the benchmark's legacy baseline on the same rollout."""
 
 from __future__ import annotations
 
@@ -8,29 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from slime_ext import baselines  # upstream's loops, spelled out: the oracle
+from slime_ext import baselines
+from slime_ext.schedule import RankPayload, SampleBatch
 from slime_ext.training import legacy_backend as lb
-
-
-def test_minimum_num_micro_batch_size_is_upstream_first_fit():
-    rng = random.Random(0)
-    for _ in range(200):
-        lengths = [rng.randint(1, 120) for _ in range(rng.randint(1, 40))]
-        cap = rng.randint(30, 200)
-        assert lb.get_minimum_num_micro_batch_size(lengths, cap) == baselines.get_minimum_num_micro_batch_size(lengths, cap)
-
-
-def test_data_iterator_static_slices_and_indices():
-    data = {"x": list(range(6))}
-    it = lb.DataIterator(data, micro_batch_size=2)
-    assert it.peek(2) == [[0, 1], [2, 3]]
-    assert [it.get_next(["x"])["x"] for _ in range(3)] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(lb.LegacyScheduleError, match="offset 6"):
-        it.get_next(["x"])
-    it = lb.DataIterator(data, micro_batch_indices=[[5, 0], [1]])
-    assert it.get_next(["x", "y"]) == {"x": [5, 0], "y": None}
-    with pytest.raises(lb.LegacyScheduleError, match="exactly one of"):
-        lb.DataIterator(data)
+from slime_ext.training.data import RolloutDataError
 
 
 @pytest.fixture
@@ -46,51 +28,82 @@ def fake_parallel(monkeypatch):
     return state
 
 
-def _data(lengths):
-    return {"total_lengths": list(lengths)}
+def _payload(lengths, gbs=8, dp_rank=0, partition=None):
+    n = len(lengths)
+    samples = SampleBatch(tokens=[[1] * L for L in lengths], total_lengths=list(lengths),
+                          response_lengths=[1] * n, loss_masks=[[1]] * n, rewards=[0.0] * n, advantages=[0.0] * n,
+                          rollout_ids=list(range(n)))
+    return RankPayload(rollout_id=0, dp_rank=dp_rank, dp_size=2, partition=partition or list(range(n)),
+                       samples=samples, global_batch_size=gbs)
+
+
+DYNAMIC = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=50,
+                          micro_batch_size=None)
 
 
 def test_dynamic_counts_take_the_dp_max_and_kk_fills_them_without_a_cap(fake_parallel):
-    args = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=50,
-                           micro_batch_size=None)
     lengths = [40, 30, 20, 10, 45, 5, 5, 5]  # steps of 4 local samples: first fit needs 2 and 2 bins
     fake_parallel.peer_counts = [3, 1]  # the other rank needs 3 in step 0
-    iterators, nmb = lb.get_data_iterator(args, None, _data(lengths))
+    iterators, nmb = lb.LegacyPath().get_data_iterator(DYNAMIC, None, _payload(lengths))
     assert nmb == [3, 2]
     mbs = iterators[0].micro_batch_indices
     assert len(mbs) == 5 and sorted(i for mb in mbs[:3] for i in mb) == [0, 1, 2, 3]
     assert sorted(i for mb in mbs[3:] for i in mb) == [4, 5, 6, 7]
     fake_parallel.peer_counts = [1, 1]
-    _, nmb = lb.get_data_iterator(args, None, _data([30, 30, 30, 30, 1, 1, 1, 1]))
+    _, nmb = lb.LegacyPath().get_data_iterator(DYNAMIC, None, _payload([30, 30, 30, 30, 2, 2, 2, 2]))
     assert nmb == [4, 1]  # no two 30-token samples share a 50-token bin
 
 
-def test_vpp_rounds_up_to_the_micro_batch_group(fake_parallel):
-    fake_parallel.vpp, fake_parallel.group, fake_parallel.peer_counts = 2, 2, [1]
-    args = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=100,
-                           micro_batch_size=None)
-    iterators, nmb = lb.get_data_iterator(args, None, _data([10, 20, 30, 15]))
-    assert nmb == [2] and len(iterators) == 2  # one bin by first fit, rounded up to the group of 2
+def test_runtime_is_the_benchmarks_legacy_schedule(fake_parallel):
+    """Per rank, the runtime's micro-batches are exactly those of ``baselines.legacy_schedule`` (one implementation)."""
+    rng = random.Random(3)
+    for _ in range(30):
+        lengths = [rng.randint(2, 60) for _ in range(16)]
+        vpp, group = rng.choice([(1, 1), (2, 2)])
+        sched = baselines.legacy_schedule(lengths, dp_size=2, global_batch_size=8, max_tokens_per_gpu=50,
+                                          vpp_size=vpp, microbatch_group_size_per_vp_stage=group, balance_data=True)
+        split = baselines.split_train_data_by_dp(lengths, 2, True)
+        counts = [baselines.legacy_step_counts([lengths[i] for i in p], 4, 50) for p in split]
+        fake_parallel.vpp, fake_parallel.group = vpp, group
+        for r, part in enumerate(split):
+            fake_parallel.peer_counts = counts[1 - r]
+            payload = _payload([lengths[i] for i in part], dp_rank=r, partition=part)
+            try:
+                iterators, nmb = lb.LegacyPath().get_data_iterator(DYNAMIC, None, payload)
+            except lb.LegacyScheduleError:  # only where upstream's rounding clamps below one group
+                assert any(c % group for c in sched.num_microbatches)
+                break
+            assert nmb == sched.num_microbatches and len(iterators) == vpp
+            assert [[part[i] for i in mb] for mb in iterators[0].micro_batch_indices] == \
+                [[sched.partitions[r][i] for i in mb] for mb in sched.micro_batch_indices[r]]
+
+
+def test_vpp_rounds_down_as_upstream_and_refuses_below_one_group(fake_parallel):
+    fake_parallel.vpp, fake_parallel.group = 2, 2
+    args = SimpleNamespace(**{**vars(DYNAMIC), "max_tokens_per_gpu": 35})
+    fake_parallel.peer_counts = [3]
+    iterators, nmb = lb.LegacyPath().get_data_iterator(args, None, _payload([10, 20, 30, 15]))
+    assert nmb == [2] and len(iterators) == 2  # 3 bins by first fit, rounded down to the group of 2
+    fake_parallel.peer_counts = [1]
+    with pytest.raises(lb.LegacyScheduleError, match="below one microbatch_group_size_per_vp_stage=2"):
+        lb.LegacyPath().get_data_iterator(SimpleNamespace(**{**vars(DYNAMIC), "max_tokens_per_gpu": 100}), None,
+                                          _payload([10, 20, 30, 15]))
 
 
 def test_static_counts_and_loud_errors(fake_parallel):
     args = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=False, micro_batch_size=2,
                            max_tokens_per_gpu=None)
-    iterators, nmb = lb.get_data_iterator(args, None, _data([5] * 8))
-    assert nmb == [2, 2] and iterators[0].micro_batch_size == 2
+    iterators, nmb = lb.LegacyPath().get_data_iterator(args, None, _payload([5] * 8))
+    assert nmb == [2, 2] and iterators[0].micro_batch_indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(lb.LegacyScheduleError, match="would drop 1 samples"):
-        lb.get_data_iterator(args, None, _data([5] * 9))
+        lb.LegacyPath().get_data_iterator(args, None, _payload([5] * 9))
     with pytest.raises(lb.LegacyScheduleError, match="multiple of dp_size=2"):
-        lb.get_data_iterator(SimpleNamespace(**{**vars(args), "global_batch_size": 7}), None, _data([5] * 8))
-    fake_parallel.peer_counts = [5]
-    dyn = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=100,
-                          micro_batch_size=None)
-    with pytest.raises(lb.LegacyScheduleError, match="5 micro-batches .* only 4 samples"):
-        lb.get_data_iterator(dyn, None, _data([5] * 4))
+        lb.LegacyPath().get_data_iterator(args, None, _payload([5] * 8, gbs=7))
+    planned = RankPayload(**{**vars(_payload([5] * 2)), "global_batch_size": None, "micro_batch_indices": [[0, 1]],
+                             "num_microbatches": [1], "samples_per_step": [2], "rollouts_per_step": [2]})
+    with pytest.raises(RolloutDataError, match="planned for dp_schedule=rollout"):
+        lb.LegacyPath().get_data_iterator(args, None, planned)
 
 
 def test_lr_steps_by_the_configured_global_batch_size():
-    calls = []
-    sched = SimpleNamespace(step=lambda increment: calls.append(increment))
-    assert lb.step_lr_scheduler(SimpleNamespace(global_batch_size=32), sched, {"samples_per_step": [7]}, 0) == 32
-    assert calls == [32]
+    assert lb.LegacyPath().lr_increment(SimpleNamespace(global_batch_size=32), _payload([5] * 8), 0) == 32

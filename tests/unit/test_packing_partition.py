@@ -1,4 +1,4 @@
-"""The building blocks: packers, the alignment splitter and the balanced partitioners."""
+"""The building blocks: packers and the alignment splitter (ours), the upstream partitioner -- against brute force."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slime_ext.schedule import best_fit_decreasing, expand_bins_by_splitting, first_fit_pack, karmarkar_karp, lpt_rounds
-from slime_ext import baselines  # upstream's loops, spelled out: the oracle
-from slime_ext.schedule.packing import cost_lpt_pack
-from slime_ext.schedule.packing import split_bin_by_tokens
-from slime_ext.schedule.partition import refine_equal_size
+from slime_ext import baselines  # upstream's algorithms in our words: the oracle
+from slime_ext.schedule import distribute
+from slime_ext.schedule.packing import (best_fit_decreasing, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds,
+                                        split_bin_by_tokens)
+from tests.brute_force import min_bins, min_max_load
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
 cap_st = st.integers(50, 400)
@@ -28,16 +28,18 @@ def assert_packing(bins, lengths, cap):
 
 @quick
 @given(lengths_st, cap_st)
-def test_first_fit_matches_upstream_loop(lengths, cap):
-    assert first_fit_pack(lengths, cap) == baselines.first_fit_pack(lengths, cap)
-
-
-@quick
-@given(lengths_st, cap_st)
 def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, cap):
     bins = best_fit_decreasing(np.array(lengths), cap)
     assert_packing(bins, lengths, cap)
     assert len(bins) <= len(baselines.first_fit_pack(lengths, cap))
+
+
+@quick
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), cap_st)
+def test_best_fit_decreasing_within_its_guarantee_of_the_optimum(lengths, cap):
+    """BFD uses at most 11/9 OPT + 6/9 bins (Dosa 2007); OPT by brute force over set partitions."""
+    opt = min_bins(lengths, cap)
+    assert len(best_fit_decreasing(np.array(lengths), cap)) <= 11 * opt / 9 + 6 / 9
 
 
 def labels_to_bins(bin_of, count):
@@ -45,18 +47,31 @@ def labels_to_bins(bin_of, count):
 
 
 @quick
-@given(lengths_st, cap_st, st.integers(1, 40), st.booleans())
-def test_lpt_gives_exactly_the_count_or_none(lengths, cap, count, by_cost):
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 4), st.booleans())
+def test_lpt_packs_exactly_the_count_and_balances_like_lpt(lengths, count, by_cost):
+    """Without a binding cap both packers must succeed: sequential LPT within Graham's bound (4/3 - 1/(3m)) of the
+    optimal max load (brute force); the rounds (one sample per bin per round, heaviest to the lightest bin) keep
+    max - min load within the largest weight. With a cap, what they return is a valid packing into ``count``."""
     x = np.array(lengths)
-    weights = x * (x + 50) if by_cost else x
+    weights = (x * (x + 50) if by_cost else x).astype(float)
     order = np.argsort(-x, kind="stable")
+    count = min(count, len(lengths))
+    roomy = int(x.sum())
+    opt = min_max_load(weights.tolist(), count)
+    bin_of = lpt_rounds(x, weights, order, count, roomy)
+    bins = cost_lpt_pack(x, weights, order, count, roomy)
+    assert bin_of is not None and bins is not None
+    rounds = labels_to_bins(bin_of, count)
+    for packing in (rounds, bins):
+        assert_packing(packing, lengths, roomy)
+        assert len(packing) == count
+    assert max(weights[b].sum() for b in bins) <= (4 / 3 - 1 / (3 * count)) * opt + 1e-9
+    loads = [weights[b].sum() for b in rounds]
+    assert max(loads) - min(loads) <= weights.max() + 1e-9
+    cap = max(lengths)
     bin_of = lpt_rounds(x, weights, order, count, cap)
     if bin_of is not None:
         assert_packing(labels_to_bins(bin_of, count), lengths, cap)
-    bins = cost_lpt_pack(x, weights.astype(float), order, count, cap) if count <= len(lengths) else None
-    if bins is not None:
-        assert len(bins) == count
-        assert_packing(bins, lengths, cap)
 
 
 def test_lpt_refuses_what_does_not_fit():
@@ -94,41 +109,49 @@ def test_split_halves_never_exceed_the_parent():
 
 
 @quick
-@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=60), st.integers(1, 8), st.booleans())
-def test_karmarkar_karp_partitions(weights, k, equal):
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 3), st.booleans())
+def test_upstream_karmarkar_karp_against_brute_force(weights, k, equal):
+    """Largest differencing is within 4/3 - 1/(3k) of the optimal max group sum (Michiels et al. 2007), keeps
+    equal group sizes when asked, and places every item exactly once."""
     if equal:
         weights = weights[: len(weights) // k * k]
     if len(weights) < k:
         with pytest.raises(ValueError):
-            karmarkar_karp(weights, k, equal)
+            baselines.get_seqlen_balanced_partitions(weights, k, equal)
         return
-    groups = karmarkar_karp(weights, k, equal)
-    assert len(groups) == k
-    assert sorted(i for g in groups for i in g) == list(range(len(weights)))
+    groups = baselines.karmarkar_karp(weights, k, equal)
+    assert len(groups) == k and sorted(i for g in groups for i in g) == list(range(len(weights)))
+    sums = [sum(weights[i] for i in g) for g in groups]
+    assert sums == sorted(sums, reverse=True)  # heaviest group first, as upstream
     if equal:
         assert {len(g) for g in groups} == {len(weights) // k}
-    # largest differencing never does worse than putting the largest item alone on top of the mean
-    sums = [sum(weights[i] for i in g) for g in groups]
-    assert max(sums) <= sum(weights) / k + max(weights) + 1e-6
+    else:
+        assert max(sums) <= (4 / 3 - 1 / (3 * k)) * min_max_load(weights, k) + 1e-9
 
 
 def test_karmarkar_karp_known_answer():
     # the textbook run of largest differencing on {8,7,6,5,4}: 8-7=1, 6-5=1, 4-1=3, 3-1=2 -> sums 16 and 14
-    groups = karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
-    assert sorted(sum([8, 7, 6, 5, 4][i] for i in g) for g in groups) == [14, 16]
-    groups = karmarkar_karp([1, 2, 3, 4, 5, 6], 3, equal_size=True)
+    groups = baselines.karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
+    assert [sum([8, 7, 6, 5, 4][i] for i in g) for g in groups] == [16, 14]
+    groups = baselines.karmarkar_karp([1, 2, 3, 4, 5, 6], 3, equal_size=True)
     assert sorted(sum(i + 1 for i in g) for g in groups) == [7, 7, 7]
 
 
-@quick
-@given(st.lists(st.floats(0, 1e3), min_size=4, max_size=60), st.integers(2, 6))
-def test_refinement_keeps_sizes_and_never_raises_the_maximum(weights, k):
-    weights = weights[: len(weights) // k * k]
-    if len(weights) < k:
-        return
-    groups = karmarkar_karp(weights, k, equal_size=True)
-    before = max(sum(weights[i] for i in g) for g in groups)
-    refined = refine_equal_size(weights, groups)
-    assert sorted(map(len, refined)) == sorted(map(len, groups))
-    assert sorted(i for g in refined for i in g) == list(range(len(weights)))
-    assert max(sum(weights[i] for i in g) for g in refined) <= before + 1e-9
+@pytest.mark.parametrize("per_rank", [3, 20, 130])
+def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch):
+    """The binary-search branch (more than DENSE_SWAP_LIMIT bins per rank) makes the same swaps as the dense one;
+    130 bins per rank reach it without the limit lowered. Sizes are kept and the maximum never rises."""
+    rng = np.random.default_rng(per_rank)
+    for dp in (2, 5):
+        costs = rng.lognormal(0.0, 1.0, dp * per_rank)
+        start = np.repeat(np.arange(dp), per_rank)
+        rng.shuffle(start)
+        dense = distribute.refine_by_swaps(costs, start, dp, 1e-9)
+        monkeypatch.setattr(distribute, "DENSE_SWAP_LIMIT", 0 if per_rank <= 128 else 10**9)
+        other = distribute.refine_by_swaps(costs, start, dp, 1e-9)
+        monkeypatch.undo()
+        assert dense.tolist() == other.tolist()
+        assert np.bincount(dense, minlength=dp).tolist() == [per_rank] * dp
+        loads = lambda r: np.bincount(r, weights=costs, minlength=dp).max()  # noqa: E731
+        assert loads(dense) <= loads(start) + 1e-9
+        assert loads(dense) < loads(start) or loads(start) <= costs.sum() / dp * (1 + 1e-9)

@@ -8,8 +8,9 @@ import pytest
 
 from slime_ext.rollout.dispatch import plan_rollout
 from slime_ext.rollout.synthetic import SYNTHETIC_DEFAULTS, generate_rollout
-from slime_ext.rollout.train_data import PER_SAMPLE_KEYS, flatten_samples, samples_to_train_data
-from slime_ext.schedule import ScheduleError, check_schedule, karmarkar_karp
+from slime_ext.baselines import get_seqlen_balanced_partitions
+from slime_ext.rollout.train_data import flatten_samples, samples_to_train_data
+from slime_ext.schedule import SampleBatch, ScheduleError, check_schedule
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=128)
 
@@ -32,12 +33,12 @@ def _tpc(dp, vpp=1, group=1):
 def _assert_every_sample_once(plan, data):
     owned = [i for p in plan.partitions for i in p]
     assert len(owned) == len(set(owned))
-    assert sorted(owned + plan.dropped) == list(range(len(data["tokens"])))
+    assert sorted(owned + plan.dropped) == list(range(len(data)))
     assert sorted(i for s in plan.step_samples for i in s) == sorted(owned)
     for r, payload in enumerate(plan.payloads):
-        for key in PER_SAMPLE_KEYS:
-            assert payload[key] == [data[key][i] for i in plan.partitions[r]], key
-        assert payload["dp_rank"] == r
+        for key in SampleBatch.KEYS:
+            assert getattr(payload.samples, key) == [getattr(data, key)[i] for i in plan.partitions[r]], key
+        assert payload.dp_rank == r and payload.partition == plan.partitions[r]
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4])
@@ -47,16 +48,14 @@ def test_rollout_path_payload_is_partition_plus_rank_slice(dp, balance):
     data = _data(args)
     plan = plan_rollout(data, args, _tpc(dp), rollout_id=3)
     _assert_every_sample_once(plan, data)
-    assert check_schedule(plan.schedule, total_lengths=data["total_lengths"]) == []
+    assert check_schedule(plan.schedule, total_lengths=data.total_lengths) == []
     for r, payload in enumerate(plan.payloads):
-        assert {k: payload[k] for k in plan.schedule.rank_payload(r)} == plan.schedule.rank_payload(r)
-        assert payload["rollout_id"] == 3 and payload["dp_schedule"] == "rollout"
-        assert payload["sample_indices"] == plan.partitions[r]
+        assert payload == plan.schedule.rank_payload(r, data, rollout_id=3) and payload.planned
     # 12 rollouts, 5 per step: two steps, the last 2 rollouts dropped -- and the reason says so
     assert plan.num_steps == 2 and plan.dropped
-    dropped_rollouts = {data["rollout_ids"][i] for i in plan.dropped}
+    dropped_rollouts = {data.rollout_ids[i] for i in plan.dropped}
     assert len(dropped_rollouts) == 2 and "2 trailing rollouts" in plan.dropped_reason
-    assert plan.schedule.loss_tokens_per_step == [sum(data["loss_tokens"][i] for i in s) for s in plan.step_samples]
+    assert plan.schedule.loss_tokens_per_step == [sum(data.loss_tokens[i] for i in s) for s in plan.step_samples]
 
 
 def test_rollout_path_keeps_a_rollout_in_one_step():
@@ -64,8 +63,8 @@ def test_rollout_path_keeps_a_rollout_in_one_step():
     data = _data(args)
     plan = plan_rollout(data, args, _tpc(2))
     step_of = {i: s for s, samples in enumerate(plan.step_samples) for i in samples}
-    for rid in set(data["rollout_ids"]):
-        steps = {step_of.get(i, "dropped") for i, r in enumerate(data["rollout_ids"]) if r == rid}
+    for rid in set(data.rollout_ids):
+        steps = {step_of.get(i, "dropped") for i, r in enumerate(data.rollout_ids) if r == rid}
         assert len(steps) == 1
 
 
@@ -84,7 +83,7 @@ def test_planner_errors_pass_through():
 def test_legacy_strided_split_trims_by_samples():
     args = _args(dp_schedule="legacy", global_batch_size=6, balance_data=False)
     data = _data(args)
-    n = len(data["tokens"])
+    n = len(data)
     plan = plan_rollout(data, args, _tpc(2))
     keep = n // 6 * 6
     assert plan.schedule is None
@@ -93,15 +92,15 @@ def test_legacy_strided_split_trims_by_samples():
     _assert_every_sample_once(plan, data)
     # the training side cuts each rank's samples into steps of global_batch_size / dp_size
     assert plan.step_samples[0] == sorted(plan.partitions[0][:3] + plan.partitions[1][:3])
-    assert all("micro_batch_indices" not in p for p in plan.payloads)
+    assert all(not p.planned and p.global_batch_size == 6 for p in plan.payloads)
 
 
 def test_legacy_balanced_split_is_upstreams_equal_size_karmarkar_karp():
     args = _args(dp_schedule="legacy", global_batch_size=6, balance_data=True)
     data = _data(args)
     plan = plan_rollout(data, args, _tpc(2))
-    keep = len(data["tokens"]) // 6 * 6
-    assert plan.partitions == [sorted(g) for g in karmarkar_karp(data["total_lengths"][:keep], 2, equal_size=True)]
+    keep = len(data) // 6 * 6
+    assert plan.partitions == get_seqlen_balanced_partitions(data.total_lengths[:keep], 2, equal_size=True)
     assert len({len(p) for p in plan.partitions}) == 1
     _assert_every_sample_once(plan, data)
 
@@ -109,10 +108,10 @@ def test_legacy_balanced_split_is_upstreams_equal_size_karmarkar_karp():
 def test_legacy_dynamic_global_batch_size():
     args = _args(dp_schedule="legacy", use_dynamic_global_batch_size=True, global_batch_size=None)
     data = _data(args)
-    n = len(data["tokens"])
+    n = len(data)
     plan = plan_rollout(data, args, _tpc(4))
     assert plan.num_steps == 1 and len(plan.step_samples[0]) == n // 4 * 4
-    assert all(p["dynamic_global_batch_size"] == n // 4 * 4 for p in plan.payloads)
+    assert all(p.global_batch_size == n // 4 * 4 for p in plan.payloads)
     assert plan.dropped == list(range(n // 4 * 4, n))
 
 
@@ -122,7 +121,7 @@ def test_legacy_trim_disabled_is_an_error():
         plan_rollout(_data(args), args, _tpc(2))
     args = _args(dp_schedule="legacy", global_batch_size=10, disable_rollout_trim_samples=True)
     data = _data(args)
-    if len(data["tokens"]) % 10:
+    if len(data) % 10:
         with pytest.raises(ScheduleError, match="disable-rollout-trim-samples"):
             plan_rollout(data, args, _tpc(2))
 

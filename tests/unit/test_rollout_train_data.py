@@ -16,11 +16,11 @@ def S(index, group, reward, tokens=(1, 2, 3, 4), response_length=2, loss_mask=No
 def test_fields_and_loss_tokens():
     samples = [S(0, 0, 1.0, loss_mask=[1, 0]), S(1, 0, 0.0, tokens=(5, 6, 7), response_length=1)]
     data = samples_to_train_data(samples, vocab_size=8, seq_length=4)
-    assert data["tokens"] == [[1, 2, 3, 4], [5, 6, 7]]
-    assert data["total_lengths"] == [4, 3] and data["response_lengths"] == [2, 1]
-    assert data["loss_masks"] == [[1, 0], [1]] and data["loss_tokens"] == [1, 1]
-    assert data["sample_indices"] == [0, 1] and data["rollout_ids"] == [0, 1]
-    assert data["rewards"] == [1.0, 0.0] and data["advantages"] == [0.5, -0.5]
+    assert data.tokens == [[1, 2, 3, 4], [5, 6, 7]]
+    assert data.total_lengths == [4, 3] and data.response_lengths == [2, 1]
+    assert data.loss_masks == [[1, 0], [1]] and data.loss_tokens == [1, 1]
+    assert data.rollout_ids == [0, 1]
+    assert data.rewards == [1.0, 0.0] and data.advantages == [0.5, -0.5]
 
 
 def test_advantage_counts_a_multi_sample_rollout_once():

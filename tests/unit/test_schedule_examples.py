@@ -4,6 +4,7 @@ FLOPs balancing, the slime-compatible form, serialisation and every kind of bad 
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +15,7 @@ from slime_ext.schedule import (
     CostModel,
     DPSchedule,
     ParallelConfig,
+    SampleBatch,
     ScheduleError,
     build_dp_schedule,
     compute_dynamic_global_batch_size,
@@ -75,7 +77,7 @@ def test_dynamic_reaches_the_aligned_bound_under_the_cap(checked):
     lengths = [60, 50, 40, 40, 30, 30, 20, 10, 10, 10]  # 300 tokens, cap 100 -> 3 bins -> aligned to 4
     s = checked(lengths, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=10, **DYN))
     assert s.num_microbatches == [2]
-    assert s.stats[0].total_microbatches == s.stats[0].aligned_lower_bound == 4
+    assert s.stats[0].total_microbatches == s.stats[0].packing_target == 4
     assert all(t <= 100 for r in range(2) for t in mb_tokens(s, r))
     assert s.stats[0].cap_violations == 0 and s.stats[0].largest_bin_tokens <= 100
 
@@ -84,7 +86,7 @@ def test_dynamic_cap_scales_with_cp(checked):
     s = checked([150, 150, 150, 150], ParallelConfig(dp_size=1, cp_size=2), BatchConfig(global_batch_size=4, **DYN))
     assert s.cap == 200
     # 600 tokens / 200 would be 3 bins, but two samples above cap/2 never share one: 4
-    assert s.num_microbatches == [4] and s.stats[0].aligned_lower_bound == 4
+    assert s.num_microbatches == [4] and s.stats[0].packing_target == 4
     assert mb_tokens(s, 0) == [150] * 4
 
 
@@ -135,7 +137,7 @@ def test_balance_data_is_near_perfect_on_rl_lengths(checked):
                         balance_data=True)
     s = checked(lengths, ParallelConfig(dp_size=16), batch, cost_model=cost)
     for st in s.stats:
-        assert st.total_microbatches == st.aligned_lower_bound
+        assert st.total_microbatches == st.packing_target
         assert st.flops_imbalance <= 1.005
         assert st.cap_violations == 0
 
@@ -238,11 +240,16 @@ def test_round_trip_through_json():
 def test_rank_payload_is_the_rank_slice():
     s = plan_schedule([30, 70, 20, 90], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN),
                       loss_tokens=[1, 1, 1, 1])
-    p = s.rank_payload(1)
-    assert p["partition"] == s.partitions[1] and p["micro_batch_indices"] == s.micro_batch_indices[1]
-    assert p["num_microbatches"] == s.num_microbatches and p["loss_tokens_per_step"] == [4]
+    lengths = [30, 70, 20, 90]
+    samples = SampleBatch(tokens=[[0] * n for n in lengths], total_lengths=lengths, response_lengths=[1] * 4,
+                          loss_masks=[[1]] * 4, rewards=[0.0] * 4, advantages=[0.0] * 4, rollout_ids=[0, 1, 2, 3])
+    p = s.rank_payload(1, samples, rollout_id=7)
+    assert p.partition == s.partitions[1] and p.micro_batch_indices == s.micro_batch_indices[1]
+    assert p.samples.total_lengths == [lengths[i] for i in s.partitions[1]] and p.rollout_id == 7
+    assert p.num_microbatches == s.num_microbatches and p.loss_tokens_per_step == [4]
+    assert pickle.loads(pickle.dumps(p)) == p
     with pytest.raises(ScheduleError, match="rank=2"):
-        s.rank_payload(2)
+        s.rank_payload(2, samples)
 
 
 def test_deterministic():

@@ -1,37 +1,38 @@
-"""DataIterator, get_data_iterator and rollout_data validation; micro-batch packing; loss scaling."""
+"""DataIterator, the rollout data path and RankPayload validation; micro-batch packing; loss scaling."""
 
 from __future__ import annotations
+
+import dataclasses
+import pickle
 
 import pytest
 import torch
 
-from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
+from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, ScheduleError, plan_schedule
 from slime_ext.training.batch import block_causal_mask, pack_micro_batch
-from slime_ext.training.data import DataIterator, RolloutDataError, get_data_iterator, step_bounds
+from slime_ext.training.data import DataIterator, RolloutDataError, RolloutPath
 from slime_ext.training.loss import loss_scale, policy_loss_sum, token_log_probs
 
 
-def _rollout_data(lengths, responses, schedule=None, rank=0):
+def _samples(lengths, responses) -> SampleBatch:
     n = len(lengths)
-    data = {
-        "tokens": [list(range(10 * i, 10 * i + L)) for i, L in enumerate(lengths)],
-        "total_lengths": list(lengths),
-        "response_lengths": list(responses),
-        "loss_masks": [[1] * r for r in responses],
-        "rewards": [0.0] * n,
-        "advantages": [float(i) for i in range(n)],
-        "sample_indices": [100 + i for i in range(n)],
-    }
-    if schedule is not None:
-        data.update(schedule.rank_payload(rank))
-    return data
+    return SampleBatch(tokens=[list(range(10 * i, 10 * i + L)) for i, L in enumerate(lengths)],
+                       total_lengths=list(lengths), response_lengths=list(responses),
+                       loss_masks=[[1] * r for r in responses], rewards=[0.0] * n,
+                       advantages=[float(i) for i in range(n)], rollout_ids=list(range(n)))
 
 
-def test_get_next_returns_lists_per_key_and_none_for_absent_keys():
-    data = _rollout_data([3, 4, 5], [1, 2, 3])
-    it = DataIterator(data, [[0, 2], [1]])
-    assert it.get_next(["total_lengths", "sample_indices", "nope"]) == {
-        "total_lengths": [3, 5], "sample_indices": [100, 102], "nope": None}
+def _payload(**changes) -> RankPayload:
+    fields = dict(rollout_id=0, dp_rank=0, dp_size=1, partition=[100, 101, 102], samples=_samples([3, 4, 5], [1, 2, 3]),
+                  micro_batch_indices=[[0, 1], [2]], num_microbatches=[2], samples_per_step=[3],
+                  rollouts_per_step=[3])
+    return RankPayload(**{**fields, **changes})
+
+
+def test_get_next_returns_lists_per_key():
+    it = DataIterator(_payload(), [[0, 2], [1]])
+    assert it.get_next(["total_lengths", "sample_indices", "local_index"]) == {
+        "total_lengths": [3, 5], "sample_indices": [100, 102], "local_index": [0, 2]}
     assert it.peek(1) == [[1]] and it.offset == 1
     assert it.get_next(["tokens"]) == {"tokens": [[10, 11, 12, 13]]}
     with pytest.raises(RolloutDataError, match="exhausted"):
@@ -39,44 +40,61 @@ def test_get_next_returns_lists_per_key_and_none_for_absent_keys():
     assert it.reset() is it and it.get_next(["total_lengths"])["total_lengths"] == [3, 5]
 
 
-def test_data_iterator_rejects_micro_batch_size():
-    with pytest.raises(TypeError, match="takes micro_batch_indices"):
-        DataIterator({}, 4)
-
-
-def test_get_data_iterator_one_per_vpp_stage_over_a_real_schedule():
+def test_rollout_path_one_iterator_per_vpp_stage_over_a_real_schedule():
     lengths = [30, 5, 12, 40, 7, 9, 22, 3]
     schedule = plan_schedule(lengths, ParallelConfig(dp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2),
                              BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=48),
                              loss_tokens=[L // 2 for L in lengths])
+    rollout = _samples(lengths, [L // 2 for L in lengths])
     for rank in range(2):
         part = schedule.partitions[rank]
-        data = _rollout_data([lengths[i] for i in part], [lengths[i] // 2 for i in part], schedule, rank)
-        iterators = get_data_iterator(data, vpp_size=2)
-        assert len(iterators) == 2 and iterators[0] is not iterators[1]
+        payload = pickle.loads(pickle.dumps(schedule.rank_payload(rank, rollout, rollout_id=4)))  # as through Ray
+        assert payload.partition == part and payload.samples.total_lengths == [lengths[i] for i in part]
+        iterators, nmb = RolloutPath().get_data_iterator(None, None, payload, vpp=2)
+        assert nmb == schedule.num_microbatches and len(iterators) == 2 and iterators[0] is not iterators[1]
         for it in iterators:  # every VPP stage walks the same micro-batches
-            got = [it.get_next(["total_lengths"])["total_lengths"] for _ in range(sum(data["num_microbatches"]))]
-            assert got == [[lengths[part[i]] for i in mb] for mb in schedule.micro_batch_indices[rank]]
-    assert step_bounds([2, 3, 1]) == [(0, 2), (2, 5), (5, 6)]
+            got = [it.get_next(["sample_indices"])["sample_indices"] for _ in range(sum(nmb))]
+            assert got == [[part[i] for i in mb] for mb in schedule.micro_batch_indices[rank]]
+        assert [RolloutPath().lr_increment(None, payload, s) for s in range(len(nmb))] == schedule.samples_per_step
+    with pytest.raises(ScheduleError, match="pass the whole rollout"):
+        schedule.rank_payload(0, rollout.take([0, 1]))
+
+
+def test_the_data_paths_refuse_each_others_payloads():
+    legacy = _payload(micro_batch_indices=None, num_microbatches=None, samples_per_step=None,
+                      rollouts_per_step=None, global_batch_size=3)
+    with pytest.raises(RolloutDataError, match="planned for dp_schedule=legacy but this trainer runs "
+                                               "dp_schedule=rollout"):
+        RolloutPath().get_data_iterator(None, None, legacy, vpp=1)
+    with pytest.raises(RolloutDataError, match="takes a slime_ext.schedule.RankPayload, got dict"):
+        RolloutPath().get_data_iterator(None, None, {"tokens": []}, vpp=1)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(num_microbatches=[1]), r"num_microbatches=\[1\]: must sum to the 2 micro-batches"),
+    (dict(micro_batch_indices=[[1, 0], [2]]), "must tile range"),
+    (dict(micro_batch_indices=[[0, 1, 2], []], num_microbatches=[2]), "must tile range"),
+    (dict(samples_per_step=[3, 3]), r"samples_per_step=\[3, 3\]: give one entry per step \(1\)"),
+    (dict(dp_rank=1), r"dp_rank=1: must be in \[0, dp_size=1\)"),
+    (dict(partition=[1]), "give one global id per sample"),
+    (dict(micro_batch_indices=None), "the legacy path"),
+])
+def test_bad_payload_is_rejected_naming_the_field(changes, message):
+    with pytest.raises(ScheduleError, match=message):
+        _payload(**changes)
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.pop("micro_batch_indices"), "missing the schedule fields"),
-    (lambda d: d.update(num_microbatches=[1]), r"sum\(num_microbatches\)=1"),
-    (lambda d: d.update(micro_batch_indices=[[1, 0], [2]]), "must tile range"),
-    (lambda d: d.update(micro_batch_indices=[[0, 1, 2], []]), "must tile range"),
-    (lambda d: d.update(samples_per_step=[3, 3]), "samples_per_step has 2 entries"),
-    (lambda d: d.update(advantages=[0.0]), r"rollout_data\['advantages'\] has 1 entries"),
-    (lambda d: d["loss_masks"].__setitem__(0, [1, 1]), "len\\(loss_masks\\)=2 but response_lengths=1"),
-    (lambda d: d["response_lengths"].__setitem__(1, 4), r"response_lengths=4 must be in \[1, total_length-1=3\]"),
-    (lambda d: d["tokens"].__setitem__(2, [1]), "len\\(tokens\\)=1 but total_lengths=5"),
+    (lambda d: d.update(advantages=[0.0]), r"SampleBatch.advantages=<1 entries>"),
+    (lambda d: d["loss_masks"].__setitem__(0, [1, 1]), r"loss_masks\[0\]=<2 entries>"),
+    (lambda d: d["response_lengths"].__setitem__(1, 4), r"response_lengths\[1\]=4: must be in \[1, total_length-1=3\]"),
+    (lambda d: d["tokens"].__setitem__(2, [1]), r"total_lengths\[2\]=5: must equal len\(tokens\[2\]\)=1"),
 ])
-def test_bad_rollout_data_is_rejected_naming_the_field(mutate, message):
-    data = _rollout_data([3, 4, 5], [1, 2, 3])
-    data.update(micro_batch_indices=[[0, 1], [2]], num_microbatches=[2], samples_per_step=[3])
-    mutate(data)
-    with pytest.raises(RolloutDataError, match=message):
-        get_data_iterator(data, vpp_size=1)
+def test_bad_samples_are_rejected_naming_the_field(mutate, message):
+    fields = dataclasses.asdict(_samples([3, 4, 5], [1, 2, 3]))
+    mutate(fields)
+    with pytest.raises(ScheduleError, match=message):
+        SampleBatch(**fields)
 
 
 def test_pack_micro_batch_keeps_samples_apart():
