@@ -1,0 +1,202 @@
+"""Runs slime-ext inside one real slime tree and prints what happened as JSON (one process per slime revision,
+since slime's modules are process-wide). The host tests (``test_slime_*.py``) start it and check the JSON.
+
+    python tests/hosts/slime_probe.py ledger --case multi_sample      (slime's tree and Megatron on PYTHONPATH)
+
+Scenarios:
+
+* ``ledger --case NAME``: real ``RolloutManager._split_train_data_by_dp`` (patched in this "driver" by
+  ``slime_ext.integrations.slime.enable()``, exactly as Ray would ship it) -> real ``process_rollout_data`` ->
+  the trainer's real ``get_data_iterator`` / ``DataIterator`` (v0.2.4: the actor's bound name, switched by
+  slime-ext's ``megatron_init`` hook). Every micro-batch each rank's iterators yield is recorded.
+* ``revision``: which revision slime-ext detected, and the patches it applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_stubs  # noqa: E402
+
+gpu_stubs.install()
+
+#: ledger cases: rollouts as sample lengths, plus the parallel layout and flags
+CASES = {
+    # one sample per rollout, dynamic batches, balance_data, 2 steps, 1 trailing rollout trimmed
+    "one_sample": dict(rollouts=[[37], [120], [64], [15], [90], [33], [250], [18], [77]], dp=2, gbs=4,
+                       dynamic=True, max_tokens=256, balance_data=True),
+    # compact / subagent style: rollouts emit 1..4 samples; groups must stay whole; tail trimmed
+    "multi_sample": dict(rollouts=[[40, 22, 61], [80], [12, 13], [200, 5, 9, 30], [70, 70], [44], [150, 3],
+                                   [66, 10, 10], [25]], dp=2, gbs=2, dynamic=True, max_tokens=200,
+                         balance_data=True),
+    # VPP=2 (micro-batches per rank a multiple of microbatch_group_size_per_vp_stage=2)
+    "vpp2": dict(rollouts=[[30 + 7 * i] for i in range(16)], dp=2, gbs=8, dynamic=True, max_tokens=128,
+                 balance_data=False, vpp=2, mb_group=2),
+    # CP=2: the cap is max_tokens_per_gpu * cp_size; a sample above it sits alone
+    "cp2": dict(rollouts=[[300], [40], [90, 60], [20], [110], [75], [130], [55]], dp=2, gbs=4, dynamic=True,
+                max_tokens=100, balance_data=True, cp=2),
+    # static micro-batches of 2 samples
+    "static": dict(rollouts=[[10 + 3 * i] for i in range(16)], dp=2, gbs=8, dynamic=False, mbs=2,
+                   balance_data=True),
+}
+
+
+def make_args(case: dict, *, revision: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        dp_schedule="rollout", global_batch_size=case["gbs"], micro_batch_size=case.get("mbs", 1),
+        use_dynamic_batch_size=case["dynamic"], max_tokens_per_gpu=case.get("max_tokens"),
+        balance_data=case["balance_data"], balance_by_flops=False, use_dynamic_global_batch_size=False,
+        disable_rollout_trim_samples=False, context_parallel_size=case.get("cp", 1),
+        virtual_pipeline_model_parallel_size=case.get("vpp"), microbatch_group_size_per_vp_stage=case.get("mb_group"),
+        pipeline_model_parallel_size=2 if case.get("vpp") else 1,
+        hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=4, kv_channels=16, ffn_hidden_size=256,
+        vocab_size=1000, num_experts=None, swiglu=False, use_wandb=False, use_tensorboard=False,
+        custom_megatron_init_path=None, qkv_format="thd",
+    )
+
+
+def train_data(case: dict, revision: str) -> tuple[dict, list[int]]:
+    """slime's train data for the case. tokens of sample ``i`` are all ``i``, so the trainer side can tell which
+    sample a micro-batch holds from its tokens alone."""
+    tokens, rollout_of = [], []
+    for rid, lengths in enumerate(case["rollouts"]):
+        for length in lengths:
+            tokens.append([len(tokens)] * length)
+            rollout_of.append(rid)
+    n = len(tokens)
+    data = {"tokens": tokens, "response_lengths": [max(1, len(t) // 2) for t in tokens],
+            "rewards": [float(i % 3) for i in range(n)], "raw_reward": [float(i % 3) for i in range(n)],
+            "truncated": [0] * n, "loss_masks": [[1] * max(1, len(t) // 2) for t in tokens]}
+    if revision == "0.2.4":
+        data["sample_indices"] = list(rollout_of)  # Sample.index: one id per rollout
+    elif revision == "0.3.0":
+        data["sample_indices"] = list(range(n))
+        data["group_ids"] = list(rollout_of)
+        data["group_mask_sums"] = [1.0] * n
+    else:
+        data["sample_indices"] = list(range(n))
+        data["rollout_ids"] = list(rollout_of)
+    return data, rollout_of
+
+
+def run_ledger(case_name: str) -> dict:
+    import ray
+
+    from slime_ext.integrations import slime as integration
+    from slime_ext.integrations.slime import planner
+    from slime_ext.patches import slime_host
+
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("slime_ext.integrations.slime").addHandler(Capture())
+    logging.getLogger("slime_ext.integrations.slime").setLevel(logging.INFO)
+
+    integration.enable()  # the driver: patches slime's RolloutManager before it would be shipped
+    import slime.ray.rollout as rollout_module
+    from slime.utils.data import process_rollout_data
+
+    revision = slime_host.detect_revision()
+    case = CASES[case_name]
+    args = make_args(case, revision=revision.version)
+    data, rollout_of = train_data(case, revision.version)
+    n = len(rollout_of)
+    lengths = [len(t) for t in data["tokens"]]
+    dp = case["dp"]
+
+    manager_cls = slime_host.rollout_manager_classes(rollout_module)[0]  # the class Ray ships
+    manager = object.__new__(manager_cls)
+    manager.args, manager.rollout_id = args, 0
+    manager.train_parallel_config = {"dp_size": dp, "cp_size": case.get("cp", 1), "vpp_size": case.get("vpp") or 1,
+                                     "microbatch_group_size_per_vp_stage": case.get("mb_group") or 1}
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        if revision.version == "0.2.4":
+            refs = manager._split_train_data_by_dp(data, dp)
+        else:
+            refs = manager._split_train_data_by_dp(data)
+        per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
+    finally:
+        ray.shutdown()
+
+    from megatron.core import parallel_state as mpu
+
+    vpp = case.get("vpp") or 1
+    mpu.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    data_module = __import__("slime.backends.megatron_utils.data", fromlist=["x"])
+    if revision.plans_on_train_side:
+        integration.megatron_init(args)  # what slime's train actor runs through --custom-megatron-init-path
+        try:
+            trainer_module = __import__("slime.backends.megatron_utils.actor", fromlist=["x"])
+            bound = "slime.backends.megatron_utils.actor.get_data_iterator"
+        except ImportError:  # no Megatron-LM source: megatron.training is missing, use the defining module
+            trainer_module, bound = data_module, "slime.backends.megatron_utils.data.get_data_iterator"
+
+        def iterators_of(rollout_data):
+            return trainer_module.get_data_iterator(args, None, rollout_data)
+    else:
+        bound = "slime.backends.megatron_utils.data.get_data_iterator"
+
+        def iterators_of(rollout_data):
+            return data_module.get_data_iterator(rollout_data), list(rollout_data["num_microbatches"])
+
+    ranks = []
+    for r, rollout_data in enumerate(per_rank):
+        iterators, num_mbs = iterators_of(rollout_data)
+        stages = []
+        for it in iterators:
+            steps = []
+            for count in num_mbs:
+                mbs = []
+                for _ in range(count):
+                    batch = it.get_next(["tokens", "total_lengths"])
+                    mbs.append([int(t[0]) for t in batch["tokens"]])
+                steps.append(mbs)
+            stages.append(steps)
+        step_sizes = getattr(iterators[0], "slime_ext_samples_per_step", None)
+        ranks.append({"num_microbatches": num_mbs, "stages": stages, "vpp_iterators": len(iterators),
+                      "keys_seen_by_slime": sorted(rollout_data), "samples_per_step": step_sizes,
+                      "global_batch_sizes": rollout_data.get("global_batch_sizes")})
+    report = planner.last_report
+    return {"revision": revision.version, "case": case_name, "n": n, "lengths": lengths, "rollout_of": rollout_of,
+            "dp": dp, "cap": case["max_tokens"] * case.get("cp", 1) if case["dynamic"] else None,
+            "gbs": case["gbs"], "vpp": vpp, "mb_group": case.get("mb_group") or 1, "bound": bound, "ranks": ranks,
+            "report": None if report is None else report.__dict__ | {"num_microbatches": list(report.num_microbatches)},
+            "log": records}
+
+
+def run_revision() -> dict:
+    from slime_ext.integrations import slime as integration
+    from slime_ext.patches import slime_host
+
+    integration.enable()
+    import slime.ray.rollout  # noqa: F401  (patched on import)
+
+    revision = slime_host.detect_revision()
+    applied = integration._applied["rollout"]
+    return {"revision": revision.version, "ids_keyword": revision.ids_keyword,
+            "patches": [p.target for p in applied.patches], "describe": applied.describe()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["ledger", "revision"])
+    parser.add_argument("--case", choices=sorted(CASES), default="one_sample")
+    ns = parser.parse_args()
+    out = run_ledger(ns.case) if ns.scenario == "ledger" else run_revision()
+    print("SLIME_PROBE_JSON " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    main()
