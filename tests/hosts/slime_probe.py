@@ -86,6 +86,14 @@ def train_data(case: dict, revision: str) -> tuple[dict, list[int]]:
     return data, rollout_of
 
 
+_records: list[str] = []
+
+
+class _Capture(logging.Handler):
+    def emit(self, record):
+        _records.append(record.getMessage())
+
+
 def run_ledger(case_name: str) -> dict:
     import ray
 
@@ -93,14 +101,12 @@ def run_ledger(case_name: str) -> dict:
     from slime_ext.integrations.slime import planner
     from slime_ext.patches import slime_host
 
-    records = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("slime_ext.integrations.slime").addHandler(Capture())
-    logging.getLogger("slime_ext.integrations.slime").setLevel(logging.INFO)
+    records = _records
+    records.clear()
+    log = logging.getLogger("slime_ext.integrations.slime")
+    if not any(isinstance(h, _Capture) for h in log.handlers):
+        log.addHandler(_Capture())
+    log.setLevel(logging.INFO)
 
     integration.enable()  # the driver: patches slime's RolloutManager before it would be shipped
     import slime.ray.rollout as rollout_module
@@ -119,15 +125,13 @@ def run_ledger(case_name: str) -> dict:
     manager.args, manager.rollout_id = args, 0
     manager.train_parallel_config = {"dp_size": dp, "cp_size": case.get("cp", 1), "vpp_size": case.get("vpp") or 1,
                                      "microbatch_group_size_per_vp_stage": case.get("mb_group") or 1}
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        if revision.version == "0.2.4":
-            refs = manager._split_train_data_by_dp(data, dp)
-        else:
-            refs = manager._split_train_data_by_dp(data)
-        per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
-    finally:
-        ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if revision.version == "0.2.4":
+        refs = manager._split_train_data_by_dp(data, dp)
+    else:
+        refs = manager._split_train_data_by_dp(data)
+    per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
 
     from megatron.core import parallel_state as mpu
 
@@ -172,7 +176,7 @@ def run_ledger(case_name: str) -> dict:
             "dp": dp, "cap": case["max_tokens"] * case.get("cp", 1) if case["dynamic"] else None,
             "gbs": case["gbs"], "vpp": vpp, "mb_group": case.get("mb_group") or 1, "bound": bound, "ranks": ranks,
             "report": None if report is None else report.__dict__ | {"num_microbatches": list(report.num_microbatches)},
-            "log": records}
+            "log": list(records)}
 
 
 def run_revision() -> dict:
@@ -190,10 +194,18 @@ def run_revision() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ledger", "revision"])
+    parser.add_argument("scenario", choices=["ledger", "revision", "all"])
     parser.add_argument("--case", choices=sorted(CASES), default="one_sample")
     ns = parser.parse_args()
-    out = run_ledger(ns.case) if ns.scenario == "ledger" else run_revision()
+    if ns.scenario == "ledger":
+        out = run_ledger(ns.case)
+    elif ns.scenario == "revision":
+        out = run_revision()
+    else:  # everything for this slime tree in one process
+        out = {"revision": run_revision(), "ledgers": {name: run_ledger(name) for name in CASES}}
+        import ray
+
+        ray.shutdown()
     print("SLIME_PROBE_JSON " + json.dumps(out))
 
 
