@@ -179,6 +179,89 @@ def run_ledger(case_name: str) -> dict:
             "log": list(records)}
 
 
+def slime_args(**megatron) -> argparse.Namespace:
+    """slime's own defaults for every slime flag (its real parser, with slime-ext's options joined as the launcher
+    joins them), plus the Megatron flags slime reads off the same namespace."""
+    from slime.utils import arguments
+
+    from slime_ext.integrations import slime as integration
+
+    parser = argparse.ArgumentParser(allow_abbrev=False, conflict_handler="resolve")
+    with gpu_stubs.inert_calls():
+        parser = arguments.get_slime_extra_args_provider(integration.add_arguments)(parser)
+    args, _ = parser.parse_known_args(["--rollout-batch-size", "9", "--debug-train-only",
+                                       "--rollout-function-path", "slime_fixtures.generate",
+                                       "--eval-function-path", "slime_fixtures.generate",
+                                       "--data-source-path", "slime_fixtures.TinyDataSource"])
+    base = dict(global_batch_size=2, micro_batch_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, microbatch_group_size_per_vp_stage=None,
+                hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                ffn_hidden_size=256, vocab_size=1000, num_experts=None, swiglu=False, use_wandb=False,
+                use_tensorboard=False, use_dynamic_batch_size=True, max_tokens_per_gpu=200, balance_data=True)
+    for key, value in {**base, **megatron}.items():
+        setattr(args, key, value)
+    # the flags slime pre-parses apart (slime.utils.arguments._pre_parse_mode), as `--debug-train-only` sets them
+    for key, value in dict(debug_train_only=True, debug_rollout_only=False, load_debug_rollout_data=None,
+                           train_backend="megatron").items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    integration._finish(args)
+    return args
+
+
+def run_actor() -> dict:
+    """A real Ray actor: slime's RolloutManager, patched in this driver and shipped by Ray, generates a rollout
+    (slime_fixtures), converts it with slime's own code and splits it; the driver reads the payloads back."""
+    import ray
+
+    from slime_ext.integrations import slime as integration
+    from slime_ext.patches import slime_host
+
+    integration.enable()
+    import slime.ray.rollout as rollout_module
+    from slime.utils.data import process_rollout_data
+
+    import slime_fixtures
+
+    revision = slime_host.detect_revision()
+    args = slime_args()
+    dp = 2
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "RAY_AUTH_MODE": "disabled"}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "gpu_stubs.install"})
+    try:
+        manager = rollout_module.RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, None)
+        ray.get(manager.set_train_parallel_config.remote(
+            {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}))
+        refs = ray.get(manager.generate.remote(0))
+        per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
+    finally:
+        ray.shutdown()
+    lengths = [n for r in slime_fixtures.ROLLOUTS for n in r]
+    rollout_of = [rid for rid, r in enumerate(slime_fixtures.ROLLOUTS) for _ in r]
+    ranks = []
+    for rollout_data in per_rank:
+        if revision.plans_on_train_side:
+            sched = rollout_data["slime_ext_schedule"]
+            mbi, num_mbs, sizes = sched["micro_batch_indices"], sched["num_microbatches"], sched["samples_per_step"]
+        else:
+            mbi, num_mbs, sizes = rollout_data["micro_batch_indices"], rollout_data["num_microbatches"], None
+        mbs = [[int(rollout_data["tokens"][i][0]) for i in mb] for mb in mbi]
+        steps, k = [], 0
+        for count in num_mbs:
+            steps.append(mbs[k:k + count])
+            k += count
+        ranks.append({"num_microbatches": num_mbs, "stages": [steps], "vpp_iterators": 1, "samples_per_step": sizes,
+                      "keys_seen_by_slime": [], "global_batch_sizes": rollout_data.get("global_batch_sizes")})
+    kept = sum(len(mb) for r in ranks for s in r["stages"][0] for mb in s)
+    dropped = len(lengths) - kept
+    return {"revision": revision.version, "case": "actor", "n": len(lengths), "lengths": lengths,
+            "rollout_of": rollout_of, "dp": dp, "cap": 200, "gbs": 2, "vpp": 1, "mb_group": 1, "ranks": ranks,
+            "report": {"dropped_samples": dropped, "num_steps": len(ranks[0]["num_microbatches"])},
+            "log": None}  # the actor logs to this process's output, which the test reads
+
+
 def run_revision() -> dict:
     from slime_ext.integrations import slime as integration
     from slime_ext.patches import slime_host
@@ -194,13 +277,15 @@ def run_revision() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ledger", "revision", "all"])
+    parser.add_argument("scenario", choices=["ledger", "revision", "actor", "all"])
     parser.add_argument("--case", choices=sorted(CASES), default="one_sample")
     ns = parser.parse_args()
     if ns.scenario == "ledger":
         out = run_ledger(ns.case)
     elif ns.scenario == "revision":
         out = run_revision()
+    elif ns.scenario == "actor":
+        out = run_actor()
     else:  # everything for this slime tree in one process
         out = {"revision": run_revision(), "ledgers": {name: run_ledger(name) for name in CASES}}
         import ray
