@@ -42,3 +42,21 @@ def generate(args, rollout_id, data_source, evaluation=False):
             position += 1
         groups.append(group)
     return groups
+
+
+def close_tensorboard(manager) -> None:
+    """Run inside the RolloutManager actor: close slime's tensorboard writer so its events reach the disk."""
+    try:
+        from slime.observability.tensorboard_utils import _TensorboardAdapter
+    except ImportError:
+        from slime.utils.tensorboard_utils import _TensorboardAdapter
+    _TensorboardAdapter(manager.args).finish()
+
+
+def read_tensorboard(directory: str) -> dict[str, list[float]]:
+    """Every scalar slime logged to tensorboard under ``directory``: ``{tag: [values]}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(directory)
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

@@ -223,11 +223,15 @@ def run_actor() -> dict:
 
     import slime_fixtures
 
+    import tempfile
+
     revision = slime_host.detect_revision()
-    args = slime_args()
+    args = slime_args(use_tensorboard=True, tb_project_name="slime-ext-host", tb_experiment_name="actor")
     dp = 2
     here = str(Path(__file__).resolve().parent)
-    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "RAY_AUTH_MODE": "disabled"}
+    tb_dir = tempfile.mkdtemp(prefix="slime-ext-tb-")
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "RAY_AUTH_MODE": "disabled",
+           "TENSORBOARD_DIR": tb_dir}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False,
              runtime_env={"env_vars": env, "worker_process_setup_hook": "gpu_stubs.install"})
     try:
@@ -236,8 +240,10 @@ def run_actor() -> dict:
             {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}))
         refs = ray.get(manager.generate.remote(0))
         per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
+        ray.get(manager.__ray_call__.remote(slime_fixtures.close_tensorboard))  # slime's writer never flushes
     finally:
         ray.shutdown()
+    metrics = slime_fixtures.read_tensorboard(tb_dir)
     lengths = [n for r in slime_fixtures.ROLLOUTS for n in r]
     rollout_of = [rid for rid, r in enumerate(slime_fixtures.ROLLOUTS) for _ in r]
     ranks = []
@@ -259,7 +265,8 @@ def run_actor() -> dict:
     return {"revision": revision.version, "case": "actor", "n": len(lengths), "lengths": lengths,
             "rollout_of": rollout_of, "dp": dp, "cap": 200, "gbs": 2, "vpp": 1, "mb_group": 1, "ranks": ranks,
             "report": {"dropped_samples": dropped, "num_steps": len(ranks[0]["num_microbatches"])},
-            "log": None}  # the actor logs to this process's output, which the test reads
+            "log": None,  # the actor logs to this process's output, which the test reads
+            "metrics": metrics}
 
 
 def run_revision() -> dict:

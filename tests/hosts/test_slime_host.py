@@ -146,4 +146,7 @@ def test_the_switch_works_inside_slimes_ray_actor(slime_env):
     actor_log = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "RolloutManager pid=" in ln]
     assert any("slime-ext planned" in ln for ln in actor_log), "the plan was not made in the RolloutManager actor"
     assert figures["dropped"] == 3 and any(f"slime-ext dropped {figures['dropped']} samples" in ln for ln in actor_log)
+    # ... and in slime's metrics (its tensorboard writer, in the actor)
+    assert out["metrics"].get("rollout/slime_ext/dropped_samples") == [3.0], sorted(out["metrics"])
+    assert out["metrics"].get("rollout/slime_ext/dropped_rollouts") == [1.0]
     print(f"ACTOR {slime_env['tag']}: {figures}")
