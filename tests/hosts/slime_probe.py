@@ -186,9 +186,10 @@ def slime_args(**megatron) -> argparse.Namespace:
 
     from slime_ext.integrations import slime as integration
 
-    parser = argparse.ArgumentParser(allow_abbrev=False, conflict_handler="resolve")
+    integration.enable()  # slime's provider now adds slime-ext's options after slime's own, as in the launcher
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     with gpu_stubs.inert_calls():
-        parser = arguments.get_slime_extra_args_provider(integration.add_arguments)(parser)
+        parser = arguments.get_slime_extra_args_provider()(parser)
     args, _ = parser.parse_known_args(["--rollout-batch-size", "9", "--debug-train-only",
                                        "--rollout-function-path", "slime_fixtures.generate",
                                        "--eval-function-path", "slime_fixtures.generate",

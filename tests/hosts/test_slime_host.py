@@ -150,3 +150,18 @@ def test_the_switch_works_inside_slimes_ray_actor(slime_env):
     assert out["metrics"].get("rollout/slime_ext/dropped_samples") == [3.0], sorted(out["metrics"])
     assert out["metrics"].get("rollout/slime_ext/dropped_rollouts") == [1.0]
     print(f"ACTOR {slime_env['tag']}: {figures}")
+
+
+def test_the_launcher_puts_slime_ext_options_in_slimes_parser(slime_env):
+    """`python -m slime_ext.integrations.slime train.py --help` on slime's real train.py and parser."""
+    if slime_env["megatron"] is None:
+        pytest.skip("slime's parser is Megatron-LM's (megatron.training.arguments): set MEGATRON_LM_GIT")
+    proc = subprocess.run([sys.executable, str(HERE / "run_with_stubs.py"), "slime_ext.integrations.slime",
+                           "train.py", "--debug-train-only", "--help"], cwd=slime_env["root"], env=slime_env["env"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ours = proc.stdout[proc.stdout.index("\nslime-ext:"):]
+    assert "--dp-schedule {rollout,legacy}" in ours
+    for flag in ("--use-dynamic-global-batch-size", "--disable-rollout-trim-samples", "--balance-by-flops"):
+        # each option exactly once: slime's own where it has it, slime-ext's where it does not
+        assert proc.stdout.count(f"  {flag}") == 1, flag
