@@ -1,0 +1,175 @@
+"""slime-ext inside slime (github.com/THUDM/slime): the rollout-side schedule in slime's own processes.
+
+The switch is one line: start slime's driver through slime-ext::
+
+    python -m slime_ext.integrations.slime train.py --balance-data --use-dynamic-batch-size ...   # was: python train.py ...
+
+That runs slime's ``train.py`` unchanged after :func:`enable`, which
+
+1. adds slime-ext's options to slime's own parser (``--dp-schedule rollout|legacy``, and where this slime lacks
+   them ``--use-dynamic-global-batch-size``, ``--disable-rollout-trim-samples``, ``--balance-by-flops``), so they
+   are parsed like every slime flag;
+2. patches slime's RolloutManager in the driver, before Ray ships it to its actor (see
+   :mod:`slime_ext.patches.slime_host` for why it must be the driver): it plans each rollout with slime-ext;
+3. for slime v0.2.4, whose trainer plans on its own, sets ``--custom-megatron-init-path`` to :func:`megatron_init`
+   (chaining a hook the user gave), which switches each train actor to the sent schedule.
+
+A driver of your own calls :func:`enable` before slime creates the RolloutManager and parses its args with
+slime's ``parse_args``. Supported slime: :data:`slime_ext.patches.slime_host.SUPPORTED_TAGS`; anything else is
+refused with a ``PatchError`` that says what was expected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import logging
+import sys
+from typing import Any, Callable
+
+from slime_ext.patches import PatchError
+from slime_ext.patches import slime_host
+
+logger = logging.getLogger("slime_ext.integrations.slime")
+
+__all__ = ["PatchError", "add_arguments", "enable", "enabled", "megatron_init"]
+
+DP_SCHEDULES = ("rollout", "legacy")
+#: the hook slime's train actors call (``--custom-megatron-init-path``)
+MEGATRON_INIT_PATH = "slime_ext.integrations.slime.megatron_init"
+#: where the user's own ``--custom-megatron-init-path`` is kept, to be chained
+USER_INIT_ATTR = "slime_ext_user_megatron_init_path"
+
+
+def enabled(args: Any) -> bool:
+    """Whether slime-ext plans for this job (``--dp-schedule rollout``, the default once switched on)."""
+    return getattr(args, "dp_schedule", "rollout") == "rollout"
+
+
+def add_arguments(parser: Any) -> Any:
+    """slime-ext's options, added to slime's argparse parser (each only if this slime does not have it)."""
+    have = set(getattr(parser, "_option_string_actions", {}))
+    group = parser.add_argument_group(title="slime-ext")
+    if "--dp-schedule" not in have:
+        group.add_argument("--dp-schedule", choices=DP_SCHEDULES, default="rollout",
+                           help="rollout: slime-ext plans micro-batches for every DP rank once per rollout "
+                                "(default); legacy: slime's own path, untouched")
+    if "--use-dynamic-global-batch-size" not in have:
+        group.add_argument("--use-dynamic-global-batch-size", action="store_true", default=False,
+                           help="slime-ext: one training step per rollout, whatever its size")
+    if "--disable-rollout-trim-samples" not in have:
+        group.add_argument("--disable-rollout-trim-samples", action="store_true", default=False,
+                           help="slime-ext: never drop trailing rollouts that do not fill a step; an incomplete "
+                                "step is an error instead")
+    if "--balance-by-flops" not in have:
+        group.add_argument("--balance-by-flops", action="store_true", default=False,
+                           help="slime-ext: also balance estimated FLOPs across a step's micro-batches (dynamic "
+                                "batches), under the same token cap")
+    return parser
+
+
+def _finish(args: Any) -> None:
+    """After slime parsed: route slime's train-actor hook through slime-ext when slime-ext plans."""
+    if not enabled(args):
+        logger.info("slime-ext: --dp-schedule legacy, slime plans as usual")
+        return
+    user_hook = getattr(args, "custom_megatron_init_path", None)
+    if user_hook != MEGATRON_INIT_PATH:
+        setattr(args, USER_INIT_ATTR, user_hook)
+        args.custom_megatron_init_path = MEGATRON_INIT_PATH
+    logger.info("slime-ext: the rollout side plans every DP rank's micro-batches (--dp-schedule rollout)")
+
+
+def megatron_init(args: Any) -> None:
+    """slime's ``--custom-megatron-init-path`` hook, run in every train actor: switch v0.2.4's trainer to the
+    sent schedule (later trainers consume it natively), then run the user's own hook, if any."""
+    if enabled(args) and "train" not in _applied:
+        patch_set = slime_host.train_patches(slime_host.train_revision(), enabled)
+        patch_set.apply()
+        _applied["train"] = patch_set
+    user_hook = getattr(args, USER_INIT_ATTR, None)
+    if user_hook:
+        module, _, name = user_hook.rpartition(".")
+        getattr(importlib.import_module(module), name)(args)
+
+
+# ------------------------------------------------------------------------------------------------- driver side
+_applied: dict[str, Any] = {}
+
+
+def _patch_arguments(module: Any) -> None:
+    if "args" not in _applied:
+        patch_set = slime_host.args_patches(add_arguments, _finish)
+        patch_set.apply()
+        _applied["args"] = patch_set
+
+
+def _patch_rollout(module: Any) -> None:
+    if "rollout" not in _applied:
+        revision = slime_host.detect_revision()
+        patch_set = slime_host.rollout_patches(revision, enabled)
+        patch_set.apply()
+        _applied["rollout"] = patch_set
+        logger.info(f"slime-ext: patched slime {revision.version} ({len(patch_set.patches)} patches)")
+
+
+#: module -> what to do right after it is imported (or at once, if it already is)
+_ON_IMPORT: dict[str, Callable[[Any], None]] = {
+    "slime.utils.arguments": _patch_arguments,
+    "slime.ray.rollout": _patch_rollout,
+}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``_ON_IMPORT[name]`` right after module ``name`` executes, before any importer sees it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _ON_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                exec_module = loader.exec_module
+
+                def exec_then_patch(module, _exec=exec_module, _name=fullname):
+                    _exec(module)
+                    _ON_IMPORT[_name](module)
+
+                spec.loader = _Wrapped(loader, exec_then_patch)
+                return spec
+        return None
+
+
+class _Wrapped(importlib.abc.Loader):
+    def __init__(self, loader, exec_module):
+        self._loader, self._exec = loader, exec_module
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._exec(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def enable() -> None:
+    """Switch slime-ext on in this (driver) process: patch slime's parser and RolloutManager now if they are
+    imported, else the moment they are. Idempotent. Raises ``PatchError`` for a slime it does not know."""
+    for name, action in _ON_IMPORT.items():
+        if name in sys.modules:
+            action(sys.modules[name])
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def disable() -> None:
+    """Undo :func:`enable` (for tests): restore slime's functions and stop watching imports."""
+    for key in list(_applied):
+        _applied.pop(key).undo()
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]

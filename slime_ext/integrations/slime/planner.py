@@ -1,0 +1,197 @@
+"""The rollout side of the slime integration: slime's train data -> slime-ext's schedule -> slime's payloads.
+
+Two shapes of slime, both served here:
+
+* **v0.2.4** (before slime planned on the rollout side): ``RolloutManager._split_train_data_by_dp(data, dp_size)``
+  splits samples over DP ranks and the train actors plan micro-batches themselves. :func:`rank_payloads`
+  replaces that split: every rank's dict keeps slime's v0.2.4 layout (``partition``, per-sample lists in partition
+  order, ``raw_reward``/``total_lengths`` whole) plus one extra entry, :data:`SCHEDULE_KEY`, that the train-side
+  adapter (:mod:`.trainer`) consumes and removes before slime's own code sees the dict.
+* **v0.3.0 and later** (slime's own rollout-side planner): :func:`build_dp_schedule` has slime's signature and
+  return value, ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``; slime's trainer
+  consumes it unchanged. The grouping keyword is ``group_indices`` at v0.3.0 and ``rollout_indices`` later.
+
+Trailing rollouts that do not fill a step are dropped as slime drops them, but never silently: each plan is
+logged (logger ``slime_ext.integrations.slime``) and its :class:`PlanReport` is kept for slime's metrics
+(:func:`log_plan_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from slime_ext.schedule import DPSchedule, ScheduleError
+from slime_ext.schedule import build_dp_schedule as plan_dp_schedule
+
+logger = logging.getLogger("slime_ext.integrations.slime")
+
+#: the entry of a v0.2.4 rank payload that carries the rank's slice of the schedule to the train actor
+SCHEDULE_KEY = "slime_ext_schedule"
+#: v0.2.4 ships these whole to every rank (the train side slices ``total_lengths`` by ``partition`` and logs the
+#: pass rate from the whole ``raw_reward``); every other per-sample list is sliced by partition on this side
+WHOLE_KEYS = ("raw_reward", "total_lengths")
+#: train data that v0.2.4's split does not forward to the trainer (its log functions cannot summarise them)
+NOT_FORWARDED = ("metadata",)
+
+
+class SlimePlanError(ScheduleError, AssertionError):
+    """The rollout cannot be planned. Also an ``AssertionError``: slime's own planner signals these cases with
+    ``assert``, and callers written against it may catch that."""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """What one rollout's plan kept and dropped, for slime's logs and metrics."""
+
+    num_samples: int
+    num_rollouts: int
+    num_steps: int
+    dropped_samples: int
+    dropped_rollouts: int
+    num_microbatches: tuple[int, ...]
+    flops_imbalance: float
+
+    def metrics(self) -> dict[str, float]:
+        """slime metric names (``rollout/`` prefix, as slime's rollout logging uses)."""
+        return {
+            "rollout/slime_ext/dropped_samples": self.dropped_samples,
+            "rollout/slime_ext/dropped_rollouts": self.dropped_rollouts,
+            "rollout/slime_ext/train_steps": self.num_steps,
+            "rollout/slime_ext/microbatches_per_rank": sum(self.num_microbatches),
+            "rollout/slime_ext/flops_max_over_mean": self.flops_imbalance,
+        }
+
+
+#: the report of the last plan made in this process (the RolloutManager actor plans one rollout at a time)
+last_report: PlanReport | None = None
+
+
+def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
+         global_batch_size: int | None, rollout_indices: Sequence[Any], loss_tokens: Sequence[int] | None = None
+         ) -> DPSchedule:
+    """slime-ext's schedule for one rollout, read off slime's ``args`` (``--balance-data``,
+    ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, ...)."""
+    global last_report
+    config = dict(train_parallel_config)
+    if len(rollout_indices) != len(total_lengths):
+        raise SlimePlanError(f"{len(rollout_indices)} rollout ids for {len(total_lengths)} samples; every sample "
+                             f"needs its rollout id (samples[i].rollout_id / index)")
+    gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
+    ids = _dense_ids(rollout_indices)
+    try:
+        schedule = plan_dp_schedule(args, config, list(total_lengths), global_batch_size=gbs,
+                                    rollout_indices=ids, loss_tokens=loss_tokens)
+    except ScheduleError as exc:
+        raise SlimePlanError(str(exc)) from None
+    last_report = _report(schedule, ids)
+    _log(last_report)
+    return schedule
+
+
+def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
+                      global_batch_size: int, rollout_indices: Sequence[Any] | None = None,
+                      group_indices: Sequence[Any] | None = None
+                      ) -> tuple[list[list[int]], list[list[list[int]]], list[int], list[int]]:
+    """Drop-in for ``slime.utils.dp_schedule.build_dp_schedule`` (v0.3.0: ``group_indices=``; later:
+    ``rollout_indices=``). ``global_batch_sizes[s]`` is the number of rollouts in step ``s``: slime's trainer
+    steps the LR scheduler by it and normalises the loss with it."""
+    if (rollout_indices is None) == (group_indices is None):
+        raise SlimePlanError("build_dp_schedule takes exactly one of rollout_indices= and group_indices=")
+    ids = rollout_indices if rollout_indices is not None else group_indices
+    schedule = plan(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
+                    rollout_indices=ids)
+    return ([list(p) for p in schedule.partitions], [[list(mb) for mb in r] for r in schedule.micro_batch_indices],
+            list(schedule.num_microbatches), list(schedule.rollouts_per_step))
+
+
+def rank_payloads(args: Any, data: Mapping[str, Any], train_parallel_config: Mapping[str, Any]) -> list[dict]:
+    """v0.2.4: one dict per DP rank in slime's layout, planned by slime-ext (the body of the replaced split).
+
+    The rollout id of sample ``i`` is ``data["sample_indices"][i]`` (``Sample.index``); samples sharing it stay in
+    one step. ``global_batch_size`` counts rollouts per step, which is v0.2.4's count of samples when every
+    rollout emits one sample.
+    """
+    total_lengths = [len(t) for t in data["tokens"]]
+    rollout_ids = data.get("sample_indices") or list(range(len(total_lengths)))
+    loss_tokens = [int(sum(m)) for m in data["loss_masks"]] if "loss_masks" in data else None
+    schedule = plan(args, train_parallel_config, total_lengths, global_batch_size=None,
+                    rollout_indices=rollout_ids, loss_tokens=loss_tokens)
+    n = len(total_lengths)
+    payloads = []
+    for r in range(schedule.dp_size):
+        partition = list(schedule.partitions[r])
+        payload: dict[str, Any] = {"partition": partition}
+        for key, value in data.items():
+            if key in NOT_FORWARDED or key == "total_lengths":
+                continue
+            if key in WHOLE_KEYS:
+                payload[key] = value
+            elif isinstance(value, (list, tuple)) and len(value) == n:
+                payload[key] = [value[i] for i in partition]
+        payload["total_lengths"] = total_lengths
+        payload[SCHEDULE_KEY] = {
+            "micro_batch_indices": [list(mb) for mb in schedule.micro_batch_indices[r]],
+            "num_microbatches": list(schedule.num_microbatches),
+            "samples_per_step": list(schedule.samples_per_step),
+            "rollouts_per_step": list(schedule.rollouts_per_step),
+        }
+        payloads.append(payload)
+    return payloads
+
+
+def log_plan_metrics(args: Any, rollout_id: int, report: PlanReport | None = None) -> None:
+    """Send the plan's figures to slime's tracking (wandb / tensorboard), under slime's ``rollout/step``."""
+    report = report or last_report
+    if report is None or not (getattr(args, "use_wandb", False) or getattr(args, "use_tensorboard", False)):
+        return
+    log, compute_rollout_step = _slime_tracking()
+    metrics = report.metrics()
+    metrics["rollout/step"] = compute_rollout_step(args, rollout_id)
+    log(args, metrics, step_key="rollout/step")
+
+
+def _slime_tracking():
+    try:  # slime after 2026-08 moved tracking to slime.observability
+        from slime.observability.logging_utils import log
+        from slime.observability.metric_utils import compute_rollout_step
+    except ImportError:
+        from slime.utils.logging_utils import log
+        from slime.utils.metric_utils import compute_rollout_step
+    return log, compute_rollout_step
+
+
+def _dense_ids(rollout_indices: Sequence[Any]) -> list[int]:
+    """Rollout ids as 0..k-1 in first-seen order (slime's ids may be any hashable, e.g. None-filled or str)."""
+    dense: dict[Any, int] = {}
+    return [dense.setdefault(rid, len(dense)) for rid in rollout_indices]
+
+
+def _report(schedule: DPSchedule, ids: Sequence[int]) -> PlanReport:
+    dropped_rollouts = len({ids[i] for i in schedule.dropped})
+    worst = max((s.flops_imbalance for s in schedule.stats), default=1.0)
+    return PlanReport(num_samples=schedule.num_samples, num_rollouts=len(set(ids)), num_steps=schedule.num_steps,
+                      dropped_samples=len(schedule.dropped), dropped_rollouts=dropped_rollouts,
+                      num_microbatches=tuple(schedule.num_microbatches), flops_imbalance=round(worst, 4))
+
+
+def _log(report: PlanReport) -> None:
+    logger.info(f"slime-ext planned {report.num_samples} samples of {report.num_rollouts} rollouts into "
+                f"{report.num_steps} steps, micro-batches per rank {list(report.num_microbatches)}, "
+                f"FLOPs max/mean {report.flops_imbalance}")
+    if report.dropped_samples:
+        logger.warning(f"slime-ext dropped {report.dropped_samples} samples of {report.dropped_rollouts} trailing "
+                       f"rollouts that do not fill a step of --global-batch-size rollouts; make the rollout a "
+                       f"multiple of it to train on every sample, or pass --disable-rollout-trim-samples to make "
+                       f"this an error")
+
+
+def v024_parallel_config(args: Any, dp_size: int) -> dict[str, int]:
+    """v0.2.4's RolloutManager knows only ``dp_size``; the rest of slime's parallel dict comes from Megatron's
+    args, as the train actors see them (``microbatch_group_size_per_vp_stage`` defaults to the PP size)."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or getattr(
+        args, "pipeline_model_parallel_size", 1) or 1
+    return {"dp_size": int(dp_size), "cp_size": int(getattr(args, "context_parallel_size", 1) or 1),
+            "vpp_size": int(vpp), "microbatch_group_size_per_vp_stage": int(group)}
