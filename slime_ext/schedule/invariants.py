@@ -15,6 +15,7 @@ import numpy as np
 from .bounds import bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, sample_costs
+from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
 from .validate import check_int_array
@@ -203,8 +204,9 @@ def input_problem(sched: DPSchedule) -> str | None:
     kinds = ((sched.parallel, ParallelConfig), (sched.batch, BatchConfig))
     if any(not isinstance(value, kind) for value, kind in kinds) or not isinstance(sched.stats, list) \
             or not all(isinstance(s, StepStats) for s in sched.stats) \
-            or not (sched.cost_model is None or isinstance(sched.cost_model, CostModel)):
-        return "parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, CostModel"
+            or not (sched.cost_model is None or isinstance(sched.cost_model, (CostModel, CostProfile))):
+        return ("parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, "
+                "CostModel or CostProfile")
     d = {f.name: getattr(sched, f.name) for f in dataclasses.fields(DPSchedule)}
     d.update(stats=[dataclasses.asdict(s) for s in sched.stats], parallel=sched.parallel.to_dict(),
              batch=sched.batch.to_dict(), cost_model=None if sched.cost_model is None else sched.cost_model.to_dict())

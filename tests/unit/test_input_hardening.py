@@ -259,7 +259,7 @@ def test_issue_examples_cost_model(kwargs, field):
 
 
 def test_a_non_cost_model_is_refused():
-    with pytest.raises(ScheduleError, match="cost_model must be a CostModel or None, got dict"):
+    with pytest.raises(ScheduleError, match="cost_model must be a CostModel, a CostProfile or None, got dict"):
         plan_schedule([10], *STATIC, cost_model={"hidden_size": 8})
 
 

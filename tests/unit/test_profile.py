@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -171,7 +172,8 @@ def heavy_lengths(n: int, seed: int) -> np.ndarray:
 def _predicted_step(schedule, profile: CostProfile) -> float:
     lengths = schedule.total_lengths
     total = 0.0
-    for s, (lo, hi) in enumerate(schedule.step_bounds()):
+    ends = list(itertools.accumulate(schedule.num_microbatches))
+    for lo, hi in zip([0] + ends[:-1], ends):  # each step's micro-batches, on every rank
         total += max(profile.rank_time([[lengths[schedule.partitions[r][i]] for i in mb]
                                         for mb in schedule.micro_batch_indices[r][lo:hi]])
                      for r in range(schedule.dp_size))
