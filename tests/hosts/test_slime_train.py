@@ -1,0 +1,162 @@
+"""Stretch of issue 7: real slime v0.2.4 training on CPU (gloo, DP=2) on the Megatron-LM commit slime pins, slime's own
+data path against slime-ext's, compared on the parameters after two steps (``slime_train_worker.py`` does the work;
+its module doc lists every place where the run departs from a GPU run of slime, and why).
+
+    SLIME_GIT=/path/to/slime MEGATRON_LM_GIT=/path/to/Megatron-LM ci/host_test tests/hosts/test_slime_train.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HOW, _git_dir, megatron_tree, slime_tree
+
+torch = pytest.importorskip("torch")
+
+WORKER = Path(__file__).resolve().parent / "slime_train_worker.py"
+DP = 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slime_train_worker import CASES, LR, WARMUP_ITERS  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def v024_env(slime_git) -> dict:
+    if _git_dir("MEGATRON_LM_GIT") is None:
+        pytest.skip(f"no Megatron-LM checkout (real slime training needs megatron.training): {HOW}")
+    root = slime_tree(slime_git, "v0.2.4")
+    megatron = megatron_tree(root)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(megatron), str(repo)]),
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict, timeout: int = 1500) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd[1:4])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _train(env: dict, case: str, path: str, out: Path) -> list[dict]:
+    """Two gloo ranks of the worker's ``train`` phase; their results, by rank."""
+    port = _free_port()
+    procs = []
+    for rank in range(DP):
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(DP), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "train", "--case", case, "--path", path,
+                                       "--out", str(out)], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=1800)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{path} training did not finish in 30 min")
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        if proc.returncode != 0:
+            pytest.fail(f"{path} rank {rank} failed ({proc.returncode}):\n{log[-8000:]}")
+    return [torch.load(out / f"{path}-result-rank{r}.pt", weights_only=False) for r in range(DP)]
+
+
+@pytest.fixture(scope="module")
+def runs(v024_env, tmp_path_factory) -> dict:
+    """``{case: {"slime": [rank results], "ext": [rank results]}}``: both paths trained on the same data."""
+    results = {}
+    for case in CASES:
+        out = tmp_path_factory.mktemp(case)
+        _run([sys.executable, str(WORKER), "prepare", "--case", case, "--out", str(out)], v024_env)
+        results[case] = {path: _train(v024_env, case, path, out) for path in ("slime", "ext")}
+    return results
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _max_update(before_a: dict, after: dict) -> float:
+    return max(float((after[k] - before_a[k]).abs().max()) for k in after)
+
+
+def _samples(case: str) -> list[int]:
+    return [len(r) for r in CASES[case]["rollouts"]]
+
+
+def _warmup_lr(num_steps: int, gbs: int) -> float:
+    """megatron's linear warmup from 0: ``lr * num_steps / (warmup_iters * global_batch_size)``."""
+    return LR * num_steps / (WARMUP_ITERS * gbs)
+
+
+def test_both_paths_ran_slimes_trainer(runs):
+    for case, paths in runs.items():
+        for r in range(DP):
+            slime, ext = paths["slime"][r], paths["ext"][r]
+            assert slime["get_data_iterator"].endswith("data.get_data_iterator") and not slime["train_one_step_wrapped"]
+            assert ext["train_one_step_wrapped"], "slime-ext's megatron_init did not wrap train_one_step"
+            assert ext["samples_per_step"] is not None, "slime-ext's get_data_iterator did not consume the schedule"
+            assert slime["args"]["transformer_impl"] == "local" and not slime["args"]["bf16"]
+            assert len(slime["num_microbatches"]) == len(ext["num_microbatches"]) == 2
+            # slime's all-reduced/planned counts: every rank runs the same number of micro-batches per step
+            assert paths["ext"][0]["num_microbatches"] == ext["num_microbatches"]
+            assert paths["slime"][0]["num_microbatches"] == slime["num_microbatches"]
+        # DP replicas agree after the step (DDP all-reduced the gradients)
+        for path in ("slime", "ext"):
+            assert _max_diff(paths[path][0]["params"], paths[path][1]["params"]) == 0.0
+
+
+def test_one_sample_rollouts_match_slimes_own_path(runs):
+    """One sample per rollout, nothing trimmed: the same samples per step, the same LR increment (4 samples) and
+    loss normaliser (4); only the micro-batch grouping differs, so the parameters agree up to float reordering."""
+    slime, ext = runs["one_sample"]["slime"], runs["one_sample"]["ext"]
+    gbs = CASES["one_sample"]["gbs"]
+    assert ext[0]["samples_per_step"] == [gbs, gbs]
+    for r in range(DP):
+        assert slime[r]["scheduler_num_steps"] == ext[r]["scheduler_num_steps"] == 2 * gbs
+        assert ext[r]["lr"] == pytest.approx([_warmup_lr(2 * gbs, gbs)] * len(ext[r]["lr"]))
+        assert {c["dynamic_global_batch_size"] for c in ext[r]["loss_calls"]} == {gbs}
+        assert {c["dynamic_global_batch_size"] for c in slime[r]["loss_calls"]} == {None}  # args.global_batch_size
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"one_sample: max |slime - slime-ext| over all parameters after 2 steps = {diff:.3e}")
+    assert diff < 1e-5
+
+
+def test_multi_sample_rollouts_step_by_samples(runs):
+    """Rollouts of 1..3 samples stay whole, so slime-ext's steps hold the samples of 4 rollouts each: the LR
+    scheduler advances by exactly those samples and slime's loss_function normalises by them."""
+    ext, slime = runs["multi_sample"]["ext"], runs["multi_sample"]["slime"]
+    per_rollout = _samples("multi_sample")
+    gbs = CASES["multi_sample"]["gbs"]
+    expected_steps = [sum(per_rollout[:gbs]), sum(per_rollout[gbs:2 * gbs])]
+    assert ext[0]["samples_per_step"] == expected_steps
+    assert sum(expected_steps) == sum(per_rollout)  # nothing trimmed: every sample trained
+    trained = sum(c["samples"] for r in range(DP) for c in ext[r]["loss_calls"])
+    assert trained == sum(per_rollout)
+    for r in range(DP):
+        assert ext[r]["scheduler_num_steps"] == sum(expected_steps)
+        assert ext[r]["lr"] == pytest.approx([_warmup_lr(sum(expected_steps), gbs)] * len(ext[r]["lr"]))
+        # micro-batches of step s saw the step's sample count as the normaliser
+        calls = ext[r]["loss_calls"]
+        first = ext[r]["num_microbatches"][0]
+        assert {c["dynamic_global_batch_size"] for c in calls[:first]} == {expected_steps[0]}
+        assert {c["dynamic_global_batch_size"] for c in calls[first:]} == {expected_steps[1]}
+        # slime's own path steps by --global-batch-size samples per step, whatever the rollouts
+        assert slime[r]["scheduler_num_steps"] == 2 * gbs
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"multi_sample: max |slime - slime-ext| after 2 steps = {diff:.3e} (they train on different steps)")
+    assert diff > 1e-5
