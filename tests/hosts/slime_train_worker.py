@@ -147,7 +147,7 @@ def megatron_argv(case: dict, load_dir: Path, path: str) -> list[str]:
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
         "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-        "--lr", str(LR), "--min-lr", "0.0", "--lr-decay-style", "constant", "--lr-warmup-init", "0.0",
+        "--lr", str(LR), "--min-lr", "0.0", "--lr-decay-style", "constant", "--lr-warmup-init", str(LR / 2), "--lr-decay-iters", "100",
         "--lr-warmup-iters", str(WARMUP_ITERS), "--weight-decay", "0.0", "--clip-grad", "1e9",
         "--adam-beta1", "0.9", "--adam-beta2", "0.999", "--seed", "1234",
         "--load", str(load_dir), "--no-load-optim", "--no-load-rng",

@@ -99,8 +99,9 @@ def _samples(case: str) -> list[int]:
 
 
 def _warmup_lr(num_steps: int, gbs: int) -> float:
-    """megatron's linear warmup from 0: ``lr * num_steps / (warmup_iters * global_batch_size)``."""
-    return LR * num_steps / (WARMUP_ITERS * gbs)
+    """Megatron's linear warmup from ``LR / 2`` over ``WARMUP_ITERS * global_batch_size`` samples, at the scheduler's
+    sample counter ``num_steps`` (the LR the next step would use)."""
+    return LR / 2 + (LR - LR / 2) * num_steps / (WARMUP_ITERS * gbs)
 
 
 def test_both_paths_ran_slimes_trainer(runs):
