@@ -60,7 +60,9 @@ VOCAB = 96
 #: rollouts as sample lengths (prompt + response); response is the second half
 CASES = {
     # one sample per rollout: slime's path and slime-ext's step over the same samples with the same counts
-    "one_sample": dict(rollouts=[[12], [30], [17], [25], [40], [9], [21], [33]], gbs=4, mbs=1),
+    # (micro-batches of 2: slime pairs each rank's samples in order, slime-ext pairs them by its own plan)
+    "one_sample": dict(rollouts=[[12], [30], [17], [25], [40], [9], [21], [33], [14], [28], [19], [36], [10], [24],
+                                 [31], [16]], gbs=8, mbs=2),
     # multi-sample rollouts: slime-ext keeps rollouts whole, so its steps hold 3..5 samples, not 4
     "multi_sample": dict(rollouts=[[12, 20], [30], [17, 9, 14], [25], [40, 11], [9], [21, 16], [33]], gbs=4,
                          mbs=1),
@@ -248,6 +250,7 @@ def train(case_name: str, path: str, out: Path) -> dict:
     with megatron_cpu.cpu_device_context(), _no_cuda_stream():
         model, optimizer, scheduler = model_module.setup_model_and_optimizer(args, "actor")
 
+    initial = {name: p.detach().clone() for name, p in model[0].named_parameters()}
     seen = []
     original_loss = model_module.loss_function
 
@@ -273,7 +276,8 @@ def train(case_name: str, path: str, out: Path) -> dict:
 
     params = {name: p.detach().clone() for name, p in model[0].named_parameters()}
     result = {
-        "rank": rank, "path": path, "params": params, "num_microbatches": list(num_microbatches),
+        "rank": rank, "path": path, "params": params, "initial_params": initial,
+        "get_data_iterator_replaced": hasattr(actor_module.get_data_iterator, "__wrapped__"), "num_microbatches": list(num_microbatches),
         "samples_per_step": samples_per_step, "scheduler_num_steps": int(scheduler.num_steps),
         "lr": [g["lr"] for g in optimizer.param_groups], "loss_calls": seen,
         "local_samples": len(rollout_data["tokens"]),

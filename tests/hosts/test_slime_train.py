@@ -90,10 +90,6 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _max_update(before_a: dict, after: dict) -> float:
-    return max(float((after[k] - before_a[k]).abs().max()) for k in after)
-
-
 def _samples(case: str) -> list[int]:
     return [len(r) for r in CASES[case]["rollouts"]]
 
@@ -108,7 +104,8 @@ def test_both_paths_ran_slimes_trainer(runs):
     for case, paths in runs.items():
         for r in range(DP):
             slime, ext = paths["slime"][r], paths["ext"][r]
-            assert slime["get_data_iterator"].endswith("data.get_data_iterator") and not slime["train_one_step_wrapped"]
+            assert not slime["get_data_iterator_replaced"] and not slime["train_one_step_wrapped"]
+            assert ext["get_data_iterator_replaced"], "slime-ext's megatron_init did not switch get_data_iterator"
             assert ext["train_one_step_wrapped"], "slime-ext's megatron_init did not wrap train_one_step"
             assert ext["samples_per_step"] is not None, "slime-ext's get_data_iterator did not consume the schedule"
             assert slime["args"]["transformer_impl"] == "local" and not slime["args"]["bf16"]
@@ -116,14 +113,18 @@ def test_both_paths_ran_slimes_trainer(runs):
             # slime's all-reduced/planned counts: every rank runs the same number of micro-batches per step
             assert paths["ext"][0]["num_microbatches"] == ext["num_microbatches"]
             assert paths["slime"][0]["num_microbatches"] == slime["num_microbatches"]
-        # DP replicas agree after the step (DDP all-reduced the gradients)
+        # DP replicas agree after the step (DDP all-reduced the gradients), and training moved them
         for path in ("slime", "ext"):
             assert _max_diff(paths[path][0]["params"], paths[path][1]["params"]) == 0.0
+            assert _max_diff(paths[path][0]["initial_params"], paths["slime"][0]["initial_params"]) == 0.0
+            moved = _max_diff(paths[path][0]["params"], paths[path][0]["initial_params"])
+            print(f"{case}/{path}: max |update| over 2 steps = {moved:.3e}")
+            assert moved > 1e-3
 
 
 def test_one_sample_rollouts_match_slimes_own_path(runs):
-    """One sample per rollout, nothing trimmed: the same samples per step, the same LR increment (4 samples) and
-    loss normaliser (4); only the micro-batch grouping differs, so the parameters agree up to float reordering."""
+    """One sample per rollout, nothing trimmed: the same samples per step, the same LR increment (8 samples) and
+    loss normaliser (8); only the micro-batch grouping differs, so the parameters agree up to float reordering."""
     slime, ext = runs["one_sample"]["slime"], runs["one_sample"]["ext"]
     gbs = CASES["one_sample"]["gbs"]
     assert ext[0]["samples_per_step"] == [gbs, gbs]
