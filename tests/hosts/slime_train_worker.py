@@ -64,7 +64,8 @@ CASES = {
     "one_sample": dict(rollouts=[[12], [30], [17], [25], [40], [9], [21], [33], [14], [28], [19], [36], [10], [24],
                                  [31], [16]], gbs=8, mbs=2),
     # multi-sample rollouts: slime-ext keeps rollouts whole, so its steps hold 3..5 samples, not 4
-    "multi_sample": dict(rollouts=[[12, 20], [30], [17, 9, 14], [25], [40, 11], [9], [21, 16], [33]], gbs=4,
+    # (static micro-batches: slime-ext needs a multiple of dp samples per step, here 8 and 6)
+    "multi_sample": dict(rollouts=[[12, 20], [30], [17, 9, 14], [25, 8], [40, 11], [9], [21, 16], [33]], gbs=4,
                          mbs=1),
 }
 LR, WARMUP_ITERS = 1e-2, 8
