@@ -27,8 +27,9 @@ What is not slime's own code here, and why (each is a CPU/test necessity, nothin
 * slime's ``initialize.init`` asserts ``numpy<2`` (slime/backends/megatron_utils/initialize.py:63) and this venv
   has numpy 2; its other steps are called one by one (``set_args``, ``_initialize_distributed``,
   ``_set_random_seed``, ``_build_tokenizer``, ``init_num_microbatches_calculator``).
-* the actor's ``_get_rollout_data`` needs the Ray refs of the driver; its tensor conversion (tokens, loss masks,
-  ``max_seq_lens`` for bshd) is repeated here on the dict ``process_rollout_data`` returned in the driver.
+* the actor's ``_get_rollout_data`` runs unchanged (in ``cpu_device_context``: it puts tensors on
+  ``torch.cuda.current_device()``), but the Ray transfer is replaced: its ``process_rollout_data`` returns the dict
+  that slime's ``process_rollout_data`` returned in the driver, saved to a file (the workers run no Ray).
 * CPU-only Megatron has no TransformerEngine, and the local attention asserts ``packed_seq_params is None``
   (megatron/core/transformer/dot_product_attention.py:159), so slime's packed ``thd`` format cannot run; slime's
   ``bshd`` format is used, which slime allows only with fixed micro-batches (slime/utils/arguments.py:1757).
@@ -99,7 +100,21 @@ def rollout_args(case: dict) -> SimpleNamespace:
         use_tensorboard=False, custom_megatron_init_path=None, qkv_format="bshd")
 
 
-def prepare(case_name: str, out: Path, dp: int = 2) -> dict:
+def v030_data(case: dict) -> dict:
+    """The same samples in slime v0.3.0's layout: ``group_ids`` (one per rollout) and ``group_mask_sums`` (the loss
+    tokens of the sample's whole group, slime's per-rollout loss denominator)."""
+    data = train_data(case)
+    groups = data.pop("sample_indices")
+    totals: dict[int, int] = {}
+    for g, mask in zip(groups, data["loss_masks"]):
+        totals[g] = totals.get(g, 0) + sum(mask)
+    data["sample_indices"] = list(range(len(groups)))
+    data["group_ids"] = groups
+    data["group_mask_sums"] = [float(totals[g]) for g in groups]
+    return data
+
+
+def prepare(case_name: str, out: Path, tag: str, dp: int = 2) -> dict:
     import ray
     import torch
 
@@ -126,7 +141,12 @@ def prepare(case_name: str, out: Path, dp: int = 2) -> dict:
             manager_cls = slime_host.rollout_manager_classes(rollout_module)[0]
             manager = object.__new__(manager_cls)
             manager.args, manager.rollout_id = rollout_args(case), 0
-            refs = manager._split_train_data_by_dp(train_data(case), dp)
+            if tag == "v0.2.4":
+                refs = manager._split_train_data_by_dp(train_data(case), dp)
+            else:  # v0.3.0: slime plans on the rollout side (slime-ext: its build_dp_schedule, bound by enable())
+                manager.train_parallel_config = {"dp_size": dp, "cp_size": 1, "vpp_size": 1,
+                                                 "microbatch_group_size_per_vp_stage": 1}
+                refs = manager._split_train_data_by_dp(v030_data(case))
             for r in range(dp):
                 rollout_data = process_rollout_data(manager.args, refs, r, dp)
                 torch.save(rollout_data, out / f"{path}-rank{r}.pt")
@@ -205,7 +225,7 @@ def _no_cuda_stream():
         torch.cuda.Stream = original
 
 
-def train(case_name: str, path: str, out: Path) -> dict:
+def train(case_name: str, path: str, out: Path, tag: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -255,29 +275,43 @@ def train(case_name: str, path: str, out: Path) -> dict:
     seen = []
     original_loss = model_module.loss_function
 
-    def loss_spy(args_, batch, num_microbatches, logits):
+    def loss_spy(args_, batch, num_microbatches, *rest):
+        # v0.2.4: (args, batch, num_microbatches, logits); v0.3.0: (..., step_global_batch_size, logits)
         seen.append({"dynamic_global_batch_size": batch.get("dynamic_global_batch_size"),
+                     "step_global_batch_size": int(rest[0]) if len(rest) == 2 else None,
                      "num_microbatches": int(num_microbatches), "samples": len(batch["response_lengths"])})
-        return original_loss(args_, batch, num_microbatches, logits)
+        return original_loss(args_, batch, num_microbatches, *rest)
 
     model_module.loss_function = loss_spy
 
-    rollout_data = torch.load(out / f"{path}-rank{rank}.pt", weights_only=False)
-    # the actor's _get_rollout_data, after process_rollout_data: tensors, and max_seq_lens for bshd
-    rollout_data["tokens"] = [torch.tensor(t, dtype=torch.long) for t in rollout_data["tokens"]]
-    rollout_data["loss_masks"] = [torch.tensor(t, dtype=torch.int) for t in rollout_data["loss_masks"]]
-    pad = mpu.get_tensor_model_parallel_world_size() * args.data_pad_size_multiplier
-    max_seq_len = (max(rollout_data["total_lengths"]) + pad - 1) // pad * pad
-    rollout_data["max_seq_lens"] = [max_seq_len] * len(rollout_data["tokens"])
+    # the actor's own _get_rollout_data (tensors on current_device(), max_seq_lens for bshd); the Ray transfer of
+    # process_rollout_data's result is replaced by the file the driver wrote
+    loaded = torch.load(out / f"{path}-rank{rank}.pt", weights_only=False)
+    saved_process = actor_module.process_rollout_data
+    actor_module.process_rollout_data = lambda args_, ref, dp_rank, dp_size: loaded
+    try:
+        with megatron_cpu.cpu_device_context():
+            rollout_data = actor_module.MegatronTrainRayActor._get_rollout_data(SimpleNamespace(args=args), None)
+    finally:
+        actor_module.process_rollout_data = saved_process
 
-    with megatron_cpu.cpu_device_context():  # v0.2.4 allocates the micro-batch count on current_device()
-        data_iterator, num_microbatches = actor_module.get_data_iterator(args, model, rollout_data)
+    global_batch_sizes = None
+    if tag == "v0.2.4":
+        with megatron_cpu.cpu_device_context():  # v0.2.4 allocates the micro-batch count on current_device()
+            data_iterator, num_microbatches = actor_module.get_data_iterator(args, model, rollout_data)
+        model_module.train(0, model, optimizer, scheduler, data_iterator, num_microbatches)
+    else:  # as the v0.3.0 actor's train_actor: the schedule comes with the data
+        data_iterator = actor_module.get_data_iterator(rollout_data)
+        num_microbatches = list(rollout_data["num_microbatches"])
+        global_batch_sizes = list(rollout_data["global_batch_sizes"])
+        model_module.train(0, model, optimizer, scheduler, data_iterator, num_microbatches, global_batch_sizes)
     samples_per_step = getattr(data_iterator[0], "slime_ext_samples_per_step", None)
-    model_module.train(0, model, optimizer, scheduler, data_iterator, num_microbatches)
 
     params = {name: p.detach().clone() for name, p in model[0].named_parameters()}
     result = {
-        "rank": rank, "path": path, "params": params, "initial_params": initial,
+        "rank": rank, "path": path, "tag": tag, "global_batch_sizes": global_batch_sizes,
+        "micro_batch_indices": [list(map(int, mb)) for mb in rollout_data.get("micro_batch_indices", [])],
+        "params": params, "initial_params": initial,
         "get_data_iterator_replaced": hasattr(actor_module.get_data_iterator, "__wrapped__"), "num_microbatches": list(num_microbatches),
         "samples_per_step": samples_per_step, "scheduler_num_steps": int(scheduler.num_steps),
         "lr": [g["lr"] for g in optimizer.param_groups], "loss_calls": seen,
@@ -301,11 +335,12 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), required=True)
     parser.add_argument("--path", choices=["slime", "ext"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tag", choices=["v0.2.4", "v0.3.0"], default="v0.2.4")
     ns = parser.parse_args()
     if ns.phase == "prepare":
-        result = prepare(ns.case, ns.out)
+        result = prepare(ns.case, ns.out, ns.tag)
     else:
-        result = train(ns.case, ns.path, ns.out)
+        result = train(ns.case, ns.path, ns.out, ns.tag)
     print("SLIME_TRAIN_JSON " + json.dumps(result))
 
 

@@ -25,17 +25,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slime_train_worker import CASES, LR, WARMUP_ITERS  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def v024_env(slime_git) -> dict:
+def _env(slime_git: str, tag: str) -> dict:
     if _git_dir("MEGATRON_LM_GIT") is None:
         pytest.skip(f"no Megatron-LM checkout (real slime training needs megatron.training): {HOW}")
-    root = slime_tree(slime_git, "v0.2.4")
+    root = slime_tree(slime_git, tag)
     megatron = megatron_tree(root)
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(megatron), str(repo)]),
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore",
            "OMP_NUM_THREADS": "1"}
     return env
+
+
+@pytest.fixture(scope="module")
+def v024_env(slime_git) -> dict:
+    return _env(slime_git, "v0.2.4")
+
+
+@pytest.fixture(scope="module")
+def v030_env(slime_git) -> dict:
+    return _env(slime_git, "v0.3.0")
 
 
 def _free_port() -> int:
@@ -50,7 +59,7 @@ def _run(cmd: list[str], env: dict, timeout: int = 1500) -> None:
         pytest.fail(f"{' '.join(cmd[1:4])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
-def _train(env: dict, case: str, path: str, out: Path) -> list[dict]:
+def _train(env: dict, case: str, path: str, out: Path, tag: str) -> list[dict]:
     """Two gloo ranks of the worker's ``train`` phase; their results, by rank."""
     port = _free_port()
     procs = []
@@ -58,7 +67,7 @@ def _train(env: dict, case: str, path: str, out: Path) -> list[dict]:
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(DP), "LOCAL_RANK": str(rank),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "train", "--case", case, "--path", path,
-                                       "--out", str(out)], env=rank_env, stdout=subprocess.PIPE,
+                                       "--out", str(out), "--tag", tag], env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     logs = []
     for proc in procs:
@@ -77,13 +86,13 @@ def _train(env: dict, case: str, path: str, out: Path) -> list[dict]:
 _RESULTS: dict = {}
 
 
-def _case(env: dict, tmp_path_factory, case: str) -> dict:
+def _case(env: dict, tmp_path_factory, case: str, tag: str = "v0.2.4") -> dict:
     """``{"slime": [rank results], "ext": [rank results]}``: both paths trained on the case's data (once)."""
-    if case not in _RESULTS:
-        out = tmp_path_factory.mktemp(case)
-        _run([sys.executable, str(WORKER), "prepare", "--case", case, "--out", str(out)], env)
-        _RESULTS[case] = {path: _train(env, case, path, out) for path in ("slime", "ext")}
-    return _RESULTS[case]
+    if (tag, case) not in _RESULTS:
+        out = tmp_path_factory.mktemp(f"{tag}-{case}")
+        _run([sys.executable, str(WORKER), "prepare", "--case", case, "--out", str(out), "--tag", tag], env)
+        _RESULTS[tag, case] = {path: _train(env, case, path, out, tag) for path in ("slime", "ext")}
+    return _RESULTS[tag, case]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -180,3 +189,36 @@ def test_multi_sample_rollouts_step_by_samples(multi_sample):
     diff = _max_diff(slime[0]["params"], ext[0]["params"])
     print(f"multi_sample: max |slime - slime-ext| after 2 steps = {diff:.3e} (they train on different steps)")
     assert diff > 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ slime v0.3.0
+# From v0.3.0 slime plans on the rollout side itself and its trainer consumes the schedule; slime-ext only swaps the
+# planner bound in slime.ray.rollout. Both planners step by rollouts (groups) and keep groups whole, so slime's real
+# train() must land on the same parameters with either. (v0.3.1 and HEAD cannot train on CPU: their get_batch only
+# builds packed "thd" batches, which Megatron's local attention refuses without TransformerEngine.)
+@pytest.fixture(scope="module", params=sorted(CASES))
+def v030_run(request, v030_env, tmp_path_factory) -> tuple[str, dict]:
+    return request.param, _case(v030_env, tmp_path_factory, request.param, "v0.3.0")
+
+
+def test_v030_slime_ext_planner_matches_slimes_planner_in_real_training(v030_run):
+    case, paths = v030_run
+    slime, ext = paths["slime"], paths["ext"]
+    per_rollout = _samples(case)
+    gbs = CASES[case]["gbs"]
+    for r in range(DP):
+        assert slime[r]["tag"] == ext[r]["tag"] == "v0.3.0"
+        assert slime[r]["global_batch_sizes"] == ext[r]["global_batch_sizes"] == [gbs, gbs]  # rollouts per step
+        assert slime[r]["scheduler_num_steps"] == ext[r]["scheduler_num_steps"] == 2 * gbs
+        assert len(ext[r]["num_microbatches"]) == 2 and ext[r]["num_microbatches"] == ext[0]["num_microbatches"]
+        assert {c["step_global_batch_size"] for c in slime[r]["loss_calls"]} == {gbs}
+        assert {c["step_global_batch_size"] for c in ext[r]["loss_calls"]} == {gbs}
+    for path in ("slime", "ext"):
+        assert sum(c["samples"] for r in range(DP) for c in paths[path][r]["loss_calls"]) == sum(per_rollout)
+        assert _max_diff(paths[path][0]["params"], paths[path][1]["params"]) == 0.0
+        moved = _max_diff(paths[path][0]["params"], paths[path][0]["initial_params"])
+        assert moved > 1e-3
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"v0.3.0/{case}: max |slime planner - slime-ext planner| after 2 steps = {diff:.3e}; "
+          f"micro-batches slime {slime[0]['micro_batch_indices']} ext {ext[0]['micro_batch_indices']}")
+    assert diff < 1e-5
