@@ -21,9 +21,9 @@ What is not slime's own code here, and why (each is a CPU/test necessity, nothin
 
 * slime-ext's CPU patches (``slime_ext.patches.megatron_cpu``) are applied, and slime's two CUDA-only calls outside
   Megatron's patched functions run inside its ``cpu_device_context``: ``get_model`` (``module.cuda()``, a CUDA
-  stream around the DDP wrap) and v0.2.4's ``get_data_iterator`` (``device=torch.cuda.current_device()`` for the
-  all-reduced micro-batch count). ``torch.cuda.Stream`` is not constructible in a CPU build of torch: inside
-  ``get_model`` only, :func:`_no_cuda_stream` hands out ``None`` (``torch.cuda.stream(None)`` is a no-op).
+  side stream around the DDP wrap) and v0.2.4's ``get_data_iterator`` (``device=torch.cuda.current_device()`` for the
+  all-reduced micro-batch count). ``torch.cuda.Stream``/``current_stream`` do not work in a CPU build of torch:
+  inside ``get_model`` only, :func:`_no_cuda_stream` hands out torch's CPU streams (their waits are no-ops).
 * slime's ``initialize.init`` asserts ``numpy<2`` (slime/backends/megatron_utils/initialize.py:63) and this venv
   has numpy 2; its other steps are called one by one (``set_args``, ``_initialize_distributed``,
   ``_set_random_seed``, ``_build_tokenizer``, ``init_num_microbatches_calculator``).
@@ -54,8 +54,6 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_stubs  # noqa: E402
-
-gpu_stubs.install()
 
 VOCAB = 96
 #: rollouts as sample lengths (prompt + response); response is the second half
@@ -213,16 +211,19 @@ def parse_megatron_args(argv: list[str]):
 
 @contextlib.contextmanager
 def _no_cuda_stream():
-    """``torch.cuda.Stream()`` cannot be built by a CPU torch; megatron.training's ``get_model`` only uses one as
-    ``with torch.cuda.stream(torch.cuda.Stream()):`` around the DDP wrap, which is a no-op for ``None``."""
+    """``torch.cuda.Stream()`` cannot be built by a CPU torch, nor ``torch.cuda.current_stream()`` answered.
+    megatron.training's ``get_model`` only uses them to order the DDP wrap on a side stream
+    (``with torch.cuda.stream(torch.cuda.Stream())`` at 3714d81d; ``ddp_stream.wait_stream(current_stream())`` and
+    back at 1dcf0daf); inside ``get_model`` only, both are torch's CPU streams, whose waits are no-ops."""
     import torch
 
-    original = torch.cuda.Stream
-    torch.cuda.Stream = lambda *a, **k: None
+    original = torch.cuda.Stream, torch.cuda.current_stream
+    torch.cuda.Stream = lambda *a, **k: torch.cpu.Stream()
+    torch.cuda.current_stream = lambda *a, **k: torch.cpu.current_stream()
     try:
         yield
     finally:
-        torch.cuda.Stream = original
+        torch.cuda.Stream, torch.cuda.current_stream = original
 
 
 def train(case_name: str, path: str, out: Path, tag: str) -> dict:
@@ -330,6 +331,7 @@ def train(case_name: str, path: str, out: Path, tag: str) -> dict:
 
 
 def main() -> None:
+    gpu_stubs.install()  # here, not at import: the test module reads CASES from this file
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["prepare", "train"])
     parser.add_argument("--case", choices=sorted(CASES), required=True)

@@ -7,6 +7,7 @@ its module doc lists every place where the run departs from a GPU run of slime, 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -15,14 +16,25 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HOW, _git_dir, megatron_tree, slime_tree
-
 torch = pytest.importorskip("torch")
 
-WORKER = Path(__file__).resolve().parent / "slime_train_worker.py"
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "slime_train_worker.py"
 DP = 2
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slime_train_worker import CASES, LR, WARMUP_ITERS  # noqa: E402
+
+
+def _load(name: str, path: Path):
+    """A module of this folder by path (``conftest`` is ambiguous: tests/ has one too)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_hosts = _load("slime_ext_hosts_conftest", HERE / "conftest.py")
+HOW, _git_dir, megatron_tree, slime_tree = _hosts.HOW, _hosts._git_dir, _hosts.megatron_tree, _hosts.slime_tree
+CASES, LR, WARMUP_ITERS = (lambda w: (w.CASES, w.LR, w.WARMUP_ITERS))(
+    _load("slime_ext_hosts_train_worker", WORKER))
 
 
 def _env(slime_git: str, tag: str) -> dict:
