@@ -283,28 +283,37 @@ def _train_one_step(original: Callable) -> Callable:
 
 # ---------------------------------------------------------------------------------------------------- arguments
 def args_patches(add_arguments: Callable[[Any], Any], finish: Callable[[Any], None]) -> PatchSet:
-    """``slime.utils.arguments.parse_args``: slime-ext's options join slime's parser (so they are really parsed,
-    with ``--help``), and ``finish(args)`` runs on the result."""
+    """slime's argument parsing: ``add_arguments(parser)`` joins slime-ext's options to slime's parser *after*
+    slime's own (slime adds a user's ``add_custom_arguments`` before its own, so an option slime also has would
+    clash), so they are really parsed, with ``--help``; ``finish(args)`` runs on the parsed result."""
 
-    def make(original: Callable) -> Callable:
-        def parse_args(add_custom_arguments=None):
-            def add(parser):
-                if add_custom_arguments is not None:
-                    parser = add_custom_arguments(parser) or parser
-                return add_arguments(parser)
+    def make_provider(original: Callable) -> Callable:
+        def get_slime_extra_args_provider(*args, **kwargs):
+            add_slime_arguments = original(*args, **kwargs)
 
-            args = original(add_custom_arguments=add)
-            finish(args)
-            return args
+            def add_slime_and_slime_ext_arguments(parser):
+                return add_arguments(add_slime_arguments(parser) or parser)
+
+            return add_slime_and_slime_ext_arguments
+
+        return functools.wraps(original)(get_slime_extra_args_provider)
+
+    def make_parse(original: Callable) -> Callable:
+        def parse_args(*args, **kwargs):
+            parsed = original(*args, **kwargs)
+            finish(parsed)
+            return parsed
 
         return functools.wraps(original)(parse_args)
 
-    def check(original: Any) -> str | None:
-        params = inspect.signature(original).parameters
-        return None if "add_custom_arguments" in params else f"it takes no add_custom_arguments (has {list(params)})"
-
-    return PatchSet("slime_args", [Patch(
-        name="slime_parse_args", module="slime.utils.arguments", attribute="parse_args", make=make,
-        # parse_args(add_custom_arguments=None) is the same at every supported tag: its signature is the gate
-        distribution="slime", supported=">=0", tested=("0.2.4", "0.3.0", "0.3.1"), version=lambda: "0",
-        expect=check, doc="slime-ext's options in slime's own parser")])
+    # both have had these shapes at every supported tag: the source checks are the gate
+    common = dict(module="slime.utils.arguments", distribution="slime", supported=">=0",
+                  tested=("0.2.4", "0.3.0", "0.3.1"), version=lambda: "0")
+    return PatchSet("slime_args", [
+        Patch(name="slime_args_provider", attribute="get_slime_extra_args_provider", make=make_provider,
+              expect=_uses("add_custom_arguments", "def add_slime_arguments"),
+              doc="slime-ext's options in slime's own parser, after slime's", **common),
+        Patch(name="slime_parse_args", attribute="parse_args", make=make_parse,
+              expect=_uses("get_slime_extra_args_provider("), doc="slime-ext's settings follow the parsed flags",
+              **common),
+    ])

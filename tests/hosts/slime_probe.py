@@ -86,6 +86,14 @@ def train_data(case: dict, revision: str) -> tuple[dict, list[int]]:
     return data, rollout_of
 
 
+_records: list[str] = []
+
+
+class _Capture(logging.Handler):
+    def emit(self, record):
+        _records.append(record.getMessage())
+
+
 def run_ledger(case_name: str) -> dict:
     import ray
 
@@ -93,14 +101,12 @@ def run_ledger(case_name: str) -> dict:
     from slime_ext.integrations.slime import planner
     from slime_ext.patches import slime_host
 
-    records = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    logging.getLogger("slime_ext.integrations.slime").addHandler(Capture())
-    logging.getLogger("slime_ext.integrations.slime").setLevel(logging.INFO)
+    records = _records
+    records.clear()
+    log = logging.getLogger("slime_ext.integrations.slime")
+    if not any(isinstance(h, _Capture) for h in log.handlers):
+        log.addHandler(_Capture())
+    log.setLevel(logging.INFO)
 
     integration.enable()  # the driver: patches slime's RolloutManager before it would be shipped
     import slime.ray.rollout as rollout_module
@@ -119,15 +125,13 @@ def run_ledger(case_name: str) -> dict:
     manager.args, manager.rollout_id = args, 0
     manager.train_parallel_config = {"dp_size": dp, "cp_size": case.get("cp", 1), "vpp_size": case.get("vpp") or 1,
                                      "microbatch_group_size_per_vp_stage": case.get("mb_group") or 1}
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        if revision.version == "0.2.4":
-            refs = manager._split_train_data_by_dp(data, dp)
-        else:
-            refs = manager._split_train_data_by_dp(data)
-        per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
-    finally:
-        ray.shutdown()
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    if revision.version == "0.2.4":
+        refs = manager._split_train_data_by_dp(data, dp)
+    else:
+        refs = manager._split_train_data_by_dp(data)
+    per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
 
     from megatron.core import parallel_state as mpu
 
@@ -172,7 +176,98 @@ def run_ledger(case_name: str) -> dict:
             "dp": dp, "cap": case["max_tokens"] * case.get("cp", 1) if case["dynamic"] else None,
             "gbs": case["gbs"], "vpp": vpp, "mb_group": case.get("mb_group") or 1, "bound": bound, "ranks": ranks,
             "report": None if report is None else report.__dict__ | {"num_microbatches": list(report.num_microbatches)},
-            "log": records}
+            "log": list(records)}
+
+
+def slime_args(**megatron) -> argparse.Namespace:
+    """slime's own defaults for every slime flag (its real parser, with slime-ext's options joined as the launcher
+    joins them), plus the Megatron flags slime reads off the same namespace."""
+    from slime.utils import arguments
+
+    from slime_ext.integrations import slime as integration
+
+    integration.enable()  # slime's provider now adds slime-ext's options after slime's own, as in the launcher
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    with gpu_stubs.inert_calls():
+        parser = arguments.get_slime_extra_args_provider()(parser)
+    args, _ = parser.parse_known_args(["--rollout-batch-size", "9", "--debug-train-only",
+                                       "--rollout-function-path", "slime_fixtures.generate",
+                                       "--eval-function-path", "slime_fixtures.generate",
+                                       "--data-source-path", "slime_fixtures.TinyDataSource"])
+    base = dict(global_batch_size=2, micro_batch_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, microbatch_group_size_per_vp_stage=None,
+                hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                ffn_hidden_size=256, vocab_size=1000, num_experts=None, swiglu=False, use_wandb=False,
+                use_tensorboard=False, use_dynamic_batch_size=True, max_tokens_per_gpu=200, balance_data=True)
+    for key, value in {**base, **megatron}.items():
+        setattr(args, key, value)
+    # the flags slime pre-parses apart (slime.utils.arguments._pre_parse_mode), as `--debug-train-only` sets them
+    for key, value in dict(debug_train_only=True, debug_rollout_only=False, load_debug_rollout_data=None,
+                           train_backend="megatron").items():
+        if not hasattr(args, key):
+            setattr(args, key, value)
+    integration._finish(args)
+    return args
+
+
+def run_actor() -> dict:
+    """A real Ray actor: slime's RolloutManager, patched in this driver and shipped by Ray, generates a rollout
+    (slime_fixtures), converts it with slime's own code and splits it; the driver reads the payloads back."""
+    import ray
+
+    from slime_ext.integrations import slime as integration
+    from slime_ext.patches import slime_host
+
+    integration.enable()
+    import slime.ray.rollout as rollout_module
+    from slime.utils.data import process_rollout_data
+
+    import slime_fixtures
+
+    import tempfile
+
+    revision = slime_host.detect_revision()
+    args = slime_args(use_tensorboard=True, tb_project_name="slime-ext-host", tb_experiment_name="actor")
+    dp = 2
+    here = str(Path(__file__).resolve().parent)
+    tb_dir = tempfile.mkdtemp(prefix="slime-ext-tb-")
+    env = {"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]), "RAY_AUTH_MODE": "disabled",
+           "TENSORBOARD_DIR": tb_dir}
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "gpu_stubs.install"})
+    try:
+        manager = rollout_module.RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, None)
+        ray.get(manager.set_train_parallel_config.remote(
+            {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}))
+        refs = ray.get(manager.generate.remote(0))
+        per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
+        ray.get(manager.__ray_call__.remote(slime_fixtures.close_tensorboard))  # slime's writer never flushes
+    finally:
+        ray.shutdown()
+    metrics = slime_fixtures.read_tensorboard(tb_dir)
+    lengths = [n for r in slime_fixtures.ROLLOUTS for n in r]
+    rollout_of = [rid for rid, r in enumerate(slime_fixtures.ROLLOUTS) for _ in r]
+    ranks = []
+    for rollout_data in per_rank:
+        if revision.plans_on_train_side:
+            sched = rollout_data["slime_ext_schedule"]
+            mbi, num_mbs, sizes = sched["micro_batch_indices"], sched["num_microbatches"], sched["samples_per_step"]
+        else:
+            mbi, num_mbs, sizes = rollout_data["micro_batch_indices"], rollout_data["num_microbatches"], None
+        mbs = [[int(rollout_data["tokens"][i][0]) for i in mb] for mb in mbi]
+        steps, k = [], 0
+        for count in num_mbs:
+            steps.append(mbs[k:k + count])
+            k += count
+        ranks.append({"num_microbatches": num_mbs, "stages": [steps], "vpp_iterators": 1, "samples_per_step": sizes,
+                      "keys_seen_by_slime": [], "global_batch_sizes": rollout_data.get("global_batch_sizes")})
+    kept = sum(len(mb) for r in ranks for s in r["stages"][0] for mb in s)
+    dropped = len(lengths) - kept
+    return {"revision": revision.version, "case": "actor", "n": len(lengths), "lengths": lengths,
+            "rollout_of": rollout_of, "dp": dp, "cap": 200, "gbs": 2, "vpp": 1, "mb_group": 1, "ranks": ranks,
+            "report": {"dropped_samples": dropped, "num_steps": len(ranks[0]["num_microbatches"])},
+            "log": None,  # the actor logs to this process's output, which the test reads
+            "metrics": metrics}
 
 
 def run_revision() -> dict:
@@ -190,10 +285,20 @@ def run_revision() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ledger", "revision"])
+    parser.add_argument("scenario", choices=["ledger", "revision", "actor", "all"])
     parser.add_argument("--case", choices=sorted(CASES), default="one_sample")
     ns = parser.parse_args()
-    out = run_ledger(ns.case) if ns.scenario == "ledger" else run_revision()
+    if ns.scenario == "ledger":
+        out = run_ledger(ns.case)
+    elif ns.scenario == "revision":
+        out = run_revision()
+    elif ns.scenario == "actor":
+        out = run_actor()
+    else:  # everything for this slime tree in one process
+        out = {"revision": run_revision(), "ledgers": {name: run_ledger(name) for name in CASES}}
+        import ray
+
+        ray.shutdown()
     print("SLIME_PROBE_JSON " + json.dumps(out))
 
 

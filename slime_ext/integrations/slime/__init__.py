@@ -84,8 +84,10 @@ def _finish(args: Any) -> None:
 def megatron_init(args: Any) -> None:
     """slime's ``--custom-megatron-init-path`` hook, run in every train actor: switch v0.2.4's trainer to the
     sent schedule (later trainers consume it natively), then run the user's own hook, if any."""
-    if enabled(args):
-        slime_host.train_patches(slime_host.train_revision(), enabled).apply()
+    if enabled(args) and "train" not in _applied:
+        patch_set = slime_host.train_patches(slime_host.train_revision(), enabled)
+        patch_set.apply()
+        _applied["train"] = patch_set
     user_hook = getattr(args, USER_INIT_ATTR, None)
     if user_hook:
         module, _, name = user_hook.rpartition(".")
