@@ -36,8 +36,8 @@ What is not slime's own code here, and why (each is a CPU/test necessity, nothin
 * slime sets ``use_distributed_optimizer`` (``_set_default_megatron_args``); Megatron's ``DistributedOptimizer``
   raises ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...`` for CPU parameters
   (megatron/core/optimizer/distrib_optimizer.py:428), so the worker trains with Megatron's FP32Optimizer (Adam).
-* slime's parser adds sglang_router's ``RouterArgs`` options (slime/utils/arguments.py:1010); sglang_router is a
-  stubbed GPU-serving module, so while parsing, slime's bound ``RouterArgs`` adds no options (they are rollout-only).
+* slime's parser calls sglang_router's ``RouterArgs.add_cli_args`` (slime/utils/arguments.py:1010); sglang_router is
+  a stubbed GPU-serving module, so parsing runs in ``gpu_stubs.inert_calls()`` (the router's flags are rollout-only).
 * a spy around ``slime.backends.megatron_utils.model.loss_function`` records the normaliser each micro-batch sees
   and calls slime's function unchanged.
 """
@@ -184,21 +184,15 @@ def parse_megatron_args(argv: list[str]):
     """slime's own parsing of the train-side args (megatron's parser + slime's arguments + slime's defaults)."""
     from slime.backends.megatron_utils.arguments import megatron_parse_args
     from slime.backends.megatron_utils.arguments import validate_args as megatron_validate_args
-    import slime.utils.arguments as slime_arguments
     from slime.utils.arguments import get_slime_extra_args_provider
 
-    class NoRouterArgs:  # sglang_router is stubbed: its --router-* options serve rollouts only
-        @staticmethod
-        def add_cli_args(parser, **kwargs):
-            return parser
-
-    saved, saved_router = sys.argv, slime_arguments.RouterArgs
+    saved = sys.argv
     sys.argv = ["train.py", *argv]
-    slime_arguments.RouterArgs = NoRouterArgs
     try:
-        args = megatron_parse_args(extra_args_provider=get_slime_extra_args_provider(), skip_hf_validate=True)
+        with gpu_stubs.inert_calls():  # slime's parser registers sglang_router's flags (RouterArgs.add_cli_args)
+            args = megatron_parse_args(extra_args_provider=get_slime_extra_args_provider(), skip_hf_validate=True)
     finally:
-        sys.argv, slime_arguments.RouterArgs = saved, saved_router
+        sys.argv = saved
     args.bf16 = False  # slime defaults to bf16 (not fp16); CPU trains in fp32
     # slime forces the distributed optimizer; megatron's DistributedOptimizer refuses CPU tensors
     # (megatron/core/optimizer/distrib_optimizer.py:428), so the plain FP32Optimizer (Adam) is used
