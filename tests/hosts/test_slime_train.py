@@ -1,0 +1,260 @@
+"""Stretch of issue 7: real slime training on CPU (gloo, DP=2) on the Megatron-LM commit slime pins, slime's own path
+against slime-ext's, compared on the parameters after two steps (``slime_train_worker.py`` does the work; its module
+doc lists every place where the run departs from a GPU run of slime, and why).
+
+* v0.2.4: slime's split + train-side planning vs slime-ext's rollout-side schedule + its v0.2.4 trainer adapters.
+* v0.3.0: slime's own ``build_dp_schedule`` vs slime-ext's, both consumed by slime's trainer.
+* v0.3.1 and HEAD: cannot train on CPU (packed batches only; see the last test, which checks why and skips).
+
+    SLIME_GIT=/path/to/slime MEGATRON_LM_GIT=/path/to/Megatron-LM ci/host_test tests/hosts/test_slime_train.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "slime_train_worker.py"
+DP = 2
+
+
+def _load(name: str, path: Path):
+    """A module of this folder by path (``conftest`` is ambiguous: tests/ has one too)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_hosts = _load("slime_ext_hosts_conftest", HERE / "conftest.py")
+HOW, _git_dir, megatron_tree, slime_tree = _hosts.HOW, _hosts._git_dir, _hosts.megatron_tree, _hosts.slime_tree
+CASES, LR, WARMUP_ITERS = (lambda w: (w.CASES, w.LR, w.WARMUP_ITERS))(
+    _load("slime_ext_hosts_train_worker", WORKER))
+
+
+def _env(slime_git: str, tag: str) -> dict:
+    if _git_dir("MEGATRON_LM_GIT") is None:
+        pytest.skip(f"no Megatron-LM checkout (real slime training needs megatron.training): {HOW}")
+    root = slime_tree(slime_git, tag)
+    megatron = megatron_tree(root)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(megatron), str(repo)]),
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": "1"}
+    return env
+
+
+@pytest.fixture(scope="module")
+def v024_env(slime_git) -> dict:
+    return _env(slime_git, "v0.2.4")
+
+
+@pytest.fixture(scope="module")
+def v030_env(slime_git) -> dict:
+    return _env(slime_git, "v0.3.0")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], env: dict, timeout: int = 1500) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd[1:4])} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _train(env: dict, case: str, path: str, out: Path, tag: str) -> list[dict]:
+    """Two gloo ranks of the worker's ``train`` phase; their results, by rank."""
+    port = _free_port()
+    procs = []
+    for rank in range(DP):
+        rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(DP), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), "train", "--case", case, "--path", path,
+                                       "--out", str(out), "--tag", tag], env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    logs = []
+    for proc in procs:
+        try:
+            logs.append(proc.communicate(timeout=1800)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{path} training did not finish in 30 min")
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        if proc.returncode != 0:
+            pytest.fail(f"{path} rank {rank} failed ({proc.returncode}):\n{log[-8000:]}")
+    return [torch.load(out / f"{path}-result-rank{r}.pt", weights_only=False) for r in range(DP)]
+
+
+_RESULTS: dict = {}
+
+
+def _case(env: dict, tmp_path_factory, case: str, tag: str = "v0.2.4") -> dict:
+    """``{"slime": [rank results], "ext": [rank results]}``: both paths trained on the case's data (once)."""
+    if (tag, case) not in _RESULTS:
+        out = tmp_path_factory.mktemp(f"{tag}-{case}")
+        _run([sys.executable, str(WORKER), "prepare", "--case", case, "--out", str(out), "--tag", tag], env)
+        _RESULTS[tag, case] = {path: _train(env, case, path, out, tag) for path in ("slime", "ext")}
+    return _RESULTS[tag, case]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case_run(request, v024_env, tmp_path_factory) -> tuple[str, dict]:
+    return request.param, _case(v024_env, tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def one_sample(v024_env, tmp_path_factory) -> dict:
+    return _case(v024_env, tmp_path_factory, "one_sample")
+
+
+@pytest.fixture(scope="module")
+def multi_sample(v024_env, tmp_path_factory) -> dict:
+    return _case(v024_env, tmp_path_factory, "multi_sample")
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _samples(case: str) -> list[int]:
+    return [len(r) for r in CASES[case]["rollouts"]]
+
+
+def _warmup_lr(num_steps: int, gbs: int) -> float:
+    """Megatron's linear warmup from ``LR / 2`` over ``WARMUP_ITERS * global_batch_size`` samples, at the scheduler's
+    sample counter ``num_steps`` (the LR the next step would use)."""
+    return LR / 2 + (LR - LR / 2) * num_steps / (WARMUP_ITERS * gbs)
+
+
+def test_both_paths_ran_slimes_trainer(case_run):
+    case, paths = case_run
+    if True:
+        for r in range(DP):
+            slime, ext = paths["slime"][r], paths["ext"][r]
+            assert not slime["get_data_iterator_replaced"] and not slime["train_one_step_wrapped"]
+            assert ext["get_data_iterator_replaced"], "slime-ext's megatron_init did not switch get_data_iterator"
+            assert ext["train_one_step_wrapped"], "slime-ext's megatron_init did not wrap train_one_step"
+            assert ext["samples_per_step"] is not None, "slime-ext's get_data_iterator did not consume the schedule"
+            assert slime["args"]["transformer_impl"] == "local" and not slime["args"]["bf16"]
+            assert len(ext["num_microbatches"]) == 2
+            assert len(slime["num_microbatches"]) == slime["local_samples"] // (CASES[case]["gbs"] // DP)
+            # slime's all-reduced/planned counts: every rank runs the same number of micro-batches per step
+            assert paths["ext"][0]["num_microbatches"] == ext["num_microbatches"]
+            assert paths["slime"][0]["num_microbatches"] == slime["num_microbatches"]
+        # DP replicas agree after the step (DDP all-reduced the gradients), and training moved them
+        for path in ("slime", "ext"):
+            assert _max_diff(paths[path][0]["params"], paths[path][1]["params"]) == 0.0
+            assert _max_diff(paths[path][0]["initial_params"], paths["slime"][0]["initial_params"]) == 0.0
+            moved = _max_diff(paths[path][0]["params"], paths[path][0]["initial_params"])
+            print(f"{case}/{path}: max |update| over 2 steps = {moved:.3e}")
+            assert moved > 1e-3
+
+
+def test_one_sample_rollouts_match_slimes_own_path(one_sample):
+    """One sample per rollout, nothing trimmed: the same samples per step, the same LR increment (8 samples) and
+    loss normaliser (8); only the micro-batch grouping differs, so the parameters agree up to float reordering."""
+    slime, ext = one_sample["slime"], one_sample["ext"]
+    gbs = CASES["one_sample"]["gbs"]
+    assert ext[0]["samples_per_step"] == [gbs, gbs]
+    for r in range(DP):
+        assert slime[r]["scheduler_num_steps"] == ext[r]["scheduler_num_steps"] == 2 * gbs
+        assert ext[r]["lr"] == pytest.approx([_warmup_lr(2 * gbs, gbs)] * len(ext[r]["lr"]))
+        assert {c["dynamic_global_batch_size"] for c in ext[r]["loss_calls"]} == {gbs}
+        assert {c["dynamic_global_batch_size"] for c in slime[r]["loss_calls"]} == {None}  # args.global_batch_size
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"one_sample: max |slime - slime-ext| over all parameters after 2 steps = {diff:.3e}")
+    assert diff < 1e-5
+
+
+def test_multi_sample_rollouts_step_by_samples(multi_sample):
+    """Rollouts of 1..3 samples stay whole, so slime-ext's steps hold the samples of 4 rollouts each: the LR
+    scheduler advances by exactly those samples and slime's loss_function normalises by them."""
+    ext, slime = multi_sample["ext"], multi_sample["slime"]
+    per_rollout = _samples("multi_sample")
+    gbs = CASES["multi_sample"]["gbs"]
+    expected_steps = [sum(per_rollout[:gbs]), sum(per_rollout[gbs:2 * gbs])]
+    assert ext[0]["samples_per_step"] == expected_steps
+    assert sum(expected_steps) == sum(per_rollout)  # nothing trimmed: every sample trained
+    trained = sum(c["samples"] for r in range(DP) for c in ext[r]["loss_calls"])
+    assert trained == sum(per_rollout)
+    for r in range(DP):
+        assert ext[r]["scheduler_num_steps"] == sum(expected_steps)
+        assert ext[r]["lr"] == pytest.approx([_warmup_lr(sum(expected_steps), gbs)] * len(ext[r]["lr"]))
+        # micro-batches of step s saw the step's sample count as the normaliser
+        calls = ext[r]["loss_calls"]
+        first = ext[r]["num_microbatches"][0]
+        assert {c["dynamic_global_batch_size"] for c in calls[:first]} == {expected_steps[0]}
+        assert {c["dynamic_global_batch_size"] for c in calls[first:]} == {expected_steps[1]}
+        # slime's own path steps by --global-batch-size samples per step, whatever the rollouts
+        assert slime[r]["scheduler_num_steps"] == len(slime[r]["num_microbatches"]) * gbs
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"multi_sample: max |slime - slime-ext| after 2 steps = {diff:.3e} (they train on different steps)")
+    assert diff > 1e-5
+
+
+# ------------------------------------------------------------------------------------------------ slime v0.3.0
+# From v0.3.0 slime plans on the rollout side itself and its trainer consumes the schedule; slime-ext only swaps the
+# planner bound in slime.ray.rollout. Both planners step by rollouts (groups) and keep groups whole, so slime's real
+# train() must land on the same parameters with either. (v0.3.1 and HEAD cannot train on CPU: their get_batch only
+# builds packed "thd" batches, which Megatron's local attention refuses without TransformerEngine.)
+@pytest.fixture(scope="module", params=sorted(CASES))
+def v030_run(request, v030_env, tmp_path_factory) -> tuple[str, dict]:
+    return request.param, _case(v030_env, tmp_path_factory, request.param, "v0.3.0")
+
+
+def test_v030_slime_ext_planner_matches_slimes_planner_in_real_training(v030_run):
+    case, paths = v030_run
+    slime, ext = paths["slime"], paths["ext"]
+    per_rollout = _samples(case)
+    gbs = CASES[case]["gbs"]
+    for r in range(DP):
+        assert slime[r]["tag"] == ext[r]["tag"] == "v0.3.0"
+        assert slime[r]["global_batch_sizes"] == ext[r]["global_batch_sizes"] == [gbs, gbs]  # rollouts per step
+        assert slime[r]["scheduler_num_steps"] == ext[r]["scheduler_num_steps"] == 2 * gbs
+        assert len(ext[r]["num_microbatches"]) == 2 and ext[r]["num_microbatches"] == ext[0]["num_microbatches"]
+        assert {c["step_global_batch_size"] for c in slime[r]["loss_calls"]} == {gbs}
+        assert {c["step_global_batch_size"] for c in ext[r]["loss_calls"]} == {gbs}
+    for path in ("slime", "ext"):
+        assert sum(c["samples"] for r in range(DP) for c in paths[path][r]["loss_calls"]) == sum(per_rollout)
+        assert _max_diff(paths[path][0]["params"], paths[path][1]["params"]) == 0.0
+        moved = _max_diff(paths[path][0]["params"], paths[path][0]["initial_params"])
+        assert moved > 1e-3
+    diff = _max_diff(slime[0]["params"], ext[0]["params"])
+    print(f"v0.3.0/{case}: max |slime planner - slime-ext planner| after 2 steps = {diff:.3e}; "
+          f"micro-batches slime {slime[0]['micro_batch_indices']} ext {ext[0]['micro_batch_indices']}")
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("tag", ["v0.3.1", "HEAD"])
+def test_v031_and_head_cannot_train_on_cpu_without_transformer_engine(slime_git, tag):
+    """Why the real-training comparison stops at v0.3.0: from v0.3.1 slime's ``get_batch`` builds packed ``thd``
+    batches only (no ``--qkv-format``), and Megatron's local attention, the only one without TransformerEngine,
+    refuses packed sequences. Checked on the sources, so this turns into a failure (extend the worker) the day either
+    changes; until then it skips with the reason."""
+    if _git_dir("MEGATRON_LM_GIT") is None:
+        pytest.skip(f"no Megatron-LM checkout: {HOW}")
+    root = slime_tree(slime_git, tag)
+    megatron = megatron_tree(root)
+    data_py = (root / "slime/backends/megatron_utils/data.py").read_text()
+    args_py = (root / "slime/utils/arguments.py").read_text()
+    attention = (megatron / "megatron/core/transformer/dot_product_attention.py").read_text()
+    assert 'qkv_format="thd"' in data_py and "bshd" not in data_py and "qkv-format" not in args_py
+    assert "assert packed_seq_params is None" in attention
+    pytest.skip(f"slime {tag}: get_batch packs 'thd' only (slime/backends/megatron_utils/data.py) and Megatron's "
+                f"local DotProductAttention asserts packed_seq_params is None "
+                f"(megatron/core/transformer/dot_product_attention.py); real training needs TransformerEngine (GPU)")
