@@ -60,3 +60,32 @@ def read_tensorboard(directory: str) -> dict[str, list[float]]:
     acc = EventAccumulator(directory)
     acc.Reload()
     return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+_captured: list[str] = []
+
+
+def capture_log(manager) -> int:
+    """Run inside the RolloutManager actor: keep what slime-ext logs there (Ray streams actor logs to the driver
+    asynchronously, so the test asks the actor instead). Returns the actor's pid."""
+    import logging
+    import os
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            _captured.append(record.getMessage())
+
+    log = logging.getLogger("slime_ext.integrations.slime")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    return os.getpid()
+
+
+def captured_log(manager) -> dict:
+    """Run inside the RolloutManager actor: its pid, what slime-ext logged there, and the plan it made there."""
+    import os
+
+    from slime_ext.integrations.slime import planner
+
+    report = planner.last_report
+    return {"pid": os.getpid(), "log": list(_captured), "report": None if report is None else report.metrics()}

@@ -239,8 +239,10 @@ def run_actor() -> dict:
         manager = rollout_module.RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, None)
         ray.get(manager.set_train_parallel_config.remote(
             {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}))
+        actor_pid = ray.get(manager.__ray_call__.remote(slime_fixtures.capture_log))
         refs = ray.get(manager.generate.remote(0))
         per_rank = [process_rollout_data(args, refs, r, dp) for r in range(dp)]
+        in_actor = ray.get(manager.__ray_call__.remote(slime_fixtures.captured_log))
         ray.get(manager.__ray_call__.remote(slime_fixtures.close_tensorboard))  # slime's writer never flushes
     finally:
         ray.shutdown()
@@ -266,8 +268,8 @@ def run_actor() -> dict:
     return {"revision": revision.version, "case": "actor", "n": len(lengths), "lengths": lengths,
             "rollout_of": rollout_of, "dp": dp, "cap": 200, "gbs": 2, "vpp": 1, "mb_group": 1, "ranks": ranks,
             "report": {"dropped_samples": dropped, "num_steps": len(ranks[0]["num_microbatches"])},
-            "log": None,  # the actor logs to this process's output, which the test reads
-            "metrics": metrics}
+            "log": in_actor["log"], "metrics": metrics, "actor_pid": actor_pid, "driver_pid": os.getpid(),
+            "in_actor": in_actor}
 
 
 def run_revision() -> dict:
