@@ -32,7 +32,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import Patch, PatchError, PatchSet
+from . import Patch, PatchError, PatchSet, source_contains
 
 #: the slime revisions this module was checked against (tags, and HEAD by date and commit)
 SUPPORTED_TAGS = ("v0.2.4", "v0.3.0", "v0.3.1", "HEAD 2026-08-21 (624b824)")
@@ -57,15 +57,25 @@ class SlimeRevision:
 RAY_TRACE_KW = "_ray_trace_ctx"
 
 
-def rollout_manager_classes(rollout_module: Any) -> list[type]:
-    """The classes behind ``slime.ray.rollout.RolloutManager``: Ray's shipped subclass first, then slime's class."""
+def rollout_manager_owners(rollout_module: Any) -> list[tuple[str, type]]:
+    """``(attribute path in the module, class)`` of the classes behind ``slime.ray.rollout.RolloutManager``: Ray's
+    shipped subclass first, then slime's class."""
     obj = rollout_module.RolloutManager
     meta = getattr(obj, "__ray_metadata__", None)
     if meta is None:
-        return [obj] if inspect.isclass(obj) else []
+        return [("RolloutManager", obj)] if inspect.isclass(obj) else []
+    shipped_path = "RolloutManager.__ray_metadata__.modified_class"
     shipped = meta.modified_class
     original = getattr(shipped, "__ray_actor_class__", None)
-    return [shipped] + ([original] if original is not None and original is not shipped else [])
+    owners = [(shipped_path, shipped)]
+    if original is not None and original is not shipped:
+        owners.append((f"{shipped_path}.__ray_actor_class__", original))
+    return owners
+
+
+def rollout_manager_classes(rollout_module: Any) -> list[type]:
+    """The classes behind ``slime.ray.rollout.RolloutManager``: Ray's shipped subclass first, then slime's class."""
+    return [cls for _, cls in rollout_manager_owners(rollout_module)]
 
 
 def _source(obj: Any) -> str:
@@ -106,42 +116,26 @@ def _slime_patch(revision: SlimeRevision, supported: str, tested: tuple[str, ...
                  **kwargs)
 
 
-def _uses(*needles: str) -> Callable[[Any], str | None]:
-    def check(original: Any) -> str | None:
-        src = _source(original)
-        if not src:
-            return "its source cannot be read"
-        missing = [n for n in needles if n not in src]
-        return f"its source no longer contains {missing}" if missing else None
-
-    return check
-
-
 # ---------------------------------------------------------------------------------------------------- rollout side
 def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> PatchSet:
     """Driver-side patches of ``slime.ray.rollout`` (and ``slime.utils.dp_schedule``) for ``revision``.
 
     ``enabled(args)`` decides per call whether slime-ext plans (``--dp-schedule rollout``) or slime does.
     """
-    from slime_ext.integrations.slime import planner
-
     rollout = importlib.import_module("slime.ray.rollout")
     patches: list[Patch] = []
-    names = ["RolloutManager.__ray_metadata__.modified_class", "RolloutManager.__ray_metadata__.modified_class."
-             "__ray_actor_class__"]
-    owners = names[:len(rollout_manager_classes(rollout))] if hasattr(rollout.RolloutManager, "__ray_metadata__") \
-        else ["RolloutManager"]
+    owners = [path for path, _ in rollout_manager_owners(rollout)]
     if revision.version == "0.2.4":
         for i, owner in enumerate(owners):
             patches.append(_slime_patch(
                 revision, "==0.2.4", ("0.2.4",), name=f"slime_split_train_data_by_dp[{i}]", module=rollout.__name__,
                 attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_split_v024, enabled),
-                expect=_uses("get_seqlen_balanced_partitions", "partition"),
+                expect=source_contains("get_seqlen_balanced_partitions", "partition"),
                 doc="plan the rollout with slime-ext and send each rank its schedule slice"))
             patches.append(_slime_patch(
                 revision, "==0.2.4", ("0.2.4",), name=f"slime_get_rollout_data[{i}]", module=rollout.__name__,
                 attribute=f"{owner}._get_rollout_data", make=functools.partial(_keep_all_samples, enabled),
-                expect=_uses("disable_rollout_trim_samples", "trim"),
+                expect=source_contains("disable_rollout_trim_samples", "trim"),
                 doc="slime's sample-count trim is left to slime-ext, which trims whole rollouts and reports them"))
         return PatchSet("slime_rollout[0.2.4]", patches)
     for module in (rollout.__name__, "slime.utils.dp_schedule"):
@@ -153,7 +147,8 @@ def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> 
         patches.append(_slime_patch(
             revision, ">=0.3.0", ("0.3.0", "0.3.1"), name=f"slime_split_metrics[{i}]", module=rollout.__name__,
             attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_log_metrics_after, enabled),
-            expect=_uses("build_dp_schedule("), doc="the plan's figures (dropped samples, ...) go to slime's metrics"))
+            expect=source_contains("build_dp_schedule("),
+            doc="the plan's figures (dropped samples, ...) go to slime's metrics"))
     return PatchSet(f"slime_rollout[{revision.version}]", patches)
 
 
@@ -248,14 +243,14 @@ def train_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> Pa
     patches = [
         _slime_patch(revision, "==0.2.4", ("0.2.4",), name=f"slime_get_data_iterator[{module}]", module=module,
                      attribute="get_data_iterator", make=functools.partial(_get_data_iterator, enabled, data),
-                     expect=_uses("all_reduce", "num_microbatches"),
+                     expect=source_contains("all_reduce", "num_microbatches"),
                      doc="iterators and num_microbatches from the rollout-side schedule; no planning, no all-reduce")
         for module in ("slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.data")
     ]
     patches.append(_slime_patch(
         revision, "==0.2.4", ("0.2.4",), name="slime_train_one_step", module="slime.backends.megatron_utils.model",
         attribute="train_one_step", make=_train_one_step,
-        expect=_uses("opt_param_scheduler.step(increment=args.global_batch_size)", "loss_function"),
+        expect=source_contains("opt_param_scheduler.step(increment=args.global_batch_size)", "loss_function"),
         doc="LR increment and loss normaliser follow the step's real sample count"))
     return PatchSet("slime_train[0.2.4]", patches)
 
@@ -311,9 +306,10 @@ def args_patches(add_arguments: Callable[[Any], Any], finish: Callable[[Any], No
                   tested=("0.2.4", "0.3.0", "0.3.1"), version=lambda: "0")
     return PatchSet("slime_args", [
         Patch(name="slime_args_provider", attribute="get_slime_extra_args_provider", make=make_provider,
-              expect=_uses("add_custom_arguments", "def add_slime_arguments"),
+              expect=source_contains("add_custom_arguments", "def add_slime_arguments"),
               doc="slime-ext's options in slime's own parser, after slime's", **common),
         Patch(name="slime_parse_args", attribute="parse_args", make=make_parse,
-              expect=_uses("get_slime_extra_args_provider("), doc="slime-ext's settings follow the parsed flags",
+              expect=source_contains("get_slime_extra_args_provider("),
+              doc="slime-ext's settings follow the parsed flags",
               **common),
     ])

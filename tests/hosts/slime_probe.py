@@ -167,9 +167,11 @@ def run_ledger(case_name: str) -> dict:
                     mbs.append([int(t[0]) for t in batch["tokens"]])
                 steps.append(mbs)
             stages.append(steps)
-        step_sizes = getattr(iterators[0], "slime_ext_samples_per_step", None)
+        from slime_ext.integrations.slime.trainer import step_sizes
+
+        sizes = step_sizes(iterators)
         ranks.append({"num_microbatches": num_mbs, "stages": stages, "vpp_iterators": len(iterators),
-                      "keys_seen_by_slime": sorted(rollout_data), "samples_per_step": step_sizes,
+                      "keys_seen_by_slime": sorted(rollout_data), "samples_per_step": sizes,
                       "global_batch_sizes": rollout_data.get("global_batch_sizes")})
     report = planner.last_report
     return {"revision": revision.version, "case": case_name, "n": n, "lengths": lengths, "rollout_of": rollout_of,

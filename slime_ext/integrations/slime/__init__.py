@@ -2,7 +2,8 @@
 
 The switch is one line: start slime's driver through slime-ext::
 
-    python -m slime_ext.integrations.slime train.py --balance-data --use-dynamic-batch-size ...   # was: python train.py ...
+    python -m slime_ext.integrations.slime train.py --balance-data --use-dynamic-batch-size ...
+    # (was: python train.py ...)
 
 That runs slime's ``train.py`` unchanged after :func:`enable`, which
 
@@ -166,10 +167,3 @@ def enable() -> None:
             action(sys.modules[name])
     if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())
-
-
-def disable() -> None:
-    """Undo :func:`enable` (for tests): restore slime's functions and stop watching imports."""
-    for key in list(_applied):
-        _applied.pop(key).undo()
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImport)]

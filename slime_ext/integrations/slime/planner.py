@@ -74,14 +74,10 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     """slime-ext's schedule for one rollout, read off slime's ``args`` (``--balance-data``,
     ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, ...)."""
     global last_report
-    config = dict(train_parallel_config)
-    if len(rollout_indices) != len(total_lengths):
-        raise SlimePlanError(f"{len(rollout_indices)} rollout ids for {len(total_lengths)} samples; every sample "
-                             f"needs its rollout id (samples[i].rollout_id / index)")
     gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
     ids = _dense_ids(rollout_indices)
     try:
-        schedule = plan_dp_schedule(args, config, list(total_lengths), global_batch_size=gbs,
+        schedule = plan_dp_schedule(args, train_parallel_config, list(total_lengths), global_batch_size=gbs,
                                     rollout_indices=ids, loss_tokens=loss_tokens)
     except ScheduleError as exc:
         raise SlimePlanError(str(exc)) from None

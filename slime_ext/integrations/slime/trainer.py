@@ -82,7 +82,7 @@ def wrap_train_one_step(original: Callable) -> Callable:
 
     def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
                        num_microbatches, *rest, **kwargs):
-        sizes = getattr(data_iterator[0], STEP_SAMPLES_ATTR, None) if data_iterator else None
+        sizes = step_sizes(data_iterator)
         if sizes is None:  # slime's own data path (--dp-schedule legacy): untouched
             return original(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
                             num_microbatches, *rest, **kwargs)
