@@ -52,3 +52,15 @@ def plan_checked(lengths, parallel: ParallelConfig, batch: BatchConfig, **kwargs
 @pytest.fixture
 def checked():
     return plan_checked
+
+
+def json_paths(obj, *, list_items=(0, -1), prefix=()):
+    """Every path into a JSON-like value (keys and list indices), visiting only ``list_items`` of each list
+    (negative counts from the end), so a saved schedule yields a few hundred paths, not one per sample."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from json_paths(v, list_items=list_items, prefix=(*prefix, k))
+    elif isinstance(obj, list):
+        for i in sorted({i % len(obj) for i in list_items if -len(obj) <= i < len(obj)}):
+            yield from json_paths(obj[i], list_items=list_items, prefix=(*prefix, i))

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from slime_ext.cli import inputs, main
 from slime_ext.cli import plan as plan_cmd
-from tests.conftest import examples
+from tests.conftest import examples, json_paths
 
 REPO = Path(__file__).resolve().parents[2]
 GBS = ("--global-batch-size", 1)
@@ -404,14 +404,8 @@ def test_from_json_reads_to_a_bound(saved_json, tmp_path, monkeypatch):
     refused(cli("plan", "--from-json", "s.json", cwd=tmp_path), "s.json: larger than", "MAX_SCHEDULE_BYTES")
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i in sorted({0, len(obj) - 1} & set(range(len(obj)))):
-            yield from _paths(obj[i], (*prefix, i))
+def _paths(obj):
+    return json_paths(obj, list_items=(0, -1))
 
 
 @settings(max_examples=examples(150), parent=SHARED_TMP)

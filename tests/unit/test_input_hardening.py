@@ -41,7 +41,7 @@ from slime_ext.schedule import (
     plan_schedule,
 )
 from slime_ext.schedule.validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS
-from tests.conftest import examples
+from tests.conftest import examples, json_paths
 
 INT64 = (-(2**63), 2**63 - 1)
 ODD_VALUES = [np.bool_(True), np.bool_(False), np.float64(3.0), np.float32("nan"), Decimal(3), Fraction(7, 2),
@@ -407,14 +407,8 @@ def saved():
     return s
 
 
-def _paths(obj, prefix=()):
-    yield prefix
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(obj, list):
-        for i in sorted({0, 1, len(obj) - 1} & set(range(len(obj)))):
-            yield from _paths(obj[i], (*prefix, i))
+def _paths(obj):
+    return json_paths(obj, list_items=(0, 1, -1))
 
 
 def _set(d, path, value):
