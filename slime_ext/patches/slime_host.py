@@ -117,10 +117,11 @@ def _slime_patch(revision: SlimeRevision, supported: str, tested: tuple[str, ...
 
 
 # ---------------------------------------------------------------------------------------------------- rollout side
-def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> PatchSet:
+def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool], planner: Any) -> PatchSet:
     """Driver-side patches of ``slime.ray.rollout`` (and ``slime.utils.dp_schedule``) for ``revision``.
 
-    ``enabled(args)`` decides per call whether slime-ext plans (``--dp-schedule rollout``) or slime does.
+    ``enabled(args)`` decides per call whether slime-ext plans (``--dp-schedule rollout``) or slime does;
+    ``planner`` is what plans (:mod:`slime_ext.integrations.slime.planner`): this module only says where it enters.
     """
     rollout = importlib.import_module("slime.ray.rollout")
     patches: list[Patch] = []
@@ -129,7 +130,7 @@ def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> 
         for i, owner in enumerate(owners):
             patches.append(_slime_patch(
                 revision, "==0.2.4", ("0.2.4",), name=f"slime_split_train_data_by_dp[{i}]", module=rollout.__name__,
-                attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_split_v024, enabled),
+                attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_split_v024, enabled, planner),
                 expect=source_contains("get_seqlen_balanced_partitions", "partition"),
                 doc="plan the rollout with slime-ext and send each rank its schedule slice"))
             patches.append(_slime_patch(
@@ -141,12 +142,12 @@ def rollout_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> 
     for module in (rollout.__name__, "slime.utils.dp_schedule"):
         patches.append(_slime_patch(
             revision, ">=0.3.0", ("0.3.0", "0.3.1"), name=f"slime_build_dp_schedule[{module}]", module=module,
-            attribute="build_dp_schedule", make=functools.partial(_build_dp_schedule, enabled),
+            attribute="build_dp_schedule", make=functools.partial(_build_dp_schedule, enabled, planner),
             expect=_keyword(revision.ids_keyword), doc="slime-ext plans; slime's keys, arity and keyword kept"))
     for i, owner in enumerate(owners):
         patches.append(_slime_patch(
             revision, ">=0.3.0", ("0.3.0", "0.3.1"), name=f"slime_split_metrics[{i}]", module=rollout.__name__,
-            attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_log_metrics_after, enabled),
+            attribute=f"{owner}._split_train_data_by_dp", make=functools.partial(_log_metrics_after, enabled, planner),
             expect=source_contains("build_dp_schedule("),
             doc="the plan's figures (dropped samples, ...) go to slime's metrics"))
     return PatchSet(f"slime_rollout[{revision.version}]", patches)
@@ -160,15 +161,13 @@ def _keyword(keyword: str | None) -> Callable[[Any], str | None]:
     return check
 
 
-def _split_v024(enabled: Callable[[Any], bool], original: Callable) -> Callable:
+def _split_v024(enabled: Callable[[Any], bool], planner: Any, original: Callable) -> Callable:
     def _split_train_data_by_dp(self, data, dp_size, **ray_kwargs):
         ray_kwargs.pop(RAY_TRACE_KW, None)
         if not enabled(self.args):
             return original(self, data, dp_size)
         import ray
         from slime.utils.misc import Box
-
-        from slime_ext.integrations.slime import planner
 
         payloads = planner.rank_payloads(self.args, data, planner.v024_parallel_config(self.args, dp_size))
         planner.log_plan_metrics(self.args, getattr(self, "rollout_id", 0))
@@ -192,24 +191,20 @@ def _keep_all_samples(enabled: Callable[[Any], bool], original: Callable) -> Cal
     return functools.wraps(original)(_get_rollout_data)
 
 
-def _build_dp_schedule(enabled: Callable[[Any], bool], original: Callable) -> Callable:
+def _build_dp_schedule(enabled: Callable[[Any], bool], planner: Any, original: Callable) -> Callable:
     def build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs):
         if not enabled(args):
             return original(args, train_parallel_config, total_lengths, **kwargs)
-        from slime_ext.integrations.slime import planner
-
         return planner.build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
 
     return functools.wraps(original)(build_dp_schedule)
 
 
-def _log_metrics_after(enabled: Callable[[Any], bool], original: Callable) -> Callable:
+def _log_metrics_after(enabled: Callable[[Any], bool], planner: Any, original: Callable) -> Callable:
     def _split_train_data_by_dp(self, *args, **kwargs):
         kwargs.pop(RAY_TRACE_KW, None)
         refs = original(self, *args, **kwargs)
         if enabled(self.args):
-            from slime_ext.integrations.slime import planner
-
             planner.log_plan_metrics(self.args, getattr(self, "rollout_id", 0))
         return refs
 
@@ -235,45 +230,39 @@ def train_revision() -> SlimeRevision:
                      f"later); supported: {', '.join(SUPPORTED_TAGS)}")
 
 
-def train_patches(revision: SlimeRevision, enabled: Callable[[Any], bool]) -> PatchSet:
-    """In-actor patches for ``revision``: empty after 0.2.4 (slime's trainer consumes the schedule itself)."""
+def train_patches(revision: SlimeRevision, enabled: Callable[[Any], bool], trainer: Any) -> PatchSet:
+    """In-actor patches for ``revision``: empty after 0.2.4 (slime's trainer consumes the schedule itself).
+
+    ``trainer`` is what walks the sent schedule (:mod:`slime_ext.integrations.slime.trainer`)."""
     if not revision.plans_on_train_side:
         return PatchSet(f"slime_train[{revision.version}]", [])
     data = importlib.import_module("slime.backends.megatron_utils.data")
     patches = [
         _slime_patch(revision, "==0.2.4", ("0.2.4",), name=f"slime_get_data_iterator[{module}]", module=module,
-                     attribute="get_data_iterator", make=functools.partial(_get_data_iterator, enabled, data),
+                     attribute="get_data_iterator", make=functools.partial(_get_data_iterator, enabled, trainer, data),
                      expect=source_contains("all_reduce", "num_microbatches"),
                      doc="iterators and num_microbatches from the rollout-side schedule; no planning, no all-reduce")
         for module in ("slime.backends.megatron_utils.actor", "slime.backends.megatron_utils.data")
     ]
     patches.append(_slime_patch(
         revision, "==0.2.4", ("0.2.4",), name="slime_train_one_step", module="slime.backends.megatron_utils.model",
-        attribute="train_one_step", make=_train_one_step,
+        attribute="train_one_step", make=trainer.wrap_train_one_step,
         expect=source_contains("opt_param_scheduler.step(increment=args.global_batch_size)", "loss_function"),
         doc="LR increment and loss normaliser follow the step's real sample count"))
     return PatchSet("slime_train[0.2.4]", patches)
 
 
-def _get_data_iterator(enabled: Callable[[Any], bool], data_module: Any, original: Callable) -> Callable:
+def _get_data_iterator(enabled: Callable[[Any], bool], trainer: Any, data_module: Any, original: Callable) -> Callable:
     def get_data_iterator(args, model, rollout_data):
         if not enabled(args):
             return original(args, model, rollout_data)
         from megatron.core import mpu
-
-        from slime_ext.integrations.slime import trainer
 
         vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
         return trainer.get_data_iterator(args, model, rollout_data, data_iterator_cls=data_module.DataIterator,
                                          vpp_size=vpp)
 
     return functools.wraps(original)(get_data_iterator)
-
-
-def _train_one_step(original: Callable) -> Callable:
-    from slime_ext.integrations.slime import trainer
-
-    return functools.wraps(original)(trainer.wrap_train_one_step(original))
 
 
 # ---------------------------------------------------------------------------------------------------- arguments

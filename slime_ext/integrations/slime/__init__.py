@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 from slime_ext.patches import PatchError
 from slime_ext.patches import slime_host
+from slime_ext.schedule.payload import DP_SCHEDULES
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
 __all__ = ["PatchError", "add_arguments", "enable", "enabled", "megatron_init"]
 
-DP_SCHEDULES = ("rollout", "legacy")
 #: the hook slime's train actors call (``--custom-megatron-init-path``)
 MEGATRON_INIT_PATH = "slime_ext.integrations.slime.megatron_init"
 #: where the user's own ``--custom-megatron-init-path`` is kept, to be chained
@@ -86,7 +86,9 @@ def megatron_init(args: Any) -> None:
     """slime's ``--custom-megatron-init-path`` hook, run in every train actor: switch v0.2.4's trainer to the
     sent schedule (later trainers consume it natively), then run the user's own hook, if any."""
     if enabled(args) and "train" not in _applied:
-        patch_set = slime_host.train_patches(slime_host.train_revision(), enabled)
+        from . import trainer
+
+        patch_set = slime_host.train_patches(slime_host.train_revision(), enabled, trainer)
         patch_set.apply()
         _applied["train"] = patch_set
     user_hook = getattr(args, USER_INIT_ATTR, None)
@@ -108,8 +110,10 @@ def _patch_arguments(module: Any) -> None:
 
 def _patch_rollout(module: Any) -> None:
     if "rollout" not in _applied:
+        from . import planner
+
         revision = slime_host.detect_revision()
-        patch_set = slime_host.rollout_patches(revision, enabled)
+        patch_set = slime_host.rollout_patches(revision, enabled, planner)
         patch_set.apply()
         _applied["rollout"] = patch_set
         logger.info(f"slime-ext: patched slime {revision.version} ({len(patch_set.patches)} patches)")

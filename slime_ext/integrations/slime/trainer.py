@@ -18,6 +18,7 @@ Inside each train actor (installed by :func:`megatron_init`, which slime calls t
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 from .planner import SCHEDULE_KEY
@@ -93,8 +94,7 @@ def wrap_train_one_step(original: Callable) -> Callable:
         return original(args, rollout_id, step_id, data_iterator, model, optimizer, scheduler, num_microbatches,
                         *rest, **kwargs)
 
-    train_one_step.__wrapped__ = original
-    return train_one_step
+    return functools.wraps(original)(train_one_step)
 
 
 def step_sizes(data_iterator: Sequence[Any]) -> list[int] | None:
