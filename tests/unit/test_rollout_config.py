@@ -21,7 +21,7 @@ def _no_device_override(monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_configs_are_valid(path):
     cfg = load_run_config(path)
-    assert cfg.world_size == cfg.dp_size * cfg.train.model_parallel_size()
+    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size()
     if cfg.options["data_parallel_size"] is not None:
         assert cfg.options["data_parallel_size"] == cfg.dp_size
 
@@ -40,7 +40,7 @@ def test_defaults_and_derived_sizes():
 
 def test_dashes_and_yaml_number_strings():
     cfg = validate({**{k.replace("_", "-"): v for k, v in GOOD.items()}, "lr": "1e-4"})
-    assert cfg.train.use_dynamic_batch_size and cfg.train.lr == 1e-4
+    assert cfg.train.batch.use_dynamic_batch_size and cfg.train.optim.lr == 1e-4
 
 
 def _problems(**changes):
@@ -57,16 +57,18 @@ def _problems(**changes):
     (dict(actor_num_nodes=2), "single-node Ray on loopback"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2), "synthetic_multi_sample_prob: 0"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=4, synthetic_multi_sample_prob=0),
-     "make global_batch_size a multiple of 8"),
+     "make the samples per step a multiple of 8"),
     (dict(max_tokens_per_gpu=4), "max_tokens_per_gpu=4 is below every sample"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2, synthetic_multi_sample_prob=0, max_tokens_per_gpu=4),
      "max_tokens_per_gpu=4 is below every sample"),
-    (dict(global_batch_size=64), "global_batch_size=64 rollouts per step but a rollout iteration has only"),
+    (dict(global_batch_size=64), "16 rollouts but global_batch_size=64 (rollouts per step): not even one step"),
     (dict(use_dynamic_batch_size=True, max_tokens_per_gpu=None), "max_tokens_per_gpu"),
-    (dict(dp_schedule="legacy", global_batch_size=5), "multiple of data_parallel_size=2"),
+    (dict(dp_schedule="legacy", global_batch_size=5), "global_batch_size=5 (samples per step on the legacy path) "
+                                                      "must be a positive multiple of dp_size=2"),
     (dict(dp_schedule="legacy", global_batch_size=6, use_dynamic_batch_size=False, micro_batch_size=2),
-     "3 samples per rank and step is not a multiple of micro_batch_size=2"),
-    (dict(dp_schedule="legacy", global_batch_size=40), "global_batch_size=40 samples per step (legacy path)"),
+     "global_batch_size/dp_size = 3 is not a multiple of micro_batch_size=2; make global_batch_size a multiple of 4"),
+    (dict(dp_schedule="legacy", global_batch_size=40), "16 samples but global_batch_size=40 samples per step (legacy "
+                                                       "path): not even one step"),
     (dict(dp_schedule="planner"), "dp_schedule"),
     (dict(dist_backend="nccl"), "dist_backend='nccl' does not match device='cpu'"),
     (dict(device="tpu"), "device='tpu'"),
