@@ -32,6 +32,7 @@ from typing import Any, Mapping
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
+from ..train_config import TrainConfigError, data_parallel_size
 from .errors import CLIError
 
 #: Achieved bf16 TFLOP/s per GPU assumed by the step-time estimate: ~40% MFU of an H100's 989 dense TFLOP/s.
@@ -227,8 +228,8 @@ def load_config(path: str) -> dict[str, Any]:
             raise CLIError(f"{path}: unknown key '{raw_key}'{hint}; `slime-ext plan --help` lists the keys it reads")
         if name in out:
             raise CLIError(f"{path}: key '{name}' is given twice (as '-' and '_' spellings)")
-        if value is not None:
-            out[name] = _check_type(f"{path}", KEYS[name], value)
+        if value is not None:  # batch flags are checked by BatchConfig (resolve), everything else here
+            out[name] = value if name in BATCH_FLAGS else _check_type(f"{path}", KEYS[name], value)
     return out
 
 
@@ -327,14 +328,16 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     dp = _one_of(values, source, "dp_size", "data_parallel_size")
     replica = tp * pp * cp
     if world is not None:
-        if world % replica:
+        try:
+            world_dp = data_parallel_size(world, replica)
+        except TrainConfigError:
             raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
-                           f"{replica} GPUs; fix num_gpus or the parallel sizes")
-        if dp is not None and dp != world // replica:
+                           f"{replica} GPUs; fix num_gpus or the parallel sizes") from None
+        if dp is not None and dp != world_dp:
             dp_source = source["dp_size"] if "dp_size" in values else source["data_parallel_size"]
             raise CLIError(f"{dp_source} is {dp} but {world} GPUs / (tp*pp*cp = {replica}) give "
-                           f"dp_size = {world // replica}; give one of them")
-        dp = world // replica
+                           f"dp_size = {world_dp}; give one of them")
+        dp = world_dp
     mb_group = _positive(values, source, "microbatch_group_size_per_vp_stage", None)
     if mb_group is None:
         if vpp > 1 and "pipeline_model_parallel_size" not in values:
@@ -349,10 +352,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         missing = ", ".join("--" + k.replace("_", "-") for k in core if k not in model)
         raise CLIError(f"the FLOPs model needs {missing} too (given: {', '.join(sorted(model))}); "
                        f"give all three core dims or no model dims (cost = tokens)")
+    try:  # the batch flags' only check
+        batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
+    except ScheduleError as e:
+        from_file = config_path is not None and any(k in config and k not in cli for k in BATCH_FLAGS)
+        raise CLIError(f"{config_path}: {e}" if from_file else str(e)) from None
     try:
         parallel = ParallelConfig(dp_size=dp or 1, cp_size=cp, vpp_size=vpp,
                                   microbatch_group_size_per_vp_stage=mb_group)
-        batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
         dp_schedule = values.get("dp_schedule", "rollout")
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
