@@ -346,7 +346,8 @@ def legacy_rank_plan(local_lengths: Sequence[int], *, global_batch_size: int, dp
         if vpp_size > 1 and counts[0] % group:
             raise LegacyPlanError(f"global_batch_size={gbs}: {counts[0]} micro-batches per rank and step is not a "
                                   f"multiple of microbatch_group_size_per_vp_stage={group} (Megatron's interleaved "
-                                  f"schedule); make global_batch_size a multiple of {dp_size * micro_batch_size * group}")
+                                  f"schedule); make global_batch_size a multiple of "
+                                  f"{dp_size * micro_batch_size * group}")
         return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)], counts
     found = reduce_max(legacy_step_counts(local_lengths, local, cap))
     counts = round_for_vpp(found, vpp_size, group)

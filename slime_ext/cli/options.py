@@ -1,23 +1,10 @@
 """The planning flags of ``slime-ext plan`` under slime's/Megatron's names, from the command line and ``--config``.
 
 Every key is a command-line flag (``--max-tokens-per-gpu``) and a YAML key (``max_tokens_per_gpu``; ``-`` and ``_``
-are the same in YAML); flags given on the command line override the YAML. Keys:
-
-* batch flags (``BatchConfig``): ``global_batch_size use_dynamic_batch_size max_tokens_per_gpu micro_batch_size
-  balance_data balance_by_flops use_dynamic_global_batch_size disable_rollout_trim_samples``, and ``dp_schedule``
-  (``rollout`` | ``legacy``, the training job's path: with ``legacy`` a warning says that the table is the
-  rollout-side plan and ``--compare legacy`` shows the legacy path);
-* parallel layout (``ParallelConfig``): ``dp_size cp_size vpp_size microbatch_group_size_per_vp_stage``, or the world
-  it follows from: ``num_gpus`` (or ``actor_num_nodes * actor_num_gpus_per_node``) over ``tensor_model_parallel_size
-  * pipeline_model_parallel_size * context_parallel_size``; ``data_parallel_size``, ``context_parallel_size`` and
-  ``virtual_pipeline_model_parallel_size`` are Megatron's names for ``dp_size``, ``cp_size`` and ``vpp_size``;
-* model dims for the FLOPs model (``CostModel``): ``hidden_size num_layers num_attention_heads num_query_groups
-  kv_channels ffn_hidden_size vocab_size num_experts moe_ffn_hidden_size moe_router_topk
-  moe_shared_expert_intermediate_size moe_layer_freq swiglu``;
-* the step-time estimate: ``tflops`` (achieved TFLOP/s per GPU).
-
-A YAML config may also hold training-only keys (``lr``, ``seed``, ...: :data:`IGNORED_KEYS`); they are accepted and
-ignored. Any other key is an error naming it.
+are the same); flags given on the command line override the YAML. The keys are declared once, with their help, in
+:data:`GROUPS`: batch flags (checked by ``BatchConfig`` only), parallel layout, the world it follows from, model dims
+for the FLOPs model, the step-time estimate. A YAML config may also hold training-only keys (:data:`IGNORED_KEYS`);
+they are accepted and ignored. Any other key is an error naming it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The run config: one YAML file with the training keys and the rollout/harness keys, validated before any process.
 
-Training keys are :class:`slime_ext.train_config.TrainConfig`'s fields; the rollout/harness keys are
-:data:`RUN_DEFAULTS`, each documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
-listing every problem, each naming the key and the fix.
+Training keys are :class:`slime_ext.train_config.TrainConfig`'s (flat names); the rollout/harness keys are
+:data:`RUN_DEFAULTS`. Each is documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
+listing every problem, each naming the key and the fix. The schedule is checked by running the planner itself (or
+the legacy path) on the extreme rollouts the rollout function can produce (:func:`_dry_run`), not by a copy of its
+rules.
 """
 
 from __future__ import annotations
@@ -202,8 +204,8 @@ def _check_sample_lengths(train: TrainConfig, options: Mapping[str, Any], bounds
             f"micro-batch would exceed the cap; raise max_tokens_per_gpu to at least seq_length={seq_length}")
 
 
-_MULTI_SAMPLE_FIX = ("rollouts that emit several samples change the samples per step: set synthetic_multi_sample_prob: 0, "
-                     "or use_dynamic_batch_size: true with max_tokens_per_gpu")
+_MULTI_SAMPLE_FIX = ("rollouts that emit several samples change the samples per step: set "
+                     "synthetic_multi_sample_prob: 0, or use_dynamic_batch_size: true with max_tokens_per_gpu")
 
 
 def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None
@@ -232,9 +234,9 @@ def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: di
     if most > 1:
         out.append(make(f"{most} samples per rollout", [most] * rollouts))
         for extra in range(1, min(1 if batch.use_dynamic_batch_size else batch.micro_batch_size, rollouts) + 1):
+            per_rollout = [2] * extra + [1] * (rollouts - extra)
             out.append(make(f"{extra} of the rollouts with 2 samples, the rest with 1 (synthetic_multi_sample_prob="
-                            f"{options['synthetic_multi_sample_prob']}), samples", [2] * extra + [1] * (rollouts - extra),
-                            _MULTI_SAMPLE_FIX))
+                            f"{options['synthetic_multi_sample_prob']}), samples", per_rollout, _MULTI_SAMPLE_FIX))
     return out
 
 
@@ -253,9 +255,10 @@ def _plan(train: TrainConfig, args: SimpleNamespace, world: int, lengths: list[i
     if batch.use_dynamic_batch_size:
         peak = [max(c) for c in zip(*(legacy_step_counts(r, gbs // dp, cap) for r in ranks))]
     for local in ranks:  # each rank's get_data_iterator
-        legacy_rank_plan(local, global_batch_size=gbs, dp_size=dp, use_dynamic_batch_size=batch.use_dynamic_batch_size,
-                         micro_batch_size=batch.micro_batch_size, cap=cap, vpp_size=parallel.vpp_size,
-                         group=parallel.microbatch_group_size_per_vp_stage, reduce_max=lambda _: peak)
+        legacy_rank_plan(local, global_batch_size=gbs, dp_size=dp, cap=cap,
+                         use_dynamic_batch_size=batch.use_dynamic_batch_size, micro_batch_size=batch.micro_batch_size,
+                         vpp_size=parallel.vpp_size, group=parallel.microbatch_group_size_per_vp_stage,
+                         reduce_max=lambda _: peak)
 
 
 def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
