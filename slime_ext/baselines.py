@@ -258,9 +258,9 @@ def reference_schedule(
 
 
 # ================================================================================================ (a) legacy
-# The rollout side splits samples over DP ranks; each rank then plans its own micro-batches (``get_data_iterator``).
-# The runtime legacy path (:class:`slime_ext.training.legacy_backend.LegacyPath`) calls these same functions, with a
-# real all-reduce between ``legacy_step_counts`` and ``legacy_micro_batches``.
+# The rollout side splits samples over DP ranks; each rank then plans its own micro-batches (``get_data_iterator``:
+# :func:`legacy_rank_plan`). The runtime legacy path (:class:`slime_ext.training.legacy_backend.LegacyPath`) and the
+# run-config pre-check call ``legacy_rank_plan`` too, the runtime with a real all-reduce as its ``reduce_max``.
 def split_train_data_by_dp(total_lengths: Sequence[int], dp_size: int, balance_data: bool) -> list[list[int]]:
     """Legacy rollout side: which global samples each DP rank gets (the whole rollout at once, not per step)."""
     if balance_data:

@@ -1,19 +1,10 @@
 """``dp_schedule: legacy``: micro-batches planned on each training rank, as upstream slime's training side does.
 
-The algorithms are :mod:`slime_ext.baselines` (the same code the benchmark and ``plan --compare`` measure); this
-module adds only what a running job needs: Megatron's parallel sizes and the real ``all_reduce(MAX)`` of the
-per-rank counts. Per rollout, each rank cuts its samples into steps of ``global_batch_size / dp_size`` samples
-(upstream's meaning: samples, not rollouts) and then
-
-* static batches: ``micro_batch_size`` contiguous samples per micro-batch;
-* dynamic batches: first-fit count per step, MAX over the DP group, upstream's VPP rounding (down), then
-  Karmarkar-Karp of the step's samples into that many micro-batches -- **no cap**: a micro-batch may exceed
-  ``max_tokens_per_gpu``, as upstream.
-
-The LR scheduler advances by ``args.global_batch_size`` per step, as upstream. Deviations, each loud instead of
-silent: samples that do not fill a step are an error (upstream drops them); a step whose rounded count is not a
-whole micro-batch group (upstream clamps to 1 below one group) is refused, since Megatron's interleaved schedule
-cannot run it.
+The planning is :func:`slime_ext.baselines.legacy_rank_plan` (the one legacy implementation: the benchmark,
+``plan --compare`` and the run-config pre-check use the same code); this module adds only what a running job needs:
+Megatron's parallel sizes and the real ``all_reduce(MAX)`` of the per-rank counts. ``global_batch_size`` counts
+samples, as upstream, and the LR scheduler advances by it per step. Where upstream would drop samples or hand
+Megatron's interleaved schedule a count that is not a whole micro-batch group, the step is refused instead.
 """
 
 from __future__ import annotations
