@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.dry_run else 2)
     scale = cap / 16384  # bench/workloads.py's lengths are planned for a 16k cap
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu and not args.dry_run else None
-    config = {**model, **OPTIM, "seq_length": cap, "max_position_embeddings": cap,
-              "use_dynamic_batch_size": True, "max_tokens_per_gpu": cap}
+    # no batch keys: calibrate() sets its own, and the rollout-path worker trains the plans it is sent
+    config = {**model, **OPTIM, "seq_length": cap, "max_position_embeddings": cap}
     lines: list[str] = []
 
     def say(line: str = "") -> None:

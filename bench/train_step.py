@@ -365,8 +365,8 @@ def run(argv: list[str] | None = None) -> int:
                 changes, payloads = plan_payloads(scheme, samples_of[w.name], w, dp, profile)
                 changes = {**changes, "max_tokens_per_gpu": w.cap}
                 runs.append(dict(scheme=scheme, workload=w.name, changes=changes, payloads=payloads))
-        config = {**base, "pipeline_model_parallel_size": pp, "use_dynamic_batch_size": True,
-                  "max_tokens_per_gpu": cap, "dist_timeout_seconds": 600.0}
+        # no batch keys: every run's reset() brings its own (TrainConfig.batch is None until then)
+        config = {**base, "pipeline_model_parallel_size": pp, "dist_timeout_seconds": 600.0}
         port = free_port()
         t0 = time.perf_counter()
         results = launch([(bench_job, (r, dp * pp, port, config, runs, repeats_of[pp])) for r in range(dp * pp)],

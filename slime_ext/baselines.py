@@ -258,9 +258,9 @@ def reference_schedule(
 
 
 # ================================================================================================ (a) legacy
-# The rollout side splits samples over DP ranks; each rank then plans its own micro-batches (``get_data_iterator``).
-# The runtime legacy path (:class:`slime_ext.training.legacy_backend.LegacyPath`) calls these same functions, with a
-# real all-reduce between ``legacy_step_counts`` and ``legacy_micro_batches``.
+# The rollout side splits samples over DP ranks; each rank then plans its own micro-batches (``get_data_iterator``:
+# :func:`legacy_rank_plan`). The runtime legacy path (:class:`slime_ext.training.legacy_backend.LegacyPath`) and the
+# run-config pre-check call ``legacy_rank_plan`` too, the runtime with a real all-reduce as its ``reduce_max``.
 def split_train_data_by_dp(total_lengths: Sequence[int], dp_size: int, balance_data: bool) -> list[list[int]]:
     """Legacy rollout side: which global samples each DP rank gets (the whole rollout at once, not per step)."""
     if balance_data:
@@ -309,6 +309,55 @@ def legacy_micro_batches(local_lengths: Sequence[int], num_local_gbs: int, count
         groups = get_seqlen_balanced_partitions(local_lengths[start:start + num_local_gbs], num_mbs, equal_size=False)
         micro_batch_indices.extend([start + i for i in g] for g in groups)
     return micro_batch_indices
+
+
+class LegacyPlanError(ValueError):
+    """The legacy path cannot plan a rank's samples; the message names the key, the value and the fix."""
+
+
+def legacy_rank_plan(local_lengths: Sequence[int], *, global_batch_size: int, dp_size: int,
+                     use_dynamic_batch_size: bool, micro_batch_size: int | None, cap: int | None, vpp_size: int = 1,
+                     group: int = 1, reduce_max: Any = list) -> tuple[list[list[int]], list[int]]:
+    """One rank's ``get_data_iterator``: ``(micro_batch_indices, num_microbatches)`` over its ``local_lengths``.
+
+    Steps of ``global_batch_size / dp_size`` local samples (upstream's meaning: samples). Static: ``micro_batch_size``
+    contiguous samples; dynamic: first-fit counts, ``reduce_max`` (the DP group's ``all_reduce(MAX)``), VPP rounding
+    and KK with no cap. Where upstream would drop samples or hand Megatron's interleaved schedule a count that is not
+    a whole ``microbatch_group_size_per_vp_stage``, :class:`LegacyPlanError` says so instead.
+    """
+    gbs = global_batch_size
+    if gbs % dp_size:
+        raise LegacyPlanError(f"global_batch_size={gbs} (samples per step on the legacy path) must be a multiple of "
+                              f"dp_size={dp_size}")
+    local = gbs // dp_size
+    n = len(local_lengths)
+    num_steps, tail = divmod(n, local)
+    if num_steps == 0 or tail:
+        raise LegacyPlanError(
+            f"this rank has {n} samples, not a positive multiple of global_batch_size/dp_size = {local}; the legacy "
+            f"path would drop {tail if num_steps else n} samples. Send a multiple of {local} samples per rank (or use "
+            f"--dp-schedule rollout)")
+    if not use_dynamic_batch_size:
+        if local % micro_batch_size:
+            raise LegacyPlanError(f"global_batch_size/dp_size = {local} is not a multiple of "
+                                  f"micro_batch_size={micro_batch_size}; make global_batch_size a multiple of "
+                                  f"{dp_size * micro_batch_size}")
+        counts = [local // micro_batch_size] * num_steps
+        if vpp_size > 1 and counts[0] % group:
+            raise LegacyPlanError(f"global_batch_size={gbs}: {counts[0]} micro-batches per rank and step is not a "
+                                  f"multiple of microbatch_group_size_per_vp_stage={group} (Megatron's interleaved "
+                                  f"schedule); make global_batch_size a multiple of "
+                                  f"{dp_size * micro_batch_size * group}")
+        return [list(range(i, i + micro_batch_size)) for i in range(0, n, micro_batch_size)], counts
+    found = reduce_max(legacy_step_counts(local_lengths, local, cap))
+    counts = round_for_vpp(found, vpp_size, group)
+    for s, c in enumerate(counts):
+        if c % group:
+            raise LegacyPlanError(
+                f"step {s}: {found[s]} micro-batches, below one microbatch_group_size_per_vp_stage={group}; upstream "
+                f"rounds that to {c}, which Megatron's interleaved schedule cannot run. Raise --global-batch-size, "
+                f"lower --max-tokens-per-gpu, or use --dp-schedule rollout")
+    return legacy_micro_batches(local_lengths, local, counts), counts
 
 
 def legacy_schedule(

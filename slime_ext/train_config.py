@@ -1,35 +1,52 @@
-"""The training keys of a run: one flat dataclass under slime's / Megatron's flag names, each field documented where
-it is declared. Pure Python (no torch): the rollout side validates run configs with it without importing the
-training layer, and the training layer (:mod:`slime_ext.training`) builds everything from it.
+"""The training job's config, nested as torchtitan nests its ``JobConfig``::
 
-Build it with :meth:`TrainConfig.from_mapping` (a dict, e.g. a YAML file's content), :meth:`TrainConfig.from_args`
-(an argparse ``Namespace`` / ``SimpleNamespace``) or :func:`load_train_config` (path, mapping or namespace). Unknown
-keys are an error unless ``ignore_unknown=True`` (a shared YAML that also holds rollout-side keys).
+    TrainConfig(batch=BatchConfig(...), parallel=Parallelism(...), model=ModelConfig(...), optim=OptimConfig(...),
+                dp_schedule="rollout", seed=1234, ...)
+
+Users keep slime's / Megatron's flat names (``lr:``, ``max_tokens_per_gpu:``, ``--pipeline-model-parallel-size``):
+:meth:`TrainConfig.from_mapping` / :meth:`TrainConfig.from_args` route each flat key to its section, and
+:meth:`TrainConfig.to_args` flattens back for slime-shaped code. ``batch`` is the planning layer's own
+:class:`~slime_ext.schedule.BatchConfig`, validated there only. Pure Python (no torch): the rollout side validates
+run configs with it without importing the training layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from slime_ext.schedule import DP_SCHEDULES
+from slime_ext.schedule import DP_SCHEDULES, BatchConfig, ParallelConfig, ScheduleError
+from slime_ext.schedule.config import BATCH_FLAGS
 
-#: keys that ``TrainWorker.reset`` may change (everything else is fixed by the process groups and the model)
-RESETTABLE_KEYS = frozenset({
-    "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "global_batch_size", "balance_data",
-    "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples", "dp_schedule",
-    "optimizer", "lr", "min_lr", "lr_warmup_init", "lr_decay_style", "lr_warmup_samples", "lr_decay_samples",
-    "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum",
-})
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 class TrainConfigError(ValueError):
     """A bad training config; the message names the key, the value and the fix."""
+
+
+def _fail(key: str, value: Any, fix: str) -> None:
+    raise TrainConfigError(f"{key}={value!r}: {fix}")
+
+
+def _check_positive_int(obj: Any, *keys: str) -> None:
+    for key in keys:
+        v = getattr(obj, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _fail(key, v, "must be a positive integer")
+
+
+def data_parallel_size(world_size: int, model_parallel_size: int) -> int:
+    """``world_size / (tp * cp * pp)``: the one place a world size becomes a data-parallel size."""
+    mp = model_parallel_size
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 or world_size % mp:
+        raise TrainConfigError(f"world_size={world_size!r} is not a multiple of tp*cp*pp = {mp}; start dp * {mp} "
+                               f"train processes (one per rank of dp x pp)")
+    return world_size // mp
 
 
 @dataclass(frozen=True)
@@ -53,167 +70,52 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    # ---- batch (slime flags; meanings: slime_ext.schedule.BatchConfig)
-    use_dynamic_batch_size: bool = False
-    max_tokens_per_gpu: int | None = None
-    micro_batch_size: int | None = 1
-    global_batch_size: int | None = None  # rollouts per step (rollout path); samples per step (legacy, as upstream)
-    balance_data: bool = False
-    balance_by_flops: bool = False
-    use_dynamic_global_batch_size: bool = False
-    disable_rollout_trim_samples: bool = False
-    dp_schedule: str = "rollout"  # who plans micro-batches: slime_ext.schedule.DP_SCHEDULES
-    # ---- parallel (data parallel = world_size / (tp * cp * pp))
-    tensor_model_parallel_size: int = 1  # must be 1
+class Parallelism:
+    """Megatron's model-parallel sizes; data parallelism is whatever the world size leaves (:meth:`dp_size`)."""
+
+    tensor_model_parallel_size: int = 1  # must be 1: this adapter has no tensor parallelism
     pipeline_model_parallel_size: int = 1
+    #: model chunks per pipeline rank (Megatron's interleaved schedule); None or 1: no interleaving
     virtual_pipeline_model_parallel_size: int | None = None
-    microbatch_group_size_per_vp_stage: int | None = None  # default: the pipeline size (Megatron's)
-    context_parallel_size: int = 1  # must be 1
-    # ---- model (a Megatron GPTModel with the local layer spec)
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default: 4 * hidden_size
-    vocab_size: int = 128
-    seq_length: int = 256
-    max_position_embeddings: int | None = None  # default: seq_length; every sample's total_length must fit
-    untie_embeddings_and_output_weights: bool = False
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    # ---- optimizer / LR (Megatron names; the LR schedule counts samples)
-    optimizer: str = "adam"  # or "sgd"
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_warmup_init: float = 0.0
-    lr_decay_style: str = "constant"  # linear, cosine, inverse-square-root need lr_decay_samples
-    lr_warmup_samples: int = 0
-    lr_decay_samples: int | None = None
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0  # 0 disables
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.9
-    seed: int = 1234
-    # ---- runtime
-    dist_backend: str | None = None  # default: nccl with a GPU, else gloo
-    dist_timeout_seconds: float = 60.0  # every process group: a dead or stuck peer fails the job within this
+    #: micro-batches a stage runs per model chunk before switching chunk; None: the pipeline size (Megatron's)
+    microbatch_group_size_per_vp_stage: int | None = None
+    context_parallel_size: int = 1  # must be 1: this adapter has no context parallelism
 
     def __post_init__(self) -> None:
-        def fail(key: str, fix: str) -> None:
-            raise TrainConfigError(f"{key}={getattr(self, key)!r}: {fix}")
-
-        def positive_int(key: str) -> None:
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                fail(key, "must be a positive integer")
-
-        if self.dp_schedule not in DP_SCHEDULES:
-            fail("dp_schedule", f"must be one of {DP_SCHEDULES} (--dp-schedule rollout|legacy)")
-        for key in ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
-                    "disable_rollout_trim_samples", "untie_embeddings_and_output_weights"):
-            if not isinstance(getattr(self, key), bool):
-                fail(key, "must be true or false")
-        if self.use_dynamic_batch_size:
-            if self.max_tokens_per_gpu is None:
-                fail("max_tokens_per_gpu", "use_dynamic_batch_size needs --max-tokens-per-gpu N")
-            positive_int("max_tokens_per_gpu")
-        else:
-            positive_int("micro_batch_size")
-        if self.global_batch_size is not None:
-            positive_int("global_batch_size")
         if self.tensor_model_parallel_size != 1:
-            fail("tensor_model_parallel_size", "this adapter supports tensor parallelism 1 only")
+            _fail("tensor_model_parallel_size", self.tensor_model_parallel_size,
+                  "this adapter supports tensor parallelism 1 only")
         if self.context_parallel_size != 1:
-            fail("context_parallel_size", "this adapter supports context parallelism 1 only")
-        for key in ("pipeline_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads",
-                    "vocab_size", "seq_length"):
-            positive_int(key)
+            _fail("context_parallel_size", self.context_parallel_size,
+                  "this adapter supports context parallelism 1 only")
+        _check_positive_int(self, "pipeline_model_parallel_size")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
-            positive_int("virtual_pipeline_model_parallel_size")
+            _check_positive_int(self, "virtual_pipeline_model_parallel_size")
             if vpp > 1 and self.pipeline_model_parallel_size == 1:
-                fail("virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1")
-        if self.num_layers % (self.pipeline_model_parallel_size * self.vpp_size):
-            fail("num_layers", f"must be a multiple of pipeline_model_parallel_size * vpp "
-                               f"= {self.pipeline_model_parallel_size * self.vpp_size}")
-        if self.microbatch_group_size_per_vp_stage is not None:
-            positive_int("microbatch_group_size_per_vp_stage")
-            if self.vpp_size > 1 and self.microbatch_group_size_per_vp_stage < self.pipeline_model_parallel_size:
-                fail("microbatch_group_size_per_vp_stage",
-                     f"Megatron's interleaved schedule needs it >= pipeline_model_parallel_size "
-                     f"= {self.pipeline_model_parallel_size}")
-        if self.hidden_size % self.num_attention_heads:
-            fail("hidden_size", f"must be a multiple of num_attention_heads={self.num_attention_heads}")
-        if self.ffn_hidden_size is not None:
-            positive_int("ffn_hidden_size")
-        if self.max_position_embeddings is not None:
-            positive_int("max_position_embeddings")
-        for key in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                fail(key, "must be in [0, 1)")
-        if self.optimizer not in ("adam", "sgd"):
-            fail("optimizer", "must be 'adam' or 'sgd'")
-        if not self.lr >= 0 or not 0 <= self.min_lr <= self.lr:
-            fail("min_lr", f"need 0 <= min_lr <= lr (lr={self.lr})")
-        if not 0 <= self.lr_warmup_init <= self.lr:
-            fail("lr_warmup_init", f"need 0 <= lr_warmup_init <= lr (lr={self.lr})")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            fail("lr_decay_style", f"must be one of {LR_DECAY_STYLES}")
-        if isinstance(self.lr_warmup_samples, bool) or not isinstance(self.lr_warmup_samples, int) \
-                or self.lr_warmup_samples < 0:
-            fail("lr_warmup_samples", "must be a non-negative integer (samples)")
-        if self.lr_decay_samples is None:
-            if self.lr_decay_style != "constant":
-                fail("lr_decay_samples", f"lr_decay_style={self.lr_decay_style!r} needs --lr-decay-samples N")
-        else:
-            positive_int("lr_decay_samples")
-            if self.lr_decay_samples <= self.lr_warmup_samples:
-                fail("lr_decay_samples", f"must exceed lr_warmup_samples={self.lr_warmup_samples}")
-        if self.weight_decay < 0 or self.clip_grad < 0:
-            fail("weight_decay" if self.weight_decay < 0 else "clip_grad", "must be >= 0")
-        if self.dist_backend not in (None, "gloo", "nccl"):
-            fail("dist_backend", "must be 'gloo', 'nccl' or null (auto)")
-        if not self.dist_timeout_seconds > 0:
-            fail("dist_timeout_seconds", "must be > 0 (seconds)")
+                _fail("virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
+        group = self.microbatch_group_size_per_vp_stage
+        if group is not None:
+            _check_positive_int(self, "microbatch_group_size_per_vp_stage")
+            if self.vpp_size > 1 and group < self.pipeline_model_parallel_size:
+                _fail("microbatch_group_size_per_vp_stage", group,
+                      f"Megatron's interleaved schedule needs it >= pipeline_model_parallel_size "
+                      f"= {self.pipeline_model_parallel_size}")
 
-    # ------------------------------------------------------------------ derived values
     @property
     def vpp_size(self) -> int:
         return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def mb_group_size(self) -> int:
-        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it (the pipeline size by default)."""
+        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it."""
         return self.microbatch_group_size_per_vp_stage or self.pipeline_model_parallel_size
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    @property
-    def lr_decay_steps(self) -> int:
-        """Samples of the LR decay; for a constant LR only needs to exceed the warmup."""
-        return self.lr_decay_samples if self.lr_decay_samples is not None else self.lr_warmup_samples + 1
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
 
     def dp_size(self, world_size: int) -> int:
-        """Data-parallel size for ``world_size`` processes; ``TrainConfigError`` if it does not divide."""
-        mp = self.model_parallel_size()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 or world_size % mp:
-            raise TrainConfigError(
-                f"world_size={world_size!r} is not a multiple of tp*cp*pp = {mp}; start dp * {mp} train "
-                f"processes (one per rank of dp x pp)"
-            )
-        return world_size // mp
+        return data_parallel_size(world_size, self.model_parallel_size())
 
     def layout(self, rank: int, world_size: int) -> Layout:
         """Megatron's placement of ``rank`` (order ``tp-cp-ep-dp-pp``: DP ranks vary fastest)."""
@@ -225,53 +127,222 @@ class TrainConfig:
 
     def train_parallel_config(self, world_size: int) -> dict:
         """slime's ``train_parallel_config`` dict, the planner's input on the rollout side."""
-        return {
-            "dp_size": self.dp_size(world_size),
-            "cp_size": self.context_parallel_size,
-            "vpp_size": self.vpp_size,
-            "microbatch_group_size_per_vp_stage": self.mb_group_size,
-        }
+        return {"dp_size": self.dp_size(world_size), "cp_size": self.context_parallel_size,
+                "vpp_size": self.vpp_size, "microbatch_group_size_per_vp_stage": self.mb_group_size}
+
+    def schedule_config(self, world_size: int) -> ParallelConfig:
+        """The planner's :class:`~slime_ext.schedule.ParallelConfig` for ``world_size`` processes."""
+        return ParallelConfig.from_dict(self.train_parallel_config(world_size))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Megatron ``GPTModel`` with the local layer spec, fp32."""
+
+    num_layers: int = 2  # a multiple of pipeline_model_parallel_size * vpp
+    hidden_size: int = 64  # a multiple of num_attention_heads
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # None: 4 * hidden_size
+    vocab_size: int = 128
+    seq_length: int = 256  # the longest sample (prompt + response) the rollout may produce
+    max_position_embeddings: int | None = None  # None: seq_length; every sample's total_length must fit
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive_int(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+        for key in ("ffn_hidden_size", "max_position_embeddings"):
+            if getattr(self, key) is not None:
+                _check_positive_int(self, key)
+        if not isinstance(self.untie_embeddings_and_output_weights, bool):
+            _fail("untie_embeddings_and_output_weights", self.untie_embeddings_and_output_weights,
+                  "must be true or false")
+        if self.hidden_size % self.num_attention_heads:
+            _fail("hidden_size", self.hidden_size,
+                  f"must be a multiple of num_attention_heads={self.num_attention_heads}")
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                _fail(key, getattr(self, key), "must be in [0, 1)")
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Megatron's optimizer and LR-schedule keys; the LR schedule counts samples, not steps."""
+
+    optimizer: str = "adam"  # "adam" or "sgd"
+    lr: float = 1e-4
+    min_lr: float = 0.0  # the floor of the decay; in [0, lr]
+    lr_warmup_init: float = 0.0  # the LR at sample 0; in [0, lr]
+    lr_decay_style: str = "constant"  # one of LR_DECAY_STYLES; all but constant need lr_decay_samples
+    lr_warmup_samples: int = 0
+    lr_decay_samples: int | None = None  # > lr_warmup_samples
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0  # global grad-norm clip; 0 disables
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            _fail("optimizer", self.optimizer, "must be 'adam' or 'sgd'")
+        if not self.lr >= 0 or not 0 <= self.min_lr <= self.lr:
+            _fail("min_lr", self.min_lr, f"need 0 <= min_lr <= lr (lr={self.lr})")
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            _fail("lr_warmup_init", self.lr_warmup_init, f"need 0 <= lr_warmup_init <= lr (lr={self.lr})")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            _fail("lr_decay_style", self.lr_decay_style, f"must be one of {LR_DECAY_STYLES}")
+        warmup = self.lr_warmup_samples
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            _fail("lr_warmup_samples", warmup, "must be a non-negative integer (samples)")
+        if self.lr_decay_samples is None:
+            if self.lr_decay_style != "constant":
+                _fail("lr_decay_samples", None, f"lr_decay_style={self.lr_decay_style!r} needs --lr-decay-samples N")
+        else:
+            _check_positive_int(self, "lr_decay_samples")
+            if self.lr_decay_samples <= warmup:
+                _fail("lr_decay_samples", self.lr_decay_samples, f"must exceed lr_warmup_samples={warmup}")
+        for key in ("weight_decay", "clip_grad"):
+            if getattr(self, key) < 0:
+                _fail(key, getattr(self, key), "must be >= 0")
+
+    @property
+    def lr_decay_steps(self) -> int:
+        """Samples of the LR decay; for a constant LR only needs to exceed the warmup."""
+        return self.lr_decay_samples if self.lr_decay_samples is not None else self.lr_warmup_samples + 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training job: the four sections plus the keys of the job as a whole."""
+
+    #: slime's batch flags; None when none is set: such a process trains the plans it is sent and plans nothing
+    batch: BatchConfig | None = None
+    parallel: Parallelism = field(default_factory=Parallelism)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    #: who plans the micro-batches: "rollout" (our planner, before Ray) or "legacy" (upstream's, on each rank)
+    dp_schedule: str = "rollout"
+    seed: int = 1234  # parameters and Megatron's RNG trackers
+    dist_backend: str | None = None  # "gloo", "nccl", or None: nccl with a GPU, else gloo
+    dist_timeout_seconds: float = 60.0  # every process group: a dead or stuck peer fails the job within this
+
+    def __post_init__(self) -> None:
+        for name, kind in (("batch", BatchConfig), ("parallel", Parallelism), ("model", ModelConfig),
+                           ("optim", OptimConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name == "batch" and value is None):
+                raise TrainConfigError(f"{name} must be a {kind.__name__}, got {type(value).__name__}; build flat "
+                                       f"keys with TrainConfig.from_mapping")
+        if self.dp_schedule not in DP_SCHEDULES:
+            _fail("dp_schedule", self.dp_schedule, f"must be one of {DP_SCHEDULES} (--dp-schedule rollout|legacy)")
+        chunks = self.parallel.pipeline_model_parallel_size * self.parallel.vpp_size
+        if self.model.num_layers % chunks:
+            _fail("num_layers", self.model.num_layers,
+                  f"must be a multiple of pipeline_model_parallel_size * vpp = {chunks}")
+        if self.dist_backend not in (None, "gloo", "nccl"):
+            _fail("dist_backend", self.dist_backend, "must be 'gloo', 'nccl' or null (auto)")
+        if not self.dist_timeout_seconds > 0:
+            _fail("dist_timeout_seconds", self.dist_timeout_seconds, "must be > 0 (seconds)")
+
+    # ------------------------------------------------------------------ shortcuts used by every layer
+    def dp_size(self, world_size: int) -> int:
+        return self.parallel.dp_size(world_size)
+
+    def layout(self, rank: int, world_size: int) -> Layout:
+        return self.parallel.layout(rank, world_size)
+
+    def train_parallel_config(self, world_size: int) -> dict:
+        return self.parallel.train_parallel_config(world_size)
+
+    # ------------------------------------------------------------------ flat (slime / Megatron) names
+    def to_dict(self) -> dict:
+        """Every key under its flat name; a ``None`` batch gives the batch flags' defaults (argparse's)."""
+        flat = dict(_BATCH_DEFAULTS)
+        if self.batch is not None:
+            flat.update(self.batch.to_dict())
+        for section in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        flat.update({k: getattr(self, k) for k in _TOP})
+        return flat
 
     def to_args(self) -> SimpleNamespace:
-        """An argparse-like namespace under slime's names (what the slime-shaped backend reads)."""
-        return SimpleNamespace(**dataclasses.asdict(self))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """An argparse-like namespace under slime's names (what the slime-shaped code reads)."""
+        return SimpleNamespace(**self.to_dict())
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        unknown = sorted(set(changes) - _KEYS)
+        """A copy with flat keys changed (``replace(lr=1e-3, global_batch_size=8)``)."""
+        unknown = sorted(set(changes) - KEYS)
         if unknown:
-            raise TrainConfigError(f"unknown training config keys {unknown}; known keys: {sorted(_KEYS)}")
-        return dataclasses.replace(self, **changes)
+            raise TrainConfigError(f"unknown training config keys {unknown}; known keys: {sorted(KEYS)}")
+        return TrainConfig.from_mapping({**self.to_dict(), **changes})
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], *, ignore_unknown: bool = False) -> "TrainConfig":
+        """Route each flat key (``-`` or ``_``) to its section; unknown keys are an error unless ``ignore_unknown``
+        (a shared YAML that also holds rollout-side keys)."""
         if isinstance(d, TrainConfig):
             return d
         if not isinstance(d, Mapping):
             raise TrainConfigError(f"a training config must be a mapping, got {type(d).__name__}")
-        keys = {k.replace("-", "_"): v for k, v in d.items()}
-        unknown = sorted(set(keys) - _KEYS)
+        keys = {str(k).replace("-", "_"): v for k, v in d.items()}
+        unknown = sorted(set(keys) - KEYS)
         if unknown and not ignore_unknown:
             raise TrainConfigError(
                 f"unknown training config keys {unknown}; fix the spelling, or pass ignore_unknown=True when the "
                 f"mapping also holds rollout-side keys"
             )
-        kwargs = {k: _coerce(k, v) for k, v in keys.items() if k in _KEYS}
-        return cls(**kwargs)
+        values = {k: _coerce(k, v) for k, v in keys.items() if k in KEYS}
+        batch_keys = {k: values[k] for k in BATCH_FLAGS if k in values}
+        batch = None
+        if any(not _is_default(v, _BATCH_DEFAULTS[k]) for k, v in batch_keys.items()):
+            try:
+                batch = BatchConfig(**batch_keys)
+            except ScheduleError as exc:  # BatchConfig validates the batch flags; one error type for callers
+                raise TrainConfigError(str(exc)) from None
+        sections = {name: kind(**{k: values[k] for k in _SECTIONS[name][1] if k in values})
+                    for name, kind in ((n, s[0]) for n, s in _SECTIONS.items())}
+        return cls(batch=batch, **sections, **{k: values[k] for k in _TOP if k in values})
 
     @classmethod
     def from_args(cls, args: Any) -> "TrainConfig":
         """Read the known keys off any attribute object (missing ones take the defaults)."""
         if isinstance(args, TrainConfig):
             return args
-        return cls.from_mapping({k: getattr(args, k) for k in _KEYS if hasattr(args, k)})
+        return cls.from_mapping({k: getattr(args, k) for k in KEYS if hasattr(args, k)})
 
 
-_KEYS = frozenset(f.name for f in fields(TrainConfig))
-_FLOATS = frozenset(f.name for f in fields(TrainConfig) if f.type in ("float",))
+def _names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind))
+
+
+#: section name -> (its dataclass, its flat keys)
+_SECTIONS = {"parallel": (Parallelism, _names(Parallelism)), "model": (ModelConfig, _names(ModelConfig)),
+             "optim": (OptimConfig, _names(OptimConfig))}
+_TOP = ("dp_schedule", "seed", "dist_backend", "dist_timeout_seconds")
+_BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig)}
+#: every flat key a training config accepts
+KEYS = frozenset(BATCH_FLAGS) | frozenset(_TOP) | frozenset(k for _, names in _SECTIONS.values() for k in names)
+#: keys that ``TrainWorker.reset`` may change (the rest are fixed by the process groups and the model)
+RESETTABLE_KEYS = frozenset(BATCH_FLAGS) | {"dp_schedule"} | frozenset(_names(OptimConfig))
+_FLOATS = frozenset(f.name for kind in (ModelConfig, OptimConfig, TrainConfig) for f in fields(kind)
+                    if f.type == "float")
+assert set(_BATCH_DEFAULTS) == set(BATCH_FLAGS)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default if default is None or isinstance(default, bool) else \
+        type(value) is type(default) and value == default
 
 
 def _coerce(key: str, value: Any) -> Any:

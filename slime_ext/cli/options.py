@@ -1,23 +1,10 @@
 """The planning flags of ``slime-ext plan`` under slime's/Megatron's names, from the command line and ``--config``.
 
 Every key is a command-line flag (``--max-tokens-per-gpu``) and a YAML key (``max_tokens_per_gpu``; ``-`` and ``_``
-are the same in YAML); flags given on the command line override the YAML. Keys:
-
-* batch flags (``BatchConfig``): ``global_batch_size use_dynamic_batch_size max_tokens_per_gpu micro_batch_size
-  balance_data balance_by_flops use_dynamic_global_batch_size disable_rollout_trim_samples``, and ``dp_schedule``
-  (``rollout`` | ``legacy``, the training job's path: with ``legacy`` a warning says that the table is the
-  rollout-side plan and ``--compare legacy`` shows the legacy path);
-* parallel layout (``ParallelConfig``): ``dp_size cp_size vpp_size microbatch_group_size_per_vp_stage``, or the world
-  it follows from: ``num_gpus`` (or ``actor_num_nodes * actor_num_gpus_per_node``) over ``tensor_model_parallel_size
-  * pipeline_model_parallel_size * context_parallel_size``; ``data_parallel_size``, ``context_parallel_size`` and
-  ``virtual_pipeline_model_parallel_size`` are Megatron's names for ``dp_size``, ``cp_size`` and ``vpp_size``;
-* model dims for the FLOPs model (``CostModel``): ``hidden_size num_layers num_attention_heads num_query_groups
-  kv_channels ffn_hidden_size vocab_size num_experts moe_ffn_hidden_size moe_router_topk
-  moe_shared_expert_intermediate_size moe_layer_freq swiglu``;
-* the step-time estimate: ``tflops`` (achieved TFLOP/s per GPU).
-
-A YAML config may also hold training-only keys (``lr``, ``seed``, ...: :data:`IGNORED_KEYS`); they are accepted and
-ignored. Any other key is an error naming it.
+are the same); flags given on the command line override the YAML. The keys are declared once, with their help, in
+:data:`GROUPS`: batch flags (checked by ``BatchConfig`` only), parallel layout, the world it follows from, model dims
+for the FLOPs model, the step-time estimate. A YAML config may also hold training-only keys (:data:`IGNORED_KEYS`);
+they are accepted and ignored. Any other key is an error naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +19,7 @@ from typing import Any, Mapping
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
+from ..train_config import TrainConfigError, data_parallel_size
 from .errors import CLIError
 
 #: Achieved bf16 TFLOP/s per GPU assumed by the step-time estimate: ~40% MFU of an H100's 989 dense TFLOP/s.
@@ -227,8 +215,8 @@ def load_config(path: str) -> dict[str, Any]:
             raise CLIError(f"{path}: unknown key '{raw_key}'{hint}; `slime-ext plan --help` lists the keys it reads")
         if name in out:
             raise CLIError(f"{path}: key '{name}' is given twice (as '-' and '_' spellings)")
-        if value is not None:
-            out[name] = _check_type(f"{path}", KEYS[name], value)
+        if value is not None:  # batch flags are checked by BatchConfig (resolve), everything else here
+            out[name] = value if name in BATCH_FLAGS else _check_type(f"{path}", KEYS[name], value)
     return out
 
 
@@ -327,14 +315,16 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     dp = _one_of(values, source, "dp_size", "data_parallel_size")
     replica = tp * pp * cp
     if world is not None:
-        if world % replica:
+        try:
+            world_dp = data_parallel_size(world, replica)
+        except TrainConfigError:
             raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
-                           f"{replica} GPUs; fix num_gpus or the parallel sizes")
-        if dp is not None and dp != world // replica:
+                           f"{replica} GPUs; fix num_gpus or the parallel sizes") from None
+        if dp is not None and dp != world_dp:
             dp_source = source["dp_size"] if "dp_size" in values else source["data_parallel_size"]
             raise CLIError(f"{dp_source} is {dp} but {world} GPUs / (tp*pp*cp = {replica}) give "
-                           f"dp_size = {world // replica}; give one of them")
-        dp = world // replica
+                           f"dp_size = {world_dp}; give one of them")
+        dp = world_dp
     mb_group = _positive(values, source, "microbatch_group_size_per_vp_stage", None)
     if mb_group is None:
         if vpp > 1 and "pipeline_model_parallel_size" not in values:
@@ -349,10 +339,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         missing = ", ".join("--" + k.replace("_", "-") for k in core if k not in model)
         raise CLIError(f"the FLOPs model needs {missing} too (given: {', '.join(sorted(model))}); "
                        f"give all three core dims or no model dims (cost = tokens)")
+    try:  # the batch flags' only check
+        batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
+    except ScheduleError as e:
+        from_file = config_path is not None and any(k in config and k not in cli for k in BATCH_FLAGS)
+        raise CLIError(f"{config_path}: {e}" if from_file else str(e)) from None
     try:
         parallel = ParallelConfig(dp_size=dp or 1, cp_size=cp, vpp_size=vpp,
                                   microbatch_group_size_per_vp_stage=mb_group)
-        batch = BatchConfig.from_args(argparse.Namespace(**{k: values[k] for k in BATCH_FLAGS if k in values}))
         dp_schedule = values.get("dp_schedule", "rollout")
         cost_model = CostModel.from_args(model)
         if cost_model is not None:

@@ -1,8 +1,10 @@
 """The run config: one YAML file with the training keys and the rollout/harness keys, validated before any process.
 
-Training keys are :class:`slime_ext.train_config.TrainConfig`'s fields; the rollout/harness keys are
-:data:`RUN_DEFAULTS`, each documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
-listing every problem, each naming the key and the fix.
+Training keys are :class:`slime_ext.train_config.TrainConfig`'s (flat names); the rollout/harness keys are
+:data:`RUN_DEFAULTS`. Each is documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
+listing every problem, each naming the key and the fix. The schedule is checked by running the planner itself (or
+the legacy path) on the extreme rollouts the rollout function can produce (:func:`_dry_run`), not by a copy of its
+rules.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
+from slime_ext.baselines import LegacyPlanError, legacy_rank_plan, legacy_step_counts, split_train_data_by_dp
+from slime_ext.schedule import BatchConfig, ScheduleError, plan_schedule
+from slime_ext.train_config import KEYS as TRAIN_KEYS
 from slime_ext.train_config import TrainConfig, TrainConfigError
 
+from .dispatch import legacy_kept_samples
 from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 
 DEFAULT_ROLLOUT_FUNCTION = "slime_ext.rollout.synthetic.generate_rollout"
@@ -48,7 +53,6 @@ RUN_DEFAULTS: dict[str, Any] = {
     "verify_ledger": True,  # check after every rollout that each kept sample trained exactly once, where planned
     "cost_profile": None,  # a measured cost profile (slime-ext calibrate) for the planner instead of FLOPs
 }
-TRAIN_KEYS = frozenset(TrainConfig.__dataclass_fields__)
 ALL_KEYS = TRAIN_KEYS | frozenset(RUN_DEFAULTS)
 _POSITIVE_INTS = ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "actor_num_nodes",
                   "actor_num_gpus_per_node", "synthetic_prompt_length_min", "synthetic_prompt_length_max",
@@ -156,23 +160,26 @@ def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
 
 def _check_layout(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
     world = _world_size(options)
-    mp = train.model_parallel_size()
-    sizes = (f"pipeline_model_parallel_size={train.pipeline_model_parallel_size} x tensor_model_parallel_size="
-             f"{train.tensor_model_parallel_size} x context_parallel_size={train.context_parallel_size}")
-    if world % mp:
+    par = train.parallel
+    sizes = (f"pipeline_model_parallel_size={par.pipeline_model_parallel_size} x tensor_model_parallel_size="
+             f"{par.tensor_model_parallel_size} x context_parallel_size={par.context_parallel_size}")
+    mp = par.model_parallel_size()
+    try:
+        dp = par.dp_size(world)
+    except TrainConfigError:
         problems.append(f"actor_num_nodes x actor_num_gpus_per_node = {world} train processes is not a multiple of "
                         f"{sizes} = {mp}: data_parallel_size would not be whole; set actor_num_gpus_per_node to a "
                         f"multiple of {mp}")
         return
-    dp = options["data_parallel_size"]
-    if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp * mp != world):
-        problems.append(f"data_parallel_size={dp!r} x {sizes} = {dp * mp if isinstance(dp, int) else '?'} but "
-                        f"actor_num_nodes x actor_num_gpus_per_node = {world} train processes; set "
-                        f"actor_num_gpus_per_node: {dp * mp if isinstance(dp, int) else '?'} or data_parallel_size: "
-                        f"{world // mp}")
+    given = options["data_parallel_size"]
+    if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given != dp):
+        problems.append(f"data_parallel_size={given!r} x {sizes} = {given * mp if isinstance(given, int) else '?'} "
+                        f"but actor_num_nodes x actor_num_gpus_per_node = {world} train processes; set "
+                        f"actor_num_gpus_per_node: {given * mp if isinstance(given, int) else '?'} or "
+                        f"data_parallel_size: {dp}")
 
 
-def _check_gpus(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
+def _check_gpus(options: Mapping[str, Any], problems: list[str]) -> None:
     import torch  # only for device: cuda
 
     world = _world_size(options)
@@ -182,85 +189,96 @@ def _check_gpus(train: TrainConfig, options: Mapping[str, Any], problems: list[s
                         f"machine has {have}; lower actor_num_gpus_per_node or use device: cpu")
 
 
-def _check_schedule(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
-    """What the planner (or the legacy path) would reject on the first rollout, found before any process starts."""
-    args = SimpleNamespace(**train.to_dict(), **options)
-    world = _world_size(options)
-    dp = train.dp_size(world)
-    parallel = ParallelConfig.from_dict(train.train_parallel_config(world))
-    synthetic = options["rollout_function_path"] == DEFAULT_ROLLOUT_FUNCTION
+def _check_sample_lengths(train: TrainConfig, options: Mapping[str, Any], bounds: dict, problems: list[str]) -> None:
+    """What the synthetic generator's lengths need from the model and the token cap (not planner rules)."""
+    seq_length, batch = train.model.seq_length, train.batch
+    p_min, p_max = options["synthetic_prompt_length_min"], options["synthetic_prompt_length_max"]
+    if not p_min <= p_max < seq_length:
+        problems.append(f"synthetic_prompt_length_min={p_min}, synthetic_prompt_length_max={p_max}: need min <= "
+                        f"max < seq_length={seq_length} (every sample needs a response token)")
+    if batch.max_tokens_per_gpu is not None and batch.max_tokens_per_gpu * train.parallel.context_parallel_size \
+            < bounds["min_total_length"]:
+        problems.append(
+            f"max_tokens_per_gpu={batch.max_tokens_per_gpu} is below every sample: the shortest sample the "
+            f"generator emits has synthetic_prompt_length_min + 1 = {bounds['min_total_length']} tokens, so every "
+            f"micro-batch would exceed the cap; raise max_tokens_per_gpu to at least seq_length={seq_length}")
+
+
+_MULTI_SAMPLE_FIX = ("rollouts that emit several samples change the samples per step: set "
+                     "synthetic_multi_sample_prob: 0, or use_dynamic_batch_size: true with max_tokens_per_gpu")
+
+
+def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None
+                      ) -> list[tuple[str, list[int], list[int], str]]:
+    """``(what, total_lengths, rollout_ids, fix)`` of the rollouts the pre-check plans.
+
+    The sample counts are the extremes the rollout function can produce; the lengths are the easiest for the planner
+    (shortest; the longest for the legacy dynamic path, whose micro-batch count grows with them), so a refusal is one
+    the run meets whenever a rollout reaches those counts. Synthetic generator (``bounds``): one sample per rollout;
+    the most samples per rollout; and, if rollouts may emit several samples, the first ``e`` rollouts with one extra
+    sample (``e`` up to ``micro_batch_size``: every step size up to the next micro-batch). Any other rollout
+    function: one sample per rollout.
+    """
     rollouts = int(options["rollout_batch_size"]) * int(options["n_samples_per_prompt"])
-    gbs, mbs = train.global_batch_size, train.micro_batch_size
-    dyn_gbs = train.use_dynamic_global_batch_size
+    batch = train.batch
+    longest_is_easiest = train.dp_schedule == "legacy" and batch.use_dynamic_batch_size
+    shortest = bounds["min_total_length"] if bounds else 1
+    length = train.model.seq_length if longest_is_easiest else shortest
+
+    def make(what: str, per_rollout: list[int], fix: str = "") -> tuple[str, list[int], list[int], str]:
+        ids = [r for r, k in enumerate(per_rollout) for _ in range(k)]
+        return f"{what} of {length} tokens", [length] * len(ids), ids, fix
+
+    out = [make("one sample per rollout", [1] * rollouts)]
+    most = bounds["max_samples_per_rollout"] if bounds else 1
+    if most > 1:
+        out.append(make(f"{most} samples per rollout", [most] * rollouts))
+        for extra in range(1, min(1 if batch.use_dynamic_batch_size else batch.micro_batch_size, rollouts) + 1):
+            per_rollout = [2] * extra + [1] * (rollouts - extra)
+            out.append(make(f"{extra} of the rollouts with 2 samples, the rest with 1 (synthetic_multi_sample_prob="
+                            f"{options['synthetic_multi_sample_prob']}), samples", per_rollout, _MULTI_SAMPLE_FIX))
+    return out
+
+
+def _plan(train: TrainConfig, args: SimpleNamespace, world: int, lengths: list[int], ids: list[int]) -> None:
+    """One rollout through the configured ``dp_schedule``'s own planning code; raises what it raises."""
+    parallel = train.parallel.schedule_config(world)
+    batch = train.batch
+    if train.dp_schedule == "rollout":
+        plan_schedule(lengths, parallel, batch, rollout_ids=ids)
+        return
+    dp = parallel.dp_size
+    gbs, keep = legacy_kept_samples(len(lengths), args, dp)  # the rollout side's trim and split
+    ranks = [[lengths[i] for i in part] for part in split_train_data_by_dp(lengths[:keep], dp, batch.balance_data)]
+    cap = batch.cap(parallel.cp_size)
+    peak = None  # all_reduce(MAX) of the first-fit counts over the DP ranks
+    if batch.use_dynamic_batch_size:
+        peak = [max(c) for c in zip(*(legacy_step_counts(r, gbs // dp, cap) for r in ranks))]
+    for local in ranks:  # each rank's get_data_iterator
+        legacy_rank_plan(local, global_batch_size=gbs, dp_size=dp, cap=cap,
+                         use_dynamic_batch_size=batch.use_dynamic_batch_size, micro_batch_size=batch.micro_batch_size,
+                         vpp_size=parallel.vpp_size, group=parallel.microbatch_group_size_per_vp_stage,
+                         reduce_max=lambda _: peak)
+
+
+def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
+    """Plan the extreme rollouts of the configured rollout function with the real planner, before any process
+    starts: whatever it refuses there, a rollout of the run could make it refuse too."""
+    args = SimpleNamespace(**train.to_dict(), **options)
+    synthetic = options["rollout_function_path"] == DEFAULT_ROLLOUT_FUNCTION
     bounds = synthetic_bounds(args) if synthetic else None
     if synthetic:
-        p_min, p_max = options["synthetic_prompt_length_min"], options["synthetic_prompt_length_max"]
-        if not p_min <= p_max < train.seq_length:
-            problems.append(f"synthetic_prompt_length_min={p_min}, synthetic_prompt_length_max={p_max}: need min <= "
-                            f"max < seq_length={train.seq_length} (every sample needs a response token)")
-        if train.max_tokens_per_gpu is not None and train.max_tokens_per_gpu * train.context_parallel_size \
-                < bounds["min_total_length"]:
-            problems.append(
-                f"max_tokens_per_gpu={train.max_tokens_per_gpu} is below every sample: the shortest sample the "
-                f"generator emits has synthetic_prompt_length_min + 1 = {bounds['min_total_length']} tokens, so every "
-                f"micro-batch would exceed the cap; raise max_tokens_per_gpu to at least seq_length="
-                f"{train.seq_length}")
-
-    if train.dp_schedule == "legacy":
-        if not dyn_gbs:
-            if gbs is None or gbs % dp:
-                problems.append(f"global_batch_size={gbs!r}: the legacy path (dp_schedule: legacy) counts samples per "
-                                f"step and needs a multiple of data_parallel_size={dp}")
-                return
-            if not train.use_dynamic_batch_size:
-                local = gbs // dp
-                if local % mbs:
-                    problems.append(f"global_batch_size={gbs} / data_parallel_size={dp} = {local} samples per rank "
-                                    f"and step is not a multiple of micro_batch_size={mbs} (legacy static batch); "
-                                    f"make global_batch_size a multiple of {dp * mbs}")
-                elif train.vpp_size > 1 and (local // mbs) % train.mb_group_size:
-                    problems.append(f"global_batch_size={gbs}: {local // mbs} micro-batches per rank and step is not a "
-                                    f"multiple of microbatch_group_size_per_vp_stage={train.mb_group_size} (needed by "
-                                    f"the interleaved VPP schedule); make global_batch_size a multiple of "
-                                    f"{dp * mbs * train.mb_group_size}")
-            if synthetic and rollouts < gbs:
-                problems.append(f"global_batch_size={gbs} samples per step (legacy path) but a rollout may have only "
-                                f"rollout_batch_size x n_samples_per_prompt = {rollouts} samples; lower "
-                                f"global_batch_size or raise rollout_batch_size")
-        return
-
-    try:
-        batch = BatchConfig.from_args(args)
-    except ScheduleError as exc:
-        problems.append(str(exc))
-        return
-    if not synthetic:
-        return  # the samples per step depend on the rollout function: the planner checks every rollout
-    steps_rollouts = rollouts if dyn_gbs else gbs
-    if not dyn_gbs and rollouts < gbs:
-        problems.append(f"global_batch_size={gbs} rollouts per step but a rollout iteration has only "
-                        f"rollout_batch_size x n_samples_per_prompt = {rollouts} rollouts: no step could be formed; "
-                        f"lower global_batch_size or raise rollout_batch_size")
-        return
-    if steps_rollouts < dp:
-        problems.append(f"a step holds {steps_rollouts} rollouts but data_parallel_size={dp}: every rank needs a "
-                        f"sample; raise global_batch_size / rollout_batch_size")
-    if not batch.use_dynamic_batch_size:
-        if bounds["max_samples_per_rollout"] > 1:
-            problems.append(
-                f"use_dynamic_batch_size=false (static micro_batch_size={mbs}) needs the same number of samples in "
-                f"every step, but synthetic_multi_sample_prob={options['synthetic_multi_sample_prob']} lets a "
-                f"rollout emit up to {bounds['max_samples_per_rollout']} samples; set synthetic_multi_sample_prob: 0 "
-                f"or use_dynamic_batch_size: true with max_tokens_per_gpu")
+        _check_sample_lengths(train, options, bounds, problems)
+    world = _world_size(options)
+    for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds):
+        try:
+            _plan(train, args, world, lengths, ids)
+        except (ScheduleError, LegacyPlanError) as exc:
+            planner = "the planner" if train.dp_schedule == "rollout" else "the legacy path"
+            problems.append(f"dp_schedule={train.dp_schedule}: a rollout of rollout_batch_size x n_samples_per_prompt "
+                            f"= {len(set(ids))} rollouts, {what}, is refused by {planner}: {exc}"
+                            f"{'; ' + fix if fix else ''}")
             return
-        step_samples = rollouts // dp * dp if dyn_gbs else gbs
-        count = -(-step_samples // mbs)
-        if count % parallel.align:
-            problems.append(
-                f"a step of {step_samples} samples makes {count} micro-batches of micro_batch_size={mbs}, not a "
-                f"multiple of data_parallel_size x microbatch_group_size = {parallel.align}; make "
-                f"{'rollout_batch_size x n_samples_per_prompt' if dyn_gbs else 'global_batch_size'} a multiple of "
-                f"{parallel.align * mbs}")
 
 
 def validate(mapping: Mapping[str, Any], *, source: str | None = None) -> RunConfig:
@@ -290,13 +308,18 @@ def validate(mapping: Mapping[str, Any], *, source: str | None = None) -> RunCon
     except TrainConfigError as exc:
         problems.append(str(exc))
         raise ConfigError(problems, source) from None
+    if train.batch is None:  # no batch flag given: BatchConfig says what it needs
+        try:
+            BatchConfig()
+        except ScheduleError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError(problems, source)
     _check_layout(train, options, problems)
     if not problems and options["device"] == "cuda":
-        _check_gpus(train, options, problems)
+        _check_gpus(options, problems)
     if not problems:
-        _check_schedule(train, options, problems)
+        _dry_run(train, options, problems)
     if problems:
         raise ConfigError(problems, source)
     return RunConfig(train=train, options=options, source=source, given=given)

@@ -103,10 +103,9 @@ def legacy_global_batch_size(num_samples: int, args: Any, dp_size: int) -> int:
     return gbs
 
 
-def _plan_legacy(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int],
-                 rollout_id: int) -> RolloutPlan:
-    dp_size = int(train_parallel_config["dp_size"])
-    n = len(train_data)
+def legacy_kept_samples(num_samples: int, args: Any, dp_size: int) -> tuple[int, int]:
+    """``(samples per step, samples kept)`` of a legacy rollout: whole steps only, the tail trimmed (or refused)."""
+    n = num_samples
     gbs = legacy_global_batch_size(n, args, dp_size)
     keep = n // gbs * gbs
     if keep == 0:
@@ -115,6 +114,14 @@ def _plan_legacy(train_data: SampleBatch, args: Any, train_parallel_config: Mapp
     if keep < n and getattr(args, "disable_rollout_trim_samples", False):
         raise ScheduleError(f"the rollout has {n} samples, not a multiple of global_batch_size={gbs} (legacy path); "
                             f"make it a multiple or drop --disable-rollout-trim-samples to trim the tail")
+    return gbs, keep
+
+
+def _plan_legacy(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int],
+                 rollout_id: int) -> RolloutPlan:
+    dp_size = int(train_parallel_config["dp_size"])
+    n = len(train_data)
+    gbs, keep = legacy_kept_samples(n, args, dp_size)
     partitions = split_train_data_by_dp(train_data.total_lengths[:keep], dp_size,
                                         bool(getattr(args, "balance_data", False)))
     payloads = [RankPayload(rollout_id=rollout_id, dp_rank=r, dp_size=dp_size, partition=list(p),

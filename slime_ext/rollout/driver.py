@@ -294,13 +294,14 @@ def format_row(row: dict) -> str:
 
 def describe(config: RunConfig) -> str:
     t = config.train
-    batch = (f"dynamic max_tokens_per_gpu={t.max_tokens_per_gpu}" if t.use_dynamic_batch_size
-             else f"static micro_batch_size={t.micro_batch_size}")
-    gbs = "dynamic" if t.use_dynamic_global_batch_size else str(t.global_batch_size)
-    return (f"world={config.world_size} dp={config.dp_size} pp={t.pipeline_model_parallel_size} vpp={t.vpp_size} "
-            f"backend={t.dist_backend} | dp_schedule={t.dp_schedule} batch={batch} global_batch_size={gbs} "
-            f"balance_data={t.balance_data} | model layers={t.num_layers} hidden={t.hidden_size} "
-            f"vocab={t.vocab_size} seq={t.seq_length}")
+    b = t.batch
+    batch = (f"dynamic max_tokens_per_gpu={b.max_tokens_per_gpu}" if b.use_dynamic_batch_size
+             else f"static micro_batch_size={b.micro_batch_size}")
+    gbs = "dynamic" if b.use_dynamic_global_batch_size else str(b.global_batch_size)
+    return (f"world={config.world_size} dp={config.dp_size} pp={t.parallel.pipeline_model_parallel_size} "
+            f"vpp={t.parallel.vpp_size} backend={t.dist_backend} | dp_schedule={t.dp_schedule} batch={batch} "
+            f"global_batch_size={gbs} balance_data={b.balance_data} | model layers={t.model.num_layers} "
+            f"hidden={t.model.hidden_size} vocab={t.model.vocab_size} seq={t.model.seq_length}")
 
 
 def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[str], None] | None = print,

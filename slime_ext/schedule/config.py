@@ -1,8 +1,7 @@
-"""Frozen config dataclasses at the edge of the planning layer.
+"""The planning layer's two inputs besides the samples: the parallel layout and slime's batch flags.
 
-``ParallelConfig`` is what the training side advertises (slime calls it ``train_parallel_config``);
-``BatchConfig`` carries slime's batch flags under their slime names. Both validate themselves on
-construction and raise :class:`ScheduleError` naming the field, the value and the fix.
+Both are frozen, validate themselves on construction and raise :class:`ScheduleError` naming the field, the value
+and the fix. Every other layer (the training config, the run config, the CLI) reuses them instead of re-checking.
 """
 
 from __future__ import annotations
@@ -42,18 +41,14 @@ def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The training job's parallel layout, as far as scheduling cares.
+    """The training job's parallel layout, as far as scheduling cares (slime's ``train_parallel_config``)."""
 
-    ``microbatch_group_size_per_vp_stage`` only matters with ``vpp_size > 1`` (Megatron defaults it to the pipeline
-    size); the per-step micro-batch count is then aligned to ``dp_size * microbatch_group_size_per_vp_stage``. With
-    ``vpp_size > 1`` it must be given (``None`` is refused, here, in ``from_dict`` and in ``slime-ext plan``, which
-    takes the pipeline size for it when ``--pipeline-model-parallel-size`` is given); without VPP it is 1.
-    """
-
-    dp_size: int = 1
-    cp_size: int = 1
-    vpp_size: int = 1
-    microbatch_group_size_per_vp_stage: int | None = None  # required with vpp_size > 1, else 1
+    dp_size: int = 1  # data-parallel ranks: each gets the same number of micro-batches per step
+    cp_size: int = 1  # context-parallel size: a micro-batch may hold max_tokens_per_gpu * cp_size tokens
+    vpp_size: int = 1  # virtual pipeline stages per rank (Megatron's interleaved schedule)
+    #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; required then
+    #: (Megatron defaults it to the pipeline size, which this config does not know), unused (1) without VPP
+    microbatch_group_size_per_vp_stage: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
@@ -77,13 +72,8 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, train_parallel_config: Mapping[str, Any]) -> "ParallelConfig":
-        """Build from slime's ``train_parallel_config`` dict.
-
-        ``dp_size`` is required (``None`` is refused, it never means 1). ``cp_size`` and ``vpp_size`` may be missing
-        or ``None``: Megatron's "not used", i.e. 1. ``microbatch_group_size_per_vp_stage`` may be missing or ``None``
-        only without virtual pipelining (it is then unused); with ``vpp_size > 1`` it is required, as in
-        ``slime-ext plan`` (Megatron defaults it to the pipeline size, which this dict does not carry).
-        """
+        """Build from slime's ``train_parallel_config`` dict; a missing or ``None`` size is Megatron's "not used" (1),
+        except ``dp_size``, which is required, and the group size, which ``vpp_size > 1`` requires."""
         if isinstance(train_parallel_config, ParallelConfig):
             return train_parallel_config
         if not isinstance(train_parallel_config, Mapping) or "dp_size" not in train_parallel_config:
@@ -108,25 +98,19 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """slime's batch flags, under slime's names.
+    """slime's batch flags, under slime's names: the one place they are validated."""
 
-    * ``global_batch_size``: rollouts (not samples) per training step; one rollout may emit several samples.
-    * ``use_dynamic_batch_size`` + ``max_tokens_per_gpu``: pack micro-batches up to ``max_tokens_per_gpu * cp_size``
-      tokens; otherwise fixed ``micro_batch_size`` samples per micro-batch.
-    * ``balance_data``: balance estimated FLOPs across DP ranks (equal micro-batch count per rank either way).
-    * ``balance_by_flops``: also balance FLOPs across the micro-batches of a step (dynamic batch only).
-    * ``use_dynamic_global_batch_size``: one step per rollout, whatever its size.
-    * ``disable_rollout_trim_samples``: never drop trailing rollouts; an incomplete step is an error instead.
-    """
-
+    #: rollouts (not samples) per training step: one rollout may emit several samples; required unless
+    #: use_dynamic_global_batch_size
     global_batch_size: int | None = None
+    #: pack micro-batches up to max_tokens_per_gpu * cp_size tokens (else micro_batch_size samples each)
     use_dynamic_batch_size: bool = False
-    max_tokens_per_gpu: int | None = None
-    micro_batch_size: int | None = 1
-    balance_data: bool = False
-    balance_by_flops: bool = False
-    use_dynamic_global_batch_size: bool = False
-    disable_rollout_trim_samples: bool = False
+    max_tokens_per_gpu: int | None = None  # required with use_dynamic_batch_size
+    micro_batch_size: int | None = 1  # samples per micro-batch without use_dynamic_batch_size
+    balance_data: bool = False  # balance estimated FLOPs across DP ranks (equal micro-batch counts either way)
+    balance_by_flops: bool = False  # also balance FLOPs across a step's micro-batches (dynamic batches only)
+    use_dynamic_global_batch_size: bool = False  # one step per rollout, whatever its size
+    disable_rollout_trim_samples: bool = False  # an incomplete trailing step is an error instead of dropped
 
     def __post_init__(self) -> None:
         for flag in _BOOL_FLAGS:
@@ -164,12 +148,8 @@ class BatchConfig:
 
     @classmethod
     def from_args(cls, args: Any, *, global_batch_size: int | None = None) -> "BatchConfig":
-        """Read slime's flags from any attribute object (argparse Namespace, SimpleNamespace, a dataclass).
-
-        Missing attributes take the defaults above; ``global_batch_size`` overrides ``args.global_batch_size``.
-        A boolean flag that is ``None`` is unset (``False``, argparse's default); any other non-bool value (e.g. the
-        string ``"False"``) is refused, never read as truthy.
-        """
+        """Read slime's flags off any attribute object; missing ones take the defaults, a boolean flag that is
+        ``None`` is unset (argparse's default), and ``global_batch_size`` overrides ``args.global_batch_size``."""
         if isinstance(args, BatchConfig):
             return args if global_batch_size is None else dataclasses.replace(args, global_batch_size=global_batch_size)
         kwargs = {}

@@ -2,7 +2,7 @@
 
 One concern per module, in the order a step touches them:
 
-* :mod:`.config` -- ``TrainConfig``: slime flag names, parallel sizes, model size, optimizer/LR (exact keys there);
+* :mod:`.config` -- ``TrainConfig``: ``batch``, ``parallel``, ``model``, ``optim`` sections under flat slime names;
 * :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
 * :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;

@@ -134,7 +134,7 @@ def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int
     """
     clock = make_clock(timer or default_timer())
     ctx = autocast or _no_context
-    vocab = worker.config.vocab_size
+    vocab = worker.config.model.vocab_size
     payloads = [synthetic_step(s, vocab_size=vocab, seed=i) for i, s in enumerate(steps)]
     biggest = max(range(len(steps)), key=lambda i: sum(map(sum, steps[i])))
     for _ in range(warmup):  # allocator and first-call costs stay out of the fit
@@ -182,8 +182,9 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
     cfg = load_train_config(config)
     cfg = cfg.replace(dp_schedule="rollout", pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                       use_dynamic_batch_size=True, max_tokens_per_gpu=max_tokens,
-                      seq_length=max(cfg.seq_length, max_tokens),
-                      max_position_embeddings=max(cfg.max_positions, max_tokens))
+                      use_dynamic_global_batch_size=True,
+                      seq_length=max(cfg.model.seq_length, max_tokens),
+                      max_position_embeddings=max(cfg.model.max_positions, max_tokens))
     if master_port is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -201,9 +202,9 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
         "timer": timer,
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "model": {k: getattr(cfg, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
+        "model": {k: getattr(cfg.model, k) for k in ("num_layers", "hidden_size", "num_attention_heads",
                                                "ffn_hidden_size", "vocab_size")},
-        "optimizer": cfg.optimizer,
+        "optimizer": cfg.optim.optimizer,
         "max_tokens": max_tokens,
         "repeats": repeats,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

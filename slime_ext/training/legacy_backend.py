@@ -1,19 +1,10 @@
 """``dp_schedule: legacy``: micro-batches planned on each training rank, as upstream slime's training side does.
 
-The algorithms are :mod:`slime_ext.baselines` (the same code the benchmark and ``plan --compare`` measure); this
-module adds only what a running job needs: Megatron's parallel sizes and the real ``all_reduce(MAX)`` of the
-per-rank counts. Per rollout, each rank cuts its samples into steps of ``global_batch_size / dp_size`` samples
-(upstream's meaning: samples, not rollouts) and then
-
-* static batches: ``micro_batch_size`` contiguous samples per micro-batch;
-* dynamic batches: first-fit count per step, MAX over the DP group, upstream's VPP rounding (down), then
-  Karmarkar-Karp of the step's samples into that many micro-batches -- **no cap**: a micro-batch may exceed
-  ``max_tokens_per_gpu``, as upstream.
-
-The LR scheduler advances by ``args.global_batch_size`` per step, as upstream. Deviations, each loud instead of
-silent: samples that do not fill a step are an error (upstream drops them); a step whose rounded count is not a
-whole micro-batch group (upstream clamps to 1 below one group) is refused, since Megatron's interleaved schedule
-cannot run it.
+The planning is :func:`slime_ext.baselines.legacy_rank_plan` (the one legacy implementation: the benchmark,
+``plan --compare`` and the run-config pre-check use the same code); this module adds only what a running job needs:
+Megatron's parallel sizes and the real ``all_reduce(MAX)`` of the per-rank counts. ``global_batch_size`` counts
+samples, as upstream, and the LR scheduler advances by it per step. Where upstream would drop samples or hand
+Megatron's interleaved schedule a count that is not a whole micro-batch group, the step is refused instead.
 """
 
 from __future__ import annotations
@@ -23,7 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from slime_ext.baselines import legacy_micro_batches, legacy_step_counts, round_for_vpp
+from slime_ext.baselines import LegacyPlanError, legacy_rank_plan
 from slime_ext.schedule import RankPayload
 
 from .data import DataIterator, RolloutDataError, check_payload
@@ -60,36 +51,14 @@ class LegacyPath:
         """``(one DataIterator per VPP stage, num_microbatches per step)``, planned here."""
         payload = check_payload(payload, planned=False)
         dp_size, dp_group, vpp_size, mb_group, cp_size = _parallel_sizes(model)
-        n = len(payload.samples)
-        gbs = payload.global_batch_size
-        if gbs % dp_size:
-            raise LegacyScheduleError(f"global_batch_size={gbs} (samples per step on the legacy path) must be a "
-                                      f"multiple of dp_size={dp_size}")
-        local = gbs // dp_size
-        num_steps, tail = divmod(n, local)
-        if num_steps == 0 or tail:
-            raise LegacyScheduleError(
-                f"this rank has {n} samples, not a positive multiple of global_batch_size/dp_size = {local}; the "
-                f"legacy path would drop {tail if num_steps else n} samples. Send a multiple of {local} samples per "
-                f"rank (or use --dp-schedule rollout)")
-        if not args.use_dynamic_batch_size:
-            mbs = args.micro_batch_size
-            if local % mbs:
-                raise LegacyScheduleError(f"global_batch_size/dp_size = {local} is not a multiple of "
-                                          f"micro_batch_size={mbs}")
-            micro_batch_indices = [list(range(i, i + mbs)) for i in range(0, n, mbs)]
-            num_microbatches = [local // mbs] * num_steps
-        else:
-            lengths = payload.samples.total_lengths
-            counts = _all_reduce_max(legacy_step_counts(lengths, local, args.max_tokens_per_gpu * cp_size), dp_group)
-            num_microbatches = round_for_vpp(counts, vpp_size, mb_group)
-            for s, c in enumerate(num_microbatches):
-                if c % mb_group:
-                    raise LegacyScheduleError(
-                        f"step {s}: {counts[s]} micro-batches, below one microbatch_group_size_per_vp_stage="
-                        f"{mb_group}; upstream rounds that to {c}, which Megatron's interleaved schedule cannot "
-                        f"run. Raise --global-batch-size, lower --max-tokens-per-gpu, or use --dp-schedule rollout")
-            micro_batch_indices = legacy_micro_batches(lengths, local, num_microbatches)
+        cap = args.max_tokens_per_gpu * cp_size if args.use_dynamic_batch_size else None
+        try:
+            micro_batch_indices, num_microbatches = legacy_rank_plan(
+                payload.samples.total_lengths, global_batch_size=payload.global_batch_size, dp_size=dp_size,
+                use_dynamic_batch_size=args.use_dynamic_batch_size, micro_batch_size=args.micro_batch_size, cap=cap,
+                vpp_size=vpp_size, group=mb_group, reduce_max=lambda counts: _all_reduce_max(counts, dp_group))
+        except LegacyPlanError as exc:
+            raise LegacyScheduleError(str(exc)) from None
         return [DataIterator(payload, micro_batch_indices) for _ in range(vpp_size)], num_microbatches
 
     def lr_increment(self, args: Any, payload: RankPayload, step_id: int) -> int:

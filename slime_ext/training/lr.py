@@ -7,10 +7,10 @@ samples the step really trained on (``samples_per_step[s]``, rollout path), or t
 
 from __future__ import annotations
 
-from .config import TrainConfig
+from .config import OptimConfig
 
 
-def build_scheduler(config: TrainConfig, optimizer):
+def build_scheduler(config: OptimConfig, optimizer):
     """``OptimizerParamScheduler`` with warmup/decay lengths in samples (``lr_warmup_samples``, ``lr_decay_samples``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

@@ -23,20 +23,20 @@ def transformer_config(config: TrainConfig):
     """Megatron's ``TransformerConfig`` for this run (CPU-friendly: fp32, no fusions, variable sequence lengths)."""
     from megatron.core.transformer import TransformerConfig
 
-    vpp = config.vpp_size
+    vpp = config.parallel.vpp_size
     return TransformerConfig(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        ffn_hidden_size=config.ffn_size,
-        init_method_std=config.init_method_std,
-        hidden_dropout=config.hidden_dropout,
-        attention_dropout=config.attention_dropout,
+        num_layers=config.model.num_layers,
+        hidden_size=config.model.hidden_size,
+        num_attention_heads=config.model.num_attention_heads,
+        ffn_hidden_size=config.model.ffn_size,
+        init_method_std=config.model.init_method_std,
+        hidden_dropout=config.model.hidden_dropout,
+        attention_dropout=config.model.attention_dropout,
         tensor_model_parallel_size=1,
         context_parallel_size=1,
-        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        microbatch_group_size_per_vp_stage=config.mb_group_size if vpp > 1 else None,
+        microbatch_group_size_per_vp_stage=config.parallel.mb_group_size if vpp > 1 else None,
         # micro-batches are packed to their own length; under PP the stages exchange shapes first
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the allgather default refuses variable_seq_lengths (no MoE here)
@@ -65,18 +65,18 @@ def build_model(config: TrainConfig) -> list:
 
     tconfig = transformer_config(config)
     spec = get_gpt_layer_local_spec()
-    vpp = config.vpp_size
+    vpp = config.parallel.vpp_size
     chunks = []
     for vp_stage in range(vpp):
         v = vp_stage if vpp > 1 else None
         chunks.append(GPTModel(
             config=tconfig,
             transformer_layer_spec=spec,
-            vocab_size=config.vocab_size,
-            max_sequence_length=config.max_positions,
+            vocab_size=config.model.vocab_size,
+            max_sequence_length=config.model.max_positions,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
-            share_embeddings_and_output_weights=not config.untie_embeddings_and_output_weights,
+            share_embeddings_and_output_weights=not config.model.untie_embeddings_and_output_weights,
             position_embedding_type="learned_absolute",
             vp_stage=v,
         ))
@@ -147,10 +147,11 @@ def init_canonical(chunks: list, config: TrainConfig) -> None:
     Matrices: normal(0, ``init_method_std``), scaled by ``1/sqrt(2 * num_layers)`` for the two projections that
     feed the residual stream (Megatron's ``output_layer_init_method``); norm weights 1, biases 0.
     """
-    scaled = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    scaled = config.model.init_method_std / math.sqrt(2.0 * config.model.num_layers)
     for name, param in canonical_named_parameters(chunks):
         if param.dim() >= 2:
-            std = scaled if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else config.init_method_std
+            output_proj = name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            std = scaled if output_proj else config.model.init_method_std
             gen = torch.Generator().manual_seed(_seed_for(config.seed, name))
             param.copy_(torch.randn(tuple(param.shape), generator=gen, dtype=torch.float32) * std)
         elif name.endswith(".bias"):

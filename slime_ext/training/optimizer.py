@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .config import TrainConfig
+from .config import OptimConfig
 
 
-def build_optimizer(config: TrainConfig, model: list):
+def build_optimizer(config: OptimConfig, model: list):
     """``get_megatron_optimizer`` for ``model`` (the DDP chunks of this rank); clipping by ``clip_grad``."""
     from megatron.core import optimizer as mopt
 

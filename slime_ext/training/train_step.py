@@ -74,7 +74,7 @@ def _forward_step(state: TrainState, ledger: _Ledger, make_loss, data_iterator, 
     batch = data_iterator.get_next(BATCH_KEYS)
     chunk = unwrap(model).vp_stage or 0
     ledger.record(chunk, list(batch["sample_indices"]))
-    packed = pack_micro_batch(batch, max_positions=state.config.max_positions, device=_device())
+    packed = pack_micro_batch(batch, max_positions=state.config.model.max_positions, device=_device())
     output = model(packed.tokens, packed.position_ids, packed.attention_mask)
     return output, partial(make_loss, packed)
 
@@ -172,7 +172,7 @@ def train_one_step(state: TrainState, path, forward_backward, iterators: list, p
         data_iterator=iterators,
         model=model,
         num_microbatches=num_microbatches,
-        seq_length=state.config.seq_length,  # ignored with variable_seq_lengths; shapes travel with the tensors
+        seq_length=state.config.model.seq_length,  # ignored with variable_seq_lengths; shapes travel with the tensors
         micro_batch_size=1,
         forward_only=False,
     )
@@ -233,7 +233,7 @@ def forward_only(state: TrainState, payload: RankPayload) -> dict:
             outputs += forward_backward(
                 forward_step_func=partial(_forward_step, state, ledger, log_prob_func),
                 data_iterator=iterators, model=state.model, num_microbatches=n,
-                seq_length=state.config.seq_length, micro_batch_size=1, forward_only=True)
+                seq_length=state.config.model.seq_length, micro_batch_size=1, forward_only=True)
     finally:
         for chunk in state.model:
             chunk.train()

@@ -58,9 +58,9 @@ class TrainWorker:
         from .train_step import TrainState
 
         model = wrap_ddp(build_model(self.config), self.config)
-        optimizer = build_optimizer(self.config, model)
+        optimizer = build_optimizer(self.config.optim, model)
         self.state = TrainState(config=self.config, args=self.config.to_args(), layout=layout, model=model,
-                                optimizer=optimizer, scheduler=build_scheduler(self.config, optimizer))
+                                optimizer=optimizer, scheduler=build_scheduler(self.config.optim, optimizer))
 
     def reset(self, **changes: Any) -> None:
         """Back to the initial parameters with a fresh optimizer and LR scheduler; optionally change batch, schedule
@@ -78,10 +78,10 @@ class TrainWorker:
         init_canonical([unwrap(c) for c in state.model], config)
         for chunk in state.model:
             chunk.zero_grad_buffer()
-        optimizer = build_optimizer(config, state.model)
+        optimizer = build_optimizer(config.optim, state.model)
         self.config = config
         state.config, state.args, state.optimizer = config, config.to_args(), optimizer
-        state.scheduler = build_scheduler(config, optimizer)
+        state.scheduler = build_scheduler(config.optim, optimizer)
 
     def shutdown(self) -> None:
         """Leave the process groups and undo this worker's patches (safe to call twice, or before setup)."""

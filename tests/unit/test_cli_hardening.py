@@ -198,8 +198,8 @@ YAML_CASES = [
     ("huge_dp", b"dp_size: 1000000000000000000000\n", "c.yaml: dp_size is 1000000000000000000000, above the limit"),
     ("nan_tflops", b"tflops: .nan\n", "c.yaml: tflops is nan; it must be a finite number > 0"),
     ("inf_tflops", b"tflops: .inf\n", "tflops is inf; it must be a finite number"),
-    ("str_bool", b"use_dynamic_batch_size: 'False'\n", "key 'use_dynamic_batch_size' is 'False'; it must be true or "
-                                                        "false"),
+    ("str_bool", b"use_dynamic_batch_size: 'False'\n", "c.yaml: use_dynamic_batch_size must be a bool (True or "
+                                                        "False), got 'False' (str)"),
     ("moe_freq0", b"hidden_size: 8\nnum_layers: 2\nnum_attention_heads: 2\nnum_experts: 4\nmoe_layer_freq: 0\n",
      "CostModel.moe_layer_freq must be a positive integer, got 0"),
     ("neg_vocab", b"hidden_size: 8\nnum_layers: 2\nnum_attention_heads: 2\nvocab_size: -5\n",

@@ -107,3 +107,15 @@ def test_static_counts_and_loud_errors(fake_parallel):
 
 def test_lr_steps_by_the_configured_global_batch_size():
     assert lb.LegacyPath().lr_increment(SimpleNamespace(global_batch_size=32), _payload([5] * 8), 0) == 32
+
+
+def test_static_counts_must_fill_whole_vpp_groups(fake_parallel):
+    """The same refusal as the run-config pre-check (one function, baselines.legacy_rank_plan, decides both)."""
+    fake_parallel.vpp, fake_parallel.group = 2, 2
+    args = SimpleNamespace(global_batch_size=6, use_dynamic_batch_size=False, micro_batch_size=1,
+                           max_tokens_per_gpu=None)
+    with pytest.raises(lb.LegacyScheduleError, match="3 micro-batches per rank and step is not a multiple of "
+                                                     "microbatch_group_size_per_vp_stage=2"):
+        lb.LegacyPath().get_data_iterator(args, None, _payload([5] * 3, gbs=6))
+    _, nmb = lb.LegacyPath().get_data_iterator(args, None, _payload([5] * 4, gbs=8))
+    assert nmb == [4]

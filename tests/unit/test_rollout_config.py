@@ -21,7 +21,7 @@ def _no_device_override(monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_configs_are_valid(path):
     cfg = load_run_config(path)
-    assert cfg.world_size == cfg.dp_size * cfg.train.model_parallel_size()
+    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size()
     if cfg.options["data_parallel_size"] is not None:
         assert cfg.options["data_parallel_size"] == cfg.dp_size
 
@@ -40,7 +40,7 @@ def test_defaults_and_derived_sizes():
 
 def test_dashes_and_yaml_number_strings():
     cfg = validate({**{k.replace("_", "-"): v for k, v in GOOD.items()}, "lr": "1e-4"})
-    assert cfg.train.use_dynamic_batch_size and cfg.train.lr == 1e-4
+    assert cfg.train.batch.use_dynamic_batch_size and cfg.train.optim.lr == 1e-4
 
 
 def _problems(**changes):
@@ -57,17 +57,34 @@ def _problems(**changes):
     (dict(actor_num_nodes=2), "single-node Ray on loopback"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2), "synthetic_multi_sample_prob: 0"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=4, synthetic_multi_sample_prob=0),
-     "make global_batch_size a multiple of 8"),
+     "make the samples per step a multiple of 8"),
     (dict(max_tokens_per_gpu=4), "max_tokens_per_gpu=4 is below every sample"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2, synthetic_multi_sample_prob=0, max_tokens_per_gpu=4),
      "max_tokens_per_gpu=4 is below every sample"),
-    (dict(global_batch_size=64), "global_batch_size=64 rollouts per step but a rollout iteration has only"),
+    (dict(global_batch_size=64), "16 rollouts but global_batch_size=64 (rollouts per step): not even one step"),
     (dict(use_dynamic_batch_size=True, max_tokens_per_gpu=None), "max_tokens_per_gpu"),
-    (dict(dp_schedule="legacy", global_batch_size=5), "multiple of data_parallel_size=2"),
+    (dict(dp_schedule="legacy", global_batch_size=5), "global_batch_size=5 (samples per step on the legacy path) "
+                                                      "must be a positive multiple of dp_size=2"),
     (dict(dp_schedule="legacy", global_batch_size=6, use_dynamic_batch_size=False, micro_batch_size=2),
-     "3 samples per rank and step is not a multiple of micro_batch_size=2"),
-    (dict(dp_schedule="legacy", global_batch_size=40), "global_batch_size=40 samples per step (legacy path)"),
+     "global_batch_size/dp_size = 3 is not a multiple of micro_batch_size=2; make global_batch_size a multiple of 4"),
+    (dict(dp_schedule="legacy", global_batch_size=40), "16 samples but global_batch_size=40 samples per step (legacy "
+                                                       "path): not even one step"),
     (dict(dp_schedule="planner"), "dp_schedule"),
+    # found by the dry run, not by a re-coded rule
+    (dict(global_batch_size=1), "step 0 has 1 samples but dp_size = 2"),
+    (dict(global_batch_size=5, disable_rollout_trim_samples=True), "the rollout has 16 rollouts, not a multiple of "
+                                                                   "global_batch_size=5"),
+    (dict(dp_schedule="legacy", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4,
+          actor_num_gpus_per_node=4, use_dynamic_batch_size=False, global_batch_size=6, synthetic_multi_sample_prob=0),
+     "3 micro-batches per rank and step is not a multiple of microbatch_group_size_per_vp_stage=2"),
+    (dict(dp_schedule="legacy", pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4,
+          actor_num_gpus_per_node=4, global_batch_size=2), "below one microbatch_group_size_per_vp_stage=2"),
+    (dict(dp_schedule="legacy", global_batch_size=8, disable_rollout_trim_samples=True),
+     "the rollout has 17 samples, not a multiple of global_batch_size=8 (legacy path)"),
+    (dict(global_batch_size=None, use_dynamic_batch_size=False, max_tokens_per_gpu=None),
+     "global_batch_size is None; pass --global-batch-size N"),
+    (dict(use_dynamic_batch_size=True, balance_by_flops=True, use_dynamic_global_batch_size=True,
+          global_batch_size=None, rollout_batch_size=1, n_samples_per_prompt=1), "the rollout has 1 rollouts"),
     (dict(dist_backend="nccl"), "dist_backend='nccl' does not match device='cpu'"),
     (dict(device="tpu"), "device='tpu'"),
     (dict(num_rollout=0), "num_rollout=0: must be a positive integer"),
@@ -107,3 +124,21 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_run_config(bad)
+
+
+def test_other_rollout_functions_are_dry_run_with_what_holds_for_any_samples():
+    """Samples per rollout are unknown: only refusals that no rollout can avoid are reported."""
+    other = dict(rollout_function_path="slime_ext.rollout.synthetic.my_generator")
+    static = dict(use_dynamic_batch_size=False, micro_batch_size=2)  # refused above for the multi-sample generator
+    assert validate({**GOOD, **other, **static}).dp_size == 2  # this one may emit one sample per rollout
+    assert "global_batch_size=64 (rollouts per step): not even one step" in _problems(**other, global_batch_size=64)
+    assert "must be a positive multiple of dp_size=2" in _problems(**other, dp_schedule="legacy", global_batch_size=5)
+    assert "is not a multiple of micro_batch_size=2" in _problems(**other, dp_schedule="legacy", global_batch_size=6,
+                                                                  use_dynamic_batch_size=False, micro_batch_size=2)
+
+
+def test_every_refusal_names_the_rollout_it_came_from_and_the_fix():
+    problems = _problems(use_dynamic_batch_size=False, micro_batch_size=2)
+    assert problems.startswith("dp_schedule=rollout: a rollout of rollout_batch_size x n_samples_per_prompt = 16 "
+                               "rollouts, 1 of the rollouts with 2 samples")
+    assert "micro_batch_size=2" in problems and "make the samples per step a multiple of 4" in problems

@@ -1,9 +1,13 @@
-"""TrainConfig: loading, validation with clear messages, Megatron's rank layout; bad configs fail before any process."""
+"""TrainConfig: flat keys routed to nested sections and back, validation with clear messages (batch flags by the
+planning layer's BatchConfig only), Megatron's rank layout; bad configs fail before any process."""
 
 from __future__ import annotations
 
 import pytest
 
+from slime_ext.schedule import BatchConfig
+from slime_ext.schedule.config import BATCH_FLAGS
+from slime_ext.train_config import KEYS, RESETTABLE_KEYS, OptimConfig, data_parallel_size
 from slime_ext.training.config import TrainConfig, TrainConfigError, load_train_config
 
 
@@ -14,20 +18,59 @@ def test_yaml_mapping_with_dashes_and_string_floats(tmp_path):
     with pytest.raises(TrainConfigError, match=r"unknown training config keys \['rollout_function'\]"):
         load_train_config(path)
     cfg = load_train_config(path, ignore_unknown=True, dp_schedule="legacy")
-    assert cfg.lr == 1e-4 and isinstance(cfg.min_lr, float) and cfg.dp_schedule == "legacy"
+    assert cfg.optim.lr == 1e-4 and isinstance(cfg.optim.min_lr, float) and cfg.dp_schedule == "legacy"
+    assert cfg.parallel.pipeline_model_parallel_size == 2 and cfg.model.num_layers == 4
+
+
+def test_flat_keys_route_to_their_sections_and_flatten_back():
+    flat = dict(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=96, balance_data=True,
+                pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, num_layers=4, hidden_size=32,
+                lr=1e-3, lr_decay_style="cosine", lr_decay_samples=100, seed=7, dp_schedule="legacy")
+    cfg = TrainConfig.from_mapping(flat)
+    assert cfg.batch == BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=96,
+                                    balance_data=True)
+    assert (cfg.parallel.vpp_size, cfg.parallel.mb_group_size) == (2, 2)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_size) == (4, 32, 128)
+    assert (cfg.optim.lr, cfg.optim.lr_decay_steps, cfg.seed) == (1e-3, 100, 7)
+    args = cfg.to_args()
+    assert set(vars(args)) == KEYS and {k: getattr(args, k) for k in flat} == flat
+    assert TrainConfig.from_args(args) == cfg and TrainConfig.from_mapping(cfg.to_dict()) == cfg
+    assert cfg.replace(lr=2e-3, micro_batch_size=3).optim.lr == 2e-3
+    assert cfg.replace(micro_batch_size=3).batch.micro_batch_size == 3
+    with pytest.raises(TrainConfigError, match=r"unknown training config keys \['lrr'\]"):
+        cfg.replace(lrr=1.0)
+
+
+def test_without_batch_flags_the_process_plans_nothing():
+    cfg = TrainConfig.from_mapping({"num_layers": 2})
+    assert cfg.batch is None
+    assert cfg.to_args().use_dynamic_batch_size is False and cfg.to_args().global_batch_size is None
+    assert TrainConfig.from_args(cfg.to_args()) == cfg  # the batch flags' defaults are "not set"
+    assert cfg.replace(use_dynamic_global_batch_size=True).batch == BatchConfig(use_dynamic_global_batch_size=True)
+
+
+def test_resettable_keys_are_the_batch_flags_the_schedule_and_the_optimizer():
+    assert RESETTABLE_KEYS == set(BATCH_FLAGS) | {"dp_schedule"} | set(OptimConfig.__dataclass_fields__)
 
 
 def test_layout_follows_megatron_order_dp_fastest():
-    cfg = TrainConfig(pipeline_model_parallel_size=2, num_layers=4)
+    cfg = TrainConfig.from_mapping(dict(pipeline_model_parallel_size=2, num_layers=4))
     assert [(cfg.layout(r, 4).dp_rank, cfg.layout(r, 4).pp_rank) for r in range(4)] == [(0, 0), (1, 0), (0, 1),
                                                                                          (1, 1)]
     assert cfg.train_parallel_config(4) == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                             "microbatch_group_size_per_vp_stage": 2}
+    assert cfg.parallel.schedule_config(4).align == 2
+    assert data_parallel_size(6, 3) == 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dp_schedule="both"), "dp_schedule='both'"),
-    (dict(use_dynamic_batch_size=True), "max_tokens_per_gpu=None: use_dynamic_batch_size needs"),
+    # batch flags: BatchConfig's own messages (key, value, fix), raised as TrainConfigError
+    (dict(use_dynamic_batch_size=True), "global_batch_size is None; pass --global-batch-size N"),
+    (dict(use_dynamic_batch_size=True, global_batch_size=4), "max_tokens_per_gpu is None but use_dynamic_batch_size"),
+    (dict(global_batch_size=4, balance_by_flops=True), "balance_by_flops=True needs use_dynamic_batch_size=True"),
+    (dict(global_batch_size=4, micro_batch_size=0), "micro_batch_size must be a positive integer, got 0"),
+    (dict(global_batch_size=4, balance_data="yes"), "balance_data must be a bool"),
     (dict(tensor_model_parallel_size=2), "tensor parallelism 1 only"),
     (dict(virtual_pipeline_model_parallel_size=2), "needs pipeline_model_parallel_size > 1"),
     (dict(pipeline_model_parallel_size=2, num_layers=3), "multiple of pipeline_model_parallel_size"),
@@ -37,10 +80,17 @@ def test_layout_follows_megatron_order_dp_fastest():
     (dict(lr_decay_samples=8, lr_warmup_samples=8), "must exceed lr_warmup_samples"),
     (dict(hidden_size=30, num_attention_heads=4), "multiple of num_attention_heads"),
     (dict(optimizer="lion"), "'adam' or 'sgd'"),
+    (dict(lr="fast"), "lr='fast' must be a number"),
+    (dict(dist_timeout_seconds=0), "dist_timeout_seconds=0.0: must be > 0"),
 ])
 def test_bad_values_are_rejected_with_the_key(kwargs, message):
     with pytest.raises(TrainConfigError, match=message):
-        TrainConfig(**kwargs)
+        TrainConfig.from_mapping(kwargs)
+
+
+def test_sections_must_be_sections():
+    with pytest.raises(TrainConfigError, match="optim must be a OptimConfig, got dict"):
+        TrainConfig(optim={"lr": 1.0})
 
 
 def test_world_size_must_match_the_model_parallel_size_before_any_process_starts():
