@@ -127,12 +127,15 @@ class Parallelism:
 
     def train_parallel_config(self, world_size: int) -> dict:
         """slime's ``train_parallel_config`` dict, the planner's input on the rollout side."""
-        return {"dp_size": self.dp_size(world_size), "cp_size": self.context_parallel_size,
-                "vpp_size": self.vpp_size, "microbatch_group_size_per_vp_stage": self.mb_group_size}
+        return self.schedule_config(world_size).to_dict()
 
     def schedule_config(self, world_size: int) -> ParallelConfig:
         """The planner's :class:`~slime_ext.schedule.ParallelConfig` for ``world_size`` processes."""
-        return ParallelConfig.from_dict(self.train_parallel_config(world_size))
+        return ParallelConfig.from_megatron(
+            self.dp_size(world_size), context_parallel_size=self.context_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
 
 
 @dataclass(frozen=True)

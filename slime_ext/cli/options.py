@@ -326,11 +326,9 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
                            f"dp_size = {world_dp}; give one of them")
         dp = world_dp
     mb_group = _positive(values, source, "microbatch_group_size_per_vp_stage", None)
-    if mb_group is None:
-        if vpp > 1 and "pipeline_model_parallel_size" not in values:
-            raise CLIError(f"vpp_size = {vpp} needs --microbatch-group-size-per-vp-stage (Megatron defaults it to "
-                           f"--pipeline-model-parallel-size; give either)")
-        mb_group = pp if vpp > 1 else 1
+    if mb_group is None and vpp > 1 and "pipeline_model_parallel_size" not in values:
+        raise CLIError(f"vpp_size = {vpp} needs --microbatch-group-size-per-vp-stage (Megatron defaults it to "
+                       f"--pipeline-model-parallel-size; give either)")
 
     tflops = _tflops(values, source["tflops"])
     model = {k.name: values[k.name] for k in MODEL if k.name in values}
@@ -345,8 +343,9 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         from_file = config_path is not None and any(k in config and k not in cli for k in BATCH_FLAGS)
         raise CLIError(f"{config_path}: {e}" if from_file else str(e)) from None
     try:
-        parallel = ParallelConfig(dp_size=dp or 1, cp_size=cp, vpp_size=vpp,
-                                  microbatch_group_size_per_vp_stage=mb_group)
+        parallel = ParallelConfig.from_megatron(dp or 1, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                                virtual_pipeline_model_parallel_size=vpp,
+                                                microbatch_group_size_per_vp_stage=mb_group)
         dp_schedule = values.get("dp_schedule", "rollout")
         cost_model = CostModel.from_args(model)
         if cost_model is not None:

@@ -92,6 +92,22 @@ class ParallelConfig:
             )
         return cls(**kwargs)
 
+    @classmethod
+    def from_megatron(
+        cls, dp_size: int, *, context_parallel_size: int | None = 1, pipeline_model_parallel_size: int | None = 1,
+        virtual_pipeline_model_parallel_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
+    ) -> "ParallelConfig":
+        """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
+        pipeline size. It only counts with virtual pipelining; without, it is 1, so configs that plan alike compare
+        equal."""
+        def given(size: int | None, default: int | None) -> int | None:
+            return default if size is None else size
+
+        vpp = given(virtual_pipeline_model_parallel_size, 1)
+        group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
+        return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
+                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -359,6 +359,20 @@ def test_bad_train_parallel_config_dict():
     assert ParallelConfig.from_dict({"dp_size": 2, "cp_size": None}) == ParallelConfig(dp_size=2)
 
 
+def test_parallel_config_from_megatron_sizes_resolves_as_megatron():
+    # the group size defaults to the pipeline size, and only counts with virtual pipelining
+    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) \
+        == ParallelConfig(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                        microbatch_group_size_per_vp_stage=3).align == 12
+    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3) \
+        == ParallelConfig(dp_size=4)  # without virtual pipelining the group is unused: 1
+    assert ParallelConfig.from_megatron(4, context_parallel_size=None, virtual_pipeline_model_parallel_size=None) \
+        == ParallelConfig(dp_size=4)
+    with pytest.raises(ScheduleError, match=r"cp_size must be a positive integer, got 0"):
+        ParallelConfig.from_megatron(4, context_parallel_size=0)  # a bad size is refused, never read as "unset"
+
+
 def test_from_args_reads_slime_flags():
     args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=512, micro_batch_size=None,
                            global_batch_size=32, balance_data=None, unrelated=1)

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from slime_ext.schedule import DPSchedule, ScheduleError
+from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError
 from slime_ext.schedule import build_dp_schedule as plan_dp_schedule
 
 logger = logging.getLogger("slime_ext.integrations.slime")
@@ -185,9 +185,9 @@ def _log(report: PlanReport) -> None:
 
 def v024_parallel_config(args: Any, dp_size: int) -> dict[str, int]:
     """v0.2.4's RolloutManager knows only ``dp_size``; the rest of slime's parallel dict comes from Megatron's
-    args, as the train actors see them (``microbatch_group_size_per_vp_stage`` defaults to the PP size)."""
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or getattr(
-        args, "pipeline_model_parallel_size", 1) or 1
-    return {"dp_size": int(dp_size), "cp_size": int(getattr(args, "context_parallel_size", 1) or 1),
-            "vpp_size": int(vpp), "microbatch_group_size_per_vp_stage": int(group)}
+    args, as the train actors see them."""
+    return ParallelConfig.from_megatron(
+        int(dp_size), context_parallel_size=getattr(args, "context_parallel_size", 1),
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None)).to_dict()
