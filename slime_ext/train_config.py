@@ -19,7 +19,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from slime_ext.schedule import DP_SCHEDULES, BatchConfig, ParallelConfig, ScheduleError
+from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
+from slime_ext.schedule.payload import DP_SCHEDULES
 from slime_ext.schedule.config import BATCH_FLAGS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")

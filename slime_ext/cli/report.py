@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..schedule import CostProfile, DPSchedule, StepStats
+from ..schedule import CostProfile, DPSchedule
+from ..schedule.dp_schedule import StepStats
 from .options import FWD_BWD_FACTOR, Setup
 
 

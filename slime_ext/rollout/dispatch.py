@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from slime_ext.baselines import split_train_data_by_dp
-from slime_ext.schedule import (DP_SCHEDULES, DPSchedule, RankPayload, SampleBatch, ScheduleError, build_dp_schedule,
-                                compute_dynamic_global_batch_size)
+from slime_ext.schedule import DPSchedule, RankPayload, SampleBatch, ScheduleError, build_dp_schedule
+from slime_ext.schedule.payload import DP_SCHEDULES
+from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 
 
 @dataclass

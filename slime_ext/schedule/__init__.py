@@ -16,28 +16,24 @@ slime-compatible API::
 from .compat import build_dp_schedule
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
-from .profile import CostProfile, fit_profile
-from .dp_schedule import DPSchedule, StepStats
+from .dp_schedule import DPSchedule
 from .errors import ScheduleError
 from .invariants import check_schedule
-from .payload import DP_SCHEDULES, RankPayload, SampleBatch
+from .payload import RankPayload, SampleBatch
 from .planner import plan_schedule
-from .steps import compute_dynamic_global_batch_size
+from .profile import CostProfile
 
+# the public API; the rest (StepStats, DP_SCHEDULES, fit_profile, ...) is imported from its module
 __all__ = [
     "BatchConfig",
     "CostModel",
     "CostProfile",
-    "DP_SCHEDULES",
     "DPSchedule",
     "ParallelConfig",
     "RankPayload",
     "SampleBatch",
     "ScheduleError",
-    "StepStats",
     "build_dp_schedule",
     "check_schedule",
-    "compute_dynamic_global_batch_size",
-    "fit_profile",
     "plan_schedule",
 ]

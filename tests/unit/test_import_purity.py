@@ -26,3 +26,31 @@ def test_rollout_layer_does_not_import_the_training_layer():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"slime_ext.rollout pulled in: {out.stdout.strip()}"
+
+
+def test_patches_import_no_slime_ext_layer_above_them():
+    """Patches say where slime-ext enters third-party code; what enters is handed to them (no import upwards)."""
+    import ast
+    from pathlib import Path
+
+    import slime_ext.patches
+
+    upward = ("slime_ext.integrations", "slime_ext.training", "slime_ext.rollout", "slime_ext.cli")
+    found = []
+    for path in sorted(Path(slime_ext.patches.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith(upward)]
+    assert found == []
+
+
+def test_schedule_public_api_is_the_contract_and_its_entry_points():
+    import slime_ext.schedule as schedule
+
+    assert sorted(schedule.__all__) == sorted([
+        "BatchConfig", "ParallelConfig", "CostModel", "CostProfile",  # what a plan is asked for
+        "plan_schedule", "build_dp_schedule", "check_schedule",  # plan (ours, slime's signature), verify
+        "DPSchedule", "RankPayload", "SampleBatch", "ScheduleError",  # what comes back
+    ])
+    assert all(getattr(schedule, name) is not None for name in schedule.__all__)
