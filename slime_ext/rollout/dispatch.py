@@ -80,7 +80,7 @@ def _plan_rollout_side(train_data: SampleBatch, args: Any, train_parallel_config
     payloads = [schedule.rank_payload(r, train_data, rollout_id) for r in range(schedule.dp_size)]
     reason = ""
     if schedule.dropped:
-        rollouts = sorted({train_data.rollout_ids[i] for i in schedule.dropped})
+        rollouts = schedule.dropped_rollouts
         per_step = schedule.rollouts_per_step[0] if schedule.rollouts_per_step else None
         reason = (f"{len(schedule.dropped)} samples of {len(rollouts)} trailing rollouts {rollouts} do not fill a "
                   f"step of {per_step} rollouts (global_batch_size); make the rollout a multiple of it to train "

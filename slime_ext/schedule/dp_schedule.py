@@ -124,6 +124,12 @@ class DPSchedule:
     def num_samples(self) -> int:
         return len(self.total_lengths)
 
+    @property
+    def dropped_rollouts(self) -> list[int]:
+        """Ids of the trailing rollouts that were dropped whole (without rollout ids, a sample is a rollout)."""
+        ids = self.rollout_ids
+        return sorted({ids[i] for i in self.dropped}) if ids is not None else list(self.dropped)
+
     def __iter__(self) -> Iterator[Any]:
         """slime-compatible unpacking: ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``."""
         return iter((self.partitions, self.micro_batch_indices, self.num_microbatches, self.rollouts_per_step))

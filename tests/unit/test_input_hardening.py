@@ -37,9 +37,9 @@ from slime_ext.schedule import (
     ScheduleError,
     build_dp_schedule,
     check_schedule,
-    compute_dynamic_global_batch_size,
     plan_schedule,
 )
+from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 from slime_ext.schedule.validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS
 from tests.conftest import examples, json_paths
 

@@ -18,9 +18,9 @@ from slime_ext.schedule import (
     SampleBatch,
     ScheduleError,
     build_dp_schedule,
-    compute_dynamic_global_batch_size,
     plan_schedule,
 )
+from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 
 DYN = dict(use_dynamic_batch_size=True, max_tokens_per_gpu=100)
 TINY_MODEL = CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=256, vocab_size=1000)
@@ -172,8 +172,11 @@ def test_trailing_rollouts_are_dropped_and_reported(checked):
     s = checked([10] * 7, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=2, **DYN),
                 rollout_ids=rollout_ids)
     assert s.rollouts_per_step == [2, 2]
-    assert s.dropped == [6]  # rollout 4 is the incomplete tail
+    assert s.dropped == [6] and s.dropped_rollouts == [4]  # rollout 4 is the incomplete tail
     assert sorted(set().union(*rank_sample_sets(s))) == [0, 1, 2, 3, 4, 5]
+    s = checked([10] * 7, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=3, **DYN),
+                rollout_ids=[7, 7, 5, 9, 9, 3, 3])
+    assert s.dropped == [5, 6] and s.dropped_rollouts == [3]  # ids as given, not their order
 
 
 def test_disable_trim_makes_an_incomplete_step_an_error():
@@ -191,7 +194,7 @@ def test_dynamic_global_batch_size_is_one_step_rounded_to_dp(checked):
     s = checked([10] * 11, ParallelConfig(dp_size=4),
                 BatchConfig(use_dynamic_global_batch_size=True, **DYN))
     assert s.num_steps == 1 and s.rollouts_per_step == [8] and s.samples_per_step == [8]
-    assert s.dropped == [8, 9, 10]
+    assert s.dropped == [8, 9, 10] and s.dropped_rollouts == [8, 9, 10]  # no ids: a sample is a rollout
     # with trimming disabled the whole rollout is the step
     s = checked([10] * 11, ParallelConfig(dp_size=4),
                 BatchConfig(use_dynamic_global_batch_size=True, disable_rollout_trim_samples=True, **DYN))

@@ -165,7 +165,7 @@ def _dense_ids(rollout_indices: Sequence[Any]) -> list[int]:
 
 
 def _report(schedule: DPSchedule, ids: Sequence[int]) -> PlanReport:
-    dropped_rollouts = len({ids[i] for i in schedule.dropped})
+    dropped_rollouts = len(schedule.dropped_rollouts)
     worst = max((s.flops_imbalance for s in schedule.stats), default=1.0)
     return PlanReport(num_samples=schedule.num_samples, num_rollouts=len(set(ids)), num_steps=schedule.num_steps,
                       dropped_samples=len(schedule.dropped), dropped_rollouts=dropped_rollouts,
