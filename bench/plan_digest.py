@@ -4,7 +4,8 @@ exactly as before").
     python -m bench.plan_digest --write before.json    # on the old code
     python -m bench.plan_digest --check before.json    # on the new code: exit 1 and list every schedule that moved
 
-``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening):
+``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening), re-recorded
+when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, each to a lower slowest rank):
 ``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules a later change moved.
 
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
