@@ -8,8 +8,8 @@ maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not 
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_left, insort
+from heapq import heapify, heappop, heappush
 from typing import Iterable
 
 import numpy as np
@@ -54,12 +54,11 @@ def refine_by_swaps(
 
     Each round pairs the i-th heaviest rank with the i-th lightest and, in every pair at once, makes the one swap
     that brings the two closest to their average (moving ``d`` with ``0 < d < gap``). Stops when the heaviest rank
-    is within ``tolerance`` of the mean, or a round does not lower the maximum.
+    is within ``tolerance`` of the mean, a round does not lower the maximum, or after ``max_rounds`` rounds. Every
+    rank holds ``len(bin_costs) / dp_size >= 1`` bins.
     """
     count = len(bin_costs)
     per_rank = count // dp_size
-    if dp_size < 2 or per_rank < 1:
-        return rank_of_bin
     by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp_size, per_rank)  # bin ids, one row per rank
     sums = bin_costs[by_rank].sum(axis=1)
     goal = sums.mean() * (1 + tolerance)
@@ -123,22 +122,22 @@ class LightestWithRoom:
 
     def __init__(self, entries: Iterable[tuple[float, int, int]]) -> None:
         self.ready = list(entries)  # (load, item, room)
-        heapq.heapify(self.ready)
+        heapify(self.ready)
         self.waiting: list[tuple[int, float, int]] = []  # (-room, load, item)
 
     def push(self, load: float, item: int, room: int) -> None:
-        heapq.heappush(self.ready, (load, item, room))
+        heappush(self.ready, (load, item, room))
 
     def pop(self, need: int) -> tuple[float, int] | None:
         ready, waiting = self.ready, self.waiting
         while waiting and -waiting[0][0] >= need:
-            neg_room, load, item = heapq.heappop(waiting)
-            heapq.heappush(ready, (load, item, -neg_room))
+            neg_room, load, item = heappop(waiting)
+            heappush(ready, (load, item, -neg_room))
         while ready:
-            load, item, room = heapq.heappop(ready)
+            load, item, room = heappop(ready)
             if room >= need:
                 return load, item
-            heapq.heappush(waiting, (-room, load, item))
+            heappush(waiting, (-room, load, item))
         return None
 
 
@@ -197,10 +196,10 @@ def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per
     # callers guarantee n >= dp_size * per_rank, so donors never run out
     donors = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
               for k, b in enumerate(db) for i in b]
-    heapq.heapify(donors)
+    heapify(donors)
     for r, rb in enumerate(bins):
         while counts[r] < per_rank:
-            _, i, d, k = heapq.heappop(donors)
+            _, i, d, k = heappop(donors)
             if counts[d] <= per_rank:
                 continue  # that rank gave all it can spare
             bins[d][k].remove(i)

@@ -102,7 +102,7 @@ def lpt_pack(
     evenly, so it fits steps where whole rounds stall. A sample that would overflow its bin gets a second chance
     in a bin left unused this round (most room first), else waits for the next round; an oversize sample takes an
     empty bin and closes it. ``None`` when a round places nothing (no bin has room for the largest waiting
-    sample) or a bin stays empty.
+    sample).
     """
     n = len(order)
     if n < num_bins:
@@ -149,10 +149,8 @@ def lpt_pack(
         pending = np.sort(np.concatenate((take[~fits], cut, later)))
         if not len(placed):
             return None  # nothing fits (or every bin is closed by an oversize sample)
-    bin_of = np.empty(n, dtype=np.int64)
+    bin_of = np.empty(n, dtype=np.int64)  # no bin is empty: the first round gives each one a sample
     bin_of[order] = bin_of_sorted
-    if np.bincount(bin_of, minlength=num_bins).min() == 0:
-        return None
     return bin_of
 
 

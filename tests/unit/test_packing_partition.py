@@ -27,10 +27,20 @@ def assert_packing(bins, lengths, cap):
 
 @quick
 @given(lengths_st, cap_st)
-def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, cap):
+def test_best_fit_decreasing_is_valid_and_opens_no_needless_bin(lengths, cap):
+    """Any two bins together hold more than ``cap`` (a bin is opened only for a sample no earlier bin has room for)."""
     bins = best_fit_decreasing(np.array(lengths), cap)
     assert_packing(bins, lengths, cap)
-    assert len(bins) <= len(baselines.first_fit_pack(lengths, cap))
+    loads = sorted(sum(lengths[i] for i in b) for b in bins)
+    assert len(loads) < 2 or loads[0] + loads[1] > cap
+
+
+def test_best_fit_decreasing_can_lose_to_first_fit_in_the_given_order():
+    """Why the bound above is not "never worse than first fit": in the given order [7, 13, 31, 9, 19, 28] packs as
+    7+13+31 | 9+19+28 under 56; decreasing order packs 31+19 | 28+13+9 | 7."""
+    lengths = [7, 13, 31, 9, 19, 28]
+    assert len(baselines.first_fit_pack(lengths, 56)) == 2
+    assert len(best_fit_decreasing(np.array(lengths), 56)) == 3
 
 
 @quick
@@ -200,3 +210,39 @@ def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch
         loads = lambda r: np.bincount(r, weights=costs, minlength=dp).max()  # noqa: E731
         assert loads(dense) <= loads(start) + 1e-9
         assert loads(dense) < loads(start) or loads(start) <= costs.sum() / dp * (1 + 1e-9)
+
+
+def test_refine_by_swaps_stops_after_max_rounds():
+    """Each round makes at most one swap per (heavy, light) pair: with dp = 2 one round moves one bin each way,
+    and further rounds keep lowering the maximum toward the mean."""
+    costs = np.array([10.0, 9, 8, 7, 1, 1, 1, 1])
+    start = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    loads = lambda r: np.bincount(r, weights=costs, minlength=2)  # noqa: E731
+    one = distribute.refine_by_swaps(costs, start, 2, 1e-9, max_rounds=1)
+    assert np.count_nonzero(one != start) == 2  # one swap: a bin each way
+    assert np.bincount(one, minlength=2).tolist() == [4, 4]
+    more = distribute.refine_by_swaps(costs, start, 2, 1e-9)
+    assert loads(more).max() < loads(one).max() < loads(start).max()
+    assert loads(more).max() == costs.sum() / 2  # 10+7+1+1 = 9+8+1+1
+
+
+@quick
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 30), st.integers(0, 20)), min_size=1, max_size=40),
+       st.integers(1, 6))
+def test_lightest_with_room_matches_a_scan(steps, items):
+    """Against a plain scan over all items: with needs that never grow, ``pop`` returns the lightest item (lowest
+    on ties) whose room is at least the need, or ``None`` when none has room; the popped item comes back with its
+    new load and room."""
+    needs = sorted((need for need, _, _ in steps), reverse=True)
+    heap = distribute.LightestWithRoom((0.0, i, 50) for i in range(items))
+    state = {i: (0.0, 50) for i in range(items)}  # item -> (load, room) of the items on offer
+    for need, (_, add, used) in zip(needs, steps):
+        fits = [(load, i) for i, (load, room) in state.items() if room >= need]
+        got = heap.pop(need)
+        assert got == (min(fits) if fits else None)
+        if got is not None:
+            load, i = got
+            room = state.pop(i)[1] - min(used, need)
+            if room > 0:
+                heap.push(load + add, i, room)
+                state[i] = (load + add, room)
