@@ -147,9 +147,9 @@ def build_rank_bins(
     """Bins chosen per rank: deal samples (decreasing cost) to the lightest rank with room.
 
     Each rank owns ``per_rank`` capped bins; inside it a sample goes to the fullest bin it fits (best fit), or with
-    ``by_cost`` to the cheapest bin it fits (both picks: :class:`LightestWithRoom`). A rank left with fewer samples than bins (one holding a very costly
-    sample) takes the cheapest samples of ranks that have more; bins still empty are filled by halving the rank's
-    largest bins. Returns ``None`` when some sample fits no rank.
+    ``by_cost`` to the cheapest bin it fits (ranks and cheapest bins: :class:`LightestWithRoom`). A rank left with
+    fewer samples than bins (one holding a very costly sample) takes the cheapest samples of ranks that have more;
+    bins still empty are filled by halving the rank's largest bins. Returns ``None`` when some sample fits no rank.
     """
     stride = per_rank + 1
     keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
