@@ -4,8 +4,10 @@ exactly as before").
     python -m bench.plan_digest --write before.json    # on the old code
     python -m bench.plan_digest --check before.json    # on the new code: exit 1 and list every schedule that moved
 
-``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening):
-``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules a later change moved.
+``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening), re-recorded
+when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, each to a lower slowest rank):
+``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules a later change moved, and
+``python -m bench.plan_quality`` whether the moved ones got better or worse.
 
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
 and ``RANDOM_CASES`` small seeded rollouts over parallel layouts, static/dynamic batches, rollout groups, loss
@@ -20,6 +22,7 @@ import argparse
 import hashlib
 import json
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -54,8 +57,8 @@ SCHEDULE_FIELDS = ("partitions", "micro_batch_indices", "num_microbatches", "sam
                    "dropped", "loss_tokens_per_step", "step_samples")
 
 
-def bench_cases() -> dict[str, str]:
-    out = {}
+def bench_cases():
+    """``(label, thunk)`` of every benchmark case with every flag set, planned through ``plan_schedule``."""
     for case in CASES:
         lengths = make_lengths(case.dist, case.n, case.seed).tolist()
         ids = list(range(case.n))
@@ -64,10 +67,8 @@ def bench_cases() -> dict[str, str]:
             batch = BatchConfig(global_batch_size=case.global_batch_size, use_dynamic_batch_size=True,
                                 max_tokens_per_gpu=case.max_tokens_per_gpu, balance_data=balance_data,
                                 balance_by_flops=balance_by_flops)
-            model = CostModel(**MODEL_DIMS)
-            out[f"bench/{case.name}/{label}"] = _digest(
-                lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=model))
-    return out
+            yield f"bench/{case.name}/{label}", partial(plan_schedule, lengths, parallel, batch, rollout_ids=ids,
+                                                        cost_model=CostModel(**MODEL_DIMS))
 
 
 def random_case(seed: int):
@@ -114,12 +115,16 @@ def random_case(seed: int):
                                         loss_tokens=loss, cost_model=None if model is None else CostModel(**model))
 
 
-def all_digests(quick: bool = False) -> dict[str, str]:
-    out = {} if quick else bench_cases()
+def all_cases(quick: bool = False):
+    """``(label, thunk)`` of every pinned case: the benchmark cases (unless ``quick``), then the random ones."""
+    if not quick:
+        yield from bench_cases()
     for seed in range(RANDOM_CASES):
-        label, thunk = random_case(seed)
-        out[label] = _digest(thunk)
-    return out
+        yield random_case(seed)
+
+
+def all_digests(quick: bool = False) -> dict[str, str]:
+    return {label: _digest(thunk) for label, thunk in all_cases(quick)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,9 @@ maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not 
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_left, insort
+from heapq import heapify, heappop, heappush
+from typing import Iterable
 
 import numpy as np
 
@@ -53,12 +54,11 @@ def refine_by_swaps(
 
     Each round pairs the i-th heaviest rank with the i-th lightest and, in every pair at once, makes the one swap
     that brings the two closest to their average (moving ``d`` with ``0 < d < gap``). Stops when the heaviest rank
-    is within ``tolerance`` of the mean, or a round does not lower the maximum.
+    is within ``tolerance`` of the mean, a round does not lower the maximum, or after ``max_rounds`` rounds. Every
+    rank holds ``len(bin_costs) / dp_size >= 1`` bins.
     """
     count = len(bin_costs)
     per_rank = count // dp_size
-    if dp_size < 2 or per_rank < 1:
-        return rank_of_bin
     by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp_size, per_rank)  # bin ids, one row per rank
     sums = bin_costs[by_rank].sum(axis=1)
     goal = sums.mean() * (1 + tolerance)
@@ -108,64 +108,77 @@ def refine_by_swaps(
     return out
 
 
+class LightestWithRoom:
+    """The lightest of some bins (or ranks) that has room for a sample, when samples come longest first.
+
+    ``push(load, item, room)`` offers an item; ``pop(need)`` removes and returns ``(load, item)`` of the lightest
+    item with ``room >= need`` (ties: the lowest item), or ``None``. The needs never grow, so an item too full for
+    one sample waits in a second heap keyed by its room until the samples are small enough: ``O(log items)``
+    amortised per pop. An item is offered again, with its new load and room, only while it can take something.
+    :func:`build_rank_bins` picks ranks (a rank's room: its roomiest bin's) and, by cost, a rank's bins with it.
+    """
+
+    __slots__ = ("ready", "waiting")
+
+    def __init__(self, entries: Iterable[tuple[float, int, int]]) -> None:
+        self.ready = list(entries)  # (load, item, room)
+        heapify(self.ready)
+        self.waiting: list[tuple[int, float, int]] = []  # (-room, load, item)
+
+    def push(self, load: float, item: int, room: int) -> None:
+        heappush(self.ready, (load, item, room))
+
+    def pop(self, need: int) -> tuple[float, int] | None:
+        ready, waiting = self.ready, self.waiting
+        while waiting and -waiting[0][0] >= need:
+            neg_room, load, item = heappop(waiting)
+            heappush(ready, (load, item, -neg_room))
+        while ready:
+            load, item, room = heappop(ready)
+            if room >= need:
+                return load, item
+            heappush(waiting, (-room, load, item))
+        return None
+
+
 def build_rank_bins(
     lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, cap: int, dp_size: int, per_rank: int, by_cost: bool
 ) -> list[list[list[int]]] | None:
     """Bins chosen per rank: deal samples (decreasing cost) to the lightest rank with room.
 
     Each rank owns ``per_rank`` capped bins; inside it a sample goes to the fullest bin it fits (best fit), or with
-    ``by_cost`` to the cheapest bin it fits. A rank left with fewer samples than bins (one holding a very costly
-    sample) takes the cheapest samples of ranks that have more; bins still empty are filled by halving the rank's
-    largest bins. Returns ``None`` when some sample fits no rank.
+    ``by_cost`` to the cheapest bin it fits (ranks and cheapest bins: :class:`LightestWithRoom`). A rank left with
+    fewer samples than bins (one holding a very costly sample) takes the cheapest samples of ranks that have more;
+    bins still empty are filled by halving the rank's largest bins. Returns ``None`` when some sample fits no rank.
     """
     stride = per_rank + 1
     keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
+    room = [[cap] * per_rank for _ in range(dp_size)]
     bins = [[[] for _ in range(per_rank)] for _ in range(dp_size)]
-    if by_cost:
-        bin_heaps = [[(0.0, b) for b in range(per_rank)] for _ in range(dp_size)]
-        bin_waiting: list[list[tuple[int, float, int]]] = [[] for _ in range(dp_size)]
-        room = [[cap] * per_rank for _ in range(dp_size)]
-    heap = [(0.0, r) for r in range(dp_size)]  # (cost, rank) of ranks with a bin that fits the current sample
-    waiting: list[tuple[int, float, int]] = []  # (-largest room, cost, rank) of ranks without one
-    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    cheapest = [LightestWithRoom((0.0, b, cap) for b in range(per_rank)) for _ in range(dp_size)] if by_cost else None
+    ranks = LightestWithRoom((0.0, r, cap) for r in range(dp_size))  # a rank's room is its roomiest bin's
     for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
         need = length if length < cap else cap  # an oversize sample needs an empty bin
-        while waiting and -waiting[0][0] >= need:
-            _, rc, r = heappop(waiting)
-            heappush(heap, (rc, r))
-        while heap:
-            rc, r = heap[0]
-            rk = keys[r]
-            if rk and rk[-1] // stride >= need:
-                break
-            heappop(heap)
-            if rk:  # may still take a smaller sample later
-                heappush(waiting, (-(rk[-1] // stride), rc, r))
-        else:
+        picked = ranks.pop(need)
+        if picked is None:
             return None
-        if by_cost:  # the cheapest bin of this rank that has room
-            bh, bw, res = bin_heaps[r], bin_waiting[r], room[r]
-            while bw and -bw[0][0] >= need:
-                _, bc, b = heappop(bw)
-                heappush(bh, (bc, b))
-            while True:
-                bc, b = heappop(bh)
-                if res[b] >= need:
-                    break
-                heappush(bw, (-res[b], bc, b))
-            pos = bisect_left(rk, res[b] * stride + b)
-            res[b] -= length
-            if res[b] > 0:
-                heappush(bh, (bc + cost, b))
+        rank_cost, r = picked
+        rk, rr = keys[r], room[r]
+        if cheapest is not None:  # the cheapest bin of this rank that has room (the rank has one)
+            bin_cost, b = cheapest[r].pop(need)  # type: ignore[misc]
+            pos = bisect_left(rk, rr[b] * stride + b)
         else:  # best fit: the fullest bin that has room
             pos = bisect_left(rk, need * stride)
-        key = rk.pop(pos)
-        b = key % stride
+            b = rk[pos] % stride
+        del rk[pos]
         bins[r][b].append(idx)
-        left = key // stride - length
-        if left > 0:
-            insort(rk, left * stride + b)
-        heapreplace(heap, (rc + cost, r))
+        rr[b] -= length
+        if rr[b] > 0:
+            insort(rk, rr[b] * stride + b)
+            if cheapest is not None:
+                cheapest[r].push(bin_cost + cost, b, rr[b])
+        if rk:
+            ranks.push(rank_cost + cost, r, rk[-1] // stride)
     _give_every_bin_a_sample(bins, costs, per_rank)
     for r in range(dp_size):
         filled = [b for b in bins[r] if b]
@@ -183,10 +196,10 @@ def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per
     # callers guarantee n >= dp_size * per_rank, so donors never run out
     donors = [(float(costs[i]), i, d, k) for d, db in enumerate(bins) if counts[d] > per_rank
               for k, b in enumerate(db) for i in b]
-    heapq.heapify(donors)
+    heapify(donors)
     for r, rb in enumerate(bins):
         while counts[r] < per_rank:
-            _, i, d, k = heapq.heappop(donors)
+            _, i, d, k = heappop(donors)
             if counts[d] <= per_rank:
                 continue  # that rank gave all it can spare
             bins[d][k].remove(i)

@@ -1,13 +1,13 @@
 """Bin packing of samples into micro-batches under a token cap.
 
-Packers return bins of indices into ``lengths`` (``list[list[int]]``), or, vectorised, ``bin_of`` labels per
-sample. A sample longer than the cap always sits alone in its bin; every other bin holds at most ``cap`` tokens.
+A packing is bins of indices into ``lengths`` (``list[list[int]]``) or a label per sample (``bin_of``). A sample
+longer than the cap always sits alone in its bin; every other bin holds at most ``cap`` tokens.
 
-* :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum).
-* :func:`lpt_rounds` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (worst-fit decreasing,
-  vectorised by rounds); :func:`cost_lpt_pack` -- the same by FLOPs, sequential. ``None`` when they cannot fit.
-* :func:`expand_bins_by_splitting` -- grow a packing to a target count by halving the largest multi-sample bins;
-  halves never exceed their parent, so the cap keeps holding.
+* :func:`lpt_pack` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (LPT, vectorised by rounds:
+  whole rounds, or cut to sequential LPT's order with ``graham``); ``None`` when it cannot fit.
+* :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum), for the steps LPT
+  cannot fit; :func:`expand_bins_by_splitting` then grows the packing to the aligned count by halving the largest
+  multi-sample bins (halves never exceed their parent, so the cap keeps holding).
 """
 
 from __future__ import annotations
@@ -88,17 +88,21 @@ def expand_bins_by_splitting(
                 heapq.heappush(heap, (-sum(lens[i] for i in half), -k))
 
 
-def lpt_rounds(
-    lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, num_bins: int, cap: int
+def lpt_pack(
+    lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, num_bins: int, cap: int, graham: bool = False
 ) -> np.ndarray | None:
     """LPT into exactly ``num_bins`` capped bins, vectorised by rounds; returns ``bin_of`` per sample or ``None``.
 
-    ``order`` lists the samples by decreasing length (and weight). Each round deals the next samples, one per open
-    bin, the largest to the bin with the least ``weights`` load so far (tokens for even micro-batches, FLOPs for
-    ``balance_by_flops``). A sample that would overflow its bin gets a second chance in a bin left unused this round
-    (most room first), else waits for the next round. An oversize sample takes an empty bin and closes it. ``None``
-    when a round places nothing: LPT spreads the free room evenly, so with little slack the last samples can be
-    larger than every bin's room -- sequential best fit decreasing then packs tighter.
+    ``order`` lists the samples by decreasing length and weight (``weights``: tokens for even micro-batches, FLOPs
+    for ``balance_by_flops``). Each round deals the next samples, the largest to the bin with the least weight so
+    far. Whole rounds give every open bin one sample, so bins hold alike mixes of long and short samples (the
+    strided deal of stage 4 balances those best), but can break Graham's bound ([3, 1, 1, 1] into 2 bins: 4 | 2).
+    With ``graham`` a round ends before the first sample whose bin would no longer be the lightest: the deal is
+    then sequential LPT, within ``4/3 - 1/(3 num_bins)`` of the optimal heaviest bin, and it spreads room less
+    evenly, so it fits steps where whole rounds stall. A sample that would overflow its bin gets a second chance
+    in a bin left unused this round (most room first), else waits for the next round; an oversize sample takes an
+    empty bin and closes it. ``None`` when a round places nothing (no bin has room for the largest waiting
+    sample).
     """
     n = len(order)
     if n < num_bins:
@@ -117,6 +121,13 @@ def lpt_rounds(
         later = pending[len(open_bins):]
         nxt += fresh
         dest = open_bins[np.argsort(wload[open_bins], kind="stable")[:len(take)]]
+        # graham: the k-th sample may take the k-th lightest bin only while every bin filled before it this round
+        # stays at least as heavy (as sequential LPT would); the rest of the round waits for the next one
+        keep = len(take)
+        if graham and keep > 1:
+            after = np.minimum.accumulate(wload[dest] + w[take])
+            keep = 1 + int(np.argmax(np.r_[after[:-1] < wload[dest[1:]], True]))
+        cut, take, dest = take[keep:], take[:keep], dest[:keep]
         x = lens[take]
         fits = (load[dest] == 0) | (load[dest] + x <= cap)
         if not fits.all():
@@ -135,47 +146,12 @@ def lpt_rounds(
         wload[where] += w[placed]
         if (lens[placed] > cap).any():
             open_bins = open_bins[load[open_bins] <= cap]
-        pending = np.sort(np.concatenate((take[~fits], later)))
+        pending = np.sort(np.concatenate((take[~fits], cut, later)))
         if not len(placed):
             return None  # nothing fits (or every bin is closed by an oversize sample)
-    bin_of = np.empty(n, dtype=np.int64)
+    bin_of = np.empty(n, dtype=np.int64)  # no bin is empty: the first round gives each one a sample
     bin_of[order] = bin_of_sorted
-    if np.bincount(bin_of, minlength=num_bins).min() == 0:
-        return None
     return bin_of
-
-
-def cost_lpt_pack(
-    lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, num_bins: int, cap: int
-) -> list[list[int]] | None:
-    """``num_bins`` capped bins, each sample (decreasing cost) into the cheapest bin that still has room.
-
-    Sequential: a sample goes wherever some bin has room, so it succeeds where the rounds of :func:`lpt_rounds`
-    stall. A bin too full for the current sample waits in a heap keyed by its room and rejoins the cost heap once the
-    (decreasing) samples are small enough for it, so every sample costs ``O(log bins)`` amortised.
-    """
-    heap = [(0.0, b) for b in range(num_bins)]  # (cost, bin) of bins that fit the current sample
-    waiting: list[tuple[int, float, int]] = []  # (-room, cost, bin) of bins that do not
-    room = [cap] * num_bins
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    heappop, heappush = heapq.heappop, heapq.heappush
-    smallest = int(lengths[order[-1]])
-    for idx, length, cost in zip(order.tolist(), lengths[order].tolist(), costs[order].tolist()):
-        while waiting and -waiting[0][0] >= length:
-            _, bc, b = heappop(waiting)
-            heappush(heap, (bc, b))
-        while heap:
-            bc, b = heappop(heap)
-            if room[b] >= length or room[b] == cap:  # an empty bin takes even an oversize sample
-                break
-            heappush(waiting, (-room[b], bc, b))
-        else:
-            return None
-        bins[b].append(idx)
-        room[b] -= length
-        if room[b] >= smallest:
-            heappush(heap, (bc + cost, b))
-    return bins
 
 
 def bins_to_labels(bins: Sequence[Sequence[int]], n: int) -> np.ndarray:

@@ -9,8 +9,9 @@ Strategy (one call plans a whole rollout):
   2. **Pack first.** Per step, group the samples into micro-batches: fixed ``micro_batch_size`` chunks (static), or
      bins of at most ``cap = max_tokens_per_gpu * cp_size`` tokens (dynamic). The dynamic count is the aligned
      token bound ``ceil(ceil(tokens / cap) / align) * align`` (raised where packing provably needs more), reached
-     by LPT -- evenly loaded bins, by tokens, or by estimated FLOPs with ``balance_by_flops`` -- or, when LPT does
-     not fit, by best-fit decreasing.
+     by LPT -- evenly loaded bins, by tokens, or by estimated FLOPs with ``balance_by_flops`` -- dealt in whole
+     rounds (bins of alike mixes), else in sequential LPT's order (which fits tighter), or, when LPT does not fit,
+     by best-fit decreasing.
   3. **Align.** The count is a multiple of ``align = dp_size * (mb_group if vpp_size > 1 else 1)``; a packing with
      fewer bins is grown by halving its largest multi-sample bins (halves never exceed their parent).
   4. **Distribute second.** Each rank gets ``count / dp_size`` micro-batches: round-robin over the bins in
@@ -50,7 +51,7 @@ from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, r
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
-from .packing import best_fit_decreasing, bins_to_labels, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds
+from .packing import best_fit_decreasing, bins_to_labels, expand_bins_by_splitting, lpt_pack
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
 
@@ -83,17 +84,16 @@ def pack_step(
 ) -> tuple[np.ndarray, int, str]:
     """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins.
 
-    One path: LPT into exactly ``target`` bins. Two exceptions, each for a case LPT's rounds cannot fit: with
-    ``balance_by_flops`` a sequential LPT still keeps FLOPs-even bins; otherwise best fit decreasing packs tighter
-    (fewest bins) and is split up to the aligned count.
+    One path: LPT into exactly ``target`` bins, evenly loaded by ``weights``, in whole rounds; where those stall, in
+    sequential LPT's order (same deal, uneven room: it fits steps whole rounds cannot). One exception: when LPT
+    cannot fit at all (little slack: LPT spreads the free room), best fit decreasing packs tighter and is split up
+    to the aligned count.
     """
-    bin_of = lpt_rounds(lengths, weights, order, target, cap)
+    bin_of = lpt_pack(lengths, weights, order, target, cap)
+    if bin_of is None:
+        bin_of = lpt_pack(lengths, weights, order, target, cap, graham=True)
     if bin_of is not None:
         return bin_of, target, "lpt"
-    if weights is not lengths:  # balance_by_flops: keep FLOPs-even bins if a sequential LPT still fits
-        bins = cost_lpt_pack(lengths, weights, order, target, cap)
-        if bins is not None:
-            return bins_to_labels(bins, len(lengths)), target, "lpt"
     bins = best_fit_decreasing(lengths, cap, order)
     count = max(target, align_up(len(bins), align))
     if count > len(lengths):

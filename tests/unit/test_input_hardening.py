@@ -263,6 +263,14 @@ def test_a_non_cost_model_is_refused():
         plan_schedule([10], *STATIC, cost_model={"hidden_size": 8})
 
 
+def test_configs_as_dicts_are_refused_with_the_converter_to_use():
+    parallel, batch = STATIC
+    with pytest.raises(ScheduleError, match=r"parallel must be a ParallelConfig, got dict; use ParallelConfig\.from_"):
+        plan_schedule([10], {"dp_size": 1}, batch)
+    with pytest.raises(ScheduleError, match=r"batch must be a BatchConfig, got dict; use BatchConfig\.from_args"):
+        plan_schedule([10], parallel, {"global_batch_size": 1})
+
+
 # ---------------------------------------------------------------------------------------------------- D. sizes
 def _peak_mib(fn) -> float:
     tracemalloc.start()

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from slime_ext import baselines  # upstream's algorithms in our words: the oracle
 from slime_ext.schedule import distribute
-from slime_ext.schedule.packing import (best_fit_decreasing, cost_lpt_pack, expand_bins_by_splitting, lpt_rounds,
-                                        split_bin_by_tokens)
+from slime_ext.schedule.packing import best_fit_decreasing, expand_bins_by_splitting, lpt_pack, split_bin_by_tokens
 from tests.brute_force import min_bins, min_max_load
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
@@ -28,10 +27,20 @@ def assert_packing(bins, lengths, cap):
 
 @quick
 @given(lengths_st, cap_st)
-def test_best_fit_decreasing_is_valid_and_never_worse_than_first_fit(lengths, cap):
+def test_best_fit_decreasing_is_valid_and_opens_no_needless_bin(lengths, cap):
+    """Any two bins together hold more than ``cap`` (a bin is opened only for a sample no earlier bin has room for)."""
     bins = best_fit_decreasing(np.array(lengths), cap)
     assert_packing(bins, lengths, cap)
-    assert len(bins) <= len(baselines.first_fit_pack(lengths, cap))
+    loads = sorted(sum(lengths[i] for i in b) for b in bins)
+    assert len(loads) < 2 or loads[0] + loads[1] > cap
+
+
+def test_best_fit_decreasing_can_lose_to_first_fit_in_the_given_order():
+    """Why the bound above is not "never worse than first fit": in the given order [7, 13, 31, 9, 19, 28] packs as
+    7+13+31 | 9+19+28 under 56; decreasing order packs 31+19 | 28+13+9 | 7."""
+    lengths = [7, 13, 31, 9, 19, 28]
+    assert len(baselines.first_fit_pack(lengths, 56)) == 2
+    assert len(best_fit_decreasing(np.array(lengths), 56)) == 3
 
 
 @quick
@@ -46,46 +55,92 @@ def labels_to_bins(bin_of, count):
     return [np.flatnonzero(bin_of == b).tolist() for b in range(count)]
 
 
+def lpt(lengths, weights, count, cap, graham):
+    x = np.asarray(lengths)
+    bin_of = lpt_pack(x, np.asarray(weights, dtype=float), np.argsort(-x, kind="stable"), count, cap, graham=graham)
+    return None if bin_of is None else labels_to_bins(bin_of, count)
+
+
 @quick
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=8), st.integers(1, 4), st.booleans())
 def test_lpt_packs_exactly_the_count_and_balances_like_lpt(lengths, count, by_cost):
-    """Without a binding cap both packers must succeed: sequential LPT within Graham's bound (4/3 - 1/(3m)) of the
-    optimal max load (brute force); the rounds (one sample per bin per round, heaviest to the lightest bin) keep
-    max - min load within the largest weight. With a cap, what they return is a valid packing into ``count``."""
+    """Without a binding cap both deals succeed: with ``graham`` (sequential LPT) within Graham's bound
+    4/3 - 1/(3m) of the optimal max load (brute force); whole rounds (one sample per bin per round, heaviest to
+    the lightest bin) keep max - min load within the largest weight."""
     x = np.array(lengths)
     weights = (x * (x + 50) if by_cost else x).astype(float)
-    order = np.argsort(-x, kind="stable")
     count = min(count, len(lengths))
     roomy = int(x.sum())
     opt = min_max_load(weights.tolist(), count)
-    bin_of = lpt_rounds(x, weights, order, count, roomy)
-    bins = cost_lpt_pack(x, weights, order, count, roomy)
-    assert bin_of is not None and bins is not None
-    rounds = labels_to_bins(bin_of, count)
-    for packing in (rounds, bins):
-        assert_packing(packing, lengths, roomy)
-        assert len(packing) == count
-    assert max(weights[b].sum() for b in bins) <= (4 / 3 - 1 / (3 * count)) * opt + 1e-9
-    loads = [weights[b].sum() for b in rounds]
-    assert max(loads) - min(loads) <= weights.max() + 1e-9
-    cap = max(lengths)
-    bin_of = lpt_rounds(x, weights, order, count, cap)
-    if bin_of is not None:
-        assert_packing(labels_to_bins(bin_of, count), lengths, cap)
+    for graham in (False, True):
+        bins = lpt(x, weights, count, roomy, graham)
+        assert bins is not None
+        assert_packing(bins, lengths, roomy)
+        assert len(bins) == count
+        loads = [weights[b].sum() for b in bins]
+        if graham:
+            assert max(loads) <= (4 / 3 - 1 / (3 * count)) * opt + 1e-9
+        else:
+            assert max(loads) - min(loads) <= weights.max() + 1e-9
 
 
-def test_lpt_refuses_what_does_not_fit():
-    x = np.array([60, 60, 60])
-    assert lpt_rounds(x, x, np.arange(3), 2, 100) is None
-    assert lpt_rounds(np.array([60]), np.array([60]), np.arange(1), 2, 100) is None  # fewer samples than bins
-    bin_of = lpt_rounds(np.array([500, 20, 10]), np.array([500, 20, 10]), np.arange(3), 2, 100)
-    assert sorted(map(sorted, labels_to_bins(bin_of, 2))) == [[0], [1, 2]]
+@quick
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 8), cap_st, st.booleans(),
+       st.booleans())
+def test_lpt_under_a_cap_is_a_valid_packing_or_none(lengths, count, cap, zero_weights, graham):
+    """Under a binding cap: exactly ``count`` non-empty bins, the cap holds for every multi-sample bin (an oversize
+    sample sits alone), also when every weight is 0 (nothing then steers samples into empty bins). Sequential LPT
+    by tokens refuses no step with half its room free: a sample that fits no bin would be above cap/2, and so would
+    every sample before it, one per bin."""
+    x = np.array(lengths)
+    weights = np.zeros(len(x)) if zero_weights else x
+    bins = lpt(x, weights, count, cap, graham)
+    if bins is not None:
+        assert len(bins) == count
+        assert_packing(bins, lengths, cap)
+    elif graham and not zero_weights and count <= len(lengths) and x.max() <= cap and 2 * x.sum() <= cap * count:
+        pytest.fail("sequential LPT refused a step with half its room free")
 
 
-def test_lpt_rounds_balances_the_given_weights():
-    x = np.array([40, 40, 30, 30, 20, 20, 10, 10])
-    bin_of = lpt_rounds(x, x, np.argsort(-x, kind="stable"), 2, 1000)
-    assert np.bincount(bin_of, weights=x).tolist() == [100, 100]
+def test_whole_rounds_break_grahams_bound_and_graham_keeps_it():
+    # [3, 1, 1, 1] into 2 bins: whole rounds deal 3|1 then 1|1 (lightest first) -> 4 | 2; sequential LPT: 3 | 1+1+1
+    assert sorted(sum([3, 1, 1, 1][i] for i in b) for b in lpt([3, 1, 1, 1], [3, 1, 1, 1], 2, 100, False)) == [2, 4]
+    assert sorted(sum([3, 1, 1, 1][i] for i in b) for b in lpt([3, 1, 1, 1], [3, 1, 1, 1], 2, 100, True)) == [3, 3]
+
+
+def test_each_exception_fits_where_the_deal_before_it_cannot():
+    """Why the step packer keeps its fallbacks. Whole rounds stall on [12, 9, 5, 3, 3, 2, 2, 2] into 3 bins of 13
+    (the 2s wait behind full bins) where sequential LPT fits (12 | 9+2+2 | 5+3+3+2); and LPT (either deal) spreads
+    [5, 5, 4, 3, 3] as 5+4 | 5+3, leaving no room of 3 under a cap of 10, where best fit decreasing fits 5+5 | 4+3+3.
+    """
+    tight = [12, 9, 5, 3, 3, 2, 2, 2]
+    assert lpt(tight, tight, 3, 13, graham=False) is None
+    bins = lpt(tight, tight, 3, 13, graham=True)
+    assert_packing(bins, tight, 13)
+    assert sorted(sum(tight[i] for i in b) for b in bins) == [12, 13, 13]
+    little_slack = [5, 5, 4, 3, 3]
+    assert lpt(little_slack, little_slack, 2, 10, graham=False) is None
+    assert lpt(little_slack, little_slack, 2, 10, graham=True) is None
+    bins = best_fit_decreasing(np.array(little_slack), 10)
+    assert_packing(bins, little_slack, 10)
+    assert len(bins) == 2
+
+
+@pytest.mark.parametrize("graham", [False, True])
+def test_lpt_refuses_what_does_not_fit(graham):
+    assert lpt([60, 60, 60], [60, 60, 60], 2, 100, graham) is None
+    assert lpt([60], [60], 2, 100, graham) is None  # fewer samples than bins
+    assert lpt([500, 400, 10], [500, 400, 10], 2, 100, graham) is None  # two oversize samples close both bins
+    bins = lpt([500, 20, 10], [500, 20, 10], 2, 100, graham)
+    assert sorted(map(sorted, bins)) == [[0], [1, 2]]
+
+
+def test_lpt_balances_the_given_weights():
+    x = [40, 40, 30, 30, 20, 20, 10, 10]
+    for graham in (False, True):
+        assert sorted(sum(x[i] for i in b) for b in lpt(x, x, 2, 1000, graham)) == [100, 100]
+    weights = [x * x for x in x]  # by FLOPs-like weights: 40^2+30^2+20^2+10^2 on each side
+    assert sorted(sum(weights[i] for i in b) for b in lpt(x, weights, 2, 1000, True)) == [3000, 3000]
 
 
 @quick
@@ -155,3 +210,39 @@ def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch
         loads = lambda r: np.bincount(r, weights=costs, minlength=dp).max()  # noqa: E731
         assert loads(dense) <= loads(start) + 1e-9
         assert loads(dense) < loads(start) or loads(start) <= costs.sum() / dp * (1 + 1e-9)
+
+
+def test_refine_by_swaps_stops_after_max_rounds():
+    """Each round makes at most one swap per (heavy, light) pair: with dp = 2 one round moves one bin each way,
+    and further rounds keep lowering the maximum toward the mean."""
+    costs = np.array([10.0, 9, 8, 7, 1, 1, 1, 1])
+    start = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    loads = lambda r: np.bincount(r, weights=costs, minlength=2)  # noqa: E731
+    one = distribute.refine_by_swaps(costs, start, 2, 1e-9, max_rounds=1)
+    assert np.count_nonzero(one != start) == 2  # one swap: a bin each way
+    assert np.bincount(one, minlength=2).tolist() == [4, 4]
+    more = distribute.refine_by_swaps(costs, start, 2, 1e-9)
+    assert loads(more).max() < loads(one).max() < loads(start).max()
+    assert loads(more).max() == costs.sum() / 2  # 10+7+1+1 = 9+8+1+1
+
+
+@quick
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 30), st.integers(0, 20)), min_size=1, max_size=40),
+       st.integers(1, 6))
+def test_lightest_with_room_matches_a_scan(steps, items):
+    """Against a plain scan over all items: with needs that never grow, ``pop`` returns the lightest item (lowest
+    on ties) whose room is at least the need, or ``None`` when none has room; the popped item comes back with its
+    new load and room."""
+    needs = sorted((need for need, _, _ in steps), reverse=True)
+    heap = distribute.LightestWithRoom((0.0, i, 50) for i in range(items))
+    state = {i: (0.0, 50) for i in range(items)}  # item -> (load, room) of the items on offer
+    for need, (_, add, used) in zip(needs, steps):
+        fits = [(load, i) for i, (load, room) in state.items() if room >= need]
+        got = heap.pop(need)
+        assert got == (min(fits) if fits else None)
+        if got is not None:
+            load, i = got
+            room = state.pop(i)[1] - min(used, need)
+            if room > 0:
+                heap.push(load + add, i, room)
+                state[i] = (load + add, room)

@@ -1,0 +1,81 @@
+"""Were the schedules a change moved made better or worse? The evidence a re-recording of ``plan_digests.json``
+needs (issue 10).
+
+    python -m bench.plan_quality --write before.json    # on the old code
+    python -m bench.plan_quality --compare before.json  # on the new code: exit 1 if any case got worse
+
+For every case of :mod:`bench.plan_digest`, step by step: the micro-batch count (fewer is better), then at an equal
+count the slowest rank's cost (``StepStats.rank_flops_max``: FLOPs, or tokens without a cost model; lower is
+better). A case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` when both, and a refusal
+must stay the same refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .plan_digest import all_cases
+
+#: relative change of the slowest rank's cost below which two steps count as equal (float summation order)
+REL_TOL = 1e-9
+
+
+def summary(thunk) -> dict:
+    try:
+        schedule = thunk()
+    except Exception as e:  # noqa: BLE001 -- a refusal is a result too
+        return {"refused": f"{type(e).__name__}: {e}"}
+    return {"steps": [[s.total_microbatches, s.rank_flops_max, s.rank_flops_mean] for s in schedule.stats]}
+
+
+def verdict(before: dict, after: dict) -> str:
+    if "refused" in before or "refused" in after:
+        return "equal" if before == after else "worse"
+    if len(before["steps"]) != len(after["steps"]):
+        return "worse"  # steps come from rollouts alone; a packer change must not move them
+    moves = set()
+    for (count_b, max_b, _), (count_a, max_a, _) in zip(before["steps"], after["steps"]):
+        if count_a != count_b:
+            moves.add("better" if count_a < count_b else "worse")
+        elif abs(max_a - max_b) > REL_TOL * abs(max_b):
+            moves.add("better" if max_a < max_b else "worse")
+    return "equal" if not moves else moves.pop() if len(moves) == 1 else "mixed"
+
+
+def _worst(steps: list) -> float:
+    return max(m / mean if mean > 0 else 1.0 for _, m, mean in steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", metavar="FILE", help="write every case's per-step counts and slowest-rank costs")
+    g.add_argument("--compare", metavar="FILE", help="compare with a file written before; exit 1 if any got worse")
+    p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
+    args = p.parse_args(argv)
+    now = {label: summary(thunk) for label, thunk in all_cases(args.quick)}
+    if args.write:
+        with open(args.write, "w") as f:
+            json.dump(now, f)
+        print(f"wrote {len(now)} cases to {args.write}")
+        return 0
+    with open(args.compare) as f:
+        before = json.load(f)
+    counts = {"better": 0, "equal": 0, "worse": 0, "mixed": 0}
+    for label in sorted(before.keys() & now.keys()):
+        v = verdict(before[label], now[label])
+        counts[v] += 1
+        if v != "equal":
+            b, a = before[label], now[label]
+            detail = (f"refused {b.get('refused')!r} -> {a.get('refused')!r}" if "refused" in b or "refused" in a else
+                      f"micro-batches {sum(s[0] for s in b['steps'])} -> {sum(s[0] for s in a['steps'])}, "
+                      f"worst step max/mean {_worst(b['steps']):.5f} -> {_worst(a['steps']):.5f}")
+            print(f"{v.upper():6s} {label}: {detail}")
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(before.keys() & now.keys())} cases compared)")
+    return 1 if counts["worse"] or counts["mixed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
