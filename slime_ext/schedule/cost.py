@@ -64,7 +64,7 @@ class CostModel:
                 )
             moe = sum(1 for f in freq if f)
         else:
-            moe = sum(1 for i in range(self.num_layers) if i % int(freq) == 0)
+            moe = -(-self.num_layers // int(freq))  # layers 0, freq, 2 freq, ...: closed form (num_layers may be huge)
         return self.num_layers - moe, moe
 
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:

@@ -408,3 +408,11 @@ def test_a_profile_keeps_the_strided_deal_when_balancing_predicts_slower(checked
                    for rank, mbs in zip(schedule.partitions, schedule.micro_batch_indices))
 
     assert predicted_slowest(True) == pytest.approx(predicted_slowest(False)) == pytest.approx(0.01387634)
+
+
+def test_moe_layer_frequency_counts_layers_zero_freq_twice_freq():
+    moe = dict(hidden_size=64, num_attention_heads=4, num_experts=8)
+    assert CostModel(num_layers=10, moe_layer_freq=4, **moe)._layer_counts() == (7, 3)  # MoE at 0, 4, 8
+    assert CostModel(num_layers=10, moe_layer_freq=(1, 0) * 5, **moe)._layer_counts() == (5, 5)
+    # counted in closed form: the largest accepted layer count costs no loop
+    assert CostModel(num_layers=2**30, moe_layer_freq=3, **moe)._layer_counts()[1] == -(-2**30 // 3)
