@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from slime_ext.schedule import CostModel
+from slime_ext.schedule.bounds import align_up, bin_lower_bound
 
 
 def fwd_flops(lengths: Sequence[int] | np.ndarray, dims: dict, formula: str = "exact") -> np.ndarray:
@@ -31,27 +32,13 @@ def issue_bound(tokens: int, cap: int, align: int) -> int:
     Not a true lower bound once a sample is longer than the cap: such a sample takes a whole micro-batch however
     far it overshoots, and the rest of that micro-batch cannot be used. :func:`valid_bound` accounts for that.
     """
-    bins = -(-tokens // cap)
-    return max(align, -(-bins // align) * align)
+    return align_up(-(-tokens // cap), align)
 
 
 def valid_bound(lengths: Sequence[int], cap: int, align: int) -> int:
-    """A true lower bound on the step's aligned micro-batch count.
-
-    Oversize samples one micro-batch each, plus for the rest the largest of: bins by tokens, samples above cap/2
-    (two never share a bin), and bins by count (no bin holds more samples than the smallest ones that fit).
-    """
-    arr = np.sort(np.asarray(lengths, dtype=np.int64))
-    over = int(np.count_nonzero(arr > cap))
-    fit = arr[arr <= cap]
-    need = over
-    if len(fit):
-        by_tokens = -(-int(fit.sum()) // cap)
-        by_halves = int(np.count_nonzero(2 * fit > cap))
-        most_per_bin = int(np.searchsorted(np.cumsum(fit), cap, side="right"))  # fit is sorted ascending
-        by_count = -(-len(fit) // most_per_bin)
-        need += max(by_tokens, by_halves, by_count)
-    return max(align, -(-need // align) * align)
+    """A true lower bound on the step's aligned micro-batch count: the planner's own
+    :func:`~slime_ext.schedule.bounds.bin_lower_bound`, aligned."""
+    return align_up(bin_lower_bound(np.asarray(lengths, dtype=np.int64), cap), align)
 
 
 @dataclass

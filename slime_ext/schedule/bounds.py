@@ -6,12 +6,18 @@ import numpy as np
 
 
 def bin_lower_bound(lengths: np.ndarray, cap: int) -> int:
-    """Fewest capped bins any packing needs: oversize samples alone, plus the rest by tokens and by halves."""
+    """Fewest capped bins any packing needs: oversize samples alone, plus the rest by the largest of tokens, halves
+    (two samples above cap/2 never share a bin) and count (no bin holds more samples than the smallest that fit)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     over = lengths > cap
-    fit = lengths[~over]
+    fit = np.sort(lengths[~over])
+    if not len(fit):
+        return int(np.count_nonzero(over))
     by_tokens = -(-int(fit.sum()) // cap)
-    by_halves = int(np.count_nonzero(2 * fit > cap))  # two samples above cap/2 never share a bin
-    return int(np.count_nonzero(over)) + max(by_tokens, by_halves)
+    by_halves = int(np.count_nonzero(2 * fit > cap))
+    most_per_bin = int(np.searchsorted(np.cumsum(fit), cap, side="right"))
+    by_count = -(-len(fit) // most_per_bin)
+    return int(np.count_nonzero(over)) + max(by_tokens, by_halves, by_count)
 
 
 def align_up(count: int, align: int) -> int:

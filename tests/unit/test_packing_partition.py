@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from slime_ext import baselines  # upstream's algorithms in our words: the oracle
 from slime_ext.schedule import distribute
+from slime_ext.schedule.bounds import bin_lower_bound
 from slime_ext.schedule.packing import best_fit_decreasing, expand_bins_by_splitting, lpt_pack, split_bin_by_tokens
 from tests.brute_force import min_bins, min_max_load
 
@@ -49,6 +50,18 @@ def test_best_fit_decreasing_within_its_guarantee_of_the_optimum(lengths, cap):
     """BFD uses at most 11/9 OPT + 6/9 bins (Dosa 2007); OPT by brute force over set partitions."""
     opt = min_bins(lengths, cap)
     assert len(best_fit_decreasing(np.array(lengths), cap)) <= 11 * opt / 9 + 6 / 9
+
+
+@quick
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=8), cap_st)
+def test_bin_lower_bound_never_exceeds_the_optimum(lengths, cap):
+    """The planner's count bound (tokens, halves, count; oversize alone) is a true lower bound: brute force."""
+    assert bin_lower_bound(np.array(lengths), cap) <= min_bins(lengths, cap)
+
+
+def test_bin_lower_bound_by_count():
+    # 9 samples of 10 under cap 25: tokens say 4 bins, but at most 2 samples share a bin, so 5
+    assert bin_lower_bound(np.array([10] * 9), 25) == 5 == min_bins([10] * 9, 25)
 
 
 def labels_to_bins(bin_of, count):
