@@ -5,7 +5,7 @@
     slime-ext calibrate --config configs/demo_cpu.yaml --max-tokens 2048 --out profile.json
     slime-ext plan --synthetic pareto:n=4096 --max-tokens-per-gpu 2048 ... --cost-profile profile.json
 
-It builds the model of ``--config`` (a training config: model dims, optimizer; :mod:`slime_ext.training.config`)
+It builds the model of ``--config`` (a training config: model dims, optimizer; :mod:`slime_ext.train_config`)
 in this one process (world size 1: gloo on CPU, NCCL on a GPU), times forward + backward + optimizer of
 micro-batches of varying sample lengths and counts (:func:`slime_ext.training.calibrate.calibration_design`), fits
 ``step = step_overhead + sum(microbatch_overhead + per_token*T + per_sample_quadratic*sum(len^2) +
@@ -56,7 +56,7 @@ def run(args) -> int:
         import torch
 
         from slime_ext.training.calibrate import calibrate
-        from slime_ext.training.config import TrainConfigError, load_train_config
+        from slime_ext.train_config import TrainConfigError, load_train_config
     except ImportError as e:
         raise CLIError(f"calibrate needs the training extra ({e}); pip install 'slime-ext[train]'") from None
     from ..schedule import ScheduleError

@@ -99,7 +99,7 @@ PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {"cost_profile",
     "virtual_pipeline_model_parallel_size"}
 
 #: Keys of a run config that do not change the plan; ``slime-ext plan`` accepts and ignores them. They cover
-#: the run configs of this repository (``configs/*.yaml``: ``slime_ext.training.config.TrainConfig``'s fields and
+#: the run configs of this repository (``configs/*.yaml``: ``slime_ext.train_config.TrainConfig``'s fields and
 #: ``slime_ext.rollout.config.RUN_DEFAULTS``; a test keeps them in sync) and common slime/Megatron training keys.
 IGNORED_KEYS = frozenset("""
     seq_length max_position_embeddings untie_embeddings_and_output_weights init_method_std hidden_dropout

@@ -2,7 +2,8 @@
 
 One concern per module, in the order a step touches them:
 
-* :mod:`.config` -- ``TrainConfig``: ``batch``, ``parallel``, ``model``, ``optim`` sections under flat slime names;
+* :mod:`slime_ext.train_config` -- ``TrainConfig`` (pure Python, shared with the rollout side): ``batch``,
+  ``parallel``, ``model``, ``optim`` sections under flat slime names;
 * :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
 * :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
@@ -14,7 +15,7 @@ One concern per module, in the order a step touches them:
 * :mod:`.worker` -- ``TrainWorker``, one training process, the unit the Ray side wraps.
 """
 
-from .config import TrainConfig, TrainConfigError, load_train_config
+from slime_ext.train_config import TrainConfig, TrainConfigError, load_train_config
 from .data import DataIterator, RolloutDataError, RolloutPath
 
 __all__ = ["DataIterator", "RolloutDataError", "RolloutPath", "TrainConfig", "TrainConfigError", "TrainWorker",

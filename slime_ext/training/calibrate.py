@@ -158,7 +158,7 @@ def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int
               ) -> tuple[CostProfile, FitReport, list[Observation]]:
     """Set up one training process (world size 1) for ``config``, time :func:`calibration_design`, fit a profile.
 
-    ``config``: anything :func:`slime_ext.training.config.load_train_config` takes (its model dims and optimizer
+    ``config``: anything :func:`slime_ext.train_config.load_train_config` takes (its model dims and optimizer
     are what is timed; the parallel layout is forced to one process, the schedule to the rollout-side path).
     """
     observations, meta = measure(config, max_tokens=max_tokens, repeats=repeats, min_length=min_length, timer=timer,
@@ -176,7 +176,7 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
 
     import torch
 
-    from .config import load_train_config
+    from slime_ext.train_config import load_train_config
     from .worker import TrainWorker
 
     cfg = load_train_config(config)

@@ -7,7 +7,7 @@ samples the step really trained on (``samples_per_step[s]``, rollout path), or t
 
 from __future__ import annotations
 
-from .config import OptimConfig
+from slime_ext.train_config import OptimConfig
 
 
 def build_scheduler(config: OptimConfig, optimizer):

@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from .config import TrainConfig
+from slime_ext.train_config import TrainConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import OptimConfig
+from slime_ext.train_config import OptimConfig
 
 
 def build_optimizer(config: OptimConfig, model: list):

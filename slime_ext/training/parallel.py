@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .config import Layout, TrainConfig, TrainConfigError
+from slime_ext.train_config import Layout, TrainConfig, TrainConfigError
 
 
 def default_backend() -> str:

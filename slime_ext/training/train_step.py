@@ -24,7 +24,7 @@ import torch.distributed as dist
 from slime_ext.schedule import RankPayload
 
 from .batch import BATCH_KEYS, pack_micro_batch
-from .config import Layout, TrainConfig
+from slime_ext.train_config import Layout, TrainConfig
 from .data import RolloutDataError, RolloutPath, check_payload
 from .legacy_backend import LegacyPath
 from .loss import log_prob_func, loss_scale, train_loss_func

@@ -26,7 +26,7 @@ import torch
 from slime_ext.patches import megatron_cpu
 from slime_ext.schedule import RankPayload
 
-from .config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
+from slime_ext.train_config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
 
 class TrainWorker:
     def __init__(self, config: Any, rank: int, world_size: int, master_addr: str = "127.0.0.1",

@@ -147,7 +147,7 @@ def make_samples(num_rollouts: int, seed: int, *, vocab: int = 64, max_response:
 def plan(samples: list[dict], train_config: dict, world_size: int):
     """The rollout side's job, for the tests: the DPSchedule of ``samples`` for ``train_config``."""
     from slime_ext.schedule import build_dp_schedule
-    from slime_ext.training.config import TrainConfig
+    from slime_ext.train_config import TrainConfig
 
     cfg = TrainConfig.from_mapping(train_config)
     return build_dp_schedule(

@@ -8,7 +8,7 @@ import pytest
 from slime_ext.schedule import BatchConfig
 from slime_ext.schedule.config import BATCH_FLAGS
 from slime_ext.train_config import KEYS, RESETTABLE_KEYS, OptimConfig, data_parallel_size
-from slime_ext.training.config import TrainConfig, TrainConfigError, load_train_config
+from slime_ext.train_config import TrainConfig, TrainConfigError, load_train_config
 
 
 def test_yaml_mapping_with_dashes_and_string_floats(tmp_path):
