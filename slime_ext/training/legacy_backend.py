@@ -62,5 +62,7 @@ class LegacyPath:
         return [DataIterator(payload, micro_batch_indices) for _ in range(vpp_size)], num_microbatches
 
     def lr_increment(self, args: Any, payload: RankPayload, step_id: int) -> int:
-        """upstream: ``opt_param_scheduler.step(increment=args.global_batch_size)``, whatever the step held."""
-        return args.global_batch_size
+        """upstream: ``opt_param_scheduler.step(increment=args.global_batch_size)``, whatever the step held. The
+        payload carries that figure: ``--global-batch-size``, or with ``use_dynamic_global_batch_size`` the step
+        size the rollout side chose (``args.global_batch_size`` is then unset)."""
+        return payload.global_batch_size

@@ -3,7 +3,7 @@
 For every config: every kept sample is consumed exactly once per step, on the rank and in the micro-batch the
 schedule says (legacy: on the rank the split says); all ranks agree on ``num_microbatches``; the dropped samples
 are exactly the reported ones; and the LR scheduler advanced by the samples each step really trained on
-(legacy: by the configured ``global_batch_size``).
+(legacy: by the global batch size, which is what a legacy step holds).
 
 The DP=2 configs share one set of train processes (``TrainGroup`` reset between configs, as a long-lived slime
 job would reuse its actors), so the module pays the megatron start-up once per pytest(-xdist) worker.
@@ -59,10 +59,9 @@ def assert_rollouts_exact(result) -> None:
             assert {rec["num_microbatches"] for rec in records} == {records[0]["num_microbatches"]}
             assert all(math.isfinite(rec["loss"]) for rec in records)
             assert {rec["lr_increment"] for rec in records} == {records[0]["lr_increment"]}
+            assert records[0]["lr_increment"] == len(step)  # legacy: the global batch size, which is what it holds
             if plan["dp_schedule"] == "rollout":
-                assert records[0]["lr_increment"] == len(step) == plan["schedule"]["samples_per_step"][s]
-            else:
-                assert records[0]["lr_increment"] == cfg.train.batch.global_batch_size
+                assert len(step) == plan["schedule"]["samples_per_step"][s]
             scheduler_samples += records[0]["lr_increment"]
             assert records[0]["scheduler_samples"] == scheduler_samples
 
@@ -85,6 +84,17 @@ def test_ledger_dp2(dp2_group, name):
         mbs = cfg.train.batch.micro_batch_size
         assert all(len(mb) <= mbs for r in result.rollouts for rank in r.ranks for rec in rank["records"]
                    for mb in rec["ledger"])
+
+
+def test_ledger_dp2_legacy_dynamic_global_batch_size(dp2_group):
+    """legacy with use_dynamic_global_batch_size and no --global-batch-size: one step of the rollout trimmed to a
+    multiple of dp, and the LR advances by that step's samples (it crashed on a None increment before)."""
+    cfg = config("e2e/dp2_legacy", num_rollout=1, verify_ledger=False, use_dynamic_global_batch_size=True,
+                 global_batch_size=None)
+    result = run(cfg, group=dp2_group, out=None)
+    assert_rollouts_exact(result)
+    (plan,) = [r.plan for r in result.rollouts]
+    assert plan["num_steps"] == 1 and len(plan["step_samples"][0]) == plan["num_samples"] // 2 * 2
 
 
 def test_reset_group_restarts_from_the_same_parameters(dp2_group):

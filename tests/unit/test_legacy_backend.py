@@ -105,8 +105,11 @@ def test_static_counts_and_loud_errors(fake_parallel):
         lb.LegacyPath().get_data_iterator(args, None, planned)
 
 
-def test_lr_steps_by_the_configured_global_batch_size():
-    assert lb.LegacyPath().lr_increment(SimpleNamespace(global_batch_size=32), _payload([5] * 8), 0) == 32
+def test_lr_steps_by_the_global_batch_size_whatever_the_step_held():
+    assert lb.LegacyPath().lr_increment(SimpleNamespace(global_batch_size=32), _payload([5] * 8, gbs=32), 0) == 32
+    # use_dynamic_global_batch_size: no --global-batch-size; the rollout side's step size (samples) is the increment
+    dynamic = SimpleNamespace(global_batch_size=None, use_dynamic_global_batch_size=True)
+    assert lb.LegacyPath().lr_increment(dynamic, _payload([5] * 6, gbs=6), 0) == 6
 
 
 def test_static_counts_must_fill_whole_vpp_groups(fake_parallel):
