@@ -41,12 +41,11 @@ _MODELS = [
 ]
 
 
-def _digest(fn) -> str:
-    try:
-        schedule = fn()
-    except Exception as e:  # noqa: BLE001 -- a refusal is part of the behaviour we pin
-        return f"{type(e).__name__}: {e}"
-    d = schedule.to_dict()
+def _digest(outcome) -> str:
+    """A refusal as it is; a schedule as the hash of its decisions."""
+    if isinstance(outcome, str):
+        return outcome
+    d = outcome.to_dict()
     # what training runs (the decisions), not the report around it: stats names and the schema may be renamed
     text = json.dumps({k: d.get(k) for k in SCHEDULE_FIELDS}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -123,8 +122,17 @@ def all_cases(quick: bool = False):
         yield random_case(seed)
 
 
+def outcomes(quick: bool = False):
+    """``(label, schedule or refusal)`` of every case: a refusal (``"Error: message"``) is part of the behaviour."""
+    for label, thunk in all_cases(quick):
+        try:
+            yield label, thunk()
+        except Exception as e:  # noqa: BLE001 -- a refusal is a result too
+            yield label, f"{type(e).__name__}: {e}"
+
+
 def all_digests(quick: bool = False) -> dict[str, str]:
-    return {label: _digest(thunk) for label, thunk in all_cases(quick)}
+    return {label: _digest(outcome) for label, outcome in outcomes(quick)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,18 +16,17 @@ import argparse
 import json
 import sys
 
-from .plan_digest import all_cases
+from .plan_digest import outcomes
 
 #: relative change of the slowest rank's cost below which two steps count as equal (float summation order)
 REL_TOL = 1e-9
 
 
-def summary(thunk) -> dict:
-    try:
-        schedule = thunk()
-    except Exception as e:  # noqa: BLE001 -- a refusal is a result too
-        return {"refused": f"{type(e).__name__}: {e}"}
-    return {"steps": [[s.total_microbatches, s.rank_flops_max, s.rank_flops_mean] for s in schedule.stats]}
+def summary(outcome) -> dict:
+    """A case's outcome (:func:`bench.plan_digest.outcomes`): its refusal, or per step count, max and mean cost."""
+    if isinstance(outcome, str):
+        return {"refused": outcome}
+    return {"steps": [[s.total_microbatches, s.rank_flops_max, s.rank_flops_mean] for s in outcome.stats]}
 
 
 def verdict(before: dict, after: dict) -> str:
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--compare", metavar="FILE", help="compare with a file written before; exit 1 if any got worse")
     p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     args = p.parse_args(argv)
-    now = {label: summary(thunk) for label, thunk in all_cases(args.quick)}
+    now = {label: summary(outcome) for label, outcome in outcomes(args.quick)}
     if args.write:
         with open(args.write, "w") as f:
             json.dump(now, f)
