@@ -17,12 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from slime_ext.baselines import LegacyPlanError, legacy_rank_plan, legacy_step_counts, split_train_data_by_dp
+from slime_ext.baselines import LegacyPlanError, legacy_rank_plan, legacy_step_counts
 from slime_ext.schedule import BatchConfig, ScheduleError, plan_schedule
 from slime_ext.train_config import KEYS as TRAIN_KEYS
 from slime_ext.train_config import TrainConfig, TrainConfigError
 
-from .dispatch import legacy_kept_samples
+from .dispatch import legacy_split
 from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 
 DEFAULT_ROLLOUT_FUNCTION = "slime_ext.rollout.synthetic.generate_rollout"
@@ -248,8 +248,8 @@ def _plan(train: TrainConfig, args: SimpleNamespace, world: int, lengths: list[i
         plan_schedule(lengths, parallel, batch, rollout_ids=ids)
         return
     dp = parallel.dp_size
-    gbs, keep = legacy_kept_samples(len(lengths), args, dp)  # the rollout side's trim and split
-    ranks = [[lengths[i] for i in part] for part in split_train_data_by_dp(lengths[:keep], dp, batch.balance_data)]
+    gbs, _, partitions = legacy_split(lengths, args, dp)  # the rollout side's trim and split
+    ranks = [[lengths[i] for i in part] for part in partitions]
     cap = batch.cap(parallel.cp_size)
     peak = None  # all_reduce(MAX) of the first-fit counts over the DP ranks
     if batch.use_dynamic_batch_size:

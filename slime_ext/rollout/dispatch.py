@@ -16,7 +16,7 @@ Either way every sample is in exactly one payload or in :attr:`RolloutPlan.dropp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from slime_ext.baselines import split_train_data_by_dp
 from slime_ext.schedule import DPSchedule, RankPayload, SampleBatch, ScheduleError, build_dp_schedule
@@ -104,9 +104,10 @@ def legacy_global_batch_size(num_samples: int, args: Any, dp_size: int) -> int:
     return gbs
 
 
-def legacy_kept_samples(num_samples: int, args: Any, dp_size: int) -> tuple[int, int]:
-    """``(samples per step, samples kept)`` of a legacy rollout: whole steps only, the tail trimmed (or refused)."""
-    n = num_samples
+def legacy_split(total_lengths: Sequence[int], args: Any, dp_size: int) -> tuple[int, int, list[list[int]]]:
+    """The legacy rollout side: ``(samples per step, samples kept, each DP rank's sample ids)``: whole steps only,
+    the tail trimmed (or refused), then upstream's split of the kept samples (strided, or balanced on lengths)."""
+    n = len(total_lengths)
     gbs = legacy_global_batch_size(n, args, dp_size)
     keep = n // gbs * gbs
     if keep == 0:
@@ -115,16 +116,14 @@ def legacy_kept_samples(num_samples: int, args: Any, dp_size: int) -> tuple[int,
     if keep < n and getattr(args, "disable_rollout_trim_samples", False):
         raise ScheduleError(f"the rollout has {n} samples, not a multiple of global_batch_size={gbs} (legacy path); "
                             f"make it a multiple or drop --disable-rollout-trim-samples to trim the tail")
-    return gbs, keep
+    return gbs, keep, split_train_data_by_dp(total_lengths[:keep], dp_size, bool(getattr(args, "balance_data", False)))
 
 
 def _plan_legacy(train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int],
                  rollout_id: int) -> RolloutPlan:
     dp_size = int(train_parallel_config["dp_size"])
     n = len(train_data)
-    gbs, keep = legacy_kept_samples(n, args, dp_size)
-    partitions = split_train_data_by_dp(train_data.total_lengths[:keep], dp_size,
-                                        bool(getattr(args, "balance_data", False)))
+    gbs, keep, partitions = legacy_split(train_data.total_lengths, args, dp_size)
     payloads = [RankPayload(rollout_id=rollout_id, dp_rank=r, dp_size=dp_size, partition=list(p),
                             samples=train_data.take(p), global_batch_size=gbs) for r, p in enumerate(partitions)]
     local = gbs // dp_size  # the training side cuts each rank's samples into steps of gbs / dp_size
