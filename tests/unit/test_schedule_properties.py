@@ -10,6 +10,7 @@ import math
 import re
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -131,18 +132,30 @@ def _refusal_is_true(msg: str, lengths, ids, parallel, batch) -> bool:
 def _no_aligned_packing(step: list[int], cap: int, align: int) -> bool:
     """True when no packing of ``step`` into k non-empty capped bins exists for any multiple k of ``align``.
 
-    Such packings exist exactly for ``min_bins <= k <= n`` (a capped bin splits into two capped bins). Small steps
-    get the exact ``min_bins`` by brute force; larger ones a simple bound (samples above cap/2 never share a bin,
-    and no bin holds more than cap tokens unless it is one sample), so a refusal there is only checked as far as
-    that bound goes."""
+    Such packings exist exactly for ``min_bins <= k <= n`` (a capped bin splits into two capped bins). An oversize
+    sample always sits alone, so ``min_bins`` is exact (brute force) when at most 10 samples fit under the cap;
+    with more, a simple bound (samples above cap/2 never share a bin, no bin holds more than cap tokens), so a
+    refusal there is only checked as far as that bound goes."""
     n = len(step)
-    if n <= 10:
-        least = min_bins(step, cap)
+    over = [x for x in step if x > cap]
+    rest = [x for x in step if x <= cap]
+    if len(rest) <= 10:
+        least = len(over) + min_bins(rest, cap)
     else:
-        over = [x for x in step if x > cap]
-        rest = [x for x in step if x <= cap]
         least = len(over) + max(-(-sum(rest) // cap), sum(1 for x in rest if 2 * x > cap))
     return -(-least // align) * align > n
+
+
+def test_a_refusal_that_only_an_exact_count_proves_is_judged_true():
+    """Found by CI: 8 oversize samples and 5 that fit but no two of which share a bin need 13 bins, 14 aligned
+    to dp=2, one more than the 13 samples. Tokens and halves alone allow 12, which would call the refusal false."""
+    step = [7755, 683, 1526, 4540, 485, 1869, 382, 5239, 165, 405, 431, 1859, 802]
+    parallel = ParallelConfig(dp_size=2)
+    batch = BatchConfig(global_batch_size=len(step), use_dynamic_batch_size=True, max_tokens_per_gpu=500)
+    with pytest.raises(ScheduleError, match="needs at least 14 micro-batches") as e:
+        plan_checked(step, parallel, batch)
+    assert _refusal_is_true(str(e.value), step, list(range(len(step))), parallel, batch)
+    assert _no_aligned_packing(step, 500, 2)
 
 
 def _run(data, parallel, batch, cost_model):
