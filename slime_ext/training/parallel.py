@@ -2,6 +2,8 @@
 
 Every process group gets the same bounded timeout (``dist_timeout_seconds``), so a dead or stuck peer fails a
 collective within that time instead of hanging the job (gloo also fails at once when a peer's socket closes).
+Joining is bounded separately (:data:`RENDEZVOUS_TIMEOUT_S`): ranks start seconds apart (process start, imports),
+and a short collective timeout must not fail a job whose ranks are merely still starting.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ import torch
 import torch.distributed as dist
 
 from slime_ext.train_config import Layout, TrainConfig, TrainConfigError
+
+
+#: how long rank 0 waits for every rank to join, and a rank for rank 0: Megatron's default
+#: ``--distributed-timeout-minutes``, or ``dist_timeout_seconds`` where that is longer
+RENDEZVOUS_TIMEOUT_S = 600.0
 
 
 def default_backend() -> str:
@@ -30,8 +37,10 @@ def init_parallel(config: TrainConfig, rank: int, world_size: int, master_addr: 
     backend = config.dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{int(master_port)}", rank=rank,
-                            world_size=world_size, timeout=timeout)
+    # a store of our own: init_process_group would give the rendezvous the collectives' timeout
+    store = dist.TCPStore(master_addr, int(master_port), world_size, is_master=rank == 0, wait_for_workers=True,
+                          timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, config.dist_timeout_seconds)))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,

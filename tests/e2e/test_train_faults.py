@@ -50,6 +50,26 @@ def test_a_stuck_or_dead_peer_fails_the_step_within_the_timeout(fault):
         assert "Timed out" in result["error"] or "timeout" in result["error"].lower(), result["error"]
 
 
+def _late_join_job(rank: int, port: int, payloads: list, late_s: float) -> dict:
+    """Rank 1 starts ``late_s`` after rank 0 (longer than the collective timeout), then both train one step."""
+    from slime_ext.training.worker import TrainWorker
+
+    if rank == 1:
+        time.sleep(late_s)
+    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker.setup()
+    return len(worker.train_rollout(payloads[worker.layout.dp_rank]))
+
+
+def test_a_rank_starting_later_than_the_collective_timeout_still_joins():
+    """Joining is bounded by the rendezvous timeout, not by ``dist_timeout_seconds`` (which bounds collectives
+    only): ranks of a real job start seconds apart, and that must not fail a job with a short collective timeout."""
+    port, payloads = free_port(), _payloads()
+    results = launch([(_late_join_job, (rank, port, payloads, 2 * TIMEOUT_S)) for rank in range(2)], timeout=120)
+    steps = len(payloads[0].num_microbatches)
+    assert steps > 0 and results == [steps, steps], results
+
+
 def _disagree_job(rank: int, port: int, payloads: list) -> str:
     from slime_ext.training.worker import TrainWorker
 
