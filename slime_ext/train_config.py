@@ -239,7 +239,8 @@ class TrainConfig:
     dp_schedule: str = "rollout"
     seed: int = 1234  # parameters and Megatron's RNG trackers
     dist_backend: str | None = None  # "gloo", "nccl", or None: nccl with a GPU, else gloo
-    dist_timeout_seconds: float = 60.0  # every process group: a dead or stuck peer fails the job within this
+    #: every collective: a dead or stuck peer fails the job within this (joining has its own 600 s bound)
+    dist_timeout_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name, kind in (("batch", BatchConfig), ("parallel", Parallelism), ("model", ModelConfig),
