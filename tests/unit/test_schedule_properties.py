@@ -134,28 +134,37 @@ def _no_aligned_packing(step: list[int], cap: int, align: int) -> bool:
 
     Such packings exist exactly for ``min_bins <= k <= n`` (a capped bin splits into two capped bins). An oversize
     sample always sits alone, so ``min_bins`` is exact (brute force) when at most 10 samples fit under the cap;
-    with more, a simple bound (samples above cap/2 never share a bin, no bin holds more than cap tokens), so a
-    refusal there is only checked as far as that bound goes."""
+    with more, simple bounds (no bin holds more than cap tokens; samples above cap/2 never share a bin; no bin holds
+    more samples than the smallest ones that fit together), so a refusal there is only checked as far as they go."""
     n = len(step)
     over = [x for x in step if x > cap]
     rest = [x for x in step if x <= cap]
     if len(rest) <= 10:
         least = len(over) + min_bins(rest, cap)
     else:
-        least = len(over) + max(-(-sum(rest) // cap), sum(1 for x in rest if 2 * x > cap))
+        most, tokens = 0, 0
+        for x in sorted(rest):
+            if tokens + x > cap:
+                break
+            most, tokens = most + 1, tokens + x
+        least = len(over) + max(-(-sum(rest) // cap), sum(1 for x in rest if 2 * x > cap), -(-len(rest) // most))
     return -(-least // align) * align > n
 
 
-def test_a_refusal_that_only_an_exact_count_proves_is_judged_true():
-    """Found by CI: 8 oversize samples and 5 that fit but no two of which share a bin need 13 bins, 14 aligned
-    to dp=2, one more than the 13 samples. Tokens and halves alone allow 12, which would call the refusal false."""
-    step = [7755, 683, 1526, 4540, 485, 1869, 382, 5239, 165, 405, 431, 1859, 802]
+@pytest.mark.parametrize("step, cap, target", [
+    # found by CI: 8 oversize samples and 5 that fit, no two of which share a bin (exact count)
+    ([7755, 683, 1526, 4540, 485, 1869, 382, 5239, 165, 405, 431, 1859, 802], 500, 14),
+    # 11 samples that fit, no two of which share a bin: more than brute force takes (the count bound)
+    ([30] + [71] * 10, 100, 12),
+])
+def test_a_refusal_that_only_a_count_proves_is_judged_true(step, cap, target):
+    """n samples that need n bins, n+1 aligned to dp=2: refused. Tokens and halves alone allow n-1 bins, which
+    would call the refusal false."""
     parallel = ParallelConfig(dp_size=2)
-    batch = BatchConfig(global_batch_size=len(step), use_dynamic_batch_size=True, max_tokens_per_gpu=500)
-    with pytest.raises(ScheduleError, match="needs at least 14 micro-batches") as e:
+    batch = BatchConfig(global_batch_size=len(step), use_dynamic_batch_size=True, max_tokens_per_gpu=cap)
+    with pytest.raises(ScheduleError, match=f"needs at least {target} micro-batches") as e:
         plan_checked(step, parallel, batch)
     assert _refusal_is_true(str(e.value), step, list(range(len(step))), parallel, batch)
-    assert _no_aligned_packing(step, 500, 2)
 
 
 def _run(data, parallel, batch, cost_model):
