@@ -50,8 +50,9 @@ def test_a_stuck_or_dead_peer_fails_the_step_within_the_timeout(fault):
         assert "Timed out" in result["error"] or "timeout" in result["error"].lower(), result["error"]
 
 
-def _late_join_job(rank: int, port: int, payloads: list, late_s: float) -> dict:
-    """Rank 1 starts ``late_s`` after rank 0 (longer than the collective timeout), then both train one step."""
+def _late_join_job(rank: int, port: int, payloads: list, late_s: float) -> int:
+    """Rank 1 starts ``late_s`` after rank 0 (longer than the collective timeout); both train the rollout and
+    return its step count."""
     from slime_ext.training.worker import TrainWorker
 
     if rank == 1:
