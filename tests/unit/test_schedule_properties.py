@@ -134,21 +134,12 @@ def _no_aligned_packing(step: list[int], cap: int, align: int) -> bool:
 
     Such packings exist exactly for ``min_bins <= k <= n`` (a capped bin splits into two capped bins). An oversize
     sample always sits alone, so ``min_bins`` is exact (brute force) when at most 10 samples fit under the cap;
-    with more, simple bounds (no bin holds more than cap tokens; samples above cap/2 never share a bin; no bin holds
-    more samples than the smallest ones that fit together), so a refusal there is only checked as far as they go."""
-    n = len(step)
+    with more, :func:`bin_lower_bound` (tokens, halves, count: checked against brute force in
+    ``test_bin_lower_bound_never_exceeds_the_optimum``), so a refusal there is only checked as far as it goes."""
     over = [x for x in step if x > cap]
     rest = [x for x in step if x <= cap]
-    if len(rest) <= 10:
-        least = len(over) + min_bins(rest, cap)
-    else:
-        most, tokens = 0, 0
-        for x in sorted(rest):
-            if tokens + x > cap:
-                break
-            most, tokens = most + 1, tokens + x
-        least = len(over) + max(-(-sum(rest) // cap), sum(1 for x in rest if 2 * x > cap), -(-len(rest) // most))
-    return -(-least // align) * align > n
+    least = len(over) + min_bins(rest, cap) if len(rest) <= 10 else bin_lower_bound(np.array(step), cap)
+    return -(-least // align) * align > len(step)
 
 
 @pytest.mark.parametrize("step, cap, target", [
