@@ -1,0 +1,114 @@
+"""Issue 15's table, from the pipeline model: how much the pipeline-aware planner predicts to take off a step.
+
+    PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline_model_table
+
+For each workload (rl-like, bimodal, long tail) and layout (dp 8 x pp 4 and 8; Qwen3-8B-like dims, cap 16384,
+``balance_data``), two plans of the same rollout:
+
+* **pp-unaware**: ``plan_schedule`` with ``pp_size = 1`` (today's plan: fewest micro-batches, ranks balanced on
+  summed FLOPs, heaviest first), priced by the pipeline model of the real layout;
+* **pipeline-aware**: ``plan_schedule`` with the real ``pp_size``.
+
+The columns are step times summed over the rollout's steps (each step: its slowest replica's predicted makespan),
+relative to the pp-unaware plan: the same micro-batches only reordered per rank by the model, the full
+pipeline-aware plan, and a bound no plan with at least the pp-unaware count beats (per step, the larger of the
+largest sample's trip through every stage forward and back, alone in its micro-batch, and a replica's mean share
+of the step's work). Pricing as the planner's (FLOPs, backward = 2 x forward, p2p 0, every micro-batch charged 2%
+of a full one: :mod:`slime_ext.schedule.pipeline_plan`). These are predictions of the model, not measurements:
+``bench/pipeline.py`` replays plans through megatron-core's schedule.
+
+Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps): ``rl`` and ``heavy`` (long tail) from
+``bench/workloads.py``; ``bimodal`` here: 80% short (prompt U[100, 1500] + response U[100, 1000]) and 20% long
+(prompt U[100, 1500] + response U[6000, 14000]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
+from slime_ext.schedule.cost import sample_costs
+from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing
+
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+
+N, GBS, DP, SEED = 1024, 256, 8, 1
+
+
+def bimodal_lengths(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(100, 1500, size=n, endpoint=True)
+    long = rng.random(n) < 0.2
+    response = np.where(long, rng.integers(6000, 14000, size=n, endpoint=True),
+                        rng.integers(100, 1000, size=n, endpoint=True))
+    return (prompt + response).astype(np.int64)
+
+
+WORKLOADS = {
+    "rl-like": lambda: make_lengths("rl", N, SEED),
+    "bimodal": lambda: bimodal_lengths(N, SEED),
+    "long tail": lambda: make_lengths("heavy", N, SEED),
+}
+
+
+def step_rank_costs(sched, step: int, costs: np.ndarray) -> np.ndarray:
+    """``(dp, M)`` micro-batch costs of ``step``, per rank in run order."""
+    before = sum(sched.num_microbatches[:step])
+    m = sched.num_microbatches[step]
+    return np.asarray([[costs[[sched.partitions[r][i] for i in mb]].sum()
+                        for mb in sched.micro_batch_indices[r][before:before + m]] for r in range(sched.dp_size)])
+
+
+def row(name: str, lengths: np.ndarray, pp: int) -> dict:
+    cost_model = CostModel(**MODEL_DIMS)
+    batch = BatchConfig(global_batch_size=GBS, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
+                        balance_data=True)
+    parallel = ParallelConfig(dp_size=DP, pp_size=pp)
+    ids = list(range(len(lengths)))
+    t0 = time.perf_counter()
+    unaware = plan_schedule(lengths.tolist(), ParallelConfig(dp_size=DP), batch, rollout_ids=ids,
+                            cost_model=cost_model)
+    t1 = time.perf_counter()
+    aware = plan_schedule(lengths.tolist(), parallel, batch, rollout_ids=ids, cost_model=cost_model)
+    t2 = time.perf_counter()
+    pricing = pipeline_pricing(parallel, cost_model, batch.cap(1))
+    costs = sample_costs(lengths, cost_model)
+    before = reordered = bound = 0.0
+    for s in range(unaware.num_steps):
+        rc = step_rank_costs(unaware, s, costs)
+        before += float(pricing.makespans(rc).max())
+        reordered += float(best_orders(pricing, rc)[1].max())
+        f, b = pricing.stage_costs(rc)
+        members = unaware.step_samples[s]
+        fl, bl = pricing.stage_costs(np.array([costs[members].max()]))
+        bound += max(pp * float(fl[0] + bl[0]), float((f + b).sum()) / DP)
+    after = sum(st.predicted_makespan for st in aware.stats)
+    return dict(name=name, layout=f"{DP}x{pp}", mb_before=unaware.num_microbatches, mb_after=aware.num_microbatches,
+                reordered=reordered / before, after=after / before, bound=bound / before,
+                bubble_before=None, strategies=sorted({st.strategy for st in aware.stats}),
+                plan_s=(t1 - t0, t2 - t1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=int, nargs="+", default=[4, 8])
+    args = p.parse_args(argv)
+    print(f"predicted step time summed over {N // GBS} steps, relative to the pp-unaware plan (dp={DP}, cap "
+          f"{MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like FLOPs)\n")
+    print(f"| rollouts | dp x pp | pp-unaware | reordered only | pipeline-aware | bound | micro-batches/rank "
+          f"before -> after | plan time (s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, make in WORKLOADS.items():
+        lengths = make()
+        for pp in args.pp:
+            r = row(name, lengths, pp)
+            print(f"| {r['name']} | {r['layout']} | 1 | {r['reordered']:.3f} | {r['after']:.3f} | {r['bound']:.3f} | "
+                  f"{r['mb_before']} -> {r['mb_after']} | {r['plan_s'][1]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
