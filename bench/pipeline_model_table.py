@@ -1,6 +1,6 @@
 """Issue 15's table, from the pipeline model: how much the pipeline-aware planner predicts to take off a step.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline_model_table
+    PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline_model_table [--vpp]
 
 For each workload (rl-like, bimodal, long tail) and layout (dp 8 x pp 4 and 8; Qwen3-8B-like dims, cap 16384,
 ``balance_data``), two plans of the same rollout:
@@ -25,6 +25,7 @@ Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps): ``rl`` a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -62,14 +63,15 @@ def step_rank_costs(sched, step: int, costs: np.ndarray) -> np.ndarray:
                         for mb in sched.micro_batch_indices[r][before:before + m]] for r in range(sched.dp_size)])
 
 
-def row(name: str, lengths: np.ndarray, pp: int) -> dict:
+def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = False) -> dict:
     cost_model = CostModel(**MODEL_DIMS)
     batch = BatchConfig(global_batch_size=GBS, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
                         balance_data=True)
-    parallel = ParallelConfig(dp_size=DP, pp_size=pp)
+    parallel = ParallelConfig(dp_size=DP, pp_size=pp, vpp_size=vpp,
+                              microbatch_group_size_per_vp_stage=pp if vpp > 1 else None, overlap_p2p_comm=overlap)
     ids = list(range(len(lengths)))
     t0 = time.perf_counter()
-    unaware = plan_schedule(lengths.tolist(), ParallelConfig(dp_size=DP), batch, rollout_ids=ids,
+    unaware = plan_schedule(lengths.tolist(), dataclasses.replace(parallel, pp_size=1), batch, rollout_ids=ids,
                             cost_model=cost_model)
     t1 = time.perf_counter()
     aware = plan_schedule(lengths.tolist(), parallel, batch, rollout_ids=ids, cost_model=cost_model)
@@ -86,16 +88,19 @@ def row(name: str, lengths: np.ndarray, pp: int) -> dict:
         fl, bl = pricing.stage_costs(np.array([costs[members].max()]))
         bound += max(pp * float(fl[0] + bl[0]), float((f + b).sum()) / DP)
     after = sum(st.predicted_makespan for st in aware.stats)
-    return dict(name=name, layout=f"{DP}x{pp}", mb_before=unaware.num_microbatches, mb_after=aware.num_microbatches,
+    layout = f"{DP}x{pp}" + (f" vpp {vpp} ({'overlapped' if overlap else 'batched'} p2p)" if vpp > 1 else "")
+    return dict(name=name, layout=layout, mb_before=unaware.num_microbatches, mb_after=aware.num_microbatches,
                 reordered=reordered / before, after=after / before, bound=bound / before,
-                bubble_before=None, strategies=sorted({st.strategy for st in aware.stats}),
+                strategies=sorted({st.strategy for st in aware.stats}),
                 plan_s=(t1 - t0, t2 - t1))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--pp", type=int, nargs="*", default=[4, 8])
+    p.add_argument("--vpp", action="store_true", help="also pp 4 x vpp 2 (group 4), batched and overlapped p2p")
     args = p.parse_args(argv)
+    layouts = [(pp, 1, False) for pp in args.pp] + ([(4, 2, False), (4, 2, True)] if args.vpp else [])
     print(f"predicted step time summed over {N // GBS} steps, relative to the pp-unaware plan (dp={DP}, cap "
           f"{MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like FLOPs)\n")
     print(f"| rollouts | dp x pp | pp-unaware | reordered only | pipeline-aware | bound | micro-batches/rank "
@@ -103,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for name, make in WORKLOADS.items():
         lengths = make()
-        for pp in args.pp:
-            r = row(name, lengths, pp)
+        for pp, vpp, overlap in layouts:
+            r = row(name, lengths, pp, vpp, overlap)
             print(f"| {r['name']} | {r['layout']} | 1 | {r['reordered']:.3f} | {r['after']:.3f} | {r['bound']:.3f} | "
                   f"{r['mb_before']} -> {r['mb_after']} | {r['plan_s'][1]:.2f} |")
     return 0
