@@ -271,15 +271,16 @@ class PipelineStep:
 
 
 def arrange(pricing: PipelinePricing, bin_costs: np.ndarray, bin_of: np.ndarray, rank_of_bin: np.ndarray,
-            count: int, dp: int, *, order: str = "heuristic", balance: bool = False, how: str = "") -> PipelineStep:
+            count: int, dp: int, *, order: str = "heuristic", balance: bool = False, how: str = "",
+            heaviest: np.ndarray | None = None) -> PipelineStep:
     """Order (and with ``balance`` first rebalance) one step's bins by the model. ``order``: "heaviest-first" (the
-    pp-unaware plan's order), "heuristic" (the best of :func:`heuristic_orders` per rank) or "best" (improved by
-    swaps on the slowest ranks, :func:`best_orders`)."""
+    pp-unaware plan's order: by ``heaviest``, default ``bin_costs``, ties by bin id), "heuristic" (the best of
+    :func:`heuristic_orders` per rank) or "best" (improved by swaps on the slowest ranks, :func:`best_orders`)."""
     if balance:
         rank_of_bin = balance_makespans(pricing, bin_costs, rank_of_bin, dp)
     k = count // dp
-    # heaviest first, ties by bin id: the order the pp-unaware planner emits
-    by_rank = np.lexsort((np.arange(count), -bin_costs, rank_of_bin)).reshape(dp, k)
+    key = bin_costs if heaviest is None else heaviest
+    by_rank = np.lexsort((np.arange(count), -key, rank_of_bin)).reshape(dp, k)
     costs = bin_costs[by_rank]
     if order == "heaviest-first":
         spans = pricing.makespans(costs)
@@ -318,12 +319,14 @@ def plan_pipeline_step(
     balance: bool,
     recount: Callable[[int], tuple[np.ndarray, np.ndarray] | None] | None,
     align: int,
+    heaviest: np.ndarray | None = None,
 ) -> PipelineStep:
     """The best arrangement of one step by the model, never slower than the pp-unaware plan of the step.
 
     ``bin_of``/``rank_of_bin``/``count``: the pp-unaware plan; ``bin_costs_of(bin_of, count)`` prices bins;
     ``balance``: rebalance the DP assignment by makespan; ``recount(count)``: a packing and assignment with that
-    many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches).
+    many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches);
+    ``heaviest``: the key the pp-unaware plan orders its bins by (default: their prices).
 
     Candidates (the same bins reordered, rebalanced, then more micro-batches) are compared with each rank in the
     best of :func:`heuristic_orders`; the best at the pp-unaware count and the :data:`FINALISTS` - 1 best with more
@@ -331,7 +334,7 @@ def plan_pipeline_step(
     pp-unaware plan if none beats it.
     """
     costs = bin_costs_of(bin_of, count)
-    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first")
+    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
     same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
     if balance and dp > 1:
         rebalanced = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, balance=True, how="balance")

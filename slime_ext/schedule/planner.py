@@ -281,7 +281,8 @@ def _plan_for_pipeline(
             return b_of, serpentine(bin_costs, dp)
 
     return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
-                              balance=batch.balance_data and cap is not None, recount=recount, align=align)
+                              balance=batch.balance_data and cap is not None, recount=recount, align=align,
+                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count))  # as emitted
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

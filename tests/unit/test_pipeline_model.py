@@ -49,6 +49,13 @@ def test_costs_are_checked():
         pipeline_makespan([1.0], [float("inf")], spec)
     with pytest.raises(ScheduleError, match="no micro-batches"):
         pipeline_makespan(np.zeros(0), np.zeros(0), spec)
+    with pytest.raises(ScheduleError, match="arrays of numbers"):
+        pipeline_makespan(["a"], [1.0], spec)
+    for fn in (pipeline_makespan, pipeline_timeline, bubble_fraction, pipeline_lower_bound):
+        with pytest.raises(ScheduleError, match="spec must be a PipelineSpec"):
+            fn([1.0], [1.0], 4)
+    with pytest.raises(ScheduleError, match="one replica"):
+        pipeline_timeline(np.ones((2, 3)), np.ones((2, 3)), spec)
 
 
 # ---------------------------------------------------------------------------------------------------- 1F1B by hand
