@@ -32,7 +32,7 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing
+from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing, step_microbatch_costs
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
@@ -55,14 +55,6 @@ WORKLOADS = {
 }
 
 
-def step_rank_costs(sched, step: int, costs: np.ndarray) -> np.ndarray:
-    """``(dp, M)`` micro-batch costs of ``step``, per rank in run order."""
-    before = sum(sched.num_microbatches[:step])
-    m = sched.num_microbatches[step]
-    return np.asarray([[costs[[sched.partitions[r][i] for i in mb]].sum()
-                        for mb in sched.micro_batch_indices[r][before:before + m]] for r in range(sched.dp_size)])
-
-
 def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = False) -> dict:
     cost_model = CostModel(**MODEL_DIMS)
     batch = BatchConfig(global_batch_size=GBS, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
@@ -80,7 +72,7 @@ def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = F
     costs = sample_costs(lengths, cost_model)
     before = reordered = bound = 0.0
     for s in range(unaware.num_steps):
-        rc = step_rank_costs(unaware, s, costs)
+        rc = step_microbatch_costs(unaware, s)
         before += float(pricing.makespans(rc).max())
         reordered += float(best_orders(pricing, rc)[1].max())
         f, b = pricing.stage_costs(rc)

@@ -35,11 +35,16 @@ from typing import Callable
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from .config import ParallelConfig
-from .cost import CostModel
+from .cost import CostModel, sample_costs
 from .errors import ScheduleError
 from .pipeline import PipelineSpec, pipeline_makespan
 from .profile import CostProfile
+
+if TYPE_CHECKING:
+    from .dp_schedule import DPSchedule
 
 #: FLOPs (or token) plans charge every micro-batch this share of a full one (``cap`` tokens at the linear rate)
 FLOPS_MICROBATCH_OVERHEAD = 0.02
@@ -109,6 +114,34 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
     spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm)
     units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
     return PipelinePricing(spec, DEFAULT_BACKWARD_FORWARD_RATIO, 1.0 / pp, overhead, units)
+
+
+def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
+    """``(dp, M)``: each rank's micro-batch costs in ``step``, in the order the rank runs them, priced as the
+    planner prices them (a profile's whole-micro-batch seconds, else summed FLOPs or tokens)."""
+    lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
+    profile = schedule.cost_model if isinstance(schedule.cost_model, CostProfile) else None
+    costs = sample_costs(lengths, schedule.cost_model)
+    start = sum(schedule.num_microbatches[:step])
+    m = schedule.num_microbatches[step]
+    rows = np.zeros((schedule.dp_size, m))
+    for r in range(schedule.dp_size):
+        part = schedule.partitions[r]
+        for k, mb in enumerate(schedule.micro_batch_indices[r][start:start + m]):
+            members = [part[i] for i in mb]
+            rows[r, k] = profile.microbatch_time(lengths[members]) if profile is not None else costs[members].sum()
+    return rows
+
+
+def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePricing | None = None) -> np.ndarray:
+    """``(dp,)`` each replica's predicted makespan of ``step`` as planned (``pricing``: the schedule's own by
+    default; pass another to price the same plan for another layout, e.g. a pp-unaware plan for the real one)."""
+    if pricing is None:
+        pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+        if pricing is None:
+            raise ScheduleError("the schedule has pp_size = 1: pass the pricing of a pipelined layout "
+                                "(pipeline_pricing(ParallelConfig(..., pp_size=N), cost_model, cap))")
+    return pricing.makespans(step_microbatch_costs(schedule, step))
 
 
 # ---------------------------------------------------------------------------------------------------- order
@@ -370,4 +403,4 @@ def plan_pipeline_step(
 
 __all__ = ["DEFAULT_BACKWARD_FORWARD_RATIO", "FLOPS_MICROBATCH_OVERHEAD", "PipelinePricing", "PipelineStep",
            "arrange", "balance_makespans", "best_orders", "heuristic_best", "heuristic_orders", "improve_orders",
-           "pipeline_pricing", "plan_pipeline_step", "polish"]
+           "pipeline_pricing", "plan_pipeline_step", "polish", "predicted_makespans", "step_microbatch_costs"]
