@@ -293,10 +293,12 @@ def test_lower_bound_never_exceeds_the_best_order_brute_force():
     from itertools import permutations
     rng = np.random.default_rng(3)
     tight = 0
-    for _ in range(60):
+    kinds = set()
+    for _ in range(200):
         spec, m = random_spec(rng)
         if m > 6:
             continue
+        kinds.add((spec.pp_size > 1, spec.vpp_size > 1, spec.p2p_s > 0))
         f, b = random_costs(rng, m)
         orders = np.array(list(permutations(range(m))))
         best = pipeline_makespan(f[orders], b[orders], spec).min()
@@ -305,6 +307,7 @@ def test_lower_bound_never_exceeds_the_best_order_brute_force():
         assert pipeline_lower_bound(f[::-1], b[::-1], spec) == pytest.approx(bound)  # a bound of the set
         tight += bound >= best * (1 - 1e-9)
     assert tight  # and it is reached in some cases (equal costs, pp = 1, ...)
+    assert {(True, False, True), (True, True, True), (True, True, False)} <= kinds
 
 
 def test_lower_bound_holds_the_largest_trip_and_the_last_stage():
