@@ -1,6 +1,7 @@
 """Issue 15's table, from the pipeline model: how much the pipeline-aware planner predicts to take off a step.
 
     PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline_model_table [--vpp]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.pipeline_model_table --speed   # the model's own speed
 
 For each workload (rl-like, bimodal, long tail) and layout (dp 8 x pp 4 and 8; Qwen3-8B-like dims, cap 16384,
 ``balance_data``), two plans of the same rollout:
@@ -32,6 +33,7 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.cost import sample_costs
+from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing, step_microbatch_costs
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
@@ -87,11 +89,33 @@ def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = F
                 plan_s=(t1 - t0, t2 - t1))
 
 
+def speed() -> None:
+    """How long the model takes for 128 replicas x 64 micro-batches x 8 stages (issue 15: milliseconds)."""
+    rng = np.random.default_rng(0)
+    f = rng.lognormal(0.0, 0.6, (128, 64))
+    for spec in (PipelineSpec(8, p2p_s=0.01), PipelineSpec(8, 2, p2p_s=0.01),
+                 PipelineSpec(8, 2, p2p_s=0.01, overlap_p2p_comm=True)):
+        t0 = time.perf_counter()
+        pipeline_makespan(f, 2 * f, spec)  # compiles the schedule (cached per layout and count)
+        t1 = time.perf_counter()
+        reps = 20
+        for _ in range(reps):
+            pipeline_makespan(f, 2 * f, spec)
+        t2 = time.perf_counter()
+        print(f"pipeline_makespan, pp={spec.pp_size} vpp={spec.vpp_size} overlap_p2p_comm={spec.overlap_p2p_comm}: "
+              f"128 replicas x 64 micro-batches in {1e3 * (t2 - t1) / reps:.1f} ms per call "
+              f"({1e3 * (t1 - t0):.0f} ms the first, compiling the schedule)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, nargs="*", default=[4, 8])
     p.add_argument("--vpp", action="store_true", help="also pp 4 x vpp 2 (group 4), batched and overlapped p2p")
+    p.add_argument("--speed", action="store_true", help="only time the model (128 x 64 x 8)")
     args = p.parse_args(argv)
+    if args.speed:
+        speed()
+        return 0
     layouts = [(pp, 1, False) for pp in args.pp] + ([(4, 2, False), (4, 2, True)] if args.vpp else [])
     print(f"predicted step time summed over {N // GBS} steps, relative to the pp-unaware plan (dp={DP}, cap "
           f"{MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like FLOPs)\n")

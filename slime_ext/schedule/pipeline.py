@@ -21,7 +21,7 @@ directed link pair up in program order (first send with first receive), as the c
 The programs are compiled once per layout and count into a DAG of the computes (a compute starts at the latest of
 its stage's previous operation and the transfers it waits for) and evaluated level by level, vectorised over
 replicas: 128 replicas x 64 micro-batches x 8 stages take a few milliseconds (``python -m
-slime_ext.schedule.pipeline`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
+bench.pipeline_model_table --speed`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
 it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` is modelled.
 
 **Assumptions.**
@@ -592,27 +592,3 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
         last_stage = work + (pp - 1) * (f.min(axis=1) + b.min(axis=1)) / v + 2 * (pp - 1) * c
         out = np.maximum(trip, last_stage)
     return float(out[0]) if one else out
-
-
-def _benchmark() -> None:
-    """``python -m slime_ext.schedule.pipeline``: how long 128 replicas x 64 micro-batches x 8 stages take."""
-    import time
-
-    rng = np.random.default_rng(0)
-    f = rng.lognormal(0.0, 0.6, (128, 64))
-    for spec in (PipelineSpec(8, p2p_s=0.01), PipelineSpec(8, 2, p2p_s=0.01),
-                 PipelineSpec(8, 2, p2p_s=0.01, overlap_p2p_comm=True)):
-        t0 = time.perf_counter()
-        pipeline_makespan(f, 2 * f, spec)  # compiles the schedule once (cached per layout and count)
-        t1 = time.perf_counter()
-        reps = 20
-        for _ in range(reps):
-            pipeline_makespan(f, 2 * f, spec)
-        t2 = time.perf_counter()
-        print(f"pp={spec.pp_size} vpp={spec.vpp_size} overlap={spec.overlap_p2p_comm}: 128 replicas x 64 "
-              f"micro-batches: {1e3 * (t2 - t1) / reps:.1f} ms per call ({1e3 * (t1 - t0):.1f} ms the first, "
-              f"compiling the schedule)")
-
-
-if __name__ == "__main__":
-    _benchmark()
