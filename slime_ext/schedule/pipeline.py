@@ -13,6 +13,10 @@ in ``megatron/core/pipeline_parallel/schedules.py``, written here in our own wor
   ``send_backward_recv_forward`` (one batch), ``recv_backward``, ``send_backward``.
 * Interleaved (``vpp_size > 1``): see :func:`interleaved_programs`.
 
+``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions (compute replaced by tags, the
+communicator by a recorder) and checks that every rank's computes, p2p calls (which transfers each combines,
+whether it blocks) and waits are exactly these programs'.
+
 **Time.** An operation starts when the previous one on its stage has ended (one stream per stage). A transfer of
 one micro-batch's activation or gradient over one stage boundary takes ``p2p_s`` seconds, and it starts when both
 sides have posted it: megatron-core's sends block until the peer receives (measured on gloo, see the notes; we
