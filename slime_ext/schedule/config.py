@@ -15,6 +15,9 @@ from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, ch
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
+#: ... and the pipeline size, which slime's dict may lack (then 1); ``ParallelConfig.from_megatron`` reads it from
+#: Megatron's ``pipeline_model_parallel_size``
+FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size",)
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = (
     "global_batch_size",
@@ -49,10 +52,14 @@ class ParallelConfig:
     #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; required then
     #: (Megatron defaults it to the pipeline size, which this config does not know), unused (1) without VPP
     microbatch_group_size_per_vp_stage: int | None = None
+    #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
+    #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline); 1 plans exactly as before
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
         _positive_int(self, "cp_size", MAX_PARALLEL_SIZE, "pass the context-parallel size (>= 1)")
+        _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
         if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
             if self.vpp_size > 1:
@@ -79,11 +86,12 @@ class ParallelConfig:
         if not isinstance(train_parallel_config, Mapping) or "dp_size" not in train_parallel_config:
             raise ScheduleError(
                 f"train_parallel_config must be a mapping with at least 'dp_size', got {show(train_parallel_config)}; "
-                f"pass {{'dp_size': ..., 'cp_size': ..., 'vpp_size': ..., 'microbatch_group_size_per_vp_stage': ...}}"
+                f"pass {{'dp_size': ..., 'cp_size': ..., 'pp_size': ..., 'vpp_size': ..., "
+                f"'microbatch_group_size_per_vp_stage': ...}}"
             )
         if train_parallel_config["dp_size"] is None:
             raise ScheduleError("train_parallel_config['dp_size'] is None; pass the data-parallel world size (>= 1)")
-        kwargs = {k: train_parallel_config[k] for k in PARALLEL_KEYS if train_parallel_config.get(k) is not None}
+        kwargs = {k: train_parallel_config[k] for k in FROM_DICT_KEYS if train_parallel_config.get(k) is not None}
         vpp = kwargs.get("vpp_size", 1)
         if "microbatch_group_size_per_vp_stage" not in kwargs and is_int(vpp) and vpp > 1:
             raise ScheduleError(
@@ -106,7 +114,8 @@ class ParallelConfig:
         vpp = given(virtual_pipeline_model_parallel_size, 1)
         group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
-                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1)
+                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
+                   pp_size=given(pipeline_model_parallel_size, 1))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
