@@ -116,9 +116,22 @@ def _forward_step(data_iterator, model):
     return output, lambda out: (out.sum(), {})
 
 
+def settled(makespans: list[float], min_repeats: int, max_repeats: int, tolerance: float) -> bool:
+    """Stop repeating a run: ``max_repeats`` calls, or at least ``min_repeats`` whose two fastest agree within
+    ``tolerance`` (relative) -- on a loaded machine a slow call is interference, two alike fast ones are the run."""
+    if len(makespans) >= max_repeats:
+        return True
+    if len(makespans) < max(2, min_repeats):
+        return False
+    a, b = sorted(makespans)[:2]
+    return b <= a * (1 + tolerance)
+
+
 def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list[ReplayRun],
-               repeats: int) -> list[ReplayResult] | None:
-    """One pipeline stage: replay every run ``1 + repeats`` times (the first call of the launch is a warm-up)."""
+               min_repeats: int, max_repeats: int, tolerance: float = 0.005) -> list[ReplayResult] | None:
+    """One pipeline stage: replay every run until :func:`settled` (the first call of the launch is a warm-up).
+
+    Every rank sees the same all-reduced makespans, so all stop repeating at the same call."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -151,7 +164,7 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
             for chunk in chunks:
                 chunk.times = (run.fwd, run.bwd)
             result = ReplayResult(run.label)
-            for rep in range(repeats + (0 if warm else 1)):
+            while not settled(result.makespans, min_repeats, max_repeats, tolerance):
                 iterators = [iter(range(len(run.fwd))) for _ in chunks]
                 dist.barrier()
                 start = time.perf_counter()
