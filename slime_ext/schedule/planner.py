@@ -52,6 +52,7 @@ from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, expand_bins_by_splitting, lpt_pack
+from .pipeline_plan import PipelinePricing, PipelineStep, pipeline_pricing, plan_pipeline_step
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
 
@@ -231,6 +232,43 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
     return groups
 
 
+def _plan_for_pipeline(
+    pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray, cap: int | None,
+    parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None,
+) -> PipelineStep:
+    """Stage 5 (``pp_size > 1``): the step's order, assignment and count by the pipeline model, starting from the
+    pp-unaware ``plan``. Static batches keep their micro-batches and ranks (only the order changes); the DP
+    assignment is rebalanced only with ``balance_data``."""
+    dp, align = parallel.dp_size, parallel.align
+
+    def bin_costs_of(b_of: np.ndarray, k: int) -> np.ndarray:
+        if profile is not None:  # a profile prices each micro-batch whole
+            return profile.bin_times(lengths, b_of, k)
+        return np.bincount(b_of, weights=costs, minlength=k)
+
+    recount = None
+    if cap is not None:
+        order = np.argsort(-lengths, kind="stable")
+        weights = costs if batch.balance_by_flops else lengths
+
+        def recount(k: int) -> tuple[np.ndarray, np.ndarray] | None:
+            if k > len(lengths):
+                return None
+            try:
+                b_of, got, _ = pack_step(lengths, weights, order, cap, k, align, step)
+            except ScheduleError:
+                return None
+            if got != k:
+                return None
+            bin_costs = bin_costs_of(b_of, k)
+            if batch.balance_data and dp > 1:
+                return b_of, refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
+            return b_of, serpentine(bin_costs, dp)
+
+    return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
+                              balance=batch.balance_data and cap is not None, recount=recount, align=align)
+
+
 # ---------------------------------------------------------------------------------------------------- assembly
 def _emit_step(
     bin_of: np.ndarray,
@@ -241,8 +279,10 @@ def _emit_step(
     step_cost: np.ndarray,
     partitions: list[list[int]],
     micro_batch_indices: list[list[list[int]]],
+    emit: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Append one step to every rank: micro-batches heaviest first, samples in a micro-batch by global index.
+    """Append one step to every rank: micro-batches heaviest first (or in the rank-major bin order ``emit``, which
+    the pipeline objective chooses), samples in a micro-batch by global index.
 
     Returns, per micro-batch in rank-major emitted order: sample count, cost, tokens.
     """
@@ -251,7 +291,8 @@ def _emit_step(
     size = np.bincount(bin_of, minlength=count)
     cost = np.bincount(bin_of, weights=step_cost, minlength=count)
     tokens = np.bincount(bin_of, weights=step_len, minlength=count).astype(np.int64)
-    emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
+    if emit is None:
+        emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
     slot = np.empty(count, dtype=np.int64)
     slot[emit] = np.arange(count)
     samples = step_idx[np.argsort(slot[bin_of], kind="stable")]  # stable: ascending index inside a micro-batch
@@ -301,6 +342,7 @@ def plan_schedule(
     profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
+    pricing = pipeline_pricing(parallel, cost_model, cap)  # None without pipeline parallelism
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
     steps, rollouts_per_step, dropped = split_into_steps(ordinals, parallel, batch)
@@ -327,9 +369,18 @@ def plan_schedule(
             plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
             plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile)
+        # 5. with pipeline parallelism: order, assignment and count by the slowest replica's predicted makespan
+        piped = None
+        if pricing is not None:
+            piped = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile)
+            strategy = plan.strategy if not piped.how else f"{plan.strategy}+pp-{piped.how}"
+            if piped.how.startswith("count"):
+                strategy = f"lpt+pp-{piped.how}"
+            plan = StepPlan(piped.bin_of, piped.rank_of_bin, piped.count, strategy, plan.target)
         count = plan.count
         mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
-                                                  step_cost, partitions, micro_batch_indices)
+                                                  step_cost, partitions, micro_batch_indices,
+                                                  None if piped is None else piped.emit)
         per_rank = count // dp
         num_microbatches.append(per_rank)
         rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
@@ -352,6 +403,8 @@ def plan_schedule(
             microbatch_flops_max=float(mb_cost.max()),
             microbatch_flops_mean=float(mb_cost.mean()),
             strategy=plan.strategy,
+            predicted_makespan=None if piped is None else piped.slowest,
+            bubble_fraction=None if piped is None else piped.bubble,
         ))
 
     return DPSchedule(
