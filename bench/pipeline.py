@@ -118,25 +118,26 @@ QUICK_WORKLOADS = {"rl-like": Workload("rl-like", "rl", 128, 151)}
 # ---------------------------------------------------------------------------------------------------- costs
 def bench_profile():
     """The cost profile every plan and prediction uses (module docstring), in units of one full micro-batch's
-    forward + backward over the whole model."""
+    forward + backward over the whole model. ``p2p_s = 0``: plans are made before the replay measures it."""
     from slime_ext.schedule import CostModel, CostProfile
 
     linear, quadratic = CostModel(**MODEL_DIMS).coefficients()
     cap = MAX_TOKENS_PER_GPU
     full = linear * cap + quadratic * cap * cap
-    extra = {}
-    if "backward_forward_ratio" in CostProfile.__dataclass_fields__:
-        extra["backward_forward_ratio"] = BACKWARD_FORWARD_RATIO
     return CostProfile(step_overhead_s=0.0, microbatch_overhead_s=MICROBATCH_OVERHEAD_SHARE,
                        per_token_s=linear / full, per_sample_quadratic_s=quadratic / full,
-                       meta={"source": "bench.pipeline: Qwen3-8B-like FLOPs, 1 = one full micro-batch"}, **extra)
+                       backward_forward_ratio=BACKWARD_FORWARD_RATIO, p2p_s=0.0,
+                       meta={"source": "bench.pipeline: Qwen3-8B-like FLOPs, 1 = one full micro-batch"})
 
 
-def stage_costs(profile, micro_batches: list[list[int]], pp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-stage forward and backward of each micro-batch (lists of sample lengths), in run order."""
-    total = np.array([profile.microbatch_time(mb) for mb in micro_batches])
-    fwd = total / (1.0 + BACKWARD_FORWARD_RATIO) / pp
-    return fwd, fwd * BACKWARD_FORWARD_RATIO
+def stage_costs(profile, micro_batches: list[list[int]], parallel) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage forward and backward of each micro-batch (lists of sample lengths), in run order, priced as the
+    planner prices them (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: the profile's seconds split
+    ``1 : backward_forward_ratio`` and over the ``pp`` stages)."""
+    from slime_ext.schedule.pipeline_plan import pipeline_pricing
+
+    pricing = pipeline_pricing(parallel, profile, None)
+    return pricing.stage_costs(np.array([profile.microbatch_time(mb) for mb in micro_batches]))
 
 
 # ---------------------------------------------------------------------------------------------------- plans
@@ -155,14 +156,15 @@ def _first_step(lengths: np.ndarray, partitions, micro_batch_indices, num_microb
             for part, mbi in zip(partitions, micro_batch_indices)]
 
 
-def _parallel(setup: Setup, pipeline_aware: bool):
+def _parallel(setup: Setup, pipeline_aware: bool = True):
+    """The planner's layout: dp x pp (x vpp, Megatron's default group size pp), the replay's p2p mode; without
+    ``pipeline_aware`` the pipeline size is left out (``pp_size = 1``, the planner before issue 15)."""
     from slime_ext.schedule import ParallelConfig
 
     lay = setup.layout
-    kwargs = dict(dp_size=DP_SIZE, vpp_size=lay.vpp, microbatch_group_size_per_vp_stage=lay.pp if lay.vpp > 1 else None)
-    if pipeline_aware:
-        kwargs["pp_size"] = lay.pp
-    return ParallelConfig(**kwargs)
+    return ParallelConfig(dp_size=DP_SIZE, vpp_size=lay.vpp,
+                          microbatch_group_size_per_vp_stage=lay.pp if lay.vpp > 1 else None,
+                          pp_size=lay.pp if pipeline_aware else 1, overlap_p2p_comm=setup.overlap_p2p_comm)
 
 
 def plan_ours(lengths: np.ndarray, setup: Setup, profile, pipeline_aware: bool) -> Plan:
@@ -256,7 +258,7 @@ def plan_rows(setup: Setup, workloads: dict[str, Workload], profile, slime_build
         for plan in plans:
             row = Row(setup, wname, plan.name, skipped=plan.skipped)
             if plan.ranks is not None:
-                costs = [stage_costs(profile, mbs, setup.layout.pp) for mbs in plan.ranks]
+                costs = [stage_costs(profile, mbs, _parallel(setup)) for mbs in plan.ranks]
                 fwd, bwd = np.stack([c[0] for c in costs]), np.stack([c[1] for c in costs])
                 spans = pipeline_makespan(fwd, bwd, spec)
                 row.replica = int(np.argmax(spans))
@@ -283,7 +285,8 @@ def scale_rows(rows: list[Row], min_op_s: float, max_run_s: float) -> list[str]:
         longest = max(pipeline_makespan(r.fwd, r.bwd, spec_for(r.setup)) for r in group)
         scale = min(min_op_s / smallest, max_run_s / longest)
         if scale < min_op_s / smallest:
-            notes.append(f"{sname} {wname}: scale capped by --max-run-s; smallest sleep {smallest * scale * 1e3:.0f} ms")
+            notes.append(f"{sname} {wname}: scale capped by --max-run-s; smallest sleep "
+                         f"{smallest * scale * 1e3:.0f} ms")
         for r in group:
             r.scale = scale
             r.run = ReplayRun(f"{sname}/{wname}/{r.plan}", tuple(float(x) for x in r.fwd * scale),

@@ -34,14 +34,12 @@ WORKLOADS = (Workload("rl", "rl", n=32, seed=21, cap=512, scale=1 / 24, max_len=
 
 
 def load_profile():
+    """The calibrated CPU profile, with the bench's backward/forward ratio (the file predates the pipeline fields)."""
     from slime_ext.schedule import CostProfile
 
-    profile = CostProfile.load(str(PROFILE))
-    if "backward_forward_ratio" in CostProfile.__dataclass_fields__:
-        d = profile.to_dict()
-        d["backward_forward_ratio"] = BACKWARD_FORWARD_RATIO
-        profile = CostProfile.from_dict(d)
-    return profile
+    d = CostProfile.load(str(PROFILE)).to_dict()
+    d["backward_forward_ratio"] = BACKWARD_FORWARD_RATIO
+    return CostProfile.from_dict(d)
 
 
 def plan(samples: list[dict], w: Workload, profile, pipeline_aware: bool):
@@ -89,6 +87,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     """Run the real-compute comparison and print its table; returns the table lines."""
     from train_harness import assert_params_match, free_port, launch, rollout_payloads
 
+    from slime_ext.schedule import ParallelConfig
     from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
 
     profile = load_profile()
@@ -103,7 +102,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
             sched = plan(samples, w, profile, aware)
             part = sched.partitions[0]
             mbs = [[samples[part[i]]["total_length"] for i in mb] for mb in sched.micro_batch_indices[0]]
-            fwd, bwd = stage_costs(profile, mbs, PP)
+            fwd, bwd = stage_costs(profile, mbs, ParallelConfig(dp_size=1, pp_size=PP))
             label = f"{w.name}/{name}"
             predicted[label] = float(pipeline_makespan(fwd, bwd, spec)) + profile.step_overhead_s
             counts[label] = len(mbs)
