@@ -493,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
           "\n  predicted = pipeline_makespan with p2p_s fitted per layout on a uniform run; p2p=0 = without p2p cost;"
           "\n  measured = min over the calls of the slowest stage's wall time of forward_backward_func;"
           f"\n  calls = how many (* = its two fastest still differ by more than {NOISE:.1%}: the machine stayed busy);"
-          "\n  spread = max/min - 1 over the calls; vs before / vs slime = measured / that plan's measured; bound = the plan's"
-          "\n  pipeline_lower_bound (max over replicas), seconds at this row's scale.")
+          "\n  spread = max/min - 1 over the calls; vs before / vs slime = measured / that plan's measured;"
+          "\n  bound = the plan's pipeline_lower_bound (max over replicas), seconds at this row's scale.")
     for note in notes:
         print(f"note: {note}")
     print("\ntargets:")
