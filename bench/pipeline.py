@@ -309,17 +309,18 @@ def calibration_run(setup: Setup, op_s: float) -> ReplayRun:
                      setup.overlap_p2p_comm)
 
 
-def fit_p2p(setup: Setup, run: ReplayRun, measured: float) -> float:
-    """The ``p2p_s`` at which the model predicts ``measured`` for ``run`` (bisection; the makespan grows with it)."""
+def fit_p2p(fwd, bwd, spec_with, measured: float, offset: float = 0.0) -> float:
+    """The ``p2p_s`` at which ``pipeline_makespan(fwd, bwd, spec_with(p2p_s)) + offset`` equals ``measured``
+    (bisection: the makespan grows with it); 0 when the model without p2p cost is already at or above it."""
     from slime_ext.schedule.pipeline import pipeline_makespan
 
-    f, b = np.array(run.fwd), np.array(run.bwd)
+    f, b = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     lo, hi = 0.0, 0.1
-    if pipeline_makespan(f, b, spec_for(setup, 0.0)) >= measured:
+    if pipeline_makespan(f, b, spec_with(0.0)) + offset >= measured:
         return 0.0
     for _ in range(50):
         mid = (lo + hi) / 2
-        if pipeline_makespan(f, b, spec_for(setup, mid)) < measured:
+        if pipeline_makespan(f, b, spec_with(mid)) + offset < measured:
             lo = mid
         else:
             hi = mid
@@ -354,7 +355,7 @@ def measure(rows: list[Row], setups: tuple[Setup, ...], repeats: int, min_op_s: 
         t0 = time.perf_counter()
         spans = replay_setup(setup, runs, repeats, timeout=120 + 3 * (MAX_REPEATS_FACTOR * repeats + 1) * budget)
         by_key = {(x.fwd, x.bwd): s for x, s in zip(runs, spans)}
-        p2p = fit_p2p(setup, calib, min(spans[0]))
+        p2p = fit_p2p(calib.fwd, calib.bwd, lambda x: spec_for(setup, x), min(spans[0]))
         fitted[setup.name] = p2p
         for r in mine:
             r.measured = by_key[(r.run.fwd, r.run.bwd)]
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         from bench.pipeline_real import real_section
 
-        real_section(args.repeats or 4)
+        real_section(args.repeats or 6)
         return 0
 
     setups = QUICK_SETUPS if args.quick else SETUPS
