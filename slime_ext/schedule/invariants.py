@@ -18,7 +18,7 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
-from .pipeline_plan import pipeline_pricing
+from .pipeline_plan import pipeline_pricing, step_microbatch_costs
 from .validate import check_int_array
 
 
@@ -259,14 +259,14 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
         for name, value in floats.items():
             if not _close(getattr(st, name), value):
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule measures {value!r}")
-        _check_pipeline_stats(sched, s, st, mbs, bad)
+        _check_pipeline_stats(sched, s, st, bad)
         if cap is not None:  # no packing beats the true lower bound
             floor = -(-bin_lower_bound(lengths[members], cap) // align) * align
             if expect["total_microbatches"] < floor:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
-def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, mbs, bad) -> None:
+def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
     """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
     prediction for the slowest replica, re-computed from the micro-batches in the order each rank runs them."""
     try:
@@ -282,18 +282,8 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, mbs, bad) ->
     if st.predicted_makespan is None or st.bubble_fraction is None:
         bad(f"stats[{s}] has no predicted_makespan/bubble_fraction but pp_size = {sched.parallel.pp_size}")
         return
-    lengths = np.asarray(sched.total_lengths, dtype=np.int64)
-    profile = sched.cost_model if isinstance(sched.cost_model, CostProfile) else None
-    costs = sample_costs(lengths, sched.cost_model)
-    dp, per_rank = sched.parallel.dp_size, sched.num_microbatches[s]
-    rows = np.zeros((dp, per_rank))
-    filled = [0] * dp
-    for r, _, members in mbs:  # each rank's micro-batches in run order
-        if filled[r] < per_rank:
-            rows[r, filled[r]] = (profile.microbatch_time(lengths[members]) if profile is not None
-                                  else float(costs[members].sum()))
-            filled[r] += 1
     try:
+        rows = step_microbatch_costs(sched, s)
         spans = pricing.makespans(rows)
     except ScheduleError as e:
         bad(f"step {s}: the pipeline model refuses the step: {e}")

@@ -35,19 +35,27 @@ from typing import Callable
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
 from .config import ParallelConfig
-from .cost import CostModel
+from .cost import CostModel, sample_costs
 from .errors import ScheduleError
 from .pipeline import PipelineSpec, pipeline_makespan
 from .profile import CostProfile
+
+if TYPE_CHECKING:
+    from .dp_schedule import DPSchedule
 
 #: FLOPs (or token) plans charge every micro-batch this share of a full one (``cap`` tokens at the linear rate)
 FLOPS_MICROBATCH_OVERHEAD = 0.02
 #: FLOPs plans: backward = this many times forward
 DEFAULT_BACKWARD_FORWARD_RATIO = 2.0
 #: pair swaps tried per rank and round of order improvement (beyond it: adjacent pairs and pairs with the ends)
-MAX_ORDER_SWAPS = 528
+MAX_ORDER_SWAPS = 276
 ORDER_ROUNDS = 6
+#: the planner improves by swaps the orders of the replicas within this share of the slowest (and again, while
+#: the slowest replica is one it has not improved)
+POLISH_BAND = 0.02
 #: moves of bins between replicas, per step and count; partners tried per move (the fastest replicas)
 MAX_BALANCE_MOVES = 64
 BALANCE_PARTNERS = 3
@@ -55,6 +63,8 @@ BALANCE_SWAPS_PER_PARTNER = 8
 #: extra rounds of ``align`` micro-batches tried; the search stops after this many that do not pay off in a row
 MAX_EXTRA_COUNT_ROUNDS = 8
 EXTRA_COUNT_PATIENCE = 2
+#: candidates improved by swaps before the final choice: the pp-unaware count's best and the best recounted ones
+FINALISTS = 3
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,34 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
     return PipelinePricing(spec, DEFAULT_BACKWARD_FORWARD_RATIO, 1.0 / pp, overhead, units)
 
 
+def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
+    """``(dp, M)``: each rank's micro-batch costs in ``step``, in the order the rank runs them, priced as the
+    planner prices them (a profile's whole-micro-batch seconds, else summed FLOPs or tokens)."""
+    lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
+    profile = schedule.cost_model if isinstance(schedule.cost_model, CostProfile) else None
+    costs = sample_costs(lengths, schedule.cost_model)
+    start = sum(schedule.num_microbatches[:step])
+    m = schedule.num_microbatches[step]
+    rows = np.zeros((schedule.dp_size, m))
+    for r in range(schedule.dp_size):
+        part = schedule.partitions[r]
+        for k, mb in enumerate(schedule.micro_batch_indices[r][start:start + m]):
+            members = [part[i] for i in mb]
+            rows[r, k] = profile.microbatch_time(lengths[members]) if profile is not None else costs[members].sum()
+    return rows
+
+
+def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePricing | None = None) -> np.ndarray:
+    """``(dp,)`` each replica's predicted makespan of ``step`` as planned (``pricing``: the schedule's own by
+    default; pass another to price the same plan for another layout, e.g. a pp-unaware plan for the real one)."""
+    if pricing is None:
+        pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+        if pricing is None:
+            raise ScheduleError("the schedule has pp_size = 1: pass the pricing of a pipelined layout "
+                                "(pipeline_pricing(ParallelConfig(..., pp_size=N), cost_model, cap))")
+    return pricing.makespans(step_microbatch_costs(schedule, step))
+
+
 # ---------------------------------------------------------------------------------------------------- order
 def heuristic_orders(costs: np.ndarray) -> np.ndarray:
     """``(H, R, K)`` candidate orders (indices into each row of ``costs``), heaviest first being the first."""
@@ -128,14 +166,6 @@ def _take(costs: np.ndarray, orders: np.ndarray) -> np.ndarray:
     return np.take_along_axis(costs, orders, axis=-1)
 
 
-def quick_makespans(pricing: PipelinePricing, costs: np.ndarray) -> np.ndarray:
-    """``(R,)`` the best makespan of each row of ``(R, K)`` costs over :func:`heuristic_orders`."""
-    orders = heuristic_orders(costs)
-    h, r, k = orders.shape
-    rows = _take(np.broadcast_to(costs, (h, r, k)), orders).reshape(h * r, k)
-    return pricing.makespans(rows).reshape(h, r).min(axis=0)
-
-
 def _swap_pairs(k: int) -> np.ndarray:
     pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
     if len(pairs) > MAX_ORDER_SWAPS:  # adjacent pairs, and every position with the first and last two
@@ -144,42 +174,63 @@ def _swap_pairs(k: int) -> np.ndarray:
     return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
 
 
-def best_orders(pricing: PipelinePricing, costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan.
-
-    Starts from the best of :func:`heuristic_orders` (ties: the earlier, so heaviest first wins a tie), then swaps
-    pairs of positions while that lowers the makespan (all pairs per round, each rank taking its best swap), for
-    at most :data:`ORDER_ROUNDS` rounds.
-    """
+def heuristic_best(pricing: PipelinePricing, costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` and its makespan (ties: the earlier, so
+    heaviest first wins a tie)."""
     r, k = costs.shape
     orders = heuristic_orders(costs)
     h = len(orders)
     spans = pricing.makespans(_take(np.broadcast_to(costs, (h, r, k)), orders).reshape(h * r, k)).reshape(h, r)
     pick = spans.argmin(axis=0)
-    order = orders[pick, np.arange(r)]
-    span = spans[pick, np.arange(r)]
+    return orders[pick, np.arange(r)], spans[pick, np.arange(r)]
+
+
+def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray,
+                   span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Swap pairs of positions in the given rows' orders while that lowers their makespans (every pair of a row at
+    once, each row taking its best swap), for at most :data:`ORDER_ROUNDS` rounds."""
+    order, span = order.copy(), span.copy()
+    r, k = costs.shape
     pairs = _swap_pairs(k)
-    if not len(pairs):
-        return order, span
     p = len(pairs)
+    if not p or not r:
+        return order, span
+    a, b = pairs[:, 0], pairs[:, 1]
+    cols = np.arange(p)
     for _ in range(ORDER_ROUNDS):
         cand = np.repeat(order[:, None, :], p, axis=1)  # (R, P, K)
-        a, b = pairs[:, 0], pairs[:, 1]
-        rows = np.arange(p)
-        cand[:, rows, a], cand[:, rows, b] = order[:, b], order[:, a]
+        cand[:, cols, a], cand[:, cols, b] = order[:, b], order[:, a]
         c = np.take_along_axis(np.broadcast_to(costs[:, None, :], cand.shape), cand, axis=2)
-        useful = c[:, rows, a] != c[:, rows, b]  # swapping equal costs changes nothing
+        useful = c[:, cols, a] != c[:, cols, b]  # swapping equal costs changes nothing
         if not useful.any():
             break
         got = np.full((r, p), np.inf)
         got[useful] = pricing.makespans(c[useful])
         best = got.argmin(axis=1)
-        gain = got[np.arange(r), best] < span * (1 - 1e-12)
-        if not gain.any():
+        rows = np.flatnonzero(got[np.arange(r), best] < span * (1 - 1e-12))
+        if not len(rows):
             break
-        order[gain] = cand[np.flatnonzero(gain), best[gain]]
-        span[gain] = got[np.flatnonzero(gain), best[gain]]
+        order[rows] = cand[rows, best[rows]]
+        span[rows] = got[rows, best[rows]]
     return order, span
+
+
+def best_orders(pricing: PipelinePricing, costs: np.ndarray, *,
+                all_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan: the best of
+    :func:`heuristic_orders`, improved by :func:`improve_orders` -- on every row, or (``all_rows=False``) only on
+    the slowest rows, until the slowest row is one that was improved (the step time is the slowest replica's)."""
+    order, span = heuristic_best(pricing, costs)
+    if all_rows:
+        return improve_orders(pricing, costs, order, span)
+    done = np.zeros(len(span), dtype=bool)
+    while True:
+        s = int(np.argmax(span))
+        if done[s]:
+            return order, span
+        rows = np.flatnonzero(~done & (span >= span[s] * (1 - POLISH_BAND)))
+        order[rows], span[rows] = improve_orders(pricing, costs[rows], order[rows], span[rows])
+        done[rows] = True
 
 
 # ---------------------------------------------------------------------------------------------------- DP assignment
@@ -199,7 +250,7 @@ def balance_makespans(pricing: PipelinePricing, bin_costs: np.ndarray, rank_of_b
     k = count // dp
     by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp, k)
     costs = bin_costs[by_rank]
-    span = quick_makespans(pricing, costs)
+    span = heuristic_best(pricing, costs)[1]
     for _ in range(MAX_BALANCE_MOVES):
         s = int(np.argmax(span))
         partners = [int(t) for t in np.argsort(span, kind="stable") if t != s][:BALANCE_PARTNERS]
@@ -219,7 +270,7 @@ def balance_makespans(pricing: PipelinePricing, bin_costs: np.ndarray, rank_of_b
                 moves.append((t, i, j))
         if not moves:
             break
-        got = quick_makespans(pricing, np.asarray(rows)).reshape(-1, 2)
+        got = heuristic_best(pricing, np.asarray(rows))[1].reshape(-1, 2)
         worse = got.max(axis=1)
         best = int(np.argmin(worse))
         if worse[best] >= span[s] * (1 - 1e-9):
@@ -253,23 +304,41 @@ class PipelineStep:
 
 
 def arrange(pricing: PipelinePricing, bin_costs: np.ndarray, bin_of: np.ndarray, rank_of_bin: np.ndarray,
-            count: int, dp: int, *, reorder: bool = True, balance: bool = False, how: str = "") -> PipelineStep:
-    """Order (and with ``balance`` first rebalance) one step's bins by the model. Without ``reorder`` the bins run
-    heaviest first on every rank: the pp-unaware plan's order."""
+            count: int, dp: int, *, order: str = "heuristic", balance: bool = False, how: str = "",
+            heaviest: np.ndarray | None = None) -> PipelineStep:
+    """Order (and with ``balance`` first rebalance) one step's bins by the model. ``order``: "heaviest-first" (the
+    pp-unaware plan's order: by ``heaviest``, default ``bin_costs``, ties by bin id), "heuristic" (the best of
+    :func:`heuristic_orders` per rank) or "best" (improved by swaps on the slowest ranks, :func:`best_orders`)."""
     if balance:
         rank_of_bin = balance_makespans(pricing, bin_costs, rank_of_bin, dp)
     k = count // dp
-    # heaviest first, ties by bin id: the order the pp-unaware planner emits
-    by_rank = np.lexsort((np.arange(count), -bin_costs, rank_of_bin)).reshape(dp, k)
+    key = bin_costs if heaviest is None else heaviest
+    by_rank = np.lexsort((np.arange(count), -key, rank_of_bin)).reshape(dp, k)
     costs = bin_costs[by_rank]
-    if reorder:
-        order, spans = best_orders(pricing, costs)
-        by_rank = np.take_along_axis(by_rank, order, axis=1)
-        costs = bin_costs[by_rank]
-    else:
+    if order == "heaviest-first":
         spans = pricing.makespans(costs)
+    else:
+        chosen, spans = heuristic_best(pricing, costs) if order == "heuristic" else \
+            best_orders(pricing, costs, all_rows=False)
+        by_rank = np.take_along_axis(by_rank, chosen, axis=1)
+        costs = bin_costs[by_rank]
     slowest = int(np.argmax(spans))
     return PipelineStep(bin_of, rank_of_bin, count, by_rank.reshape(-1), spans, pricing.bubble(costs[slowest]), how)
+
+
+def polish(pricing: PipelinePricing, step: PipelineStep, bin_costs: np.ndarray, dp: int) -> PipelineStep:
+    """``step`` with its slowest replicas' orders improved by swaps (:func:`best_orders`)."""
+    k = step.count // dp
+    by_rank = step.emit.reshape(dp, k)
+    costs = bin_costs[by_rank]
+    order, spans = best_orders(pricing, costs, all_rows=False)
+    improved = spans < step.makespans
+    by_rank = np.where(improved[:, None], np.take_along_axis(by_rank, order, axis=1), by_rank)
+    spans = np.minimum(spans, step.makespans)
+    slowest = int(np.argmax(spans))
+    how = step.how or "order"
+    return PipelineStep(step.bin_of, step.rank_of_bin, step.count, by_rank.reshape(-1), spans,
+                        pricing.bubble(bin_costs[by_rank[slowest]]), how)
 
 
 def plan_pipeline_step(
@@ -283,40 +352,55 @@ def plan_pipeline_step(
     balance: bool,
     recount: Callable[[int], tuple[np.ndarray, np.ndarray] | None] | None,
     align: int,
+    heaviest: np.ndarray | None = None,
 ) -> PipelineStep:
     """The best arrangement of one step by the model, never slower than the pp-unaware plan of the step.
 
     ``bin_of``/``rank_of_bin``/``count``: the pp-unaware plan; ``bin_costs_of(bin_of, count)`` prices bins;
     ``balance``: rebalance the DP assignment by makespan; ``recount(count)``: a packing and assignment with that
-    many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches).
+    many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches);
+    ``heaviest``: the key the pp-unaware plan orders its bins by (default: their prices).
+
+    Candidates (the same bins reordered, rebalanced, then more micro-batches) are compared with each rank in the
+    best of :func:`heuristic_orders`; the best at the pp-unaware count and the :data:`FINALISTS` - 1 best with more
+    micro-batches are then improved by swaps (:func:`polish`), and the fastest of them is returned, or the
+    pp-unaware plan if none beats it.
     """
     costs = bin_costs_of(bin_of, count)
-    best = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, reorder=False)  # the pp-unaware plan
-    for cand in (arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order"),
-                 arrange(pricing, costs, bin_of, rank_of_bin, count, dp, balance=True, how="balance")
-                 if balance and dp > 1 else None):
-        if cand is not None and cand.slowest < best.slowest * (1 - 1e-9):
-            best = cand
-    if recount is None:
-        return best
-    misses = 0
-    for extra in range(1, MAX_EXTRA_COUNT_ROUNDS + 1):
-        k_count = count + extra * align
-        packed = recount(k_count)
-        if packed is None:
-            break
-        b_of, r_of_b = packed
-        cand = arrange(pricing, bin_costs_of(b_of, k_count), b_of, r_of_b, k_count, dp,
-                       balance=balance and dp > 1, how=f"count+{k_count - count}")
-        if cand.slowest < best.slowest * (1 - 1e-9):
-            best, misses = cand, 0
-        else:
-            misses += 1
-            if misses >= EXTRA_COUNT_PATIENCE:
+    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
+    same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
+    if balance and dp > 1:
+        rebalanced = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, balance=True, how="balance")
+        if rebalanced.slowest < same.slowest * (1 - 1e-9):
+            same = rebalanced
+    counted = []
+    if recount is not None:
+        best, misses = same.slowest, 0
+        for extra in range(1, MAX_EXTRA_COUNT_ROUNDS + 1):
+            k_count = count + extra * align
+            packed = recount(k_count)
+            if packed is None:
                 break
-    return best
+            b_of, r_of_b = packed
+            k_costs = bin_costs_of(b_of, k_count)
+            cand = arrange(pricing, k_costs, b_of, r_of_b, k_count, dp, balance=balance and dp > 1,
+                           how=f"count+{k_count - count}")
+            counted.append((cand, k_costs))
+            if cand.slowest < best * (1 - 1e-9):
+                best, misses = cand.slowest, 0
+            else:
+                misses += 1
+                if misses >= EXTRA_COUNT_PATIENCE:
+                    break
+    counted.sort(key=lambda c: c[0].slowest)
+    chosen = unaware
+    for cand, cand_costs in [(same, costs)] + counted[:FINALISTS - 1]:
+        cand = polish(pricing, cand, cand_costs, dp)
+        if cand.slowest < chosen.slowest * (1 - 1e-9):
+            chosen = cand
+    return chosen
 
 
 __all__ = ["DEFAULT_BACKWARD_FORWARD_RATIO", "FLOPS_MICROBATCH_OVERHEAD", "PipelinePricing", "PipelineStep",
-           "arrange", "balance_makespans", "best_orders", "heuristic_orders", "pipeline_pricing",
-           "plan_pipeline_step", "quick_makespans"]
+           "arrange", "balance_makespans", "best_orders", "heuristic_best", "heuristic_orders", "improve_orders",
+           "pipeline_pricing", "plan_pipeline_step", "polish", "predicted_makespans", "step_microbatch_costs"]

@@ -23,6 +23,21 @@ Strategy (one call plans a whole rollout):
      instead of FLOPs, micro-batches are priced whole (overhead, attention over the packed row) and the choices
      of this stage are made by the predicted time of the slowest rank: an extra micro-batch must lower it, balancing
      never predicts slower than the strided deal.
+  5. **Pipeline** (``pp_size > 1`` only; with ``pp_size = 1`` stages 1-4 are the whole plan, unchanged). A
+     pipelined replica's step time is the makespan of megatron-core's schedule (1F1B, or interleaved under VPP with
+     the configured ``microbatch_group_size_per_vp_stage`` and p2p mode), so the objective becomes the slowest
+     replica's makespan as :mod:`slime_ext.schedule.pipeline` predicts it: megatron-core's order of operations per
+     stage, blocking p2p calls of ``p2p_s`` per stage boundary, layers split evenly over the stages (one stage's
+     forward = the micro-batch's cost / pp, backward = ``backward_forward_ratio`` x forward), no first/last-stage
+     extras, nothing outside the pipeline (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
+     seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
+     charged 2% of a full one. Candidates compared by that model, none by a fixed rule: each rank's micro-batch
+     order (heaviest first, ascending, cheapest at both ends, ..., then pair swaps; the gradient is a sum, so any
+     order trains the same), with ``balance_data`` the DP assignment (bins move off the slowest replica while its
+     makespan drops: the rank holding the largest micro-batch gets less of the rest), and with dynamic batches
+     more, smaller micro-batches (``align`` more at a time, re-packed under the cap). The pp-unaware plan of stages
+     1-4, heaviest first, is always a candidate, so a step is never predicted slower than it. Each step records its
+     ``predicted_makespan`` and ``bubble_fraction``.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
@@ -266,7 +281,8 @@ def _plan_for_pipeline(
             return b_of, serpentine(bin_costs, dp)
 
     return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
-                              balance=batch.balance_data and cap is not None, recount=recount, align=align)
+                              balance=batch.balance_data and cap is not None, recount=recount, align=align,
+                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count))  # as emitted
 
 
 # ---------------------------------------------------------------------------------------------------- assembly
@@ -320,7 +336,7 @@ def plan_schedule(
     loss_tokens: Sequence[int] | np.ndarray | None = None,
     cost_model: CostModel | CostProfile | None = None,
 ) -> DPSchedule:
-    """Plan one rollout: walk the four stages of the module docstring for every step.
+    """Plan one rollout: walk the stages of the module docstring for every step.
 
     ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
     sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for

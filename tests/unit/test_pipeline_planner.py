@@ -12,7 +12,8 @@ import pytest
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, ScheduleError,
                                 check_schedule, plan_schedule)
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline_plan import (FLOPS_MICROBATCH_OVERHEAD, heuristic_orders, pipeline_pricing)
+from slime_ext.schedule.pipeline_plan import (FLOPS_MICROBATCH_OVERHEAD, heuristic_orders, pipeline_pricing,
+                                              predicted_makespans)
 
 DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
 PROFILE = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-5,
@@ -68,7 +69,7 @@ def random_case(seed: int):
     return lengths, parallel, batch, cost
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", range(32))
 def test_pipelined_plans_hold_every_invariant_and_never_predict_slower_than_the_pp_unaware_plan(seed):
     lengths, parallel, batch, cost = random_case(seed)
     try:
@@ -86,8 +87,16 @@ def test_pipelined_plans_hold_every_invariant_and_never_predict_slower_than_the_
         before = float(pricing.makespans(rank_costs(unaware, s)).max())  # heaviest first, pp-unaware bins and ranks
         assert st.predicted_makespan <= before * (1 + 1e-9), (s, st.strategy)
         assert st.predicted_makespan == pytest.approx(float(pricing.makespans(rank_costs(sched, s)).max()))
+        np.testing.assert_allclose(predicted_makespans(sched, s), pricing.makespans(rank_costs(sched, s)))
+        np.testing.assert_allclose(predicted_makespans(unaware, s, pricing), pricing.makespans(rank_costs(unaware, s)))
         assert 0.0 <= st.bubble_fraction < 1.0
         assert unaware.stats[s].predicted_makespan is None and unaware.stats[s].bubble_fraction is None
+        if "+pp" not in st.strategy:  # nothing beat the pp-unaware plan: it is that plan, as emitted
+            assert st.strategy == unaware.stats[s].strategy
+            assert st.predicted_makespan == pytest.approx(before, rel=1e-12)
+    if not any("+pp" in st.strategy for st in sched.stats):
+        assert sched.partitions == unaware.partitions
+        assert sched.micro_batch_indices == unaware.micro_batch_indices
 
 
 def test_stats_survive_the_json_round_trip_and_a_wrong_prediction_is_caught():
