@@ -465,6 +465,10 @@ def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
+#: computes x replicas evaluated at once (8M floats, 64 MB); more replicas go in blocks
+MAX_TABLE_ENTRIES = 1 << 23
+
+
 def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
     try:
         f = np.asarray(fwd, dtype=np.float64)
@@ -519,8 +523,13 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     makespans, or a float for 1-D input: the time the last operation of any stage ends.
     """
     f, b, one = _as_costs(fwd, bwd)
-    end, _ = _node_ends(f, b, spec)
-    out = end.max(axis=1)
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    # replicas in blocks, so that the node-by-replica table stays under MAX_TABLE_ENTRIES (memory, not speed)
+    nodes = 2 * f.shape[1] * spec.chunks * spec.pp_size
+    block = max(1, MAX_TABLE_ENTRIES // nodes)
+    out = np.concatenate([_node_ends(f[i:i + block], b[i:i + block], spec)[0].max(axis=1)
+                          for i in range(0, max(len(f), 1), block)]) if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
 

@@ -82,6 +82,16 @@ def test_two_stage_timeline_by_hand():
     assert pipeline_makespan([1, 2, 3], [2, 4, 6], PipelineSpec(2)) == 25
 
 
+def test_replicas_in_blocks_give_the_same_makespans(monkeypatch):
+    import slime_ext.schedule.pipeline as pipeline
+    rng = np.random.default_rng(1)
+    f = rng.random((37, 9))
+    spec = PipelineSpec(3, 3, p2p_s=0.1, overlap_p2p_comm=True)
+    whole = pipeline_makespan(f, 2 * f, spec)
+    monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 500)  # 162 computes: 3 replicas per block
+    np.testing.assert_array_equal(pipeline_makespan(f, 2 * f, spec), whole)
+
+
 def test_vectorised_rows_equal_single_rows():
     rng = np.random.default_rng(0)
     f = rng.random((5, 7))
