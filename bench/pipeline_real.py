@@ -4,17 +4,20 @@ The benchmark model of :mod:`bench.train_step` (4 layers, hidden 256) is split o
 one step of one workload from the same initial parameters under two plans of the same samples:
 
 * ``before`` -- the planner without the pipeline size (heaviest micro-batch first);
-* ``after``  -- the planner told ``pp_size = 2``.
+* ``after, heaviest first`` -- the micro-batches of ``after``, run heaviest first (the order alone);
+* ``after``  -- the planner told ``pp_size = 2`` (its count and its order).
+
+Each stage is pinned to its own core (``sched_setaffinity``) and runs one torch thread.
 
 Both plans are made with the calibrated CPU profile ``docs/cpu_bench_profile.json`` (measured on this model, one
 torch thread), which also gives the prediction: one stage's forward of a micro-batch is
 ``microbatch_time / (1 + BACKWARD_FORWARD_RATIO) / pp``, its backward ``BACKWARD_FORWARD_RATIO`` times that, and
 the step's fixed cost is added once. The profile has no ``p2p_s`` (it was calibrated without a pipeline), so the
 table also shows the prediction with a ``p2p_s`` fitted on one run's measurement (``rl/before``): what the profile
-leaves out of every micro-batch under PP on this machine. The measured step is the slowest rank's ``seconds`` of the step record
-(``forward_backward_func`` plus the optimizer), the minimum over ``REPEATS`` calls after a warm-up; the plans
-alternate between calls so that load drift spreads over both. Parameters after the step must match between the
-two plans (1e-5): the order of micro-batches does not change the gradient.
+leaves out of every micro-batch under PP on this machine. The measured step is the slowest rank's ``seconds`` of
+the step record (``forward_backward_func`` plus the optimizer), the minimum over ``REPEATS`` calls after a
+warm-up; the order of the plans reverses between calls so that load drift spreads over all. Parameters after the
+step must match between the plans (1e-5): micro-batches and their order do not change the gradient.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "docs" / "cpu_bench_profile.json"
 PP = 2
 REPEATS = 6
+HEAVIEST = "after, heaviest first"
 WORKLOADS = (Workload("rl", "rl", n=32, seed=21, cap=512, scale=1 / 24, max_len=512),
              Workload("bimodal", "bimodal", n=32, seed=22, cap=512, scale=1 / 24, max_len=512))
 
@@ -56,12 +60,31 @@ def plan(samples: list[dict], w: Workload, profile, pipeline_aware: bool):
                          cost_model=profile)
 
 
+def heaviest_first(payload, profile):
+    """``payload`` (one step) with the same micro-batches run heaviest first by the profile's prediction."""
+    import dataclasses
+
+    lengths = payload.samples.total_lengths
+    mbs = sorted(payload.micro_batch_indices, key=lambda mb: -profile.microbatch_time([lengths[i] for i in mb]))
+    order = [i for mb in mbs for i in mb]
+    starts = np.cumsum([0] + [len(mb) for mb in mbs])
+    return dataclasses.replace(payload, partition=[payload.partition[i] for i in order],
+                               samples=payload.samples.take(order),
+                               micro_batch_indices=[list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])])
+
+
 def real_job(rank: int, port: int, config: dict, runs: list[dict], repeats: int) -> dict:
     """One stage: per repeat, every run from the initial parameters; step seconds per call, parameters after."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     from slime_ext.training.worker import TrainWorker
+
+    if hasattr(os, "sched_setaffinity"):  # one core per stage
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
     worker = TrainWorker(config, rank, PP, "127.0.0.1", port)
     worker.setup()
@@ -100,17 +123,17 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     runs, predicted, counts, costs = [], {}, {}, {}
     for w in WORKLOADS:
         samples = make_samples(workload_lengths(w), w.seed, MODEL["vocab_size"])
-        for name, aware in (("before", False), ("after", True)):
-            sched = plan(samples, w, profile, aware)
-            part = sched.partitions[0]
-            mbs = [[samples[part[i]]["total_length"] for i in mb] for mb in sched.micro_batch_indices[0]]
+        before = rollout_payloads(samples, plan(samples, w, profile, False))[0]
+        after = rollout_payloads(samples, plan(samples, w, profile, True))[0]
+        for name, payload in (("before", before), (HEAVIEST, heaviest_first(after, profile)), ("after", after)):
+            lengths = payload.samples.total_lengths
+            mbs = [[lengths[i] for i in mb] for mb in payload.micro_batch_indices]
             fwd, bwd = stage_costs(profile, mbs, ParallelConfig(dp_size=1, pp_size=PP))
             label = f"{w.name}/{name}"
             predicted[label] = float(pipeline_makespan(fwd, bwd, spec)) + profile.step_overhead_s
             counts[label] = len(mbs)
             costs[label] = (fwd, bwd)
-            runs.append({"label": label, "payload": rollout_payloads(samples, sched)[0],
-                         "max_tokens_per_gpu": w.cap})
+            runs.append({"label": label, "payload": payload})
     config["max_tokens_per_gpu"] = max(w.cap for w in WORKLOADS)
     t0 = time.perf_counter()
     port = free_port()
@@ -124,19 +147,21 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     fitted = {label: float(pipeline_makespan(*costs[label], PipelineSpec(PP, p2p_s=p2p))) + profile.step_overhead_s
               for label in costs}
     lines = ["| workload | plan | #mb | predicted s | measured s | spread | model err | predicted s, p2p fitted "
-             "| model err | after / before measured | predicted | predicted, p2p fitted |", "|---" * 12 + "|"]
+             "| model err | / before measured | predicted | predicted, p2p fitted |", "|---" * 12 + "|"]
     for w in WORKLOADS:
         b, a = f"{w.name}/before", f"{w.name}/after"
-        for label in (b, a):
+        for label in (b, f"{w.name}/{HEAVIEST}", a):
             ratios = ["", "", ""] if label == b else [
-                f"{seconds[a] / seconds[b]:.3f}", f"{predicted[a] / predicted[b]:.3f}", f"{fitted[a] / fitted[b]:.3f}"]
+                f"{seconds[label] / seconds[b]:.3f}", f"{predicted[label] / predicted[b]:.3f}",
+                f"{fitted[label] / fitted[b]:.3f}"]
             lines.append(f"| {w.name} | {label.split('/')[1]} | {counts[label]} | {predicted[label]:.3f} | "
                          f"{seconds[label]:.3f} | {spread[label]:.1%} | {predicted[label] / seconds[label] - 1:+.1%} | "
                          f"{fitted[label]:.3f} | {fitted[label] / seconds[label] - 1:+.1%} | "
                          + " | ".join(ratios) + " |")
-        for rank_result in results:  # the micro-batch order must not change the step's result
-            assert_params_match(rank_result["params"][a], rank_result["params"][b], rank_result["initial"],
-                                rtol=1e-5, label=f"{w.name}: after vs before")
+        for rank_result in results:  # the micro-batches and their order must not change the step's result
+            for label in (a, f"{w.name}/{HEAVIEST}"):
+                assert_params_match(rank_result["params"][label], rank_result["params"][b], rank_result["initial"],
+                                    rtol=1e-5, label=f"{label} vs before")
     print("\n".join(lines))
     print("  measured = slowest stage's step seconds (forward_backward_func + optimizer), min of "
           f"{repeats} calls after a warm-up (spread = max/min - 1: CPU-bound, so the machine's load shows);"
