@@ -15,8 +15,9 @@ torch thread), which also gives the prediction: one stage's forward of a micro-b
 the step's fixed cost is added once. On a shared CPU the profile's absolute seconds are those of the load it
 was calibrated under, so the table compares each plan's step with ``before``'s, measured beside predicted. The
 measured step is the slowest rank's ``seconds`` of the step record (``forward_backward_func`` plus the optimizer),
-the minimum over ``REPEATS`` calls after a warm-up; the order of the plans reverses between calls so that load drift spreads over all. Parameters after the
-step must match between the plans (1e-5): micro-batches and their order do not change the gradient.
+the minimum over ``REPEATS`` calls after a warm-up; the order of the plans reverses between calls so that load
+drift spreads over all. Parameters after the step must match between the plans (1e-5): micro-batches and their
+order do not change the gradient.
 """
 
 from __future__ import annotations
