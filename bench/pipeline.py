@@ -46,8 +46,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -69,7 +67,6 @@ MICROBATCH_OVERHEAD_SHARE = 0.02
 #: two measured makespans closer than this (relative) are "equal": the spread of repeats of one run on a loaded
 #: 2-core machine (see the table's "spread" column)
 NOISE = 0.005
-PLANS = ("before", "after", "slime")
 #: a run is repeated up to this many times --repeats while its two fastest calls disagree by more than NOISE
 MAX_REPEATS_FACTOR = 4
 
