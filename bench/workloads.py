@@ -14,6 +14,9 @@ Distributions (all lengths are total tokens = prompt + response, integers >= 1):
 * ``uniform``    -- near-uniform (our choice): prompt ~ U[200, 300] + response ~ U[700, 800], i.e. 900..1100 tokens,
                     16-18 samples per micro-batch. The SFT-like regime where packing is easy and the cost model is
                     nearly linear; it checks that nothing regresses when there is little to balance.
+* ``bimodal``    -- 80% short, 20% long (our choice, issue 15): every sample has a prompt ~ U[100, 1000]; a short
+                    one a response ~ lognormal(mu=6.5, sigma=0.5) (~700 tokens), a long one a response ~ U[8000, 15000].
+                    Which samples are long is drawn per sample (probability 0.2).
 """
 
 from __future__ import annotations
@@ -70,11 +73,17 @@ def make_lengths(dist: str, n: int, seed: int) -> np.ndarray:
     elif dist == "heavy":
         prompt = rng.integers(50, 600, size=n, endpoint=True)
         response = np.minimum(_ints(300.0 * rng.pareto(1.2, size=n)), 30000)
+    elif dist == "bimodal":
+        prompt = rng.integers(100, 1000, size=n, endpoint=True)
+        long = rng.random(n) < 0.2
+        short_response = _ints(rng.lognormal(mean=6.5, sigma=0.5, size=n))
+        long_response = rng.integers(8000, 15000, size=n, endpoint=True)
+        response = np.where(long, long_response, short_response)
     elif dist == "uniform":
         prompt = rng.integers(200, 300, size=n, endpoint=True)
         response = rng.integers(700, 800, size=n, endpoint=True)
     else:
-        raise ValueError(f"unknown distribution {dist!r}; use 'rl', 'heavy' or 'uniform'")
+        raise ValueError(f"unknown distribution {dist!r}; use 'rl', 'heavy', 'bimodal' or 'uniform'")
     return (prompt + response).astype(np.int64)
 
 

@@ -15,9 +15,9 @@ from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, ch
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-#: ... and the pipeline size, which slime's dict may lack (then 1); ``ParallelConfig.from_megatron`` reads it from
-#: Megatron's ``pipeline_model_parallel_size``
-FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size",)
+#: ... and the pipeline size and p2p mode, which slime's dict may lack (then 1 and False);
+#: ``ParallelConfig.from_megatron`` reads them from Megatron's args
+FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm")
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = (
     "global_batch_size",
@@ -55,6 +55,10 @@ class ParallelConfig:
     #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
     #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline); 1 plans exactly as before
     pp_size: int = 1
+    #: Megatron's ``overlap_p2p_comm``: under VPP, p2p is posted early and waited just before use instead of one
+    #: blocking batch per iteration (the pipeline model follows the mode); False without VPP (megatron-core refuses
+    #: it there), so configs that plan alike compare equal
+    overlap_p2p_comm: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
@@ -70,6 +74,8 @@ class ParallelConfig:
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
         _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
                       "Megatron defaults it to the pipeline-parallel size: pass that")
+        overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
+        object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
 
     @property
     def align(self) -> int:
@@ -104,10 +110,11 @@ class ParallelConfig:
     def from_megatron(
         cls, dp_size: int, *, context_parallel_size: int | None = 1, pipeline_model_parallel_size: int | None = 1,
         virtual_pipeline_model_parallel_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
+        overlap_p2p_comm: bool | None = None,
     ) -> "ParallelConfig":
         """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
         pipeline size. It only counts with virtual pipelining; without, it is 1, so configs that plan alike compare
-        equal."""
+        equal. ``overlap_p2p_comm=None`` is Megatron-LM training's default: on with VPP."""
         def given(size: int | None, default: int | None) -> int | None:
             return default if size is None else size
 
@@ -115,7 +122,8 @@ class ParallelConfig:
         group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
                    microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
-                   pp_size=given(pipeline_model_parallel_size, 1))
+                   pp_size=given(pipeline_model_parallel_size, 1),
+                   overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

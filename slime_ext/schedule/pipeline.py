@@ -13,15 +13,19 @@ in ``megatron/core/pipeline_parallel/schedules.py``, written here in our own wor
   ``send_backward_recv_forward`` (one batch), ``recv_backward``, ``send_backward``.
 * Interleaved (``vpp_size > 1``): see :func:`interleaved_programs`.
 
+``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions (compute replaced by tags, the
+communicator by a recorder) and checks that every rank's computes, p2p calls (which transfers each combines,
+whether it blocks) and waits are exactly these programs'.
+
 **Time.** An operation starts when the previous one on its stage has ended (one stream per stage). A transfer of
 one micro-batch's activation or gradient over one stage boundary takes ``p2p_s`` seconds, and it starts when both
-sides have posted it: megatron-core's sends block until the peer receives (gloo; NCCL likewise for tensors this
-size), so a blocking call that sends and receives returns when *all* its transfers are done. Messages on one
+sides have posted it: megatron-core's sends block until the peer receives (measured on gloo, see the notes; we
+assume the same of NCCL), so a blocking call that sends and receives returns when *all* its transfers are done. Messages on one
 directed link pair up in program order (first send with first receive), as the communication libraries do.
 The programs are compiled once per layout and count into a DAG of the computes (a compute starts at the latest of
 its stage's previous operation and the transfers it waits for) and evaluated level by level, vectorised over
 replicas: 128 replicas x 64 micro-batches x 8 stages take a few milliseconds (``python -m
-slime_ext.schedule.pipeline`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
+bench.pipeline_model_table --speed`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
 it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` is modelled.
 
 **Assumptions.**
@@ -29,8 +33,10 @@ it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` i
 * Layers are split evenly: one stage's forward of micro-batch ``m`` takes ``fwd[m]`` on every stage (its
   backward ``bwd[m]``); under VPP one model chunk takes ``fwd[m] / vpp_size``. No first/last-stage extras
   (embedding, loss): fold them into the costs if a profile measures them.
-* ``p2p_s`` is the same for every micro-batch and boundary (activations of a packed micro-batch have a fixed
-  shape per token budget; a profile measures it once).
+* ``p2p_s`` is the same for every micro-batch and boundary (megatron-core sends tensors of one fixed shape per
+  step; a profile measures it once).
+* The makespan is when the last forward or backward of any stage ends (a transfer always ends before the compute
+  that consumes it).
 * Nothing else on the critical path: no optimizer, no DP gradient reduction, no kernel launch or wake-up latency.
   Measured on megatron-core's real schedule (``bench/pipeline.py``, the notes), such a model is a few percent low.
 """
@@ -459,9 +465,17 @@ def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
+#: computes x replicas evaluated at once (8M floats, 64 MB); more replicas go in blocks
+MAX_TABLE_ENTRIES = 1 << 23
+
+
 def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
-    f = np.asarray(fwd, dtype=np.float64)
-    b = np.asarray(bwd, dtype=np.float64)
+    try:
+        f = np.asarray(fwd, dtype=np.float64)
+        b = np.asarray(bwd, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ScheduleError(f"fwd and bwd must be arrays of numbers (per-stage seconds or FLOPs per micro-batch), "
+                            f"got {show(fwd)} and {show(bwd)} ({e})") from None
     one = f.ndim == 1
     if f.ndim not in (1, 2) or f.shape != b.shape:
         raise ScheduleError(f"fwd and bwd must have the same shape, (M,) or (replicas, M); got {f.shape} and "
@@ -478,7 +492,9 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
 
 
 def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
-    """End time of every node, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
     r, m = f.shape
     dag = _dag(spec, m)
     v = spec.chunks
@@ -508,9 +524,12 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     """
     f, b, one = _as_costs(fwd, bwd)
     if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}")
-    end, _ = _node_ends(f, b, spec)
-    out = end.max(axis=1)
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    # replicas in blocks, so that the node-by-replica table stays under MAX_TABLE_ENTRIES (memory, not speed)
+    nodes = 2 * f.shape[1] * spec.chunks * spec.pp_size
+    block = max(1, MAX_TABLE_ENTRIES // nodes)
+    out = np.concatenate([_node_ends(f[i:i + block], b[i:i + block], spec)[0].max(axis=1)
+                          for i in range(0, max(len(f), 1), block)]) if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
 
@@ -520,14 +539,12 @@ def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
     if f.shape[0] != 1:
         raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,); got {f.shape}")
     end, dag = _node_ends(f, b, spec)
-    m = f.shape[1]
     out = []
     for comp, nodes in zip(dag.computes, dag.compute_nodes):
         e = end[0, nodes]
         d = np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
                      b[0, [mb for _, mb, _ in comp]]) / spec.chunks if len(comp) else np.zeros(0)
         out.append([(k, mb, c, float(ei - di), float(ei)) for (k, mb, c), ei, di in zip(comp, e, d)])
-    del m
     return out
 
 
@@ -577,7 +594,8 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     """
     f, b, one = _as_costs(fwd, bwd)
     if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}")
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    spec.check_microbatches(f.shape[1])
     work = f.sum(axis=1) + b.sum(axis=1)
     pp, v, c = spec.pp_size, spec.chunks, spec.p2p_s
     if pp == 1:
@@ -587,27 +605,3 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
         last_stage = work + (pp - 1) * (f.min(axis=1) + b.min(axis=1)) / v + 2 * (pp - 1) * c
         out = np.maximum(trip, last_stage)
     return float(out[0]) if one else out
-
-
-def _benchmark() -> None:
-    """``python -m slime_ext.schedule.pipeline``: how long 128 replicas x 64 micro-batches x 8 stages take."""
-    import time
-
-    rng = np.random.default_rng(0)
-    f = rng.lognormal(0.0, 0.6, (128, 64))
-    for spec in (PipelineSpec(8, p2p_s=0.01), PipelineSpec(8, 2, p2p_s=0.01),
-                 PipelineSpec(8, 2, p2p_s=0.01, overlap_p2p_comm=True)):
-        t0 = time.perf_counter()
-        pipeline_makespan(f, 2 * f, spec)  # compiles the schedule once (cached per layout and count)
-        t1 = time.perf_counter()
-        reps = 20
-        for _ in range(reps):
-            pipeline_makespan(f, 2 * f, spec)
-        t2 = time.perf_counter()
-        print(f"pp={spec.pp_size} vpp={spec.vpp_size} overlap={spec.overlap_p2p_comm}: 128 replicas x 64 "
-              f"micro-batches: {1e3 * (t2 - t1) / reps:.1f} ms per call ({1e3 * (t1 - t0):.1f} ms the first, "
-              f"compiling the schedule)")
-
-
-if __name__ == "__main__":
-    _benchmark()

@@ -1,5 +1,6 @@
 """Ray-level ledger under pipeline parallelism: every stage of a DP replica fetches that replica's payload and
-consumes the same micro-batches, the ones the schedule gave the replica (PP=2 x DP=2, and PP=2 with VPP=2)."""
+consumes the same micro-batches, the ones the schedule gave the replica (PP=2 x DP=2, and PP=2 with VPP=2). The
+plans are pipeline-aware (issue 15): the planner knows the pipeline size and predicts each step's makespan."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def _assert_pipeline_ledger(result, dp: int, pp: int) -> None:
     assert {l["backend"] for l in result.layouts} == {"nccl" if result.config.options["device"] == "cuda" else "gloo"}
     for rollout in result.rollouts:
         assert check_ledger(rollout.plan, rollout.ranks) == []
+        schedule = rollout.plan["schedule"]  # planned for the pipeline: the model's prediction for every step
+        assert schedule["parallel"]["pp_size"] == pp
+        assert all(st["predicted_makespan"] > 0 and 0 <= st["bubble_fraction"] < 1 for st in schedule["stats"])
         by_dp: dict = {}
         for rank in rollout.ranks:  # the stages of a replica really consumed the same micro-batches
             by_dp.setdefault(rank["dp_rank"], []).append([rec["ledger"] for rec in rank["records"]])
@@ -41,5 +45,6 @@ def test_ledger_pp2_vpp2(session):
     _assert_pipeline_ledger(result, dp=1, pp=2)
     counts = [n for r in result.rollouts for n in r.plan["num_microbatches"]]
     assert all(n % cfg.train.parallel.mb_group_size == 0 for n in counts)
-    # a step with as many micro-batches as stages (all in warmup on stage 0) once deadlocked gloo p2p
-    assert 2 in counts and max(counts) > 2
+    # a step with as many micro-batches as stages (all in warmup on stage 0) once deadlocked gloo p2p; the
+    # pipeline-aware planner gives this config's steps more micro-batches than that, so the case is now covered by
+    # tests/e2e/test_train_invariance.py (static_few_microbatches, pp2_vpp2)

@@ -43,9 +43,10 @@ class Scenario:
                           "forward_only": list(range(len(samples_list[0]))) if forward_only else None}
 
 
-def rollout_scenario(name, samples_list, batch, parallel, world_size, forward_only=False):
+def rollout_scenario(name, samples_list, batch, parallel, world_size, forward_only=False, pipeline_aware=True):
     changes = {"dp_schedule": "rollout", **batch}
-    schedules = [plan(samples, {**REFERENCE_CONFIG, **parallel, **changes}, world_size) for samples in samples_list]
+    schedules = [plan(samples, {**REFERENCE_CONFIG, **parallel, **changes}, world_size, pipeline_aware=pipeline_aware)
+                 for samples in samples_list]
     steps = [(r, sch.step_samples[s], sch.samples_per_step[s])
              for r, sch in enumerate(schedules) for s in range(sch.num_steps)]
     return Scenario(name, samples_list, changes, [rollout_payloads(sm, sch) for sm, sch in zip(samples_list, schedules)],
@@ -201,6 +202,7 @@ def check_legacy_ledger(group, sc: Scenario) -> None:
 def _pipeline_scenarios(parallel: dict, world_size: int, dp: int) -> list[Scenario]:
     mixed = [make_samples(10, seed=6)]
     single = [make_samples(8, seed=7, multi_every=0)]
+    varied = [make_samples(16, seed=8, multi_every=0)]
     return [
         rollout_scenario("dynamic_balanced", mixed,
                          dict(DYNAMIC, use_dynamic_global_batch_size=True, balance_data=True), parallel, world_size,
@@ -215,6 +217,11 @@ def _pipeline_scenarios(parallel: dict, world_size: int, dp: int) -> list[Scenar
                          parallel, world_size),
         legacy_scenario("legacy_dynamic", single, dict(DYNAMIC, global_batch_size=8), dp),
         legacy_scenario("legacy_static", single, dict(micro_batch_size=1, global_batch_size=8), dp),
+        # the same samples planned for the pipeline (order and count by the pipeline model) and without it
+        rollout_scenario("pipeline_aware", varied, dict(DYNAMIC, global_batch_size=16, balance_data=True), parallel,
+                         world_size),
+        rollout_scenario("unordered", varied, dict(DYNAMIC, global_batch_size=16, balance_data=True), parallel,
+                         world_size, pipeline_aware=False),
     ]
 
 
@@ -229,3 +236,22 @@ def test_pipeline_invariance_ledger_forward_only(parallel, world_size, dp):
     assert sorted((r["layout"]["dp_rank"], r["layout"]["pp_rank"]) for r in group) == \
         sorted((d, p) for d in range(dp) for p in range(2))
     check_scenarios(group, reference, scenarios)
+    check_pipeline_aware_matches_unordered(group, reference, scenarios)
+    # the gloo p2p regression case: as many micro-batches as stages (static batches keep their count)
+    few = next(sc for sc in scenarios if sc.name == "static_few_microbatches")
+    assert few.schedules[0].num_microbatches == [2], few.schedules[0].num_microbatches
+
+
+def check_pipeline_aware_matches_unordered(group, reference, scenarios: list[Scenario]) -> None:
+    """The pipeline-aware plan runs other micro-batches, or the same in another order, than the unordered plan of
+    the same samples, and trains to the same parameters (1e-5): the step's gradient is a sum over its samples."""
+    by_name = {sc.name: sc for sc in scenarios}
+    aware, unordered = by_name["pipeline_aware"].schedules, by_name["unordered"].schedules
+    def runs(sch):  # per DP rank, its micro-batches (global sample ids) in run order
+        return [[[sch.partitions[r][i] for i in mb] for mb in sch.micro_batch_indices[r]] for r in range(sch.dp_size)]
+
+    assert runs(aware[0]) != runs(unordered[0]), \
+        "the pipeline-aware plan equals the unordered one: the scenario tests nothing"
+    errors = assert_params_match(merged_params(group, "pipeline_aware"), merged_params(group, "unordered"),
+                                 reference["initial"], label="pipeline_aware vs unordered")
+    print(f"  pipeline_aware vs unordered: param rel err {errors['param_rel']:.1e}")

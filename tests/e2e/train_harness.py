@@ -144,14 +144,20 @@ def make_samples(num_rollouts: int, seed: int, *, vocab: int = 64, max_response:
     return samples
 
 
-def plan(samples: list[dict], train_config: dict, world_size: int):
-    """The rollout side's job, for the tests: the DPSchedule of ``samples`` for ``train_config``."""
+def plan(samples: list[dict], train_config: dict, world_size: int, *, pipeline_aware: bool = True):
+    """The rollout side's job, for the tests: the DPSchedule of ``samples`` for ``train_config``.
+
+    ``pipeline_aware=False`` plans as if there were no pipeline (``pp_size = 1``: the planner before issue 15,
+    micro-batches heaviest first), for comparing a pipeline-aware plan with the unordered one."""
     from slime_ext.schedule import build_dp_schedule
     from slime_ext.train_config import TrainConfig
 
     cfg = TrainConfig.from_mapping(train_config)
+    parallel = cfg.train_parallel_config(world_size)
+    if not pipeline_aware:
+        parallel = {**parallel, "pp_size": 1}
     return build_dp_schedule(
-        SimpleNamespace(**cfg.to_dict()), cfg.train_parallel_config(world_size),
+        SimpleNamespace(**cfg.to_dict()), parallel,
         [s["total_length"] for s in samples], rollout_indices=[s["rollout_id"] for s in samples],
         loss_tokens=[sum(s["loss_mask"]) for s in samples])
 

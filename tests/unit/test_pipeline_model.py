@@ -49,6 +49,13 @@ def test_costs_are_checked():
         pipeline_makespan([1.0], [float("inf")], spec)
     with pytest.raises(ScheduleError, match="no micro-batches"):
         pipeline_makespan(np.zeros(0), np.zeros(0), spec)
+    with pytest.raises(ScheduleError, match="arrays of numbers"):
+        pipeline_makespan(["a"], [1.0], spec)
+    for fn in (pipeline_makespan, pipeline_timeline, bubble_fraction, pipeline_lower_bound):
+        with pytest.raises(ScheduleError, match="spec must be a PipelineSpec"):
+            fn([1.0], [1.0], 4)
+    with pytest.raises(ScheduleError, match="one replica"):
+        pipeline_timeline(np.ones((2, 3)), np.ones((2, 3)), spec)
 
 
 # ---------------------------------------------------------------------------------------------------- 1F1B by hand
@@ -73,6 +80,16 @@ def test_two_stage_timeline_by_hand():
     assert tl[1] == [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 4), ("F", 1, 0, 4, 6), ("B", 1, 0, 6, 10),
                      ("F", 2, 0, 10, 13), ("B", 2, 0, 13, 19)]
     assert pipeline_makespan([1, 2, 3], [2, 4, 6], PipelineSpec(2)) == 25
+
+
+def test_replicas_in_blocks_give_the_same_makespans(monkeypatch):
+    import slime_ext.schedule.pipeline as pipeline
+    rng = np.random.default_rng(1)
+    f = rng.random((37, 9))
+    spec = PipelineSpec(3, 3, p2p_s=0.1, overlap_p2p_comm=True)
+    whole = pipeline_makespan(f, 2 * f, spec)
+    monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 500)  # 162 computes: 3 replicas per block
+    np.testing.assert_array_equal(pipeline_makespan(f, 2 * f, spec), whole)
 
 
 def test_vectorised_rows_equal_single_rows():
@@ -286,10 +303,12 @@ def test_lower_bound_never_exceeds_the_best_order_brute_force():
     from itertools import permutations
     rng = np.random.default_rng(3)
     tight = 0
-    for _ in range(60):
+    kinds = set()
+    for _ in range(200):
         spec, m = random_spec(rng)
         if m > 6:
             continue
+        kinds.add((spec.pp_size > 1, spec.vpp_size > 1, spec.p2p_s > 0))
         f, b = random_costs(rng, m)
         orders = np.array(list(permutations(range(m))))
         best = pipeline_makespan(f[orders], b[orders], spec).min()
@@ -298,6 +317,7 @@ def test_lower_bound_never_exceeds_the_best_order_brute_force():
         assert pipeline_lower_bound(f[::-1], b[::-1], spec) == pytest.approx(bound)  # a bound of the set
         tight += bound >= best * (1 - 1e-9)
     assert tight  # and it is reached in some cases (equal costs, pp = 1, ...)
+    assert {(True, False, True), (True, True, True), (True, True, False)} <= kinds
 
 
 def test_lower_bound_holds_the_largest_trip_and_the_last_stage():
@@ -317,3 +337,131 @@ def test_bubble_fraction_is_idle_share_of_a_stage():
     assert bubble_fraction(f, b, PipelineSpec(4)) == pytest.approx(1 - 24 / 33)
     rows = bubble_fraction(np.stack([f, 2 * f]), np.stack([b, 2 * b]), PipelineSpec(4))
     np.testing.assert_allclose(rows, [1 - 24 / 33, 1 - 24 / 33])
+
+
+def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
+    """Every rank's operations as megatron-core's own schedule function issues them: its forward/backward and p2p
+    calls are recorded (compute replaced by tags, the communicator by a recorder that keeps megatron-core's public
+    send/recv methods and their first/last-stage guards), in the normalised form of :func:`normalise`."""
+    torch = pytest.importorskip("torch")
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    from types import SimpleNamespace
+
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from slime_ext.patches.megatron_cpu import cpu_device_context
+
+    config = TransformerConfig(num_layers=pp * vpp, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                               pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                               microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
+                               overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
+
+    class Group:
+        def __init__(self, size, rank=0):
+            self._size, self._rank = size, rank
+
+        def size(self):
+            return self._size
+
+        def rank(self):
+            return self._rank
+
+    programs = []
+    for rank in range(pp):
+        ops = []
+
+        class Recorder(P2PCommunicator):
+            def __init__(self):  # no process group: every call is recorded, none is sent
+                self.pp_group, self.config = Group(pp, rank), config
+                self.next_rank, self.prev_rank = (rank + 1) % pp, (rank - 1) % pp
+                self.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+
+            def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+                             wait_on_reqs=True):
+                flags = {"send_next": tensor_send_next is not None, "recv_prev": recv_prev,
+                         "send_prev": tensor_send_prev is not None, "recv_next": recv_next}
+                posted = tuple(sorted(k for k, v in flags.items() if v))
+                handles = None
+                if posted:
+                    call = sum(op[0] == "X" for op in ops)
+                    ops.append(("X", posted, wait_on_reqs))
+                    if not wait_on_reqs:
+                        handles = {k: SimpleNamespace(wait=lambda key=(call, k): ops.append(("W", (key,))))
+                                   for k in posted}
+                elif not wait_on_reqs:
+                    handles = {}
+                return (torch.zeros(1) if recv_prev else None), (torch.zeros(1) if recv_next else None), handles
+
+        def forward_step(forward_step_func, data_iterator, model, num_microbatches, input_tensor, *args,
+                         current_microbatch=None, vp_stage=None, **kwargs):
+            chunk = 0 if vp_stage is None else vp_stage
+            ops.append(("C", "F", current_microbatch, chunk))
+            out = SimpleNamespace(tag=(current_microbatch, chunk))  # as megatron-core's: a list in, a list out
+            return [out] if isinstance(input_tensor, list) else out, torch.zeros([], dtype=torch.int)
+
+        def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+            ops.append(("C", "B") + (output_tensor[0] if isinstance(output_tensor, list) else output_tensor).tag)
+            return [torch.zeros(1)] if isinstance(input_tensor, list) else torch.zeros(1)
+
+        chunks = []
+        for _ in range(vpp):
+            chunk = torch.nn.Module()
+            chunk.config, chunk.model_type = config, ModelType.encoder_or_decoder
+            chunk.set_input_tensor = lambda tensor: None
+            chunks.append(chunk)
+        groups = SimpleNamespace(tp=Group(1), cp=Group(1), embd=None, pos_embd=None, pp=Group(pp, rank),
+                                 dp_cp=Group(1))
+        run = (schedules.forward_backward_pipelining_with_interleaving if vpp > 1
+               else schedules.forward_backward_pipelining_without_interleaving)
+        with pytest.MonkeyPatch.context() as mp, cpu_device_context():
+            mp.setattr(schedules, "forward_step", forward_step)
+            mp.setattr(schedules, "backward_step", backward_step)
+            mp.setattr(torch.distributed, "is_initialized", lambda: True)  # the fake groups' ranks count
+            run(forward_step_func=None, data_iterator=[iter(())] * vpp if vpp > 1 else iter(()),
+                model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=4, micro_batch_size=1,
+                p2p_communicator=Recorder(), pg_collection=groups)
+        programs.append(ops)
+    return programs
+
+
+def normalise(programs, pp):
+    """Our programs in the recorder's form: p2p calls as sorted megatron flag names, waits by (call, flag)."""
+    out = []
+    for rank, ops in enumerate(programs):
+        names = {(("f", rank), "send"): "send_next", (("f", (rank - 1) % pp), "recv"): "recv_prev",
+                 (("b", rank), "send"): "send_prev", (("b", (rank + 1) % pp), "recv"): "recv_next"}
+        handle, calls, norm = {}, 0, []
+        for op in ops:
+            if op[0] == "C":
+                norm.append(op)
+            elif op[0] == "X":
+                flags = []
+                for link, role, h in op[1]:
+                    handle[h] = (calls, names[(link, role)])
+                    flags.append(names[(link, role)])
+                norm.append(("X", tuple(sorted(flags)), op[2]))
+                calls += 1
+            else:
+                norm.extend(("W", (handle[h],)) for h in op[1])
+        out.append(norm)
+    return out
+
+
+LAYOUTS = [(2, 1, 1, 1), (2, 1, 1, 5), (4, 1, 1, 3), (4, 1, 1, 9), (2, 2, 2, 2), (2, 2, 2, 4), (2, 2, 3, 5),
+           (4, 2, 4, 8), (4, 2, 5, 9), (4, 2, 4, 12), (4, 3, 4, 4), (3, 2, 4, 7)]
+
+
+@pytest.mark.parametrize("pp, vpp, group, m, overlap",  # megatron-core refuses overlap_p2p_comm without VPP
+                         [lay + (False,) for lay in LAYOUTS] + [lay + (True,) for lay in LAYOUTS if lay[1] > 1])
+def test_p2p_calls_are_megatron_cores(pp, vpp, group, m, overlap):
+    """Our programs are megatron-core's: the same computes and the same p2p calls in the same order -- which
+    transfers each call combines, whether it blocks, and which earlier transfer each wait is for -- recorded from
+    megatron-core's own schedule functions."""
+    from slime_ext.schedule.pipeline import stage_programs
+    theirs = megatron_programs(pp, vpp, group, m, overlap)
+    ours = normalise(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), pp)
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a == b, f"rank {rank}"
