@@ -13,16 +13,20 @@ from typing import Sequence
 
 import numpy as np
 
-from ..schedule.pipeline import PipelineSpec, pipeline_makespan, pipeline_timeline
+from ..schedule import DPSchedule
+from ..schedule.pipeline import pipeline_timeline
+from ..schedule.pipeline_plan import PipelinePricing, pipeline_pricing, step_microbatch_costs
 from .errors import CLIError
-from .plot import microbatch_loads
 
 
-def replica_stage_costs(view, step: int, weights: np.ndarray, pp_size: int, backward_forward_ratio: float):
-    """``(fwd, bwd)``, each ``(dp, M)``: per-stage seconds (or cost units) of every rank's micro-batches of
-    ``step`` in the order they run. A micro-batch's forward is its summed cost split evenly over the stages."""
-    fwd = microbatch_loads(view, step, weights) / pp_size
-    return fwd, backward_forward_ratio * fwd
+class _Priced:
+    """A baseline's micro-batches over ``schedule``'s samples, with its cost model and lengths: what
+    :func:`step_microbatch_costs` reads."""
+
+    def __init__(self, schedule: DPSchedule, view) -> None:
+        self.total_lengths, self.cost_model = schedule.total_lengths, schedule.cost_model
+        self.partitions, self.micro_batch_indices = view.partitions, view.micro_batch_indices
+        self.num_microbatches, self.dp_size = list(view.num_microbatches), len(view.partitions)
 
 
 def _draw(ax, timeline: Sequence[Sequence[tuple]], label: str, span: float, unit: str) -> None:
@@ -43,14 +47,15 @@ def _draw(ax, timeline: Sequence[Sequence[tuple]], label: str, span: float, unit
     ax.tick_params(labelsize=7)
 
 
-def plot_pipelines(path: str, panels: Sequence[tuple[str, object]], step: int, weights: np.ndarray,
-                   spec: PipelineSpec, backward_forward_ratio: float, unit: str, title: str) -> list[str]:
+def plot_pipelines(path: str, schedule: DPSchedule, panels: Sequence[tuple[str, object]], step: int,
+                   pricing: PipelinePricing, title: str) -> list[str]:
     """Write the figure; returns one line per panel (scheme, slowest replica, makespan, bubble) for the terminal.
 
-    ``panels``: ``(label, view)`` pairs over the same samples (``view``: anything with ``partitions``,
-    ``micro_batch_indices`` and ``num_microbatches``); ``weights``: each sample's forward cost through the whole
-    model (seconds with a measured profile, else estimated FLOPs or tokens).
+    ``panels``: ``(label, view)`` pairs over ``schedule``'s samples (``view``: anything with ``partitions``,
+    ``micro_batch_indices`` and ``num_microbatches``), every one priced by ``pricing``, the planner's own
+    (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`).
     """
+    spec, unit = pricing.spec, pricing.units
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -59,9 +64,11 @@ def plot_pipelines(path: str, panels: Sequence[tuple[str, object]], step: int, w
         if step >= len(view.num_microbatches):
             lines.append(f"{label}: no step {step} (it planned {len(view.num_microbatches)})")
             continue
-        fwd, bwd = replica_stage_costs(view, step, weights, spec.pp_size, backward_forward_ratio)
+        view_of = _Priced(schedule, view)
         try:
-            spans = np.atleast_1d(pipeline_makespan(fwd, bwd, spec))
+            costs = step_microbatch_costs(view_of, step)
+            fwd, bwd = pricing.stage_costs(costs)
+            spans = pricing.makespans(costs)
         except ValueError as e:  # a count megatron-core would refuse for this layout (e.g. a baseline's)
             lines.append(f"{label}: cannot run step {step} on this pipeline: {e}")
             continue
@@ -92,11 +99,20 @@ def plot_pipelines(path: str, panels: Sequence[tuple[str, object]], step: int, w
     return lines
 
 
-# TODO(merge): these two move to the planner's single definition once i-pipe's planner lands
-def pipeline_spec(parallel, cost_model) -> PipelineSpec:
-    return PipelineSpec(parallel.pp_size, parallel.vpp_size, parallel.microbatch_group_size_per_vp_stage,
-                        p2p_s=float(getattr(cost_model, "p2p_s", 0.0)))
 
-
-def backward_forward_ratio(cost_model) -> float:
-    return float(getattr(cost_model, "backward_forward_ratio", 2.0))
+def compare_makespans(schedule: DPSchedule, panels: Sequence[tuple[str, object]]) -> str:
+    """One line: every scheme's predicted pipeline makespan summed over its steps, priced as the planner prices
+    ours (a scheme whose micro-batch count megatron-core would refuse on this pipeline says so)."""
+    pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+    parts = []
+    for label, view in panels:
+        priced = _Priced(schedule, view)
+        try:
+            total = sum(float(pricing.makespans(step_microbatch_costs(priced, s)).max())
+                        for s in range(len(priced.num_microbatches)))
+        except ValueError as e:
+            parts.append(f"{label} cannot run on this pipeline ({e})")
+            continue
+        parts.append(f"{label} {total:.4g}")
+    return (f"pipeline: predicted makespan of the slowest replica, summed over steps ({pricing.units}, "
+            f"pp_size={schedule.parallel.pp_size}): " + ", ".join(parts))

@@ -18,11 +18,8 @@ import json
 import sys
 import time
 
-import numpy as np
-
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
-from ..schedule.cost import sample_costs
-from .pipeline_plot import backward_forward_ratio, pipeline_spec
+from ..schedule.pipeline_plan import pipeline_pricing
 from . import compare, inputs, options, pipeline_plot, plot, report
 from .errors import CLIError
 
@@ -134,11 +131,10 @@ def _plot(args, panels, title: str) -> None:
 
 def _plot_pipeline(args, schedule: DPSchedule, panels, title: str) -> None:
     steps, _ = plot.parse_steps(args.plot_steps, schedule.num_steps)
-    spec = pipeline_spec(schedule.parallel, schedule.cost_model)
+    pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
     lines = pipeline_plot.plot_pipelines(
-        args.plot_pipeline, [(label or "slime-ext", view) for label, view in panels], steps[0],
-        sample_costs(np.asarray(schedule.total_lengths, dtype=np.int64), schedule.cost_model), spec,
-        backward_forward_ratio(schedule.cost_model), report.cost_unit(schedule), title)
+        args.plot_pipeline, schedule, [(label or "ours", view) for label, view in panels], steps[0], pricing,
+        title)
     print("\n".join(lines))
     print(f"wrote {args.plot_pipeline}")
 
@@ -242,6 +238,8 @@ def _plan(args) -> int:
         print()
         print(compare.compare_table(runs, schedule, setup))
         panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
+        if schedule.parallel.pp_size > 1:
+            print(pipeline_plot.compare_makespans(schedule, panels))
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
