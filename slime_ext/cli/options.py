@@ -249,6 +249,15 @@ class Setup:
             return fwd_flops_of_slowest_rank
         return FWD_BWD_FACTOR * fwd_flops_of_slowest_rank / (self.tflops * 1e12 * self.gpus_per_replica)
 
+    def makespan_seconds(self, predicted_makespan: float | None) -> float | None:
+        """A pipelined step's predicted makespan in seconds: a profile's are seconds already; FLOPs plans' are
+        per-stage forward FLOPs, run by one stage's ``tp * cp`` GPUs; ``None`` without a FLOPs model."""
+        if predicted_makespan is None or self.cost_model is None:
+            return None
+        if isinstance(self.cost_model, CostProfile):
+            return predicted_makespan
+        return predicted_makespan / (self.tflops * 1e12 * self.tensor_model_parallel_size * self.parallel.cp_size)
+
 
 def given_values(args: argparse.Namespace) -> dict[str, Any]:
     """The keys set on the command line."""

@@ -19,7 +19,8 @@ import sys
 import time
 
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
-from . import compare, inputs, options, plot, report
+from ..schedule.pipeline_plan import pipeline_pricing
+from . import compare, inputs, options, pipeline_plot, plot, report
 from .errors import CLIError
 
 EXIT_INVALID = 1
@@ -52,6 +53,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     out.add_argument("--json", metavar="OUT.json", help="write the schedule (DPSchedule.to_dict()) as JSON")
     out.add_argument("--plot", metavar="OUT.png", help="write a figure: per step, a stacked bar per DP rank, one "
                                                         "segment per micro-batch (needs slime-ext[plot])")
+    out.add_argument("--plot-pipeline", metavar="OUT.png",
+                     help="with --pipeline-model-parallel-size > 1: write the pipeline picture of one step (the first "
+                          "of --plot-steps, default 0): one row per stage, F and B boxes per micro-batch, for the "
+                          "slowest replica, ours above each --compare scheme (needs slime-ext[plot])")
     out.add_argument("--plot-metric", choices=("tokens", "flops"), default="tokens",
                      help="segment height (default tokens; flops needs the model dims)")
     out.add_argument("--plot-steps", metavar="STEPS",
@@ -124,11 +129,26 @@ def _plot(args, panels, title: str) -> None:
     print(f"wrote {args.plot}{note}")
 
 
-def _check_outputs(args, has_cost_model: bool) -> None:
+def _plot_pipeline(args, schedule: DPSchedule, panels, title: str) -> None:
+    steps, _ = plot.parse_steps(args.plot_steps, schedule.num_steps)
+    pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+    lines = pipeline_plot.plot_pipelines(
+        args.plot_pipeline, schedule, [(label or "ours", view) for label, view in panels], steps[0], pricing,
+        title)
+    print("\n".join(lines))
+    print(f"wrote {args.plot_pipeline}")
+
+
+def _check_outputs(args, has_cost_model: bool, pp_size: int = 1) -> None:
     """Output flags that cannot work are rejected before any work is done."""
+    if args.plot_pipeline is not None:
+        if pp_size < 2:
+            raise CLIError("--plot-pipeline draws a pipelined step: pass --pipeline-model-parallel-size N (N >= 2)")
+        plot.require_matplotlib()
     if args.plot is None:
-        if args.plot_steps is not None or args.plot_metric != "tokens":
-            raise CLIError("--plot-steps/--plot-metric need --plot OUT.png")
+        if args.plot_metric != "tokens" or (args.plot_steps is not None and args.plot_pipeline is None):
+            raise CLIError("--plot-steps/--plot-metric need --plot OUT.png (--plot-steps also picks the step of "
+                           "--plot-pipeline)")
         return
     plot.require_matplotlib()
     if args.plot_metric == "flops" and not has_cost_model:
@@ -164,7 +184,7 @@ def _replay(args) -> int:
         for p in problems:
             print(f"  - {p}")
         return EXIT_INVALID
-    _check_outputs(args, schedule.cost_model is not None)
+    _check_outputs(args, schedule.cost_model is not None, schedule.parallel.pp_size)
     setup = options.replay_setup(cli, schedule)
     print(f"valid: {args.from_json} passes every schedule invariant (check_schedule); stats as recorded in the file")
     print(report.report(schedule, setup, args.from_json, with_legend=not args.no_legend))
@@ -172,6 +192,8 @@ def _replay(args) -> int:
         _write_json(args.json, schedule)
     if args.plot:
         _plot(args, [(None, schedule)], f"{args.from_json}: {report.short_config(schedule)}")
+    if args.plot_pipeline:
+        _plot_pipeline(args, schedule, [(None, schedule)], f"{args.from_json}: {report.short_config(schedule)}")
     return 0
 
 
@@ -187,7 +209,7 @@ def _plan(args) -> int:
         _warn("the config runs the legacy training-side path (dp_schedule: legacy, global_batch_size counts samples "
               "there); the table shows the rollout-side plan for the same flags; --compare legacy shows the legacy "
               "path on this input")
-    _check_outputs(args, setup.cost_model is not None)
+    _check_outputs(args, setup.cost_model is not None, setup.parallel.pp_size)
     schemes = compare.parse_compare(args.compare) if args.compare is not None else []
     if schemes and not setup.batch.use_dynamic_batch_size:
         raise CLIError("--compare needs --use-dynamic-batch-size --max-tokens-per-gpu N: with static micro-batches "
@@ -216,10 +238,14 @@ def _plan(args) -> int:
         print()
         print(compare.compare_table(runs, schedule, setup))
         panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
+        if schedule.parallel.pp_size > 1:
+            print(pipeline_plot.compare_makespans(schedule, panels))
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
         _plot(args, panels, f"{samples.source}: {report.short_config(schedule)}")
+    if args.plot_pipeline:
+        _plot_pipeline(args, schedule, panels, f"{samples.source}: {report.short_config(schedule)}")
     return 0
 
 

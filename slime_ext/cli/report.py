@@ -35,7 +35,12 @@ class Column:
     legend: str
 
 
-def _columns(unit: str) -> list[Column]:
+def _columns(unit: str, piped: bool = False) -> list[Column]:
+    pipeline = [
+        Column("makespan", "pipeline (pp > 1): the slowest replica's predicted makespan of megatron-core's schedule "
+                           "(slime_ext.schedule.pipeline), in the cost's per-stage units (see time:)"),
+        Column("bubble", "... and that replica's bubble: 1 - one stage's work / makespan"),
+    ] if piped else []
     return [
         Column("step", ""),
         Column("rollouts", ""),
@@ -52,6 +57,7 @@ def _columns(unit: str) -> list[Column]:
         Column(f"rank_{unit}_mean", "... and the mean over ranks"),
         Column("imbal", "max/mean over ranks (1.00 is perfect)"),
         Column("imbal_lb", "no assignment can do better: max(1, largest sample / mean rank)"),
+        *pipeline,
         Column("time_s", "estimated step time (see time: above)"),
     ]
 
@@ -66,18 +72,34 @@ def fmt_largest(tokens: int, cap: int | None) -> str:
     return f"{tokens}*" if cap is not None and tokens > cap else str(tokens)
 
 
-def _row(s: StepStats, dp: int, setup: Setup) -> list[str]:
+def _piped(schedule: DPSchedule) -> bool:
+    return schedule.parallel.pp_size > 1 and all(s.predicted_makespan is not None for s in schedule.stats)
+
+
+def _step_time(s: StepStats, setup: Setup) -> float | None:
+    if s.predicted_makespan is not None:
+        return setup.makespan_seconds(s.predicted_makespan)
+    return setup.step_seconds(s.rank_flops_max)
+
+
+def _row(s: StepStats, dp: int, setup: Setup, piped: bool = False) -> list[str]:
     tok = setup.cost_model is None
+    pipeline = [fmt_float(s.predicted_makespan), fmt_pct(s.bubble_fraction)] if piped else []
     return [
         str(s.step), str(s.num_rollouts), str(s.num_samples), str(s.total_tokens),
         str(s.num_microbatches), str(s.packing_target // dp), fmt_pct(s.token_utilization),
         fmt_largest(s.largest_bin_tokens, s.cap), "-" if s.cap is None else str(s.cap),
         fmt_cost(s.rank_flops_max, tok), fmt_cost(s.rank_flops_mean, tok), f"{s.flops_imbalance:.3f}",
-        f"{s.balance_lower_bound:.3f}", fmt_float(setup.step_seconds(s.rank_flops_max)),
+        f"{s.balance_lower_bound:.3f}", *pipeline, fmt_float(_step_time(s, setup)),
     ]
 
 
-def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup) -> list[str]:
+def _total_time(stats: Sequence[StepStats], setup: Setup) -> float | None:
+    times = [_step_time(s, setup) for s in stats]  # steps run one after another: their times add up
+    return None if None in times else sum(times)  # type: ignore[arg-type]
+
+
+def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup, piped: bool = False) -> list[str]:
     caps = {s.cap for s in stats}
     tokens = sum(s.total_tokens for s in stats)
     util = None
@@ -92,7 +114,9 @@ def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup) -> list[str]:
                                    if None not in caps else None),
         "-" if None in caps else "/".join(map(str, sorted(caps))),
         fmt_cost(fmax, setup.cost_model is None), fmt_cost(fmean, setup.cost_model is None), f"{fmax / fmean if fmean else 1.0:.3f}",
-        f"{max(s.balance_lower_bound for s in stats):.3f}", fmt_float(setup.step_seconds(fmax)),
+        f"{max(s.balance_lower_bound for s in stats):.3f}",
+        *([fmt_float(sum(s.predicted_makespan for s in stats)), ""] if piped else []),
+        fmt_float(_total_time(stats, setup)),
     ]
 
 
@@ -132,7 +156,7 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
     p, b = schedule.parallel, schedule.batch
     kept = sum(schedule.samples_per_step)
     rollouts = len(set(schedule.rollout_ids)) if schedule.rollout_ids is not None else schedule.num_samples
-    layout = f"dp_size={p.dp_size} cp_size={p.cp_size} vpp_size={p.vpp_size}"
+    layout = f"dp_size={p.dp_size} cp_size={p.cp_size} pp_size={p.pp_size} vpp_size={p.vpp_size}"
     if p.vpp_size > 1:
         layout += f" microbatch_group_size_per_vp_stage={p.microbatch_group_size_per_vp_stage}"
     layout += f" (micro-batch count aligned to {p.align})"
@@ -158,25 +182,37 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
                      f"{prof.per_sample_quadratic_s + prof.packed_quadratic_s:.3g} x L^2 per sample of L tokens, "
                      f"+ {prof.microbatch_overhead_s:.3g} per micro-batch; measured on "
                      f"{prof.meta.get('device', '?')}")
-        lines.append("time: time_s = the slowest rank's per-sample seconds (micro-batch and step overheads excluded)")
+        lines.append("time: time_s = the predicted pipeline makespan (seconds)" if _piped(schedule) else
+                     "time: time_s = the slowest rank's per-sample seconds (micro-batch and step overheads excluded)")
     else:
         lin, quad = schedule.cost_model.coefficients()
         lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample of L tokens")
-        lines.append(f"time: time_s = {FWD_BWD_FACTOR:g} (fwd+bwd) x FLOPs max/rank / ({setup.tflops:g} TFLOP/s x "
-                     f"{setup.gpus_per_replica} GPUs per replica = tp*pp*cp); no pipeline bubble or communication")
+        if _piped(schedule):
+            lines.append(f"time: time_s = the predicted pipeline makespan (per-stage forward FLOPs, backward 2x) / "
+                         f"({setup.tflops:g} TFLOP/s x {setup.gpus_per_replica // p.pp_size} GPUs per stage = tp*cp)")
+        else:
+            lines.append(f"time: time_s = {FWD_BWD_FACTOR:g} (fwd+bwd) x FLOPs max/rank / ({setup.tflops:g} TFLOP/s "
+                         f"x {setup.gpus_per_replica} GPUs per replica = tp*pp*cp); no pipeline bubble or "
+                         f"communication")
+    if _piped(schedule):
+        spec = f"pp_size={p.pp_size}" + (f" vpp_size={p.vpp_size} ({'overlapped' if p.overlap_p2p_comm else 'batched'}"
+                                         f" p2p)" if p.vpp_size > 1 else "")
+        lines.append(f"pipeline: {spec}; micro-batch order and count chosen by the predicted makespan of the "
+                     f"slowest replica (megatron-core's {'interleaved' if p.vpp_size > 1 else '1F1B'} schedule)")
     return "\n".join(lines)
 
 
 def step_table(schedule: DPSchedule, setup: Setup) -> str:
-    cols = _columns(cost_unit(schedule))
+    piped = _piped(schedule)
+    cols = _columns(cost_unit(schedule), piped)
     dp = schedule.dp_size
-    rows = [_row(s, dp, setup) for s in schedule.stats]
-    rows.append(_total_row(schedule.stats, dp, setup))
+    rows = [_row(s, dp, setup, piped) for s in schedule.stats]
+    rows.append(_total_row(schedule.stats, dp, setup, piped))
     return render_table(rows, [c.header for c in cols], rule_before_last=True)
 
 
 def legend(schedule: DPSchedule) -> str:
-    cols = _columns(cost_unit(schedule))
+    cols = _columns(cost_unit(schedule), _piped(schedule))
     width = max(len(c.header) for c in cols if c.legend)
     return "\n".join(f"  {c.header.ljust(width)}  {c.legend}" for c in cols if c.legend)
 
@@ -196,7 +232,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     else:
         dropped = "0 dropped"
     fmax = sum(s.rank_flops_max for s in stats)
-    t = setup.step_seconds(fmax)
+    t = _total_time(stats, setup)
     over = sum(s.cap_violations for s in stats)
     parts = [
         f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",

@@ -211,7 +211,7 @@ def test_config_yaml_with_training_keys_and_overrides(rollout_jsonl, tmp_path):
     assert schedule.batch == BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=4096, global_batch_size=4,
                                          balance_data=False)
     assert schedule.cost_model == CostModel(hidden_size=256, num_layers=4, num_attention_heads=8)
-    assert "x 4 GPUs per replica" in out.stdout  # tp * pp * cp
+    assert "x 2 GPUs per stage = tp*cp" in out.stdout  # pp = 2: the step time is the pipeline makespan, per stage
 
 
 RUN_CONFIGS = sorted((REPO / "configs").rglob("*.yaml")) if (REPO / "configs").is_dir() else []

@@ -1,0 +1,94 @@
+"""``slime-ext plan`` with pipeline parallelism: the per-step predicted makespan and bubble, the makespan-based step
+time, every scheme's predicted makespan beside ours, and ``--plot-pipeline``."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
+from slime_ext.schedule.pipeline_plan import pipeline_pricing, predicted_makespans
+
+from test_cli import MODEL_FLAGS, run_main
+
+SPEC = "lognormal:n=256,mu=7.5,sigma=1.0,prompt=100-1500,cap=16000,seed=3"
+FLAGS = ["--synthetic", SPEC, "--dp-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+         "--global-batch-size", "64", "--balance-data", "--no-legend", "-q", *MODEL_FLAGS]
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.lstrip().startswith("step"))
+    return [l.split() for l in lines[head + 2:] if re.match(r"\s+\d+\s", l)]
+
+
+def test_pipelined_plan_prints_each_steps_predicted_makespan_and_bubble():
+    out = run_main("plan", *FLAGS, "--pipeline-model-parallel-size", "4").stdout
+    assert "pp_size=4" in out and "makespan" in out and "bubble" in out
+    assert "no pipeline bubble" not in out  # the time estimate is the pipeline's makespan
+    rows = _table_rows(out)
+    assert rows, out
+    # the same plan, made here: the printed makespan is the schedule's own prediction, the bubble in (0, 100%)
+    from slime_ext.cli.inputs import load_samples
+    lengths = load_samples(None, SPEC, progress=False).total_lengths
+    model = CostModel(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1024,
+                      vocab_size=32000)
+    schedule = plan_schedule(lengths, ParallelConfig(dp_size=2, pp_size=4),
+                             BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=16384,
+                                         balance_data=True), cost_model=model)
+    header = out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.lstrip().startswith("step"))]
+    cols = header.split()
+    for row, stats in zip(rows, schedule.stats):
+        assert float(row[cols.index("makespan")]) == pytest.approx(stats.predicted_makespan, rel=5e-3)
+        bubble = float(row[cols.index("bubble")].rstrip("%")) / 100
+        assert 0 < bubble < 1 and bubble == pytest.approx(stats.bubble_fraction, abs=1e-3)
+        # the recorded makespan is the slowest replica's, as the model prices the planned order
+        assert stats.predicted_makespan == pytest.approx(float(predicted_makespans(schedule, stats.step).max()))
+
+
+def test_without_pipeline_the_table_has_no_pipeline_columns():
+    out = run_main("plan", *FLAGS).stdout
+    assert "makespan" not in out and "no pipeline bubble" in out
+
+
+def test_compare_prints_every_schemes_predicted_makespan():
+    out = run_main("plan", *FLAGS, "--pipeline-model-parallel-size", "4", "--compare", "legacy,reference").stdout
+    line = next(l for l in out.splitlines() if l.startswith("pipeline: predicted makespan"))
+    values = dict(re.findall(r"(ours|legacy|reference) ([0-9.e+]+)", line))
+    assert set(values) >= {"ours", "legacy"}, line
+    assert float(values["ours"]) <= float(values["legacy"])  # ours is planned for this pipeline, legacy is not
+
+
+def test_plot_pipeline_draws_ours_and_each_compared_scheme(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "pipe.png"
+    out = run_main("plan", *FLAGS, "--pipeline-model-parallel-size", "4", "--compare", "legacy",
+                   "--plot-pipeline", png, "--plot-steps", "1").stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    drawn = [l for l in out.splitlines() if ": step 1, slowest replica" in l]
+    assert [l.split(":")[0] for l in drawn] == ["ours", "legacy"], out
+
+
+def test_plot_pipeline_needs_a_pipeline(tmp_path):
+    err = run_main("plan", *FLAGS, "--plot-pipeline", tmp_path / "p.png", expect=2).stderr
+    assert "--pipeline-model-parallel-size" in err and not (tmp_path / "p.png").exists()
+
+
+def test_pipeline_timeline_of_the_plot_matches_the_recorded_makespan():
+    """The picture is the model's own timeline: its last box ends at the step's recorded makespan."""
+    from slime_ext.schedule.pipeline import pipeline_timeline
+    from slime_ext.schedule.pipeline_plan import step_microbatch_costs
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(200, 9000, size=96)
+    schedule = plan_schedule(lengths, ParallelConfig(dp_size=2, pp_size=4),
+                             BatchConfig(global_batch_size=48, use_dynamic_batch_size=True, max_tokens_per_gpu=16384))
+    pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+    for s, stats in enumerate(schedule.stats):
+        costs = step_microbatch_costs(schedule, s)
+        rank = int(np.argmax(pricing.makespans(costs)))
+        f, b = pricing.stage_costs(costs[rank])
+        end = max(op[4] for stage in pipeline_timeline(f, b, pricing.spec) for op in stage)
+        assert end == pytest.approx(stats.predicted_makespan)
