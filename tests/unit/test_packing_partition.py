@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from slime_ext import baselines  # upstream's algorithms in our words: the oracle
 from slime_ext.schedule import distribute
 from slime_ext.schedule.bounds import bin_lower_bound
-from slime_ext.schedule.packing import best_fit_decreasing, expand_bins_by_splitting, lpt_pack, split_bin_by_tokens
+from slime_ext.schedule.packing import best_fit_decreasing, grow_to_count, halve_by_tokens, lpt_pack
 from tests.brute_force import min_bins, min_max_load
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
@@ -162,7 +162,7 @@ def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
     ours = baselines.first_fit_pack(lengths, cap)
     theirs = [list(b) for b in ours]
     target = len(ours) + extra
-    expand_bins_by_splitting(ours, target, lengths)
+    grow_to_count(ours, target, lengths)
     baselines.expand_bins_by_splitting(theirs, target, lengths)
     assert ours == theirs
     assert_packing(ours, lengths, cap)
@@ -171,7 +171,7 @@ def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
 
 def test_split_halves_never_exceed_the_parent():
     lengths = [7, 5, 4, 3, 1]
-    left, right = split_bin_by_tokens([0, 1, 2, 3, 4], lengths)
+    left, right = halve_by_tokens([0, 1, 2, 3, 4], lengths)
     assert sorted(left + right) == [0, 1, 2, 3, 4]
     assert sum(lengths[i] for i in left) == 10 and sum(lengths[i] for i in right) == 10
 
