@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ScheduleError
-from slime_ext.schemes import get_dp_schedule
+from slime_ext.schemes import Scheme, get_dp_schedule
 from slime_ext.train_config import KEYS as TRAIN_KEYS
 from slime_ext.train_config import TrainConfig, TrainConfigError
 
@@ -207,12 +207,12 @@ _MULTI_SAMPLE_FIX = ("rollouts that emit several samples change the samples per 
                      "synthetic_multi_sample_prob: 0, or use_dynamic_batch_size: true with max_tokens_per_gpu")
 
 
-def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None
+def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None, scheme: Scheme
                       ) -> list[tuple[str, list[int], list[int], str]]:
     """``(what, total_lengths, rollout_ids, fix)`` of the rollouts the pre-check plans.
 
     The sample counts are the extremes the rollout function can produce; the lengths are the easiest for the
-    configured scheme (:meth:`~slime_ext.schemes.Scheme.easiest_length`), so a refusal is one the run meets whenever a
+    ``scheme`` (:meth:`~slime_ext.schemes.Scheme.easiest_length`), so a refusal is one the run meets whenever a
     rollout reaches those counts. Synthetic generator (``bounds``): one sample per rollout;
     the most samples per rollout; and, if rollouts may emit several samples, the first ``e`` rollouts with one extra
     sample (``e`` up to ``micro_batch_size``: every step size up to the next micro-batch). Any other rollout
@@ -221,7 +221,7 @@ def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: di
     rollouts = int(options["rollout_batch_size"]) * int(options["n_samples_per_prompt"])
     batch = train.batch
     shortest = bounds["min_total_length"] if bounds else 1
-    length = get_dp_schedule(train.dp_schedule).easiest_length(batch, shortest, train.model.seq_length)
+    length = scheme.easiest_length(batch, shortest, train.model.seq_length)
 
     def make(what: str, per_rollout: list[int], fix: str = "") -> tuple[str, list[int], list[int], str]:
         ids = [r for r, k in enumerate(per_rollout) for _ in range(k)]
@@ -248,7 +248,7 @@ def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]
         _check_sample_lengths(train, options, bounds, problems)
     scheme = get_dp_schedule(train.dp_schedule)
     parallel = train.parallel.schedule_config(_world_size(options))
-    for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds):
+    for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds, scheme):
         try:
             scheme.dry_run(lengths, ids, args, parallel, train.batch)
         except ScheduleError as exc:
