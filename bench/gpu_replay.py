@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime_ext.schedule.profile import fit_summary
     from slime_ext.training.calibrate import calibrate, time_steps
-    from slime_ext.schemes import ReferenceSchedule
+    from slime_ext.schemes import BASELINES
     from slime_ext.training.worker import TrainWorker
 
     gpu = torch.cuda.is_available()
@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_out:
         profile.save(args.profile_out)
 
-    why = ReferenceSchedule.missing()
-    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {ReferenceSchedule.source()}")
+    reference = BASELINES["reference"]
+    why = reference.missing()
+    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {reference.source()}")
     schemes = [s for s in SCHEMES if not why or s != "reference"]
     worker = TrainWorker({**config, "dp_schedule": "rollout"}, 0, 1, "127.0.0.1", _free_port())
     worker.setup()

@@ -309,7 +309,7 @@ def run(argv: list[str] | None = None) -> int:
     from train_harness import free_port, launch
 
     from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
-    from slime_ext.schemes import ReferenceSchedule
+    from slime_ext.schemes import BASELINES
 
     p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one small workload, DP=2 only, one repeat (~1 min)")
@@ -360,8 +360,9 @@ def run(argv: list[str] | None = None) -> int:
     targets: list[tuple[bool, str]] = []
     summary: list[tuple] = []
     invariance_lines: list[str] = []
-    why = ReferenceSchedule.missing()
-    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {ReferenceSchedule.source()}")
+    reference = BASELINES["reference"]
+    why = reference.missing()
+    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {reference.source()}")
     schemes = [s for s in SCHEMES if not why or s != "reference"]
     for layout_name, dp, pp in layouts:
         runs = []

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..schedule import CostModel, CostProfile, DPSchedule
-from ..schemes import BASELINES
+from ..schemes import BASELINES, NotComparable
 from .errors import CLIError
 from .options import Setup
 from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, render_table
@@ -56,50 +56,31 @@ class SchemeRun:
     time_note: str = ""
 
 
-def _kept(schedule: DPSchedule) -> list[int]:
-    """The scheduled samples in step order (rollouts in first-occurrence order)."""
-    return [i for step in schedule.step_samples for i in step]
-
-
 def _dense_source(setup: Setup):
     """The FLOPs model upstream's estimate is fed from (the model dims, also where a measured profile is the cost)."""
     return setup.flops_model if setup.flops_model is not None else setup.cost_model
 
 
-def _run_legacy(schedule: DPSchedule, setup: Setup) -> SchemeRun:
-    p, b = setup.parallel, setup.batch
-    sizes = sorted(set(schedule.samples_per_step))
-    if len(sizes) != 1:
-        return SchemeRun("legacy", note=f"not run: legacy counts global_batch_size in samples and needs the same "
-                                        f"number in every step (here {sizes[0]}..{sizes[-1]})")
-    gbs = sizes[0]
-    if gbs % p.dp_size:
-        return SchemeRun("legacy", note=f"not run: {gbs} samples per step is not a multiple of dp_size={p.dp_size}")
-    kept = _kept(schedule)
-    lengths = [schedule.total_lengths[i] for i in kept]
-    sched = BASELINES["legacy"].schedule(lengths, p, b, global_batch_size=gbs)
-    sched.partitions = [[kept[i] for i in part] for part in sched.partitions]  # back to global sample indices
-    note = "legacy has no balance_by_flops (run without it)" if b.balance_by_flops else ""
-    return SchemeRun("legacy", sched, sched.timings["wall"], note=note,
-                     time_note="ranks in parallel: split + slowest rank's count + slowest rank's partition")
-
-
-def _run_reference(schedule: DPSchedule, setup: Setup) -> SchemeRun:
-    b = setup.batch
+def _run(name: str, ours: DPSchedule, setup: Setup) -> SchemeRun:
+    """The baseline ``name`` on the rollout ``ours`` planned, with the same flags; a row saying why where it cannot."""
+    baseline = BASELINES[name]
     dense = _dense_source(setup)
-    if not isinstance(dense, CostModel) and (b.balance_data or b.balance_by_flops):
-        return SchemeRun("reference", note="not run: with balance_data/balance_by_flops upstream balances by "
-                                           "calculate_fwd_flops, which needs the model dims (--hidden-size ...)")
-    reference = BASELINES["reference"]
-    why = reference.missing()
+    cost_model = dense if isinstance(dense, CostModel) else None
+    try:
+        same = baseline.same_input(ours, setup.batch, cost_model)
+    except NotComparable as e:
+        return SchemeRun(name, note=f"not run: {e}")
+    why = baseline.missing()
     if why:
-        return SchemeRun("reference", note=f"not run: {why}")
-    rollout_ids = schedule.rollout_ids if schedule.rollout_ids is not None else list(range(schedule.num_samples))
+        return SchemeRun(name, note=f"not run: {why}")
+    lengths = [ours.total_lengths[i] for i in same.sample_ids]
     t0 = time.perf_counter()
-    sched = reference.schedule(list(schedule.total_lengths), setup.parallel, b,
-                               global_batch_size=schedule.rollouts_per_step[0], rollout_ids=rollout_ids,
-                               cost_model=dense if isinstance(dense, CostModel) else None)
-    return SchemeRun("reference", sched, time.perf_counter() - t0, note=f"upstream from {reference.source()}")
+    sched = baseline.schedule(lengths, setup.parallel, setup.batch, global_batch_size=same.global_batch_size,
+                              rollout_ids=same.rollout_ids, cost_model=cost_model)
+    elapsed = time.perf_counter() - t0
+    sched.partitions = [[same.sample_ids[i] for i in part] for part in sched.partitions]  # ours' sample ids
+    return SchemeRun(name, sched, sched.timings.get("wall", elapsed), note=baseline.note(setup.batch),
+                     time_note=baseline.time_note)
 
 
 def _step_tokens(view, lengths: np.ndarray) -> list[int]:
@@ -121,13 +102,12 @@ def run_compare(names: list[str], schedule: DPSchedule, setup: Setup, plan_secon
 
     lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
     flops = setup.cost_model.flops(lengths) if setup.cost_model is not None else lengths.astype(np.float64)
-    runners = {"legacy": _run_legacy, "reference": _run_reference}  # each fits our input to a baseline's flags
     runs = [SchemeRun("ours", schedule, plan_seconds)]
     for name in names:
         if not quiet:
             print(f"running the {name} baseline ...", file=sys.stderr, flush=True)
         try:
-            runs.append(runners[name](schedule, setup))
+            runs.append(_run(name, schedule, setup))
         except (AssertionError, ValueError, ZeroDivisionError) as e:  # upstream asserts where it cannot schedule
             runs.append(SchemeRun(name, note=f"failed as upstream would: {type(e).__name__}: {e}"))
     expected = sum(schedule.samples_per_step)

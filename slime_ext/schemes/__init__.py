@@ -35,7 +35,7 @@ from typing import Any
 
 from slime_ext.schedule import ScheduleError
 
-from .base import Baseline, RolloutPlan, Scheme, SchemeSchedule
+from .base import Baseline, NotComparable, RolloutPlan, SameInput, Scheme, SchemeSchedule
 from .legacy import LegacyPlanError, LegacySchedule
 from .records import PlanInfo, RankResult, RecordError, StepRecord
 from .reference import ReferenceSchedule
@@ -62,6 +62,6 @@ def get_dp_schedule(name: Any = None) -> Scheme:
     return scheme
 
 
-__all__ = ["BASELINES", "Baseline", "DEFAULT", "DP_SCHEDULES", "LegacyPlanError", "LegacySchedule", "PlanInfo",
-           "RankResult", "RecordError", "ReferenceSchedule", "RolloutPlan", "RolloutSchedule", "SCHEMES", "Scheme",
-           "SchemeSchedule", "StepRecord", "UpstreamUnavailable", "get_dp_schedule"]
+__all__ = ["BASELINES", "Baseline", "DEFAULT", "DP_SCHEDULES", "LegacyPlanError", "LegacySchedule", "NotComparable",
+           "PlanInfo", "RankResult", "RecordError", "ReferenceSchedule", "RolloutPlan", "RolloutSchedule", "SCHEMES",
+           "SameInput", "Scheme", "SchemeSchedule", "StepRecord", "UpstreamUnavailable", "get_dp_schedule"]

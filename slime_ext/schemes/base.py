@@ -6,7 +6,8 @@
   :meth:`Scheme.lr_increment`, and records each step as :attr:`Scheme.step_record`. Callers never branch on the
   scheme's name again.
 * :class:`Baseline` -- a scheme the benchmark and ``slime-ext plan --compare`` measure ours against:
-  :meth:`Baseline.schedule` plans one rollout's lengths in the shape of our ``DPSchedule``.
+  :meth:`Baseline.schedule` plans one rollout's lengths in the shape of our ``DPSchedule``, and
+  :meth:`Baseline.same_input` says what it plans when it is given the rollout one of our schedules planned.
 
 Planning is pure (stdlib + numpy); the training-side methods import torch and Megatron when they are called, so a
 scheme is importable in the rollout process, the CLI and the benchmark without them.
@@ -61,6 +62,20 @@ class SchemeSchedule:
     timings: dict[str, Any] = field(default_factory=dict)
 
 
+class NotComparable(ValueError):
+    """A baseline cannot plan the input ours planned (its flags mean something else there); the message says why."""
+
+
+@dataclass(frozen=True)
+class SameInput:
+    """Our rollout as a baseline takes it: the samples (ids into ours, in the order it plans them), its step size in
+    its own :attr:`Baseline.batch_unit`, and each sample's rollout id."""
+
+    sample_ids: list[int]
+    global_batch_size: int
+    rollout_ids: list[int]
+
+
 class Scheme(ABC):
     """A ``dp_schedule`` a job can run (module docstring); one instance per scheme, looked up by name."""
 
@@ -111,6 +126,21 @@ class Baseline(ABC):
 
     name: ClassVar[str]
     batch_unit: ClassVar[str]
+    #: how :meth:`schedule`'s time is reported when it is not one plain call (``timings["wall"]``), or ``""``
+    time_note: ClassVar[str] = ""
+
+    def missing(self) -> str:
+        """What this machine lacks for the scheme to run, with how to get it; ``""`` when nothing."""
+        return ""
+
+    def note(self, batch: BatchConfig) -> str:
+        """A caveat to print beside the scheme's result for these flags, or ``""``."""
+        return ""
+
+    @abstractmethod
+    def same_input(self, ours: DPSchedule, batch: BatchConfig, cost_model: CostModel | None) -> SameInput:
+        """What this scheme plans when compared with ``ours`` on the same rollout and flags; raises
+        :class:`NotComparable` where it cannot plan it (e.g. its ``global_batch_size`` means something else)."""
 
     @abstractmethod
     def schedule(self, lengths: Sequence[int], parallel: ParallelConfig, batch: BatchConfig, *,

@@ -33,10 +33,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, RankPayload, SampleBatch, ScheduleError
+from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConfig, RankPayload, SampleBatch,
+                                ScheduleError)
 from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 
-from .base import Baseline, RolloutPlan, Scheme, SchemeSchedule
+from .base import Baseline, NotComparable, RolloutPlan, SameInput, Scheme, SchemeSchedule
 
 
 class LegacyPlanError(ScheduleError):
@@ -181,6 +182,7 @@ class LegacySchedule(Scheme, Baseline):
     name = "legacy"
     batch_unit = "samples"
     title = "the legacy path"
+    time_note = "ranks in parallel: split + slowest rank's count + slowest rank's partition"
 
     # ------------------------------------------------------------------ rollout side
     @staticmethod
@@ -287,6 +289,21 @@ class LegacySchedule(Scheme, Baseline):
         timings.update(split=t_split, wall=t_split + max(t_count) + max(t_part),
                        cpu=t_split + sum(t_count) + sum(t_part))
         return SchemeSchedule(partitions, micro_batch_indices, counts, timings)
+
+    def same_input(self, ours: DPSchedule, batch: BatchConfig, cost_model: CostModel | None) -> SameInput:
+        """The samples ours trains, in step order, in steps of as many samples as ours' (which must all be equal
+        and a multiple of ``dp_size``: ``global_batch_size`` counts samples here)."""
+        sizes = sorted(set(ours.samples_per_step))
+        if len(sizes) != 1:
+            raise NotComparable(f"legacy counts global_batch_size in samples and needs the same number in every "
+                                f"step (here {sizes[0]}..{sizes[-1]})")
+        if sizes[0] % ours.dp_size:
+            raise NotComparable(f"{sizes[0]} samples per step is not a multiple of dp_size={ours.dp_size}")
+        kept = [i for step in ours.step_samples for i in step]
+        return SameInput(sample_ids=kept, global_batch_size=sizes[0], rollout_ids=list(range(len(kept))))
+
+    def note(self, batch: BatchConfig) -> str:
+        return "legacy has no balance_by_flops (run without it)" if batch.balance_by_flops else ""
 
     @staticmethod
     def _rank(gbs: int, parallel: ParallelConfig, batch: BatchConfig) -> LegacyRank:

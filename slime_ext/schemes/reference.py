@@ -12,10 +12,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Sequence
 
-from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig
+from slime_ext.schedule import BatchConfig, CostModel, DPSchedule, ParallelConfig
 
 from . import upstream
-from .base import Baseline, SchemeSchedule
+from .base import Baseline, NotComparable, SameInput, SchemeSchedule
+
+
+_NEEDS_DIMS = ("with balance_data/balance_by_flops upstream balances by calculate_fwd_flops, which needs the model "
+               "dims (--hidden-size --num-layers --num-attention-heads ...)")
 
 
 def upstream_args(batch: BatchConfig, cost_model: CostModel | None) -> SimpleNamespace:
@@ -51,8 +55,7 @@ class ReferenceSchedule(Baseline):
         """Where upstream comes from (raises :class:`~slime_ext.schemes.upstream.UpstreamUnavailable`)."""
         return upstream.load().source
 
-    @staticmethod
-    def missing() -> str:
+    def missing(self) -> str:
         """Why upstream cannot be loaded here, and how to get it; ``""`` when it can."""
         try:
             upstream.load()
@@ -60,13 +63,23 @@ class ReferenceSchedule(Baseline):
             return str(e)
         return ""
 
+    def note(self, batch: BatchConfig) -> str:
+        return f"upstream from {self.source()}"
+
+    def same_input(self, ours: DPSchedule, batch: BatchConfig, cost_model: CostModel | None) -> SameInput:
+        """The whole rollout with its rollout ids, in steps of as many rollouts as ours."""
+        if cost_model is None and (batch.balance_data or batch.balance_by_flops):
+            raise NotComparable(_NEEDS_DIMS)
+        n = ours.num_samples
+        return SameInput(sample_ids=list(range(n)), global_batch_size=ours.rollouts_per_step[0],
+                         rollout_ids=list(ours.rollout_ids) if ours.rollout_ids is not None else list(range(n)))
+
     def schedule(self, lengths: Sequence[int], parallel: ParallelConfig, batch: BatchConfig, *,
                  global_batch_size: int, rollout_ids: Sequence[int] | None = None,
                  cost_model: CostModel | None = None) -> SchemeSchedule:
         build = upstream.load().dp_schedule.build_dp_schedule
         if cost_model is None and (batch.balance_data or batch.balance_by_flops):
-            raise ValueError("with balance_data/balance_by_flops upstream balances by calculate_fwd_flops, which "
-                             "needs the model dims (--hidden-size --num-layers --num-attention-heads ...)")
+            raise ValueError(_NEEDS_DIMS)
         lengths = [int(x) for x in lengths]
         ids = list(rollout_ids) if rollout_ids is not None else list(range(len(lengths)))
         out = build(upstream_args(batch, cost_model), parallel.to_dict(), lengths,

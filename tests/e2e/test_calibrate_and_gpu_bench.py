@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from slime_ext.schedule.profile import TERM_NAMES, CostProfile
-from slime_ext.schemes import ReferenceSchedule
+from slime_ext.schemes import BASELINES
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +60,7 @@ def test_gpu_bench_dry_run_replays_every_scheme_on_cpu(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     text = report.read_text()
     schemes = ["legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops"]
-    if ReferenceSchedule.missing():  # upstream slime's own planner: an installed slime or SLIME_GIT, else it says so
+    if BASELINES["reference"].missing():  # upstream's own planner: an installed slime or SLIME_GIT, else it says so
         schemes.remove("reference")
         assert "- reference: skipped: upstream slime is not available" in text
     for dist in ("rl", "heavy", "reasoning"):
