@@ -5,9 +5,10 @@
 
 1. Calibrate (:func:`slime_ext.training.calibrate.calibrate`) the model on this device: a cost profile in seconds.
 2. For each distribution (``rl``, ``heavy``, ``reasoning``) plan one step for DP=8 with every scheme -- legacy
-   (:func:`slime_ext.baselines.legacy_schedule`: the training side's first fit + all-reduce + KK, computed here for
-   all eight ranks), reference (:func:`slime_ext.baselines.reference_schedule`) and ours (strided, balance_data,
-   balance_by_flops with the profile).
+   (:class:`slime_ext.schemes.LegacySchedule`: the training side's first fit + all-reduce + even deal, computed here
+   for all eight ranks), reference (upstream slime's own ``build_dp_schedule``, run by
+   :class:`slime_ext.schemes.ReferenceSchedule`: it needs an installed slime or ``SLIME_GIT``, else its rows are
+   skipped with the reason) and ours (strided, balance_data, balance_by_flops with the profile).
 3. Replay: one training process (world size 1) runs each rank's micro-batches as one step, timed between
    ``torch.cuda.synchronize()`` calls; the step time of a scheme is the slowest rank's, as in a real DP=8 step (the
    gradient all-reduce, equal for every scheme, is not part of it). The median over ``--repeats`` is reported with
@@ -48,26 +49,17 @@ def lengths_for(dist: str, n: int, seed: int, scale: float, max_len: int) -> lis
     return np.clip(np.rint(raw * scale), 8, max_len).astype(int).tolist()
 
 
-def model_dims(model: dict) -> dict:
-    return dict(hidden_size=model["hidden_size"], num_layers=model["num_layers"],
-                num_attention_heads=model["num_attention_heads"], num_query_groups=model["num_attention_heads"],
-                kv_channels=model["hidden_size"] // model["num_attention_heads"],
-                ffn_hidden_size=model["ffn_hidden_size"], vocab_size=model["vocab_size"])
-
-
 def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, profile) -> list[list[list[int]]]:
     """Per DP rank, the sample lengths of each of its micro-batches under ``scheme`` (one step)."""
-    from slime_ext import baselines
-    from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
+    from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
+    from slime_ext.schemes import BASELINES
 
     n = len(lengths)
-    if scheme == "legacy":
-        sched = baselines.legacy_schedule(lengths, dp_size=DP, global_batch_size=n, max_tokens_per_gpu=cap)
-    elif scheme == "reference":
-        args = baselines.reference_args(model_dims(model), max_tokens_per_gpu=cap, balance_data=True,
-                                        balance_by_flops=False)
-        tpc = {"dp_size": DP, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
-        sched = baselines.reference_schedule(args, tpc, lengths, global_batch_size=n, rollout_indices=list(range(n)))
+    if scheme in BASELINES:  # legacy: strided split; reference: balance_data, as upstream is usually run
+        batch = BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
+                            balance_data=scheme == "reference")
+        sched = BASELINES[scheme].schedule(lengths, ParallelConfig(dp_size=DP), batch, global_batch_size=n,
+                                           cost_model=CostModel(**model))
     else:
         bd, bf = {"ours:strided": (False, False), "ours:balance_data": (True, False),
                   "ours:balance_by_flops": (True, True)}[scheme]
@@ -91,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from slime_ext.schedule.profile import fit_summary
     from slime_ext.training.calibrate import calibrate, time_steps
+    from slime_ext.schemes import BASELINES
     from slime_ext.training.worker import TrainWorker
 
     gpu = torch.cuda.is_available()
@@ -125,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_out:
         profile.save(args.profile_out)
 
+    reference = BASELINES["reference"]
+    why = reference.missing()
+    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {reference.source()}")
+    schemes = [s for s in SCHEMES if not why or s != "reference"]
     worker = TrainWorker({**config, "dp_schedule": "rollout"}, 0, 1, "127.0.0.1", _free_port())
     worker.setup()
     results: dict[tuple[str, str], dict] = {}
@@ -133,10 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             lengths = lengths_for(dist, n, seed={"rl": 21, "heavy": 22, "reasoning": 23}[dist], scale=scale,
                                   max_len=cap)
             say(f"- {dist}: {n} samples, {sum(lengths)} tokens, max {max(lengths)}, median {int(np.median(lengths))}")
-            plans = {s: rank_micro_batches(s, lengths, cap, model, profile) for s in SCHEMES}
-            steps = [(s, r, plans[s][r]) for s in SCHEMES for r in range(DP)]
+            plans = {s: rank_micro_batches(s, lengths, cap, model, profile) for s in schemes}
+            steps = [(s, r, plans[s][r]) for s in schemes for r in range(DP)]
             obs = time_steps(worker, [mbs for _, _, mbs in steps], repeats=repeats, autocast=autocast, warmup=1)
-            for s in SCHEMES:
+            for s in schemes:
                 rank_t = [o.seconds for (sc, _, _), o in zip(steps, obs) if sc == s]
                 pred = [profile.rank_time(plans[s][r]) for r in range(DP)]
                 results[(dist, s)] = dict(step=max(rank_t), mean=statistics.mean(rank_t), pred=max(pred),
@@ -151,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     say("|---|---|---|---|---|---|---|---|")
     for dist in ("rl", "heavy", "reasoning"):
         ours = results[(dist, OURS)]
-        for s in SCHEMES:
+        for s in schemes:
             r = results[(dist, s)]
             say(f"| {dist} | {s} | {r['mbs']} | {1000 * r['step']:.1f} | {1000 * r['mean']:.1f} | "
                 f"{r['step'] / ours['step']:.3f} | {r['pred'] / ours['pred']:.3f} | {100 * r['err']:+.1f}% |")
     say("\n## Targets\n")
     for dist in ("rl", "heavy", "reasoning"):
         ours = results[(dist, OURS)]
-        for other in ("legacy", "reference"):
+        for other in [s for s in ("legacy", "reference") if s in schemes]:
             ratio = results[(dist, other)]["step"] / ours["step"]
             say(f"- {'PASS' if ratio >= 1 else 'FAIL'} {dist}: ours not slower than {other} (ratio {ratio:.3f})")
     errs = [abs(r["err"]) for r in results.values()]

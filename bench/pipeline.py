@@ -13,7 +13,7 @@ step, planned for ``dp = 8`` with ``max_tokens_per_gpu = 16384`` and ``balance_d
 * ``after``  -- the same planner told the pipeline layout (``ParallelConfig(pp_size=..)``): it orders and counts
   the micro-batches by the pipeline model;
 * ``slime``  -- slime HEAD's ``build_dp_schedule``, imported from a tree extracted at run time from ``SLIME_GIT``
-  (``tests/hosts/conftest.py``'s helper; nothing of slime is stored here). Without ``SLIME_GIT`` its rows say how
+  (``slime_ext.schemes``' reference scheme; nothing of slime is stored here). Without ``SLIME_GIT`` its rows say how
   to get it and are skipped.
 
 **Costs** (:func:`bench_profile`): the issue's: a micro-batch's forward is its estimated FLOPs (Qwen3-8B-like dims)
@@ -44,8 +44,6 @@ slime HEAD (slower = by more than :data:`NOISE`, the replay's repeat noise).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 import time
 from dataclasses import dataclass, field
@@ -177,37 +175,29 @@ def plan_ours(lengths: np.ndarray, setup: Setup, profile, pipeline_aware: bool) 
 
 
 def slime_head_build_dp_schedule():
-    """slime HEAD's ``build_dp_schedule`` from ``SLIME_GIT``, or a string saying how to get it."""
-    path = ROOT / "tests" / "hosts" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("slime_ext_hosts_conftest", path)
-    hosts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hosts)
-    git_dir = hosts._git_dir("SLIME_GIT")
-    if git_dir is None:
-        return ("skipped: set SLIME_GIT to a git clone of github.com/THUDM/slime (its tree is extracted at run time "
-                "with git archive, as ci/host_test does)")
-    root = hosts.slime_tree(git_dir, "HEAD")
-    sys.path.insert(0, str(root))
-    try:
-        return importlib.import_module("slime.utils.dp_schedule").build_dp_schedule
-    finally:
-        sys.path.remove(str(root))
+    """The reference scheme (upstream slime's own ``build_dp_schedule``, loaded at run time from an installed slime
+    or ``SLIME_GIT``; ``SLIME_REV`` defaults to HEAD), or a string saying how to get it."""
+    from slime_ext.schemes import BASELINES
+
+    reference = BASELINES["reference"]
+    missing = reference.missing()
+    return f"skipped: {missing}" if missing else reference
 
 
-def plan_slime(lengths: np.ndarray, setup: Setup, build) -> Plan:
-    from slime_ext.baselines import reference_args
+def plan_slime(lengths: np.ndarray, setup: Setup, reference) -> Plan:
+    from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig
 
-    if isinstance(build, str):
-        return Plan("slime", None, skipped=build)
+    if isinstance(reference, str):
+        return Plan("slime", None, skipped=reference)
     n = len(lengths)
-    args = reference_args(MODEL_DIMS, max_tokens_per_gpu=MAX_TOKENS_PER_GPU, balance_data=True,
-                          balance_by_flops=False)
-    args.num_experts = None  # Megatron's default, which slime's calculate_fwd_flops reads (a dense model)
     lay = setup.layout
-    tpc = {"dp_size": DP_SIZE, "cp_size": 1, "vpp_size": lay.vpp, "microbatch_group_size_per_vp_stage": lay.pp}
-    partitions, mbi, nmb, _ = build(args, tpc, [int(x) for x in lengths], global_batch_size=n,
-                                    rollout_indices=list(range(n)))
-    return Plan("slime", _first_step(lengths, partitions, mbi, nmb))
+    parallel = ParallelConfig(dp_size=DP_SIZE, vpp_size=lay.vpp,
+                              microbatch_group_size_per_vp_stage=lay.pp if lay.vpp > 1 else None)
+    batch = BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
+                        balance_data=True)
+    sch = reference.schedule([int(x) for x in lengths], parallel, batch, global_batch_size=n,
+                             rollout_ids=list(range(n)), cost_model=CostModel(**MODEL_DIMS))
+    return Plan("slime", _first_step(lengths, sch.partitions, sch.micro_batch_indices, sch.num_microbatches))
 
 
 # ---------------------------------------------------------------------------------------------------- one row

@@ -1,5 +1,10 @@
 """Benchmark of issue 2: our planner against the legacy (a) and reference (b) schemes, as ratios in one run.
 
+The schemes are :mod:`slime_ext.schemes`' baselines: legacy is :class:`~slime_ext.schemes.LegacySchedule` (our own
+code, the one ``dp_schedule: legacy`` runs); reference is upstream slime's own ``build_dp_schedule``, imported at
+run time from an installed slime or ``SLIME_GIT`` (:mod:`slime_ext.schemes.upstream`). Without either, the
+reference rows say how to get it and are skipped.
+
     python -m bench.run [--quick] [--repeats N] [--cases NAME,...] [--flags strided,balance_data,...]
                         [--ref-flops-budget SECONDS] [--metric-flops exact|upstream] [--profile CASE:FLAGS]
 
@@ -11,7 +16,7 @@ A summary of the issue's targets follows, each PASS/FAIL with its number.
 
 Timing notes:
 * legacy runs on every DP rank in parallel in production; its time is ``rollout split + slowest rank's first-fit
-  count + slowest rank's KK`` (the all-reduce is the barrier in between), measured by simulating the ranks one
+  count + slowest rank's partition`` (the all-reduce is the barrier in between), measured by simulating the ranks one
   after another. The sum over all ranks is printed in the notes column. Legacy has no ``balance_by_flops``: the
   rows with it repeat the row without it (the same algorithm, the same result).
 * the reference's FLOPs mode (KK of samples into ~``tokens / cap`` groups) costs ``O(n k log k)`` time and
@@ -34,10 +39,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
-from slime_ext.baselines import legacy_schedule, reference_args, reference_schedule
 from slime_ext.metrics import Metrics, fwd_flops, measure
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, check_schedule, plan_schedule
+from slime_ext.schemes import BASELINES
 
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, Case, make_lengths
 
@@ -74,12 +78,17 @@ def _timed(fn: Callable[[], Any], repeats: int, wall_of: Callable[[Any, float], 
     return statistics.median(times), out, len(times)
 
 
-def ours_call(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool) -> Callable[[], Any]:
-    """Our planner on ``case``, as slime would call it (a list of lengths, one rollout id per sample)."""
+def _configs(case: Case, balance_data: bool, balance_by_flops: bool) -> tuple[ParallelConfig, BatchConfig]:
     parallel = ParallelConfig(dp_size=case.dp_size, cp_size=case.cp_size)
     batch = BatchConfig(global_batch_size=case.global_batch_size, use_dynamic_batch_size=True,
                         max_tokens_per_gpu=case.max_tokens_per_gpu, balance_data=balance_data,
                         balance_by_flops=balance_by_flops)
+    return parallel, batch
+
+
+def ours_call(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool) -> Callable[[], Any]:
+    """Our planner on ``case``, as slime would call it (a list of lengths, one rollout id per sample)."""
+    parallel, batch = _configs(case, balance_data, balance_by_flops)
     cost_model = CostModel(**MODEL_DIMS)
     rollout_ids = list(range(case.n))
     return lambda: plan_schedule(lengths, parallel, batch, rollout_ids=rollout_ids, cost_model=cost_model)
@@ -89,20 +98,15 @@ def run_ours(case: Case, lengths: list[int], balance_data: bool, balance_by_flop
     return _timed(ours_call(case, lengths, balance_data, balance_by_flops), repeats)
 
 
-def run_legacy(case: Case, lengths: list[int], balance_data: bool, repeats: int):
-    return _timed(lambda: legacy_schedule(lengths, dp_size=case.dp_size, global_batch_size=case.global_batch_size,
-                                          max_tokens_per_gpu=case.max_tokens_per_gpu, cp_size=case.cp_size,
-                                          balance_data=balance_data),
-                  repeats, wall_of=lambda sched, _: sched.timings["wall"])
-
-
-def run_reference(case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool, repeats: int):
-    args = reference_args(MODEL_DIMS, max_tokens_per_gpu=case.max_tokens_per_gpu, balance_data=balance_data,
-                          balance_by_flops=balance_by_flops)
-    tpc = {"dp_size": case.dp_size, "cp_size": case.cp_size, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
-    rollout_indices = list(range(case.n))
-    return _timed(lambda: reference_schedule(args, tpc, lengths, global_batch_size=case.global_batch_size,
-                                             rollout_indices=rollout_indices), repeats)
+def run_baseline(name: str, case: Case, lengths: list[int], balance_data: bool, balance_by_flops: bool,
+                 repeats: int):
+    """A baseline of :data:`slime_ext.schemes.BASELINES` on ``case``; one sample per rollout, so its step size is
+    ``case.global_batch_size`` whether it counts samples or rollouts."""
+    parallel, batch = _configs(case, balance_data, balance_by_flops)
+    baseline, cost_model, rollout_ids = BASELINES[name], CostModel(**MODEL_DIMS), list(range(case.n))
+    return _timed(lambda: baseline.schedule(lengths, parallel, batch, global_batch_size=case.global_batch_size,
+                                            rollout_ids=rollout_ids, cost_model=cost_model),
+                  repeats, wall_of=lambda sched, elapsed: sched.timings.get("wall", elapsed))
 
 
 def kk_work(case: Case, lengths: list[int]) -> tuple[float, int]:
@@ -272,6 +276,9 @@ def run(argv: list[str] | None = None) -> int:
     kk_rates: list[float] = []
     print(f"slime-ext schedule benchmark: model {MODEL_DIMS}; metrics FLOPs formula: {opts.metric_flops}; "
           f"repeats <= {repeats}")
+    reference_missing = BASELINES["reference"].missing()
+    print(f"reference: skipped: {reference_missing}" if reference_missing else
+          f"reference: upstream slime from {BASELINES['reference'].source()}")
     print(_legend())
     rows: list[Row] = []
     for case in cases:
@@ -294,7 +301,7 @@ def run(argv: list[str] | None = None) -> int:
             ours = Result("ours", t, m, check_schedule(sched) + m.problems, f"x{k}; {sched.stats[0].strategy}")
 
             if balance_data not in legacy_cache:
-                t, sched, k = run_legacy(case, lengths, balance_data, repeats)
+                t, sched, k = run_baseline("legacy", case, lengths, balance_data, False, repeats)
                 m = metrics_of(sched)
                 legacy_cache[balance_data] = Result(
                     "legacy", t, m, m.problems, f"x{k}; all ranks {sched.timings['cpu'] * 1e3:.0f} ms")
@@ -304,13 +311,15 @@ def run(argv: list[str] | None = None) -> int:
                                 legacy.note + "; no FLOPs mode: same as without it")
 
             work, sets = kk_work(case, lengths) if balance_by_flops else (0.0, 0)
-            if balance_by_flops and (work * KK_PRIOR_S > budget or sets > KK_MAX_SETS):
+            if reference_missing:
+                reference = Result("reference", None, None, [], "not run: no upstream slime (see the top)")
+            elif balance_by_flops and (work * KK_PRIOR_S > budget or sets > KK_MAX_SETS):
                 estimate = work * (statistics.median(kk_rates) if kk_rates else KK_PRIOR_S)
                 reference = Result("reference", None, None, [],
                                    f"est. ~{estimate:.0f} s and ~{sets / 1e6:.0f}M KK sets (budget {budget:.0f} s, "
                                    f"{KK_MAX_SETS / 1e6:.0f}M): ours would be ~{estimate / ours.time_s:.0f}x faster")
             else:
-                t, sched, k = run_reference(case, lengths, balance_data, balance_by_flops, repeats)
+                t, sched, k = run_baseline("reference", case, lengths, balance_data, balance_by_flops, repeats)
                 if work:
                     kk_rates.append(t / work)
                 m = metrics_of(sched)

@@ -10,10 +10,11 @@ What it does, in one run:
 2. **Plan** every workload (one rollout = one optimizer step) under each scheme:
 
    * ``legacy``       -- training-side: strided split on the rollout side, then on every rank first-fit count,
-                         all-reduce(MAX), Karmarkar-Karp into that many micro-batches (``dp_schedule: legacy``, the
-                         slime-shaped backend :mod:`slime_ext.training.legacy_backend` running for real);
-   * ``reference``    -- upstream's rollout-side ``build_dp_schedule``: first fit, then equal-size KK of the
-                         micro-batches over the ranks (:func:`slime_ext.baselines.reference_schedule`, balance_data);
+                         all-reduce(MAX), an even deal into that many micro-batches (``dp_schedule: legacy``,
+                         :class:`slime_ext.schemes.LegacySchedule` running for real);
+   * ``reference``    -- upstream slime's own rollout-side ``build_dp_schedule`` (balance_data), imported at run time
+                         (:class:`slime_ext.schemes.ReferenceSchedule`: an installed slime or ``SLIME_GIT``; without
+                         either its runs are skipped with the reason);
    * ``ours:strided`` / ``ours:balance_data`` / ``ours:balance_by_flops`` -- :func:`slime_ext.schedule.plan_schedule`
      with the calibrated profile as its cost (``balance_by_flops`` runs with ``balance_data`` too). ``ours`` in the
      ratios is ``ours:balance_by_flops``.
@@ -111,8 +112,8 @@ def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profil
     """``(reset changes, one rollout_data per DP rank)`` of ``scheme`` for one workload (one step)."""
     from train_harness import _batch, legacy_payloads, rollout_payloads
 
-    from slime_ext import baselines
-    from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
+    from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
+    from slime_ext.schemes import BASELINES
 
     n = len(samples)
     lengths = [s["total_length"] for s in samples]
@@ -121,9 +122,9 @@ def plan_payloads(scheme: str, samples: list[dict], w: Workload, dp: int, profil
         return {"dp_schedule": "legacy", **common, "balance_data": False, "balance_by_flops": False}, \
             legacy_payloads(samples, dp, n)
     if scheme == "reference":
-        args = baselines.reference_args(model_dims(), max_tokens_per_gpu=w.cap, balance_data=True, balance_by_flops=False)
-        tpc = {"dp_size": dp, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
-        ref = baselines.reference_schedule(args, tpc, lengths, global_batch_size=n, rollout_indices=list(range(n)))
+        ref = BASELINES["reference"].schedule(
+            lengths, ParallelConfig(dp_size=dp), BatchConfig(**common, balance_data=True), global_batch_size=n,
+            cost_model=CostModel(**model_dims()))
         from slime_ext.schedule import RankPayload
 
         batch = _batch(samples)
@@ -179,7 +180,7 @@ def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[di
                     busy, wall = time.thread_time() - c0, time.perf_counter() - w0
                     ids = data.partition
                     out["runs"].append(dict(rep=rep, scheme=scheme, workload=run["workload"], busy=busy, wall=wall,
-                                            ledger=records[0]["ledger"], num_microbatches=records[0]["num_microbatches"],
+                                            ledger=records[0].ledger, num_microbatches=records[0].num_microbatches,
                                             num_local=len(ids)))
                     if rep == 0:
                         params = worker.param_snapshot()
@@ -308,6 +309,7 @@ def run(argv: list[str] | None = None) -> int:
     from train_harness import free_port, launch
 
     from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
+    from slime_ext.schemes import BASELINES
 
     p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one small workload, DP=2 only, one repeat (~1 min)")
@@ -358,10 +360,14 @@ def run(argv: list[str] | None = None) -> int:
     targets: list[tuple[bool, str]] = []
     summary: list[tuple] = []
     invariance_lines: list[str] = []
+    reference = BASELINES["reference"]
+    why = reference.missing()
+    say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {reference.source()}")
+    schemes = [s for s in SCHEMES if not why or s != "reference"]
     for layout_name, dp, pp in layouts:
         runs = []
         for w in workloads:
-            for scheme in SCHEMES:
+            for scheme in schemes:
                 changes, payloads = plan_payloads(scheme, samples_of[w.name], w, dp, profile)
                 changes = {**changes, "max_tokens_per_gpu": w.cap}
                 runs.append(dict(scheme=scheme, workload=w.name, changes=changes, payloads=payloads))

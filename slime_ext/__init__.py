@@ -7,8 +7,9 @@ Three layers, each in its own subpackage:
 * :mod:`slime_ext.training` -- the training adapter (torch + megatron-core).
 
 The :class:`slime_ext.schedule.DPSchedule` dataclass is the contract between them. Beside them:
-:mod:`slime_ext.cli` (``slime-ext plan``, planning layer only), :mod:`slime_ext.baselines` and
-:mod:`slime_ext.metrics` (upstream's schemes re-implemented, and the one measure used to compare them), and
+:mod:`slime_ext.schemes` (one class per ``dp_schedule``, looked up once, and the typed records on the way back;
+also the baselines: legacy in our own code, upstream's reference imported at run time), :mod:`slime_ext.cli`
+(``slime-ext plan``, planning layer only), :mod:`slime_ext.metrics` (the one measure used to compare schemes), and
 ``slime_ext/patches/`` (the only code that changes third-party modules).
 """
 

@@ -2,7 +2,7 @@
 
 It never trusts a scheduler's own statistics. Input is anything with ``partitions[r]`` (global sample indices in
 micro-batch order), ``micro_batch_indices[r][k]`` (local indices into ``partitions[r]``) and
-``num_microbatches[s]`` (per rank) -- our ``DPSchedule`` and the baselines' ``BaselineSchedule`` alike. Step ``s``
+``num_microbatches[s]`` (per rank) -- our ``DPSchedule`` and the baselines' ``SchemeSchedule`` alike. Step ``s``
 is what every rank trains in its micro-batches ``[sum(num_microbatches[:s]), ... + num_microbatches[s])``.
 
 FLOPs come from the one formula, :class:`slime_ext.schedule.CostModel` (``formula="upstream"`` is upstream slime's

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
-from slime_ext.schedule.payload import DP_SCHEDULES
+from slime_ext.schemes import DP_SCHEDULES
 from slime_ext.schedule.config import BATCH_FLAGS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -251,7 +251,8 @@ class TrainConfig:
                 raise TrainConfigError(f"{name} must be a {kind.__name__}, got {type(value).__name__}; build flat "
                                        f"keys with TrainConfig.from_mapping")
         if self.dp_schedule not in DP_SCHEDULES:
-            _fail("dp_schedule", self.dp_schedule, f"must be one of {DP_SCHEDULES} (--dp-schedule rollout|legacy)")
+            _fail("dp_schedule", self.dp_schedule, f"must be one of {DP_SCHEDULES} (--dp-schedule "
+                                                   f"{'|'.join(DP_SCHEDULES)})")
         chunks = self.parallel.pipeline_model_parallel_size * self.parallel.vpp_size
         if self.model.num_layers % chunks:
             _fail("num_layers", self.model.num_layers,

@@ -1,10 +1,13 @@
-"""``slime-ext plan --compare legacy,reference``: the baselines of :mod:`slime_ext.baselines` on the same input.
+"""``slime-ext plan --compare legacy,reference``: the baselines of :mod:`slime_ext.schemes` on the same input.
 
-* ``legacy``    -- the training-side scheme: the rollout is split across DP ranks, every rank first-fit counts its
-  micro-batches per step, the counts are all-reduced (MAX), then each rank KK-partitions its step into that many
-  micro-batches with no cap. It counts ``global_batch_size`` in samples and has no ``balance_by_flops``.
-* ``reference`` -- upstream's rollout-side ``build_dp_schedule``: unsorted first fit (FLOPs mode: KK into
-  ``ceil(tokens / cap)`` bins without the cap), split-to-align, strided or KK over the ranks.
+* ``legacy``    -- :class:`~slime_ext.schemes.LegacySchedule`, the training-side scheme (our own code, the one a job
+  with ``dp_schedule: legacy`` runs): the rollout is split across DP ranks, every rank first-fit counts its
+  micro-batches per step, the counts are all-reduced (MAX), then each rank deals its step into that many
+  micro-batches of even tokens with no cap. It counts ``global_batch_size`` in samples and has no
+  ``balance_by_flops``.
+* ``reference`` -- :class:`~slime_ext.schemes.ReferenceSchedule`: upstream slime's own rollout-side
+  ``build_dp_schedule``, imported at run time from an installed slime or ``SLIME_GIT``; without either its rows
+  say how to get it.
 
 Every scheme, ours included, is measured by the same function, :func:`slime_ext.metrics.measure`, from the
 schedule's shape and one cost (our :class:`CostModel`'s FLOPs, or tokens without model dims), never from a
@@ -17,17 +20,17 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..schedule import CostModel, CostProfile, DPSchedule
+from ..schemes import BASELINES, NotComparable
 from .errors import CLIError
 from .options import Setup
 from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, render_table
 
-SCHEMES = ("legacy", "reference")
+SCHEMES = tuple(BASELINES)
 
 
 def parse_compare(spec: str) -> list[str]:
@@ -53,73 +56,31 @@ class SchemeRun:
     time_note: str = ""
 
 
-def _kept(schedule: DPSchedule) -> list[int]:
-    """The scheduled samples in step order (rollouts in first-occurrence order)."""
-    return [i for step in schedule.step_samples for i in step]
-
-
 def _dense_source(setup: Setup):
+    """The FLOPs model upstream's estimate is fed from (the model dims, also where a measured profile is the cost)."""
     return setup.flops_model if setup.flops_model is not None else setup.cost_model
 
 
-def _dense_dims(setup: Setup) -> dict:
-    """The model dims upstream's ``calculate_fwd_flops`` reads, with Megatron's defaults filled in."""
-    cm = _dense_source(setup)
-    heads = cm.num_attention_heads
-    return dict(hidden_size=cm.hidden_size, num_layers=cm.num_layers, num_attention_heads=heads,
-                num_query_groups=cm.num_query_groups or heads, kv_channels=cm.kv_channels or cm.hidden_size // heads,
-                ffn_hidden_size=cm.ffn_hidden_size or 4 * cm.hidden_size, vocab_size=cm.vocab_size)
-
-
-def _run_legacy(schedule: DPSchedule, setup: Setup) -> SchemeRun:
-    from .. import baselines
-
-    p, b = setup.parallel, setup.batch
-    sizes = sorted(set(schedule.samples_per_step))
-    if len(sizes) != 1:
-        return SchemeRun("legacy", note=f"not run: legacy counts global_batch_size in samples and needs the same "
-                                        f"number in every step (here {sizes[0]}..{sizes[-1]})")
-    gbs = sizes[0]
-    if gbs % p.dp_size:
-        return SchemeRun("legacy", note=f"not run: {gbs} samples per step is not a multiple of dp_size={p.dp_size}")
-    kept = _kept(schedule)
-    lengths = [schedule.total_lengths[i] for i in kept]
+def _run(name: str, ours: DPSchedule, setup: Setup) -> SchemeRun:
+    """The baseline ``name`` on the rollout ``ours`` planned, with the same flags; a row saying why where it cannot."""
+    baseline = BASELINES[name]
+    dense = _dense_source(setup)
+    cost_model = dense if isinstance(dense, CostModel) else None
+    try:
+        same = baseline.same_input(ours, setup.batch, cost_model)
+    except NotComparable as e:
+        return SchemeRun(name, note=f"not run: {e}")
+    why = baseline.missing()
+    if why:
+        return SchemeRun(name, note=f"not run: {why}")
+    lengths = [ours.total_lengths[i] for i in same.sample_ids]
     t0 = time.perf_counter()
-    sched = baselines.legacy_schedule(lengths, dp_size=p.dp_size, global_batch_size=gbs,
-                                      max_tokens_per_gpu=b.max_tokens_per_gpu, cp_size=p.cp_size,
-                                      vpp_size=p.vpp_size,
-                                      microbatch_group_size_per_vp_stage=p.microbatch_group_size_per_vp_stage,
-                                      balance_data=b.balance_data)
+    sched = baseline.schedule(lengths, setup.parallel, setup.batch, global_batch_size=same.global_batch_size,
+                              rollout_ids=same.rollout_ids, cost_model=cost_model)
     elapsed = time.perf_counter() - t0
-    sched.partitions = [[kept[i] for i in part] for part in sched.partitions]  # back to global sample indices
-    note = "legacy has no balance_by_flops (run without it)" if b.balance_by_flops else ""
-    return SchemeRun("legacy", sched, sched.timings.get("wall", elapsed), note=note,
-                     time_note="ranks in parallel: split + slowest rank's count + slowest rank's KK")
-
-
-def _run_reference(schedule: DPSchedule, setup: Setup) -> SchemeRun:
-    from .. import baselines
-
-    p, b = setup.parallel, setup.batch
-    dims: dict = {}
-    note = ""
-    if isinstance(_dense_source(setup), CostModel):
-        dims = _dense_dims(setup)
-        if _dense_source(setup).num_experts:
-            note = "balances by upstream's dense calculate_fwd_flops (no MoE terms)"
-    elif b.balance_data or b.balance_by_flops:
-        return SchemeRun("reference", note="not run: with balance_data/balance_by_flops upstream balances by "
-                                           "calculate_fwd_flops, which needs the model dims (--hidden-size ...)")
-    args = SimpleNamespace(use_dynamic_batch_size=True, max_tokens_per_gpu=b.max_tokens_per_gpu,
-                           micro_batch_size=b.micro_batch_size, balance_data=b.balance_data,
-                           balance_by_flops=b.balance_by_flops, **dims)
-    tpc = p.to_dict()
-    rollout_indices = schedule.rollout_ids if schedule.rollout_ids is not None else list(range(schedule.num_samples))
-    t0 = time.perf_counter()
-    sched = baselines.reference_schedule(args, tpc, list(schedule.total_lengths),
-                                         global_batch_size=schedule.rollouts_per_step[0],
-                                         rollout_indices=rollout_indices)
-    return SchemeRun("reference", sched, time.perf_counter() - t0, note=note)
+    sched.partitions = [[same.sample_ids[i] for i in part] for part in sched.partitions]  # ours' sample ids
+    return SchemeRun(name, sched, sched.timings.get("wall", elapsed), note=baseline.note(setup.batch),
+                     time_note=baseline.time_note)
 
 
 def _step_tokens(view, lengths: np.ndarray) -> list[int]:
@@ -141,13 +102,12 @@ def run_compare(names: list[str], schedule: DPSchedule, setup: Setup, plan_secon
 
     lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
     flops = setup.cost_model.flops(lengths) if setup.cost_model is not None else lengths.astype(np.float64)
-    runners = {"legacy": _run_legacy, "reference": _run_reference}
     runs = [SchemeRun("ours", schedule, plan_seconds)]
     for name in names:
         if not quiet:
             print(f"running the {name} baseline ...", file=sys.stderr, flush=True)
         try:
-            runs.append(runners[name](schedule, setup))
+            runs.append(_run(name, schedule, setup))
         except (AssertionError, ValueError, ZeroDivisionError) as e:  # upstream asserts where it cannot schedule
             runs.append(SchemeRun(name, note=f"failed as upstream would: {type(e).__name__}: {e}"))
     expected = sum(schedule.samples_per_step)

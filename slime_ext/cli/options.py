@@ -19,6 +19,8 @@ from typing import Any, Mapping
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
+from ..schemes import DEFAULT as DEFAULT_DP_SCHEDULE
+from ..schemes import DP_SCHEDULES, get_dp_schedule
 from ..train_config import TrainConfigError, data_parallel_size
 from .errors import CLIError
 
@@ -49,7 +51,7 @@ BATCH = [
                                  "shows the rollout-side plan (see --compare legacy)"),
 ]
 #: values of the "choice" keys
-CHOICES = {"dp_schedule": ("rollout", "legacy")}
+CHOICES = {"dp_schedule": DP_SCHEDULES}
 PARALLEL = [
     Key("dp_size", "int", "data-parallel size (default: from --num-gpus, else 1)"),
     Key("cp_size", "int", "context-parallel size (default 1)"),
@@ -232,7 +234,7 @@ class Setup:
     tensor_model_parallel_size: int
     pipeline_model_parallel_size: int
     #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
-    dp_schedule: str = "rollout"
+    dp_schedule: str = DEFAULT_DP_SCHEDULE
     #: the FLOPs model from the model dims even when a measured profile is the cost (upstream's reference needs them)
     flops_model: CostModel | None = None
 
@@ -355,7 +357,7 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         parallel = ParallelConfig.from_megatron(dp or 1, context_parallel_size=cp, pipeline_model_parallel_size=pp,
                                                 virtual_pipeline_model_parallel_size=vpp,
                                                 microbatch_group_size_per_vp_stage=mb_group)
-        dp_schedule = values.get("dp_schedule", "rollout")
+        dp_schedule = get_dp_schedule(values.get("dp_schedule")).name
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
             cost_model.coefficients()  # validates moe_layer_freq against num_layers

@@ -20,6 +20,7 @@ import time
 
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
 from ..schedule.pipeline_plan import pipeline_pricing
+from ..schemes import BASELINES, get_dp_schedule
 from . import compare, inputs, options, pipeline_plot, plot, report
 from .errors import CLIError
 
@@ -205,10 +206,11 @@ def _plan(args) -> int:
     if not setup.batch.use_dynamic_batch_size and "max_tokens_per_gpu" in merged:
         _warn("--max-tokens-per-gpu has no effect without --use-dynamic-batch-size (static micro-batches of "
               f"micro_batch_size={setup.batch.micro_batch_size} samples)")
-    if setup.dp_schedule == "legacy":
-        _warn("the config runs the legacy training-side path (dp_schedule: legacy, global_batch_size counts samples "
-              "there); the table shows the rollout-side plan for the same flags; --compare legacy shows the legacy "
-              "path on this input")
+    scheme = get_dp_schedule(setup.dp_schedule)
+    if scheme is not get_dp_schedule():  # the table is the default scheme's plan
+        _warn(f"the config runs {scheme.title} (dp_schedule: {scheme.name}, global_batch_size counts "
+              f"{scheme.batch_unit} there); the table shows the rollout-side plan for the same flags"
+              + (f"; --compare {scheme.name} shows {scheme.title} on this input" if scheme.name in BASELINES else ""))
     _check_outputs(args, setup.cost_model is not None, setup.parallel.pp_size)
     schemes = compare.parse_compare(args.compare) if args.compare is not None else []
     if schemes and not setup.batch.use_dynamic_batch_size:

@@ -19,6 +19,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
+from slime_ext.schemes import PlanInfo, RankResult
+
 from .dispatch import plan_rollout
 from .train_data import flatten_samples, samples_to_train_data
 
@@ -43,10 +45,11 @@ class RolloutManager:
         self.generate_rollout: Callable = load_object(self.args.rollout_function_path)
 
     def generate(self, rollout_id: int) -> dict:
-        """Returns ``{"payload_refs": [ObjectRef per DP rank], "plan": {...}, "seconds": ...}``.
+        """Returns ``{"payload_refs": [ObjectRef per DP rank], "plan": PlanInfo, "seconds": ...}``.
 
-        ``plan`` is what the driver checks and prints: partitions, step_samples, dropped (+ reason), the full
-        schedule dict (rollout path) and the per-sample ``total_lengths`` / ``rollout_ids`` / ``loss_tokens``.
+        ``plan`` (:class:`slime_ext.schemes.PlanInfo`) is what the driver checks and prints: partitions,
+        step_samples, dropped (+ reason), the full schedule dict (rollout path) and the per-sample ``total_lengths``
+        / ``rollout_ids`` / ``loss_tokens``.
         """
         import ray
 
@@ -59,16 +62,11 @@ class RolloutManager:
         if plan.dropped:  # also in the returned plan; the driver prints it with the step table
             logger.info("rollout %d: dropped %s", rollout_id, plan.dropped_reason)
         refs = [ray.put(p) for p in plan.payloads]
-        info = {
-            **plan.summary(),
-            "rollout_id": rollout_id,
-            "partitions": plan.partitions,
-            "step_samples": plan.step_samples,
-            "total_lengths": train_data.total_lengths,
-            "rollout_ids": train_data.rollout_ids,
-            "loss_tokens": train_data.loss_tokens,
-            "schedule": None if plan.schedule is None else plan.schedule.to_dict(),
-        }
+        info = PlanInfo(dp_schedule=plan.dp_schedule, rollout_id=rollout_id, num_samples=plan.num_samples,
+                        partitions=plan.partitions, step_samples=plan.step_samples, dropped=plan.dropped,
+                        dropped_reason=plan.dropped_reason, total_lengths=train_data.total_lengths,
+                        rollout_ids=train_data.rollout_ids, loss_tokens=train_data.loss_tokens,
+                        schedule=plan.schedule)
         return {"payload_refs": refs, "plan": info, "seconds": time.perf_counter() - start}
 
 
@@ -108,7 +106,7 @@ class TrainActor:
         """Initial parameters, fresh optimizer and LR scheduler; batch/schedule/optimizer keys may change."""
         self._require().reset(**dict(changes))
 
-    def train_rollout(self, rollout_id: int, payload_refs: list) -> dict:
+    def train_rollout(self, rollout_id: int, payload_refs: list) -> RankResult:
         """Fetch this rank's payload (``payload_refs[dp_rank]``) and train on it; one record per step."""
         import ray
 
@@ -121,8 +119,8 @@ class TrainActor:
                                f"{payload.rollout_id} / dp_rank {payload.dp_rank}, expected rollout "
                                f"{rollout_id}; the payload refs are out of order")
         records = worker.train_rollout(payload)
-        return {"rank": self.rank, "dp_rank": self.info["dp_rank"], "pp_rank": self.info["pp_rank"],
-                "records": records, "fetch_seconds": fetched}
+        return RankResult(rank=self.rank, dp_rank=self.info["dp_rank"], pp_rank=self.info["pp_rank"],
+                          records=list(records), fetch_seconds=fetched)
 
     def param_snapshot(self) -> dict:
         return self._require().param_snapshot()

@@ -3,8 +3,8 @@
 Training keys are :class:`slime_ext.train_config.TrainConfig`'s (flat names); the rollout/harness keys are
 :data:`RUN_DEFAULTS`. Each is documented where it is declared. :func:`load_run_config` raises :class:`ConfigError`
 listing every problem, each naming the key and the fix. The schedule is checked by running the planner itself (or
-the legacy path) on the extreme rollouts the rollout function can produce (:func:`_dry_run`), not by a copy of its
-rules.
+the legacy path: the ``dp_schedule`` scheme's own ``dry_run``) on the extreme rollouts the rollout function can
+produce (:func:`_dry_run`), not by a copy of its rules.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from slime_ext.baselines import LegacyPlanError, legacy_rank_plan, legacy_step_counts
-from slime_ext.schedule import BatchConfig, ScheduleError, plan_schedule
+from slime_ext.schedule import BatchConfig, ScheduleError
+from slime_ext.schemes import Scheme, get_dp_schedule
 from slime_ext.train_config import KEYS as TRAIN_KEYS
 from slime_ext.train_config import TrainConfig, TrainConfigError
 
-from .dispatch import legacy_split
 from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 
 DEFAULT_ROLLOUT_FUNCTION = "slime_ext.rollout.synthetic.generate_rollout"
@@ -208,22 +207,21 @@ _MULTI_SAMPLE_FIX = ("rollouts that emit several samples change the samples per 
                      "synthetic_multi_sample_prob: 0, or use_dynamic_batch_size: true with max_tokens_per_gpu")
 
 
-def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None
+def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: dict | None, scheme: Scheme
                       ) -> list[tuple[str, list[int], list[int], str]]:
     """``(what, total_lengths, rollout_ids, fix)`` of the rollouts the pre-check plans.
 
-    The sample counts are the extremes the rollout function can produce; the lengths are the easiest for the planner
-    (shortest; the longest for the legacy dynamic path, whose micro-batch count grows with them), so a refusal is one
-    the run meets whenever a rollout reaches those counts. Synthetic generator (``bounds``): one sample per rollout;
+    The sample counts are the extremes the rollout function can produce; the lengths are the easiest for the
+    ``scheme`` (:meth:`~slime_ext.schemes.Scheme.easiest_length`), so a refusal is one the run meets whenever a
+    rollout reaches those counts. Synthetic generator (``bounds``): one sample per rollout;
     the most samples per rollout; and, if rollouts may emit several samples, the first ``e`` rollouts with one extra
     sample (``e`` up to ``micro_batch_size``: every step size up to the next micro-batch). Any other rollout
     function: one sample per rollout.
     """
     rollouts = int(options["rollout_batch_size"]) * int(options["n_samples_per_prompt"])
     batch = train.batch
-    longest_is_easiest = train.dp_schedule == "legacy" and batch.use_dynamic_batch_size
     shortest = bounds["min_total_length"] if bounds else 1
-    length = train.model.seq_length if longest_is_easiest else shortest
+    length = scheme.easiest_length(batch, shortest, train.model.seq_length)
 
     def make(what: str, per_rollout: list[int], fix: str = "") -> tuple[str, list[int], list[int], str]:
         ids = [r for r, k in enumerate(per_rollout) for _ in range(k)]
@@ -240,27 +238,6 @@ def _extreme_rollouts(train: TrainConfig, options: Mapping[str, Any], bounds: di
     return out
 
 
-def _plan(train: TrainConfig, args: SimpleNamespace, world: int, lengths: list[int], ids: list[int]) -> None:
-    """One rollout through the configured ``dp_schedule``'s own planning code; raises what it raises."""
-    parallel = train.parallel.schedule_config(world)
-    batch = train.batch
-    if train.dp_schedule == "rollout":
-        plan_schedule(lengths, parallel, batch, rollout_ids=ids)
-        return
-    dp = parallel.dp_size
-    gbs, _, partitions = legacy_split(lengths, args, dp)  # the rollout side's trim and split
-    ranks = [[lengths[i] for i in part] for part in partitions]
-    cap = batch.cap(parallel.cp_size)
-    peak = None  # all_reduce(MAX) of the first-fit counts over the DP ranks
-    if batch.use_dynamic_batch_size:
-        peak = [max(c) for c in zip(*(legacy_step_counts(r, gbs // dp, cap) for r in ranks))]
-    for local in ranks:  # each rank's get_data_iterator
-        legacy_rank_plan(local, global_batch_size=gbs, dp_size=dp, cap=cap,
-                         use_dynamic_batch_size=batch.use_dynamic_batch_size, micro_batch_size=batch.micro_batch_size,
-                         vpp_size=parallel.vpp_size, group=parallel.microbatch_group_size_per_vp_stage,
-                         reduce_max=lambda _: peak)
-
-
 def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
     """Plan the extreme rollouts of the configured rollout function with the real planner, before any process
     starts: whatever it refuses there, a rollout of the run could make it refuse too."""
@@ -269,14 +246,14 @@ def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]
     bounds = synthetic_bounds(args) if synthetic else None
     if synthetic:
         _check_sample_lengths(train, options, bounds, problems)
-    world = _world_size(options)
-    for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds):
+    scheme = get_dp_schedule(train.dp_schedule)
+    parallel = train.parallel.schedule_config(_world_size(options))
+    for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds, scheme):
         try:
-            _plan(train, args, world, lengths, ids)
-        except (ScheduleError, LegacyPlanError) as exc:
-            planner = "the planner" if train.dp_schedule == "rollout" else "the legacy path"
-            problems.append(f"dp_schedule={train.dp_schedule}: a rollout of rollout_batch_size x n_samples_per_prompt "
-                            f"= {len(set(ids))} rollouts, {what}, is refused by {planner}: {exc}"
+            scheme.dry_run(lengths, ids, args, parallel, train.batch)
+        except ScheduleError as exc:
+            problems.append(f"dp_schedule={scheme.name}: a rollout of rollout_batch_size x n_samples_per_prompt "
+                            f"= {len(set(ids))} rollouts, {what}, is refused by {scheme.title}: {exc}"
                             f"{'; ' + fix if fix else ''}")
             return
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from slime_ext.schedule import CostModel
+from slime_ext.schemes import PlanInfo, RankResult
 from slime_ext.train_config import RESETTABLE_KEYS
 
 from .actors import RolloutManager, TrainActor, remote
@@ -209,7 +210,7 @@ class TrainGroup:
                config.options["setup_timeout_seconds"], "reset")
         self.config = config
 
-    def train(self, rollout_id: int, payload_refs: list, timeout: float) -> list[dict]:
+    def train(self, rollout_id: int, payload_refs: list, timeout: float) -> list[RankResult]:
         calls = [(f"train rank {r}", a.train_rollout.remote(rollout_id, payload_refs))
                  for r, a in enumerate(self.actors)]
         return gather(calls, timeout, f"training on rollout {rollout_id}")
@@ -236,8 +237,8 @@ class TrainGroup:
 @dataclass
 class RolloutResult:
     rollout_id: int
-    plan: dict
-    ranks: list[dict]
+    plan: PlanInfo
+    ranks: list[RankResult]
     rows: list[dict]
     generate_seconds: float
     seconds: float
@@ -255,28 +256,28 @@ class RunResult:
         return [row for r in self.rollouts for row in r.rows]
 
 
-def step_rows(config: RunConfig, plan: dict, ranks: list[dict]) -> list[dict]:
+def step_rows(config: RunConfig, plan: PlanInfo, ranks: list[RankResult]) -> list[dict]:
     """Per step: samples, micro-batches per DP rank, tokens and estimated FLOPs per DP rank, loss, LR, time."""
-    lengths = plan["total_lengths"]
+    lengths = plan.total_lengths
     cost = CostModel.from_args(config.args())
     flops = cost.flops(lengths).tolist() if cost is not None else [float(x) for x in lengths]
-    stage0 = sorted((r for r in ranks if r["pp_rank"] == 0), key=lambda r: r["dp_rank"])
+    stage0 = sorted((r for r in ranks if r.pp_rank == 0), key=lambda r: r.dp_rank)
     rows = []
-    for s in range(len(plan["step_samples"])):
-        recs = [r["records"][s] for r in stage0]
-        tokens = [sum(lengths[i] for mb in rec["ledger"] for i in mb) for rec in recs]
-        rank_flops = [sum(flops[i] for mb in rec["ledger"] for i in mb) for rec in recs]
+    for s in range(plan.num_steps):
+        recs = [r.records[s] for r in stage0]
+        tokens = [sum(lengths[i] for mb in rec.ledger for i in mb) for rec in recs]
+        rank_flops = [sum(flops[i] for mb in rec.ledger for i in mb) for rec in recs]
         mean_flops = sum(rank_flops) / len(rank_flops)
         rows.append({
-            "rollout": plan["rollout_id"],
+            "rollout": plan.rollout_id,
             "step": s,
-            "samples": recs[0]["samples"],
-            "mbs_per_rank": [rec["num_microbatches"] for rec in recs],
+            "samples": recs[0].samples,
+            "mbs_per_rank": [rec.num_microbatches for rec in recs],
             "tokens_per_rank": tokens,
             "flops_balance": max(rank_flops) / mean_flops if mean_flops else 1.0,
-            "loss": recs[0]["loss"],
-            "lr": recs[0]["lr"],
-            "seconds": max(r["records"][s]["seconds"] for r in ranks),
+            "loss": recs[0].loss,
+            "lr": recs[0].lr,
+            "seconds": max(r.records[s].seconds for r in ranks),
         })
     return rows
 
@@ -338,10 +339,10 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
                 gen = gather([("the rollout manager", manager.generate.remote(rollout_id))],
                              opts["rollout_timeout_seconds"], f"rollout {rollout_id}")[0]
             plan = gen["plan"]
-            if plan["dropped"]:
-                emit(f"  rollout {rollout_id}: dropped {plan['dropped_reason']}")
+            if plan.dropped:
+                emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
             ranks = sorted(group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"]),
-                           key=lambda r: r["rank"])
+                           key=lambda r: r.rank)
             if opts["verify_ledger"]:
                 problems = check_ledger(plan, ranks)
                 if problems:
@@ -406,5 +407,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with open(ns.json, "w") as fh:
             json.dump({"layouts": result.layouts, "rows": result.rows,
-                       "dropped": {r.rollout_id: r.plan["dropped"] for r in result.rollouts}}, fh, indent=1)
+                       "dropped": {r.rollout_id: r.plan.dropped for r in result.rollouts}}, fh, indent=1)
     return 0

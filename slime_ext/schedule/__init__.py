@@ -23,7 +23,7 @@ from .payload import RankPayload, SampleBatch
 from .planner import plan_schedule
 from .profile import CostProfile
 
-# the public API; the rest (StepStats, DP_SCHEDULES, fit_profile, ...) is imported from its module
+# the public API; the rest (StepStats, fit_profile, ...) is imported from its module
 __all__ = [
     "BatchConfig",
     "CostModel",

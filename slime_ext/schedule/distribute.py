@@ -14,7 +14,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .packing import expand_bins_by_splitting
+from .packing import grow_to_count
 
 
 def serpentine(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
@@ -183,7 +183,7 @@ def build_rank_bins(
     for r in range(dp_size):
         filled = [b for b in bins[r] if b]
         if len(filled) < per_rank:
-            expand_bins_by_splitting(filled, per_rank, lengths)
+            grow_to_count(filled, per_rank, lengths)
         bins[r] = filled
     return bins
 

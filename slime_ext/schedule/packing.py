@@ -6,7 +6,7 @@ longer than the cap always sits alone in its bin; every other bin holds at most 
 * :func:`lpt_pack` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (LPT, vectorised by rounds:
   whole rounds, or cut to sequential LPT's order with ``graham``); ``None`` when it cannot fit.
 * :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum), for the steps LPT
-  cannot fit; :func:`expand_bins_by_splitting` then grows the packing to the aligned count by halving the largest
+  cannot fit; :func:`grow_to_count` then grows the packing to the aligned count by halving the fullest
   multi-sample bins (halves never exceed their parent, so the cap keeps holding).
 """
 
@@ -48,42 +48,49 @@ def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None 
     return bins
 
 
-def split_bin_by_tokens(bin_indices: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-    """Split one bin into two halves balanced by tokens (longest first, each to the lighter half).
+def halve_by_tokens(members: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+    """One bin cut in two halves of about equal tokens: ``[first, second]``.
 
-    Both halves are subsets of the bin, so neither exceeds the bin's token count.
+    The members are dealt longest first (equal lengths in their order in the bin); each goes to the half that holds
+    fewer tokens so far, the first half when they hold the same. Each half is a subset of the bin, so neither holds
+    more tokens than the bin did.
     """
-    halves: list[list[int]] = [[], []]
-    sums = [0, 0]
-    for idx in sorted(bin_indices, key=lambda i: -int(lengths[i])):
-        h = 0 if sums[0] <= sums[1] else 1
-        halves[h].append(idx)
-        sums[h] += int(lengths[idx])
-    return halves
+    first: list[int] = []
+    second: list[int] = []
+    lead = 0  # tokens in ``first`` minus tokens in ``second``
+    for i in sorted(members, key=lambda m: int(lengths[m]), reverse=True):  # a stable sort: ties keep bin order
+        if lead <= 0:
+            first.append(i)
+            lead += int(lengths[i])
+        else:
+            second.append(i)
+            lead -= int(lengths[i])
+    return [first, second]
 
 
-def expand_bins_by_splitting(
+def grow_to_count(
     bins: list[list[int]], target_count: int, lengths: Sequence[int], loads: Sequence[int] | None = None
 ) -> None:
-    """Grow ``bins`` in place to ``target_count`` by repeatedly halving the largest multi-sample bin.
+    """Grow ``bins`` in place to ``target_count`` bins: halve (:func:`halve_by_tokens`) the bin with the most tokens
+    among those of two or more samples, again and again; the second half is appended as a new bin.
 
-    Stops early when every bin is a single sample (the caller checks the count). Ties between equally large bins
-    go to the later bin, as upstream. ``loads`` may pass the bins' token counts when the caller has them.
+    Stops early when every bin is a single sample (the caller checks the count). Of equally full bins the one with
+    the higher index is halved first. ``loads`` may pass the bins' token counts when the caller has them.
     """
     if len(bins) >= target_count:
         return
     lens = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
     if loads is None:
         loads = [sum(lens[i] for i in b) for b in bins]
+    # a max-heap on (tokens, bin index) of the bins that can still be cut
     heap = [(-load, -j) for j, (load, b) in enumerate(zip(loads, bins)) if len(b) > 1]
     heapq.heapify(heap)
     while len(bins) < target_count and heap:
-        _, neg_j = heapq.heappop(heap)
-        j = -neg_j
-        left, right = split_bin_by_tokens(bins[j], lens)
-        bins[j] = left
-        bins.append(right)
-        for k, half in ((j, left), (len(bins) - 1, right)):
+        j = -heapq.heappop(heap)[1]
+        kept, moved = halve_by_tokens(bins[j], lens)
+        bins[j] = kept
+        bins.append(moved)
+        for k, half in ((j, kept), (len(bins) - 1, moved)):
             if len(half) > 1:
                 heapq.heappush(heap, (-sum(lens[i] for i in half), -k))
 

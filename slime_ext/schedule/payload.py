@@ -1,8 +1,8 @@
 """``RankPayload``: what one DP rank receives for one rollout -- its samples and its slice of the schedule.
 
-The rollout side builds it (:meth:`DPSchedule.rank_payload`, or the legacy split), Ray pickles it, the training side
-reads it. It is the only declaration of the fields that cross that boundary; both dataclasses validate themselves on
-construction, so a payload that exists is consistent.
+The rollout side builds it (the ``dp_schedule`` scheme's ``plan``, :mod:`slime_ext.schemes`), Ray pickles it, the
+training side reads it. It is the only declaration of the fields that cross that boundary; both dataclasses validate
+themselves on construction, so a payload that exists is consistent.
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from dataclasses import dataclass, fields
 from typing import ClassVar, Sequence
 
 from .errors import ScheduleError
-
-#: who plans the micro-batches: ``rollout`` -- the rollout side (a schedule slice travels in the payload);
-#: ``legacy`` -- each training rank, as upstream slime's training-side path does (no slice travels)
-DP_SCHEDULES = ("rollout", "legacy")
 
 
 def _fail(field: str, value, fix: str):

@@ -66,7 +66,7 @@ from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, r
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
-from .packing import best_fit_decreasing, bins_to_labels, expand_bins_by_splitting, lpt_pack
+from .packing import best_fit_decreasing, bins_to_labels, grow_to_count, lpt_pack
 from .pipeline_plan import PipelinePricing, PipelineStep, pipeline_pricing, plan_pipeline_step
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
@@ -121,7 +121,7 @@ def pack_step(
         )
     if len(bins) < count:
         loads = np.bincount(bins_to_labels(bins, len(lengths)), weights=lengths, minlength=len(bins))
-        expand_bins_by_splitting(bins, count, lengths, loads.astype(np.int64).tolist())
+        grow_to_count(bins, count, lengths, loads.astype(np.int64).tolist())
     return bins_to_labels(bins, len(lengths)), count, "bfd"
 
 

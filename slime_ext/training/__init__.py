@@ -7,19 +7,18 @@ One concern per module, in the order a step touches them:
 * :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
 * :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
-* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator`` over a ``RankPayload``, ``RolloutPath``;
+* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator`` over a ``RankPayload``, built by the
+  ``dp_schedule`` scheme's ``iterators`` (:mod:`slime_ext.schemes`: ``rollout`` runs the payload's schedule slice,
+  ``legacy`` plans per rank as upstream);
 * :mod:`.batch` -- a micro-batch packed into tensors;  :mod:`.loss` -- the per-token policy loss and its scaling;
-* :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, the forward-only pass, and
-  ``DATA_PATHS``: the data path chosen by ``dp_schedule``;
-* :mod:`.legacy_backend` -- ``LegacyPath``, upstream's training-side planning (``dp_schedule: legacy``);
+* :mod:`.train_step` -- the train loop over ``get_forward_backward_func()`` and the forward-only pass;
 * :mod:`.worker` -- ``TrainWorker``, one training process, the unit the Ray side wraps.
 """
 
 from slime_ext.train_config import TrainConfig, TrainConfigError, load_train_config
-from .data import DataIterator, RolloutDataError, RolloutPath
+from .data import DataIterator, RolloutDataError
 
-__all__ = ["DataIterator", "RolloutDataError", "RolloutPath", "TrainConfig", "TrainConfigError", "TrainWorker",
-           "load_train_config"]
+__all__ = ["DataIterator", "RolloutDataError", "TrainConfig", "TrainConfigError", "TrainWorker", "load_train_config"]
 
 
 def __getattr__(name):  # TrainWorker pulls in megatron-core; import it on first use

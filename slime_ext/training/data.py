@@ -1,9 +1,9 @@
 """Where the schedule is consumed: a :class:`RankPayload` -> one :class:`DataIterator` per virtual pipeline stage.
 
-Who plans the micro-batches is a value, ``config.dp_schedule``, looked up in ``DATA_PATHS``
-(:mod:`slime_ext.training.train_step`): :class:`RolloutPath` runs the schedule slice the rollout side sent, unchanged;
-:class:`slime_ext.training.legacy_backend.LegacyPath` plans on the training side, as upstream slime does. Both
-answer the same two questions: the iterators and micro-batch counts of a payload, and the LR increment of a step.
+Who plans the micro-batches is a value, ``config.dp_schedule``: its scheme (:mod:`slime_ext.schemes`) builds the
+iterators with :meth:`~slime_ext.schemes.Scheme.iterators` from what is here -- the iterator, the payload check,
+and the few Megatron facts and collectives a training-side scheme needs (:func:`parallel_sizes`,
+:func:`all_reduce_max`).
 """
 
 from __future__ import annotations
@@ -72,18 +72,24 @@ def check_payload(payload: Any, planned: bool) -> RankPayload:
     return payload
 
 
-class RolloutPath:
-    """``dp_schedule: rollout``: the rollout side planned; nothing is planned or all-reduced here."""
+def parallel_sizes(model: Any) -> tuple[int, Any, int, int, int]:
+    """``(dp_size, dp_group, vpp_size, microbatch_group_size_per_vp_stage, cp_size)`` of this rank, from Megatron
+    (the group is 1 without VPP)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
 
-    name = "rollout"
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    group = get_model_config(model[0]).microbatch_group_size_per_vp_stage if vpp > 1 else 1
+    return (mpu.get_data_parallel_world_size(with_context_parallel=False), mpu.get_data_parallel_group(), vpp, group,
+            mpu.get_context_parallel_world_size())
 
-    def get_data_iterator(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None
-                          ) -> tuple[list[DataIterator], list[int]]:
-        payload = check_payload(payload, planned=True)
-        stages = vpp_size() if vpp is None else vpp
-        return ([DataIterator(payload, payload.micro_batch_indices) for _ in range(stages)],
-                list(payload.num_microbatches))
 
-    def lr_increment(self, args: Any, payload: RankPayload, step_id: int) -> int:
-        """The samples step ``step_id`` really trains on (varies with multi-sample rollouts and dynamic sizes)."""
-        return payload.samples_per_step[step_id]
+def all_reduce_max(counts: list[int], group: Any) -> list[int]:
+    """The element-wise MAX of ``counts`` over the ranks of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(c) for c in t.tolist()]

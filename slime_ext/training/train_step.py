@@ -2,13 +2,14 @@
 
 Per rollout::
 
-    path = DATA_PATHS[config.dp_schedule]                                   # who planned the micro-batches
-    iterators, num_microbatches = path.get_data_iterator(args, model, payload)  # one iterator per VPP stage
+    scheme = state.scheme                                        # the dp_schedule, looked up when configured
+    iterators, num_microbatches = scheme.iterators(args, model, payload)   # one iterator per VPP stage
     check that every rank runs the same steps and micro-batches; count each step's loss tokens
     for s, n in enumerate(num_microbatches):
         zero grads; forward_backward_func(n micro-batches)  # DDP reduces grads after the last one
         optimizer.step()                                     # Megatron optimizer, clips by clip_grad
-        scheduler.step(increment=path.lr_increment(args, payload, s))
+        scheduler.step(increment=scheme.lr_increment(args, payload, s))
+        scheme.step_record(...)                              # what the step returns
 """
 
 from __future__ import annotations
@@ -22,18 +23,14 @@ import torch
 import torch.distributed as dist
 
 from slime_ext.schedule import RankPayload
+from slime_ext.schemes import Scheme, StepRecord
 
 from .batch import BATCH_KEYS, pack_micro_batch
 from slime_ext.train_config import Layout, TrainConfig
-from .data import RolloutDataError, RolloutPath, check_payload
-from .legacy_backend import LegacyPath
+from .data import RolloutDataError
 from .loss import log_prob_func, loss_scale, train_loss_func
 from .model import unwrap
 from .optimizer import current_lr
-
-
-#: the training-side half of each ``dp_schedule`` (the rollout-side half is ``slime_ext.rollout.dispatch``)
-DATA_PATHS = {"rollout": RolloutPath(), "legacy": LegacyPath()}
 
 
 @dataclass
@@ -46,6 +43,8 @@ class TrainState:
     model: list  # DDP-wrapped chunks, one per VPP stage
     optimizer: Any
     scheduler: Any
+    #: the ``dp_schedule`` scheme (``get_dp_schedule(config.dp_schedule)``, looked up when the config is set)
+    scheme: Scheme
 
 
 def _device() -> torch.device:
@@ -130,34 +129,26 @@ def _agree(state: TrainState, local_error: Exception | None, num_microbatches: l
     return totals
 
 
-def train_rollout(state: TrainState, payload: RankPayload) -> list[dict]:
+def train_rollout(state: TrainState, payload: RankPayload) -> list[StepRecord]:
     """Train on one rollout; returns one record per step (see :func:`train_one_step`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    path = DATA_PATHS[state.config.dp_schedule]
     local_error, iterators, num_microbatches, local_tokens = None, [], [], []
     try:
-        iterators, num_microbatches = path.get_data_iterator(state.args, state.model, payload)
+        iterators, num_microbatches = state.scheme.iterators(state.args, state.model, payload)
         local_tokens = _local_step_tokens(iterators, num_microbatches, payload)
-    except ValueError as exc:  # RolloutDataError, LegacyScheduleError: tell the other ranks before failing
+    except ValueError as exc:  # RolloutDataError, ScheduleError: tell the other ranks before failing
         local_error, num_microbatches, local_tokens = exc, [], []
     step_tokens = _agree(state, local_error, num_microbatches, local_tokens, payload)
     forward_backward = get_forward_backward_func()
-    return [train_one_step(state, path, forward_backward, iterators, payload, s, n, step_tokens[s])
+    return [train_one_step(state, forward_backward, iterators, payload, s, n, step_tokens[s])
             for s, n in enumerate(num_microbatches)]
 
 
-def train_one_step(state: TrainState, path, forward_backward, iterators: list, payload: RankPayload,
-                   step_id: int, num_microbatches: int, step_loss_tokens: int) -> dict:
-    """One optimizer step over ``num_microbatches`` micro-batches per rank.
-
-    Returns ``{step, loss, lr, samples, num_microbatches, seconds, ledger, loss_tokens, grad_norm,
-    lr_increment, scheduler_samples, update_successful}``: ``loss`` is the step objective over all ranks (module
-    docstring of :mod:`slime_ext.training.loss`), ``lr`` the rate this step applied, ``samples`` the samples the
-    step trained on over all ranks (``lr_increment`` is what the LR scheduler was advanced by, and
-    ``scheduler_samples`` its sample counter afterwards), ``ledger`` the global sample ids of each micro-batch of
-    this rank, in order.
-    """
+def train_one_step(state: TrainState, forward_backward, iterators: list, payload: RankPayload,
+                   step_id: int, num_microbatches: int, step_loss_tokens: int) -> StepRecord:
+    """One optimizer step over ``num_microbatches`` micro-batches per rank; returns the scheme's
+    :class:`~slime_ext.schemes.StepRecord` (its fields say what each number is)."""
     start = time.perf_counter()
     model = state.model
     for chunk in model:
@@ -178,7 +169,7 @@ def train_one_step(state: TrainState, path, forward_backward, iterators: list, p
     )
     lr = current_lr(state.optimizer)
     update_successful, grad_norm, _ = state.optimizer.step()
-    increment = path.lr_increment(state.args, payload, step_id)
+    increment = state.scheme.lr_increment(state.args, payload, step_id)
     state.scheduler.step(increment=increment)
 
     # the step objective: last stages hold the micro-batch sums; summed over every rank (others add 0)
@@ -187,20 +178,20 @@ def train_one_step(state: TrainState, path, forward_backward, iterators: list, p
     dist.all_reduce(loss_t)
     micro_batches = ledger.micro_batches()
     samples = payload.samples_per_step
-    return {
-        "step": step_id,
-        "loss": float(loss_t.item()) / step_loss_tokens if step_loss_tokens else 0.0,
-        "lr": lr,
-        "samples": int(samples[step_id]) if samples is not None else _dp_sum(sum(len(mb) for mb in micro_batches)),
-        "num_microbatches": num_microbatches,
-        "seconds": time.perf_counter() - start,
-        "ledger": micro_batches,
-        "loss_tokens": step_loss_tokens,
-        "grad_norm": None if grad_norm is None else float(grad_norm),
-        "lr_increment": int(increment),
-        "scheduler_samples": int(state.scheduler.num_steps),
-        "update_successful": bool(update_successful),
-    }
+    return state.scheme.step_record(
+        step=step_id,
+        loss=float(loss_t.item()) / step_loss_tokens if step_loss_tokens else 0.0,
+        lr=lr,
+        samples=int(samples[step_id]) if samples is not None else _dp_sum(sum(len(mb) for mb in micro_batches)),
+        num_microbatches=num_microbatches,
+        seconds=time.perf_counter() - start,
+        ledger=micro_batches,
+        loss_tokens=step_loss_tokens,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        lr_increment=int(increment),
+        scheduler_samples=int(state.scheduler.num_steps),
+        update_successful=bool(update_successful),
+    )
 
 
 def _dp_sum(value: int) -> int:
@@ -220,8 +211,7 @@ def forward_only(state: TrainState, payload: RankPayload) -> dict:
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    iterators, num_microbatches = DATA_PATHS[state.config.dp_schedule].get_data_iterator(state.args, state.model,
-                                                                                         payload)
+    iterators, num_microbatches = state.scheme.iterators(state.args, state.model, payload)
     ids = list(payload.partition)
     forward_backward = get_forward_backward_func()
     for chunk in state.model:

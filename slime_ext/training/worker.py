@@ -4,7 +4,7 @@
 
     worker = TrainWorker(config, rank, world_size, master_addr, master_port)
     layout = worker.setup()                  # {"rank", "world_size", "dp_rank", "dp_size", "pp_rank", "pp_size"}
-    records = worker.train_rollout(payload_of_my_dp_rank)   # a RankPayload; one dict per step
+    records = worker.train_rollout(payload_of_my_dp_rank)   # a RankPayload; one StepRecord per step
     logp = worker.forward_only(payload_of_my_dp_rank)
     worker.shutdown()
 
@@ -25,6 +25,7 @@ import torch
 
 from slime_ext.patches import megatron_cpu
 from slime_ext.schedule import RankPayload
+from slime_ext.schemes import StepRecord, get_dp_schedule
 
 from slime_ext.train_config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
 
@@ -60,7 +61,8 @@ class TrainWorker:
         model = wrap_ddp(build_model(self.config), self.config)
         optimizer = build_optimizer(self.config.optim, model)
         self.state = TrainState(config=self.config, args=self.config.to_args(), layout=layout, model=model,
-                                optimizer=optimizer, scheduler=build_scheduler(self.config.optim, optimizer))
+                                optimizer=optimizer, scheduler=build_scheduler(self.config.optim, optimizer),
+                                scheme=get_dp_schedule(self.config.dp_schedule))
 
     def reset(self, **changes: Any) -> None:
         """Back to the initial parameters with a fresh optimizer and LR scheduler; optionally change batch, schedule
@@ -81,6 +83,7 @@ class TrainWorker:
         optimizer = build_optimizer(config.optim, state.model)
         self.config = config
         state.config, state.args, state.optimizer = config, config.to_args(), optimizer
+        state.scheme = get_dp_schedule(config.dp_schedule)
         state.scheduler = build_scheduler(config.optim, optimizer)
 
     def shutdown(self) -> None:
@@ -97,7 +100,7 @@ class TrainWorker:
                 self._cpu_patched = False
 
     # ------------------------------------------------------------------ work
-    def train_rollout(self, payload: RankPayload) -> list[dict]:
+    def train_rollout(self, payload: RankPayload) -> list[StepRecord]:
         """Train on this DP rank's share of one rollout; one record per step (``train_step.train_one_step``)."""
         from .train_step import train_rollout
 

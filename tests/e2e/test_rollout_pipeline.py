@@ -30,7 +30,7 @@ def _assert_pipeline_ledger(result, dp: int, pp: int) -> None:
         assert all(st["predicted_makespan"] > 0 and 0 <= st["bubble_fraction"] < 1 for st in schedule["stats"])
         by_dp: dict = {}
         for rank in rollout.ranks:  # the stages of a replica really consumed the same micro-batches
-            by_dp.setdefault(rank["dp_rank"], []).append([rec["ledger"] for rec in rank["records"]])
+            by_dp.setdefault(rank.dp_rank, []).append([rec.ledger for rec in rank.records])
         assert all(len(stages) == pp and all(s == stages[0] for s in stages) for stages in by_dp.values())
 
 
@@ -43,7 +43,7 @@ def test_ledger_pp2_vpp2(session):
     cfg = config("e2e/pp2_vpp2", verify_ledger=False, dist_timeout_seconds=20, train_timeout_seconds=120)
     result = run(cfg, out=None)
     _assert_pipeline_ledger(result, dp=1, pp=2)
-    counts = [n for r in result.rollouts for n in r.plan["num_microbatches"]]
+    counts = [n for r in result.rollouts for n in r.plan.num_microbatches]
     assert all(n % cfg.train.parallel.mb_group_size == 0 for n in counts)
     # a step with as many micro-batches as stages (all in warmup on stage 0) once deadlocked gloo p2p; the
     # pipeline-aware planner gives this config's steps more micro-batches than that, so the case is now covered by

@@ -86,9 +86,9 @@ def check_ledger(group, sc: Scenario) -> None:
         for rank_result in group:
             dp_rank = rank_result["layout"]["dp_rank"]
             records = rank_result["scenarios"][sc.name]["records"][r_idx]
-            assert [rec["num_microbatches"] for rec in records] == schedule.num_microbatches, sc.name
-            per_rank.setdefault(dp_rank, [rec["ledger"] for rec in records])
-            assert per_rank[dp_rank] == [rec["ledger"] for rec in records], f"{sc.name}: PP stages disagree"
+            assert [rec.num_microbatches for rec in records] == schedule.num_microbatches, sc.name
+            per_rank.setdefault(dp_rank, [rec.ledger for rec in records])
+            assert per_rank[dp_rank] == [rec.ledger for rec in records], f"{sc.name}: PP stages disagree"
         for dp_rank, ledgers in per_rank.items():
             part, mbi = schedule.partitions[dp_rank], schedule.micro_batch_indices[dp_rank]
             expected = [[part[i] for i in mb] for mb in mbi]
@@ -168,9 +168,9 @@ def test_dp2_invariance_ledger_lr_forward_only():
     true_samples = [n for sch in lr_sc.schedules for n in sch.samples_per_step]
     assert len(set(true_samples)) > 1 and true_samples != [4] * len(true_samples), true_samples
     records = [rec for recs in group[0]["scenarios"][lr_sc.name]["records"] for rec in recs]
-    assert [rec["lr_increment"] for rec in records] == true_samples
+    assert [rec.lr_increment for rec in records] == true_samples
     seen_before = [sum(true_samples[:k]) for k in range(len(true_samples))]
-    assert [rec["lr"] for rec in records] == pytest.approx([expected_lr(n) for n in seen_before], rel=1e-12)
+    assert [rec.lr for rec in records] == pytest.approx([expected_lr(n) for n in seen_before], rel=1e-12)
     state = group[0]["scenarios"][lr_sc.name]["scheduler"]
     assert state["samples"] == sum(true_samples)
     assert state["lr"] == pytest.approx(expected_lr(sum(true_samples)), rel=1e-12)
@@ -181,7 +181,7 @@ def test_dp2_invariance_ledger_lr_forward_only():
     # the legacy baseline does step by global_batch_size
     legacy = group[0]["scenarios"]["lr_legacy"]
     legacy_steps = [rec for recs in legacy["records"] for rec in recs]
-    assert [rec["lr_increment"] for rec in legacy_steps] == [4] * len(legacy_steps)
+    assert [rec.lr_increment for rec in legacy_steps] == [4] * len(legacy_steps)
     assert legacy["scheduler"]["samples"] == 4 * len(legacy_steps)
 
 
@@ -193,9 +193,9 @@ def check_legacy_ledger(group, sc: Scenario) -> None:
         records = [rec for recs in rank_result["scenarios"][sc.name]["records"] for rec in recs]
         by_dp.setdefault(rank_result["layout"]["dp_rank"], records)
     for s, ids in enumerate(steps):
-        consumed = sorted(i for records in by_dp.values() for mb in records[s]["ledger"] for i in mb)
+        consumed = sorted(i for records in by_dp.values() for mb in records[s].ledger for i in mb)
         assert consumed == sorted(ids), f"{sc.name}: legacy step {s}"
-        counts = {records[s]["num_microbatches"] for records in by_dp.values()}
+        counts = {records[s].num_microbatches for records in by_dp.values()}
         assert len(counts) == 1, f"{sc.name}: legacy ranks disagree on num_microbatches {counts}"
 
 

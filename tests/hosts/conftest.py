@@ -2,7 +2,8 @@
 
     SLIME_GIT=/path/to/slime/.git MEGATRON_LM_GIT=/path/to/Megatron-LM/.git ci/host_test
 
-``SLIME_GIT`` is a slime git dir (bare or not); each supported tag is extracted with ``git archive``.
+``SLIME_GIT`` is a slime git dir (bare or not); each supported tag is extracted with ``git archive``
+(:func:`slime_ext.schemes.upstream.extract`, as the reference scheme extracts upstream's planner).
 ``MEGATRON_LM_GIT`` (optional) is a Megatron-LM git dir: the commit each slime tag pins (``MEGATRON_COMMIT`` in its
 ``docker/Dockerfile``) is extracted and put first on the path, as slime's image does; without it the tests that
 need ``megatron.training`` skip. Nothing is stubbed but the GPU-serving modules in ``gpu_stubs.STUBBED``.
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from slime_ext.schemes import upstream  # the one git-archive extraction (the reference scheme uses it too)
+
 #: the slime revisions slime-ext supports, by tag (HEAD: the newest commit of the clone)
 TAGS = ("v0.2.4", "v0.3.0", "v0.3.1", "HEAD")
 HOW = ("set SLIME_GIT to a git clone of github.com/THUDM/slime (and MEGATRON_LM_GIT to one of "
@@ -29,27 +32,9 @@ def _git(git_dir: str, *args: str) -> str:
                           text=True).stdout
 
 
-def _extract(git_dir: str, rev: str, dest: Path, *paths: str) -> Path:
-    if not (dest / ".complete").exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", rev, *paths], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-        (dest / ".complete").write_text(rev)
-    return dest
-
-
-def _git_dir(var: str) -> str | None:
-    path = os.environ.get(var)
-    if not path:
-        return None
-    p = Path(path)
-    return str(p / ".git") if (p / ".git").is_dir() else str(p)
-
-
 @pytest.fixture(scope="session")
 def slime_git() -> str:
-    git_dir = _git_dir("SLIME_GIT")
+    git_dir = upstream.git_dir("SLIME_GIT")
     if git_dir is None:
         pytest.skip(f"no slime checkout: {HOW}")
     return git_dir
@@ -57,12 +42,12 @@ def slime_git() -> str:
 
 def slime_tree(git_dir: str, tag: str) -> Path:
     commit = _git(git_dir, "rev-parse", f"{tag}^{{commit}}").strip()
-    return _extract(git_dir, commit, CACHE / f"slime-{tag}-{commit[:10]}")
+    return upstream.extract(git_dir, commit, CACHE / f"slime-{tag}-{commit[:10]}")
 
 
 def megatron_tree(slime_root: Path) -> Path | None:
     """The Megatron-LM source slime's image pins for this tag, or ``None`` without ``MEGATRON_LM_GIT``."""
-    git_dir = _git_dir("MEGATRON_LM_GIT")
+    git_dir = upstream.git_dir("MEGATRON_LM_GIT")
     if git_dir is None:
         return None
     dockerfile = (slime_root / "docker" / "Dockerfile").read_text()
@@ -70,7 +55,7 @@ def megatron_tree(slime_root: Path) -> Path | None:
     if not found:
         pytest.fail(f"{slime_root}/docker/Dockerfile pins no MEGATRON_COMMIT")
     commit = found.group(1)
-    return _extract(git_dir, commit, CACHE / f"megatron-{commit[:10]}", "megatron")
+    return upstream.extract(git_dir, commit, CACHE / f"megatron-{commit[:10]}", "megatron")
 
 
 @pytest.fixture(scope="session", params=TAGS)

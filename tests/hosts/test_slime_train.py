@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from slime_ext.schemes import upstream
+
 torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
@@ -36,7 +38,8 @@ def _load(name: str, path: Path):
 
 
 _hosts = _load("slime_ext_hosts_conftest", HERE / "conftest.py")
-HOW, _git_dir, megatron_tree, slime_tree = _hosts.HOW, _hosts._git_dir, _hosts.megatron_tree, _hosts.slime_tree
+HOW, megatron_tree, slime_tree = _hosts.HOW, _hosts.megatron_tree, _hosts.slime_tree
+_git_dir = upstream.git_dir  # the one reader of SLIME_GIT / MEGATRON_LM_GIT
 CASES, LR, WARMUP_ITERS = (lambda w: (w.CASES, w.LR, w.WARMUP_ITERS))(
     _load("slime_ext_hosts_train_worker", WORKER))
 

@@ -17,6 +17,21 @@ def test_schedule_imports_no_torch_ray_megatron():
     assert out.stdout.strip() == "", f"slime_ext.schedule pulled in: {out.stdout.strip()}"
 
 
+def test_schemes_import_their_training_half_only_when_called():
+    """Every dp_schedule scheme is importable where planning runs (rollout process, CLI, benchmark): no torch, ray,
+    megatron or slime_ext.training until a training-side method is called."""
+    code = (
+        "import sys\n"
+        "import slime_ext.schemes\n"
+        "from slime_ext.schemes import SCHEMES, BASELINES\n"
+        f"bad = sorted(m for m in sys.modules\n"
+        f"             if m.split('.')[0] in {FORBIDDEN!r} or m.startswith('slime_ext.training'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"slime_ext.schemes pulled in: {out.stdout.strip()}"
+
+
 def test_rollout_layer_does_not_import_the_training_layer():
     code = (
         "import sys\n"

@@ -1,4 +1,5 @@
-"""The building blocks: packers and the alignment splitter (ours), the upstream partitioner -- against brute force."""
+"""The building blocks: packers and the alignment splitter (ours) against brute force, and the splitter against
+upstream slime's own (loaded at run time; skipped without an installed slime or ``SLIME_GIT``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slime_ext import baselines  # upstream's algorithms in our words: the oracle
 from slime_ext.schedule import distribute
 from slime_ext.schedule.bounds import bin_lower_bound
-from slime_ext.schedule.packing import best_fit_decreasing, expand_bins_by_splitting, lpt_pack, split_bin_by_tokens
+from slime_ext.schedule.packing import best_fit_decreasing, grow_to_count, halve_by_tokens, lpt_pack
+from slime_ext.schemes import UpstreamUnavailable, upstream
+from slime_ext.schemes.legacy import first_fit_count
 from tests.brute_force import min_bins, min_max_load
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=120)
@@ -40,7 +42,7 @@ def test_best_fit_decreasing_can_lose_to_first_fit_in_the_given_order():
     """Why the bound above is not "never worse than first fit": in the given order [7, 13, 31, 9, 19, 28] packs as
     7+13+31 | 9+19+28 under 56; decreasing order packs 31+19 | 28+13+9 | 7."""
     lengths = [7, 13, 31, 9, 19, 28]
-    assert len(baselines.first_fit_pack(lengths, 56)) == 2
+    assert first_fit_count(lengths, 56) == 2
     assert len(best_fit_decreasing(np.array(lengths), 56)) == 3
 
 
@@ -158,12 +160,17 @@ def test_lpt_balances_the_given_weights():
 
 @quick
 @given(lengths_st, cap_st, st.integers(0, 60))
-def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
-    ours = baselines.first_fit_pack(lengths, cap)
+def test_grow_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
+    """From upstream's own first-fit bins, our grow_to_count halves exactly as upstream's splitter does."""
+    try:
+        theirs_module = upstream.load().seqlen_balancing
+    except UpstreamUnavailable as e:
+        pytest.skip(str(e))
+    ours = theirs_module.first_fit_pack(lengths, cap)
     theirs = [list(b) for b in ours]
     target = len(ours) + extra
-    expand_bins_by_splitting(ours, target, lengths)
-    baselines.expand_bins_by_splitting(theirs, target, lengths)
+    grow_to_count(ours, target, lengths)
+    theirs_module.expand_bins_by_splitting(theirs, target, lengths)
     assert ours == theirs
     assert_packing(ours, lengths, cap)
     assert len(ours) == min(target, len(lengths))
@@ -171,38 +178,9 @@ def test_expand_matches_upstream_and_keeps_the_cap(lengths, cap, extra):
 
 def test_split_halves_never_exceed_the_parent():
     lengths = [7, 5, 4, 3, 1]
-    left, right = split_bin_by_tokens([0, 1, 2, 3, 4], lengths)
+    left, right = halve_by_tokens([0, 1, 2, 3, 4], lengths)
     assert sorted(left + right) == [0, 1, 2, 3, 4]
     assert sum(lengths[i] for i in left) == 10 and sum(lengths[i] for i in right) == 10
-
-
-@quick
-@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 3), st.booleans())
-def test_upstream_karmarkar_karp_against_brute_force(weights, k, equal):
-    """Largest differencing is within 4/3 - 1/(3k) of the optimal max group sum (Michiels et al. 2007), keeps
-    equal group sizes when asked, and places every item exactly once."""
-    if equal:
-        weights = weights[: len(weights) // k * k]
-    if len(weights) < k:
-        with pytest.raises(ValueError):
-            baselines.get_seqlen_balanced_partitions(weights, k, equal)
-        return
-    groups = baselines.karmarkar_karp(weights, k, equal)
-    assert len(groups) == k and sorted(i for g in groups for i in g) == list(range(len(weights)))
-    sums = [sum(weights[i] for i in g) for g in groups]
-    assert sums == sorted(sums, reverse=True)  # heaviest group first, as upstream
-    if equal:
-        assert {len(g) for g in groups} == {len(weights) // k}
-    else:
-        assert max(sums) <= (4 / 3 - 1 / (3 * k)) * min_max_load(weights, k) + 1e-9
-
-
-def test_karmarkar_karp_known_answer():
-    # the textbook run of largest differencing on {8,7,6,5,4}: 8-7=1, 6-5=1, 4-1=3, 3-1=2 -> sums 16 and 14
-    groups = baselines.karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
-    assert [sum([8, 7, 6, 5, 4][i] for i in g) for g in groups] == [16, 14]
-    groups = baselines.karmarkar_karp([1, 2, 3, 4, 5, 6], 3, equal_size=True)
-    assert sorted(sum(i + 1 for i in g) for g in groups) == [7, 7, 7]
 
 
 @pytest.mark.parametrize("per_rank", [3, 20, 130])

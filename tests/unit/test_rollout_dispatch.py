@@ -8,9 +8,9 @@ import pytest
 
 from slime_ext.rollout.dispatch import plan_rollout
 from slime_ext.rollout.synthetic import SYNTHETIC_DEFAULTS, generate_rollout
-from slime_ext.baselines import get_seqlen_balanced_partitions
 from slime_ext.rollout.train_data import flatten_samples, samples_to_train_data
 from slime_ext.schedule import SampleBatch, ScheduleError, check_schedule
+from slime_ext.schemes.legacy import balanced_groups
 
 MODEL = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=128)
 
@@ -95,12 +95,12 @@ def test_legacy_strided_split_trims_by_samples():
     assert all(not p.planned and p.global_batch_size == 6 for p in plan.payloads)
 
 
-def test_legacy_balanced_split_is_upstreams_equal_size_karmarkar_karp():
+def test_legacy_balanced_split_is_an_equal_size_deal_by_tokens():
     args = _args(dp_schedule="legacy", global_batch_size=6, balance_data=True)
     data = _data(args)
     plan = plan_rollout(data, args, _tpc(2))
     keep = len(data) // 6 * 6
-    assert plan.partitions == get_seqlen_balanced_partitions(data.total_lengths[:keep], 2, equal_size=True)
+    assert plan.partitions == balanced_groups(data.total_lengths[:keep], 2, equal_size=True)
     assert len({len(p) for p in plan.partitions}) == 1
     _assert_every_sample_once(plan, data)
 

@@ -1,4 +1,4 @@
-"""DataIterator, the rollout data path and RankPayload validation; micro-batch packing; loss scaling."""
+"""DataIterator, the rollout scheme's training side and RankPayload validation; micro-batch packing; loss scaling."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, ScheduleError, plan_schedule
+from slime_ext.schemes import get_dp_schedule
 from slime_ext.training.batch import block_causal_mask, pack_micro_batch
-from slime_ext.training.data import DataIterator, RolloutDataError, RolloutPath
+from slime_ext.training.data import DataIterator, RolloutDataError
 from slime_ext.training.loss import loss_scale, policy_loss_sum, token_log_probs
+
+ROLLOUT = get_dp_schedule("rollout")
 
 
 def _samples(lengths, responses) -> SampleBatch:
@@ -40,7 +43,7 @@ def test_get_next_returns_lists_per_key():
     assert it.reset() is it and it.get_next(["total_lengths"])["total_lengths"] == [3, 5]
 
 
-def test_rollout_path_one_iterator_per_vpp_stage_over_a_real_schedule():
+def test_rollout_scheme_one_iterator_per_vpp_stage_over_a_real_schedule():
     lengths = [30, 5, 12, 40, 7, 9, 22, 3]
     schedule = plan_schedule(lengths, ParallelConfig(dp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2),
                              BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=48),
@@ -50,24 +53,24 @@ def test_rollout_path_one_iterator_per_vpp_stage_over_a_real_schedule():
         part = schedule.partitions[rank]
         payload = pickle.loads(pickle.dumps(schedule.rank_payload(rank, rollout, rollout_id=4)))  # as through Ray
         assert payload.partition == part and payload.samples.total_lengths == [lengths[i] for i in part]
-        iterators, nmb = RolloutPath().get_data_iterator(None, None, payload, vpp=2)
+        iterators, nmb = ROLLOUT.iterators(None, None, payload, vpp=2)
         assert nmb == schedule.num_microbatches and len(iterators) == 2 and iterators[0] is not iterators[1]
         for it in iterators:  # every VPP stage walks the same micro-batches
             got = [it.get_next(["sample_indices"])["sample_indices"] for _ in range(sum(nmb))]
             assert got == [[part[i] for i in mb] for mb in schedule.micro_batch_indices[rank]]
-        assert [RolloutPath().lr_increment(None, payload, s) for s in range(len(nmb))] == schedule.samples_per_step
+        assert [ROLLOUT.lr_increment(None, payload, s) for s in range(len(nmb))] == schedule.samples_per_step
     with pytest.raises(ScheduleError, match="pass the whole rollout"):
         schedule.rank_payload(0, rollout.take([0, 1]))
 
 
-def test_the_data_paths_refuse_each_others_payloads():
+def test_the_schemes_refuse_each_others_payloads():
     legacy = _payload(micro_batch_indices=None, num_microbatches=None, samples_per_step=None,
                       rollouts_per_step=None, global_batch_size=3)
     with pytest.raises(RolloutDataError, match="planned for dp_schedule=legacy but this trainer runs "
                                                "dp_schedule=rollout"):
-        RolloutPath().get_data_iterator(None, None, legacy, vpp=1)
+        ROLLOUT.iterators(None, None, legacy, vpp=1)
     with pytest.raises(RolloutDataError, match="takes a slime_ext.schedule.RankPayload, got dict"):
-        RolloutPath().get_data_iterator(None, None, {"tokens": []}, vpp=1)
+        ROLLOUT.iterators(None, None, {"tokens": []}, vpp=1)
 
 
 @pytest.mark.parametrize("changes, message", [

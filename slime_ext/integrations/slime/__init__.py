@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from slime_ext.patches import PatchError
 from slime_ext.patches import slime_host
-from slime_ext.schedule.payload import DP_SCHEDULES
+from slime_ext.schemes import DP_SCHEDULES
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
