@@ -275,7 +275,7 @@ class TrainConfig:
         """Every key under its flat name; a ``None`` batch gives the batch flags' defaults (argparse's)."""
         flat = dict(_BATCH_DEFAULTS)
         if self.batch is not None:
-            flat.update(self.batch.to_dict())
+            flat.update((k, v) for k, v in self.batch.to_dict().items() if k in _BATCH_DEFAULTS)
         for section in _SECTIONS:
             flat.update(dataclasses.asdict(getattr(self, section)))
         flat.update({k: getattr(self, k) for k in _TOP})
@@ -335,7 +335,8 @@ def _names(kind: type) -> tuple[str, ...]:
 _SECTIONS = {"parallel": (Parallelism, _names(Parallelism)), "model": (ModelConfig, _names(ModelConfig)),
              "optim": (OptimConfig, _names(OptimConfig))}
 _TOP = ("dp_schedule", "seed", "dist_backend", "dist_timeout_seconds")
-_BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig)}
+#: slime's batch flags (BatchConfig's other fields, set by host adapters, are not training-config keys)
+_BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig) if f.name in BATCH_FLAGS}
 #: every flat key a training config accepts
 KEYS = frozenset(BATCH_FLAGS) | frozenset(_TOP) | frozenset(k for _, names in _SECTIONS.values() for k in names)
 #: keys that ``TrainWorker.reset`` may change (the rest are fixed by the process groups and the model)

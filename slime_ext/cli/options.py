@@ -43,7 +43,8 @@ BATCH = [
     Key("micro_batch_size", "int", "samples per micro-batch without --use-dynamic-batch-size (default 1)"),
     Key("balance_data", "bool", "balance estimated FLOPs across DP ranks"),
     Key("balance_by_flops", "bool", "also balance FLOPs across the micro-batches of a step (dynamic only)"),
-    Key("use_dynamic_global_batch_size", "bool", "one step for the whole rollout"),
+    Key("use_dynamic_global_batch_size", "bool",
+        "one step of every whole rollout (counts samples; --global-batch-size unused)"),
     Key("disable_rollout_trim_samples", "bool", "an incomplete trailing step is an error instead of dropped"),
     Key("dp_schedule", "choice", "rollout (default) or legacy: the path the training job takes; the table always "
                                  "shows the rollout-side plan (see --compare legacy)"),

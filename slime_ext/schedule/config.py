@@ -29,7 +29,7 @@ BATCH_FLAGS = (
 
 
 _BOOL_FLAGS = ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
-               "disable_rollout_trim_samples")
+               "disable_rollout_trim_samples", "dynamic_global_batch_rounds_samples")
 
 
 def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
@@ -125,8 +125,13 @@ class BatchConfig:
     micro_batch_size: int | None = 1  # samples per micro-batch without use_dynamic_batch_size
     balance_data: bool = False  # balance estimated FLOPs across DP ranks (equal micro-batch counts either way)
     balance_by_flops: bool = False  # also balance FLOPs across a step's micro-batches (dynamic batches only)
-    use_dynamic_global_batch_size: bool = False  # one step per rollout, whatever its size
+    #: one step for the whole input (a slime rollout batch), whatever its size: every whole rollout in it, as long as
+    #: it has a sample for each of the dp_size*mb_group micro-batch slots (samples count here, not rollouts)
+    use_dynamic_global_batch_size: bool = False
     disable_rollout_trim_samples: bool = False  # an incomplete trailing step is an error instead of dropped
+    #: with use_dynamic_global_batch_size: slime v0.2.4's rule for that flag, the step keeps only the whole rollouts
+    #: inside the sample count rounded down to a multiple of dp_size (set by the v0.2.4 adapter; not a slime flag)
+    dynamic_global_batch_rounds_samples: bool = False
 
     def __post_init__(self) -> None:
         for flag in _BOOL_FLAGS:
@@ -140,6 +145,9 @@ class BatchConfig:
             _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass --global-batch-size N (rollouts per step)")
         elif self.global_batch_size is not None:
             _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass a positive --global-batch-size or omit it")
+        if self.dynamic_global_batch_rounds_samples and not self.use_dynamic_global_batch_size:
+            raise ScheduleError("dynamic_global_batch_rounds_samples=True needs use_dynamic_global_batch_size=True "
+                                "(it is how that flag rounds); set both or neither")
         if self.use_dynamic_batch_size:
             if self.max_tokens_per_gpu is None:
                 raise ScheduleError(
@@ -194,4 +202,4 @@ class BatchConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "BatchConfig":
         if not isinstance(d, Mapping):
             raise ScheduleError(f"batch must be a mapping of slime's batch flags, got {show(d)}")
-        return cls(**{k: d[k] for k in BATCH_FLAGS if k in d})
+        return cls(**{k: d[k] for k in (*BATCH_FLAGS, "dynamic_global_batch_rounds_samples") if k in d})

@@ -180,6 +180,14 @@ def check_schedule(
             bad(f"rollouts_per_step={sched.rollouts_per_step} but global_batch_size={gbs}")
         if len({ordinal[rids[g]] for g in dropped}) >= (gbs or 1):
             bad("dropped holds a whole step's worth of rollouts")
+    else:  # one step of whole rollouts (the trailing ones the layout cannot train are dropped)
+        if num_steps > 1:
+            bad(f"use_dynamic_global_batch_size plans one step, not {num_steps}")
+        rounds = sched.batch.dynamic_global_batch_rounds_samples and not sched.batch.disable_rollout_trim_samples
+        budget = max(dp, (n // dp) * dp)
+        if rounds and n - len(dropped) > budget:
+            bad(f"use_dynamic_global_batch_size (slime v0.2.4's rule) keeps at most {budget} samples (the sample "
+                f"count rounded down to a multiple of dp_size), not {n - len(dropped)}")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
     if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples

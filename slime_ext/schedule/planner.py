@@ -303,7 +303,7 @@ def plan_schedule(
     dp = parallel.dp_size
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
-    steps, rollouts_per_step, dropped = split_into_steps(ordinals, parallel, batch)
+    steps, rollouts_per_step, dropped = split_into_steps(ordinals, lengths, parallel, batch)
     if len(steps[0]) < dp:  # before any per-rank allocation: dp_size can be huge (the step loop repeats this)
         raise ScheduleError(
             f"step 0 has {len(steps[0])} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
