@@ -10,6 +10,7 @@ they are accepted and ignored. Any other key is an error naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
+from ..schedule.cost import REQUIRED_DIMS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from ..train_config import TrainConfigError, data_parallel_size
 from .errors import CLIError
@@ -68,21 +70,8 @@ WORLD = [
     Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
     Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
 ]
-MODEL = [
-    Key("hidden_size", "int", ""),
-    Key("num_layers", "int", ""),
-    Key("num_attention_heads", "int", ""),
-    Key("num_query_groups", "int", "GQA groups (default: heads)"),
-    Key("kv_channels", "int", "default: hidden / heads"),
-    Key("ffn_hidden_size", "int", "default: 4 * hidden"),
-    Key("vocab_size", "int", "LM head (default 0: not counted)"),
-    Key("num_experts", "int", "MoE experts"),
-    Key("moe_ffn_hidden_size", "int", ""),
-    Key("moe_router_topk", "int", "default 2"),
-    Key("moe_shared_expert_intermediate_size", "int", ""),
-    Key("moe_layer_freq", "freq", "int k (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0,1,1]"),
-    Key("swiglu", "bool", "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)"),
-]
+#: the model dims, as CostModel declares them (name, kind, help): one declaration, see slime_ext.schedule.cost
+MODEL = [Key(f.name, f.metadata["kind"], f.metadata["help"]) for f in dataclasses.fields(CostModel)]
 ESTIMATE = [
     Key("cost_profile", "path", "a measured cost profile (JSON from `slime-ext calibrate`): balance and price "
                                 "micro-batches by seconds on your hardware instead of the FLOPs model"),
@@ -333,9 +322,8 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
 
     tflops = _tflops(values, source["tflops"])
     model = {k.name: values[k.name] for k in MODEL if k.name in values}
-    core = ("hidden_size", "num_layers", "num_attention_heads")
-    if model and not all(k in model for k in core):
-        missing = ", ".join("--" + k.replace("_", "-") for k in core if k not in model)
+    if model and not all(k in model for k in REQUIRED_DIMS):
+        missing = ", ".join("--" + k.replace("_", "-") for k in REQUIRED_DIMS if k not in model)
         raise CLIError(f"the FLOPs model needs {missing} too (given: {', '.join(sorted(model))}); "
                        f"give all three core dims or no model dims (cost = tokens)")
     try:  # the batch flags' only check
