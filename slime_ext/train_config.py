@@ -62,10 +62,6 @@ class Layout:
     pp_size: int
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 

@@ -187,10 +187,6 @@ class BatchConfig:
             kwargs["global_batch_size"] = global_batch_size
         return cls(**kwargs)
 
-    @property
-    def dynamic(self) -> bool:
-        return self.use_dynamic_batch_size
-
     def cap(self, cp_size: int) -> int | None:
         """Token cap per micro-batch (``max_tokens_per_gpu * cp_size``), or ``None`` for static batches."""
         return self.max_tokens_per_gpu * cp_size if self.use_dynamic_batch_size else None
