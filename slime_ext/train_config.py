@@ -132,7 +132,8 @@ class Parallelism:
             self.dp_size(world_size), context_parallel_size=self.context_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
+            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
+            overlap_p2p_comm=False)  # this repo's trainer keeps megatron-core's default: batched p2p
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, ch
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
+#: ... and the pipeline size and p2p mode, which slime's dict may lack (then 1 and False);
+#: ``ParallelConfig.from_megatron`` reads them from Megatron's args
+FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm")
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = (
     "global_batch_size",
@@ -49,10 +52,18 @@ class ParallelConfig:
     #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; required then
     #: (Megatron defaults it to the pipeline size, which this config does not know), unused (1) without VPP
     microbatch_group_size_per_vp_stage: int | None = None
+    #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
+    #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline); 1 plans exactly as before
+    pp_size: int = 1
+    #: Megatron's ``overlap_p2p_comm``: under VPP, p2p is posted early and waited just before use instead of one
+    #: blocking batch per iteration (the pipeline model follows the mode); False without VPP (megatron-core refuses
+    #: it there), so configs that plan alike compare equal
+    overlap_p2p_comm: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
         _positive_int(self, "cp_size", MAX_PARALLEL_SIZE, "pass the context-parallel size (>= 1)")
+        _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
         if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
             if self.vpp_size > 1:
@@ -63,6 +74,8 @@ class ParallelConfig:
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
         _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
                       "Megatron defaults it to the pipeline-parallel size: pass that")
+        overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
+        object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
 
     @property
     def align(self) -> int:
@@ -79,11 +92,12 @@ class ParallelConfig:
         if not isinstance(train_parallel_config, Mapping) or "dp_size" not in train_parallel_config:
             raise ScheduleError(
                 f"train_parallel_config must be a mapping with at least 'dp_size', got {show(train_parallel_config)}; "
-                f"pass {{'dp_size': ..., 'cp_size': ..., 'vpp_size': ..., 'microbatch_group_size_per_vp_stage': ...}}"
+                f"pass {{'dp_size': ..., 'cp_size': ..., 'pp_size': ..., 'vpp_size': ..., "
+                f"'microbatch_group_size_per_vp_stage': ...}}"
             )
         if train_parallel_config["dp_size"] is None:
             raise ScheduleError("train_parallel_config['dp_size'] is None; pass the data-parallel world size (>= 1)")
-        kwargs = {k: train_parallel_config[k] for k in PARALLEL_KEYS if train_parallel_config.get(k) is not None}
+        kwargs = {k: train_parallel_config[k] for k in FROM_DICT_KEYS if train_parallel_config.get(k) is not None}
         vpp = kwargs.get("vpp_size", 1)
         if "microbatch_group_size_per_vp_stage" not in kwargs and is_int(vpp) and vpp > 1:
             raise ScheduleError(
@@ -96,17 +110,20 @@ class ParallelConfig:
     def from_megatron(
         cls, dp_size: int, *, context_parallel_size: int | None = 1, pipeline_model_parallel_size: int | None = 1,
         virtual_pipeline_model_parallel_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
+        overlap_p2p_comm: bool | None = None,
     ) -> "ParallelConfig":
         """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
         pipeline size. It only counts with virtual pipelining; without, it is 1, so configs that plan alike compare
-        equal."""
+        equal. ``overlap_p2p_comm=None`` is Megatron-LM training's default: on with VPP."""
         def given(size: int | None, default: int | None) -> int | None:
             return default if size is None else size
 
         vpp = given(virtual_pipeline_model_parallel_size, 1)
         group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
-                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1)
+                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
+                   pp_size=given(pipeline_model_parallel_size, 1),
+                   overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

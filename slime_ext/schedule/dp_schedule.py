@@ -53,6 +53,12 @@ class StepStats:
     microbatch_flops_mean: float
     #: which packing produced the step (for diagnostics): e.g. ``"rank-greedy"``, ``"lpt"``, ``"bfd"``, ``"static"``
     strategy: str = ""
+    #: with pipeline parallelism (``pp_size > 1``), the slowest replica's predicted makespan of the step
+    #: (:mod:`slime_ext.schedule.pipeline`): seconds with a measured ``CostProfile``, else per-stage forward-FLOP
+    #: units (tokens without model dims; see :mod:`slime_ext.schedule.pipeline_plan`); ``None`` without
+    predicted_makespan: float | None = None
+    #: that replica's bubble fraction, ``1 - (one stage's work) / makespan``; ``None`` without pipeline parallelism
+    bubble_fraction: float | None = None
 
     @property
     def flops_imbalance(self) -> float:
@@ -220,8 +226,9 @@ def _step_stats(i: int, s: Any) -> StepStats:
         if kind == "str":
             if not isinstance(value, str):
                 raise ScheduleError(f"{where} must be a string, got {show(value)}")
-        elif kind == "float":
-            value = check_number(where, value)
+        elif kind.startswith("float"):
+            if not (value is None and "None" in kind):
+                value = check_number(where, value)
         elif kind.startswith("int"):
             if not (value is None and "None" in kind):
                 value = check_int(where, value, minimum=INT64_MIN, maximum=INT64_MAX)

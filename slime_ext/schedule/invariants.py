@@ -18,6 +18,7 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
+from .pipeline_plan import pipeline_pricing, step_microbatch_costs
 from .validate import check_int_array
 
 
@@ -266,10 +267,42 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
         for name, value in floats.items():
             if not _close(getattr(st, name), value):
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule measures {value!r}")
+        _check_pipeline_stats(sched, s, st, bad)
         if cap is not None:  # no packing beats the true lower bound
             floor = -(-bin_lower_bound(lengths[members], cap) // align) * align
             if expect["total_microbatches"] < floor:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
+
+
+def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
+    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
+    prediction for the slowest replica, re-computed from the micro-batches in the order each rank runs them."""
+    try:
+        pricing = pipeline_pricing(sched.parallel, sched.cost_model, sched.cap)
+    except ScheduleError as e:
+        bad(f"step {s}: the pipeline layout is not one megatron-core runs: {e}")
+        return
+    if pricing is None:
+        for name in ("predicted_makespan", "bubble_fraction"):
+            if getattr(st, name) is not None:
+                bad(f"stats[{s}].{name} = {getattr(st, name)!r} but pp_size = 1 (expected None)")
+        return
+    if st.predicted_makespan is None or st.bubble_fraction is None:
+        bad(f"stats[{s}] has no predicted_makespan/bubble_fraction but pp_size = {sched.parallel.pp_size}")
+        return
+    try:
+        rows = step_microbatch_costs(sched, s)
+        spans = pricing.makespans(rows)
+    except ScheduleError as e:
+        bad(f"step {s}: the pipeline model refuses the step: {e}")
+        return
+    slowest = int(np.argmax(spans))
+    if not _close(st.predicted_makespan, float(spans[slowest])):
+        bad(f"stats[{s}].predicted_makespan = {st.predicted_makespan!r} but the schedule predicts "
+            f"{float(spans[slowest])!r}")
+    if not _close(st.bubble_fraction, pricing.bubble(rows[slowest])):
+        bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts "
+            f"{pricing.bubble(rows[slowest])!r}")
 
 
 def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:

@@ -23,6 +23,21 @@ Strategy (one call plans a whole rollout):
      instead of FLOPs, micro-batches are priced whole (overhead, attention over the packed row) and the choices
      of this stage are made by the predicted time of the slowest rank: an extra micro-batch must lower it, balancing
      never predicts slower than the strided deal.
+  5. **Pipeline** (``pp_size > 1`` only; with ``pp_size = 1`` stages 1-4 are the whole plan, unchanged). A
+     pipelined replica's step time is the makespan of megatron-core's schedule (1F1B, or interleaved under VPP with
+     the configured ``microbatch_group_size_per_vp_stage`` and p2p mode), so the objective becomes the slowest
+     replica's makespan as :mod:`slime_ext.schedule.pipeline` predicts it: megatron-core's order of operations per
+     stage, blocking p2p calls of ``p2p_s`` per stage boundary, layers split evenly over the stages (one stage's
+     forward = the micro-batch's cost / pp, backward = ``backward_forward_ratio`` x forward), no first/last-stage
+     extras, nothing outside the pipeline (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
+     seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
+     charged 2% of a full one. Candidates compared by that model, none by a fixed rule: each rank's micro-batch
+     order (heaviest first, ascending, cheapest at both ends, ..., then pair swaps; the gradient is a sum, so any
+     order trains the same), with ``balance_data`` the DP assignment (bins move off the slowest replica while its
+     makespan drops: the rank holding the largest micro-batch gets less of the rest), and with dynamic batches
+     more, smaller micro-batches (``align`` more at a time, re-packed under the cap). The pp-unaware plan of stages
+     1-4, heaviest first, is always a candidate, so a step is never predicted slower than it. Each step records its
+     ``predicted_makespan`` and ``bubble_fraction``.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
@@ -52,6 +67,7 @@ from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, expand_bins_by_splitting, lpt_pack
+from .pipeline_plan import PipelinePricing, PipelineStep, pipeline_pricing, plan_pipeline_step
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
 
@@ -231,6 +247,44 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
     return groups
 
 
+def _plan_for_pipeline(
+    pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray, cap: int | None,
+    parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None,
+) -> PipelineStep:
+    """Stage 5 (``pp_size > 1``): the step's order, assignment and count by the pipeline model, starting from the
+    pp-unaware ``plan``. Static batches keep their micro-batches and ranks (only the order changes); the DP
+    assignment is rebalanced only with ``balance_data``."""
+    dp, align = parallel.dp_size, parallel.align
+
+    def bin_costs_of(b_of: np.ndarray, k: int) -> np.ndarray:
+        if profile is not None:  # a profile prices each micro-batch whole
+            return profile.bin_times(lengths, b_of, k)
+        return np.bincount(b_of, weights=costs, minlength=k)
+
+    recount = None
+    if cap is not None:
+        order = np.argsort(-lengths, kind="stable")
+        weights = costs if batch.balance_by_flops else lengths
+
+        def recount(k: int) -> tuple[np.ndarray, np.ndarray] | None:
+            if k > len(lengths):
+                return None
+            try:
+                b_of, got, _ = pack_step(lengths, weights, order, cap, k, align, step)
+            except ScheduleError:
+                return None
+            if got != k:
+                return None
+            bin_costs = bin_costs_of(b_of, k)
+            if batch.balance_data and dp > 1:
+                return b_of, refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
+            return b_of, serpentine(bin_costs, dp)
+
+    return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
+                              balance=batch.balance_data and cap is not None, recount=recount, align=align,
+                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count))  # as emitted
+
+
 # ---------------------------------------------------------------------------------------------------- assembly
 def _emit_step(
     bin_of: np.ndarray,
@@ -241,8 +295,10 @@ def _emit_step(
     step_cost: np.ndarray,
     partitions: list[list[int]],
     micro_batch_indices: list[list[list[int]]],
+    emit: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Append one step to every rank: micro-batches heaviest first, samples in a micro-batch by global index.
+    """Append one step to every rank: micro-batches heaviest first (or in the rank-major bin order ``emit``, which
+    the pipeline objective chooses), samples in a micro-batch by global index.
 
     Returns, per micro-batch in rank-major emitted order: sample count, cost, tokens.
     """
@@ -251,7 +307,8 @@ def _emit_step(
     size = np.bincount(bin_of, minlength=count)
     cost = np.bincount(bin_of, weights=step_cost, minlength=count)
     tokens = np.bincount(bin_of, weights=step_len, minlength=count).astype(np.int64)
-    emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
+    if emit is None:
+        emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
     slot = np.empty(count, dtype=np.int64)
     slot[emit] = np.arange(count)
     samples = step_idx[np.argsort(slot[bin_of], kind="stable")]  # stable: ascending index inside a micro-batch
@@ -279,7 +336,7 @@ def plan_schedule(
     loss_tokens: Sequence[int] | np.ndarray | None = None,
     cost_model: CostModel | CostProfile | None = None,
 ) -> DPSchedule:
-    """Plan one rollout: walk the four stages of the module docstring for every step.
+    """Plan one rollout: walk the stages of the module docstring for every step.
 
     ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
     sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
@@ -301,6 +358,7 @@ def plan_schedule(
     profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
+    pricing = pipeline_pricing(parallel, cost_model, cap)  # None without pipeline parallelism
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
     steps, rollouts_per_step, dropped = split_into_steps(ordinals, lengths, parallel, batch)
@@ -327,9 +385,18 @@ def plan_schedule(
             plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
             plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile)
+        # 5. with pipeline parallelism: order, assignment and count by the slowest replica's predicted makespan
+        piped = None
+        if pricing is not None:
+            piped = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile)
+            strategy = plan.strategy if not piped.how else f"{plan.strategy}+pp-{piped.how}"
+            if piped.how.startswith("count"):
+                strategy = f"lpt+pp-{piped.how}"
+            plan = StepPlan(piped.bin_of, piped.rank_of_bin, piped.count, strategy, plan.target)
         count = plan.count
         mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
-                                                  step_cost, partitions, micro_batch_indices)
+                                                  step_cost, partitions, micro_batch_indices,
+                                                  None if piped is None else piped.emit)
         per_rank = count // dp
         num_microbatches.append(per_rank)
         rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
@@ -352,6 +419,8 @@ def plan_schedule(
             microbatch_flops_max=float(mb_cost.max()),
             microbatch_flops_mean=float(mb_cost.mean()),
             strategy=plan.strategy,
+            predicted_makespan=None if piped is None else piped.slowest,
+            bubble_fraction=None if piped is None else piped.bubble,
         ))
 
     return DPSchedule(

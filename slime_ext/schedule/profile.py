@@ -48,6 +48,8 @@ TERMS = (
     ("packed_quadratic_s", "tokens**2 per micro-batch"),
 )
 TERM_NAMES = tuple(name for name, _ in TERMS)
+#: what the pipeline model reads besides the terms (optional in a file: defaults 2.0 and 0.0)
+PIPELINE_FIELDS = ("backward_forward_ratio", "p2p_s")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class CostProfile:
     packed_quadratic_s: float = 0.0
     #: where it was measured and how well it fits: device, model dims, points, rms/max relative error, ...
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: pipeline model (``pp_size > 1``): a micro-batch's backward takes this many times its forward; the seconds
+    #: above (forward + backward of the whole model) split into ``1 : backward_forward_ratio``
+    backward_forward_ratio: float = 2.0
+    #: pipeline model: seconds of one stage-boundary send/recv of one micro-batch's activation or gradient
+    p2p_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in TERM_NAMES:
@@ -68,6 +75,14 @@ class CostProfile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ScheduleError(f"CostProfile.{name} = {value!r} must be a finite number >= 0 (seconds); "
                                     f"re-run `slime-ext calibrate` or fix the profile file")
+            object.__setattr__(self, name, float(value))
+        for name, positive in (("backward_forward_ratio", True), ("p2p_s", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (positive and value == 0):
+                raise ScheduleError(f"CostProfile.{name} = {value!r} must be a finite number "
+                                    f"{'> 0' if positive else '>= 0'}; fix the profile file or omit it (default "
+                                    f"{2.0 if positive else 0.0})")
             object.__setattr__(self, name, float(value))
         if self.per_token_s + self.per_sample_quadratic_s + self.packed_quadratic_s <= 0:
             raise ScheduleError("CostProfile has per_token_s = per_sample_quadratic_s = packed_quadratic_s = 0: "
@@ -119,7 +134,7 @@ class CostProfile:
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         d = {"kind": PROFILE_KIND, "version": PROFILE_VERSION}
-        d.update({name: getattr(self, name) for name in TERM_NAMES})
+        d.update({name: getattr(self, name) for name in TERM_NAMES + PIPELINE_FIELDS})
         d["meta"] = dict(self.meta)
         return d
 
@@ -137,7 +152,8 @@ class CostProfile:
         missing = [name for name in TERM_NAMES if name not in d]
         if missing:
             raise ScheduleError(f"{source} is missing {missing}; re-run `slime-ext calibrate`")
-        return cls(**{name: d[name] for name in TERM_NAMES}, meta=d.get("meta") or {})
+        # profiles written before the pipeline fields existed load with their defaults
+        return cls(**{name: d[name] for name in TERM_NAMES + PIPELINE_FIELDS if name in d}, meta=d.get("meta") or {})
 
     def save(self, path: str) -> None:
         with open(path, "w") as fh:
@@ -325,5 +341,5 @@ def fit_summary(profile: CostProfile, report: FitReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CostProfile", "FitReport", "Observation", "PROFILE_KIND", "TERMS", "TERM_NAMES", "cost_from_args",
+__all__ = ["CostProfile", "FitReport", "Observation", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES", "cost_from_args",
            "design_row", "fit_profile", "fit_summary", "is_profile_dict"]

@@ -207,7 +207,7 @@ def test_config_yaml_with_training_keys_and_overrides(rollout_jsonl, tmp_path):
     out = run("plan", path, "--config", cfg, "--max-tokens-per-gpu", 4096, "--no-balance-data",
               "--json", tmp_path / "s.json")
     schedule = DPSchedule.from_dict(json.loads((tmp_path / "s.json").read_text()))
-    assert schedule.parallel == ParallelConfig(dp_size=2)
+    assert schedule.parallel == ParallelConfig(dp_size=2, pp_size=2)  # the planner minimises the pipeline makespan
     assert schedule.batch == BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=4096, global_batch_size=4,
                                          balance_data=False)
     assert schedule.cost_model == CostModel(hidden_size=256, num_layers=4, num_attention_heads=8)

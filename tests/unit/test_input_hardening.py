@@ -525,6 +525,6 @@ def test_from_dict_refuses_non_mappings_and_unknown_keys(saved):
     with pytest.raises(ScheduleError, match="use_dynamic_batch_size must be a bool"):
         DPSchedule.from_dict(d)
     d = saved.to_dict()
-    d["parallel"]["pp_size"] = 2
-    with pytest.raises(ScheduleError, match=r"parallel has unknown keys \['pp_size'\]"):
+    d["parallel"]["tp_size"] = 2
+    with pytest.raises(ScheduleError, match=r"parallel has unknown keys \['tp_size'\]"):
         DPSchedule.from_dict(d)

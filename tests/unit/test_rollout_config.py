@@ -30,7 +30,8 @@ def test_defaults_and_derived_sizes():
     cfg = validate(dict(GOOD, pipeline_model_parallel_size=2, actor_num_gpus_per_node=4, num_layers=4))
     assert cfg.dp_size == 2 and cfg.world_size == 4
     assert cfg.train_parallel_config() == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
-                                           "microbatch_group_size_per_vp_stage": 1}
+                                           "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
+                                           "overlap_p2p_comm": False}
     assert cfg.train.dist_backend == "gloo"
     assert {k: cfg.options[k] for k in RUN_DEFAULTS if k not in GOOD} == \
         {k: v for k, v in RUN_DEFAULTS.items() if k not in GOOD}

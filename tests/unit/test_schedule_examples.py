@@ -418,12 +418,16 @@ def test_bad_train_parallel_config_dict():
 
 def test_parallel_config_from_megatron_sizes_resolves_as_megatron():
     # the group size defaults to the pipeline size, and only counts with virtual pipelining
+    # (the pipeline size counts too: with pp > 1 the planner minimises the pipeline's makespan; Megatron-LM
+    # overlaps p2p under VPP by default)
     assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2) \
-        == ParallelConfig(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+        == ParallelConfig(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=2, pp_size=2,
+                          overlap_p2p_comm=True)
     assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
                                         microbatch_group_size_per_vp_stage=3).align == 12
-    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3) \
-        == ParallelConfig(dp_size=4)  # without virtual pipelining the group is unused: 1
+    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2, microbatch_group_size_per_vp_stage=3,
+                                        overlap_p2p_comm=True) \
+        == ParallelConfig(dp_size=4, pp_size=2)  # without virtual pipelining the group and p2p overlap are unused
     assert ParallelConfig.from_megatron(4, context_parallel_size=None, virtual_pipeline_model_parallel_size=None) \
         == ParallelConfig(dp_size=4)
     with pytest.raises(ScheduleError, match=r"cp_size must be a positive integer, got 0"):

@@ -116,6 +116,23 @@ def test_build_dp_schedule_keeps_slimes_arity_keyword_and_units(caplog):
     assert again == out
 
 
+def test_the_pipeline_size_and_p2p_mode_come_from_megatrons_args():
+    """slime's parallel dict has no pipeline size: the integration reads it (and the p2p mode under VPP, Megatron-LM's
+    default on) off Megatron's args, so the planner minimises the pipeline's makespan."""
+    lengths = [30, 20, 10, 50, 40, 40, 25, 25, 60, 35, 45, 15]
+    sched = planner.plan(slime_args(pipeline_model_parallel_size=4), PARALLEL, lengths, global_batch_size=12,
+                         rollout_indices=list(range(12)))
+    assert sched.parallel.pp_size == 4 and sched.stats[0].predicted_makespan is not None
+    vpp = {**PARALLEL, "vpp_size": 2, "microbatch_group_size_per_vp_stage": 2}
+    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=2), vpp) == {
+        **vpp, "pp_size": 2, "overlap_p2p_comm": True}
+    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=2, overlap_p2p_comm=False), vpp)[
+        "overlap_p2p_comm"] is False
+    assert planner.with_pipeline(slime_args(), PARALLEL) == PARALLEL  # no pipeline args: as before
+    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=4), {**PARALLEL, "pp_size": 1}) == \
+        {**PARALLEL, "pp_size": 1}  # the dict wins where it says
+
+
 def test_build_dp_schedule_refuses_like_slime():
     with pytest.raises(AssertionError):  # slime's callers catch its asserts
         planner.build_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=4, rollout_indices=[0, 0, 1, 1])

@@ -58,7 +58,8 @@ def test_layout_follows_megatron_order_dp_fastest():
     assert [(cfg.layout(r, 4).dp_rank, cfg.layout(r, 4).pp_rank) for r in range(4)] == [(0, 0), (1, 0), (0, 1),
                                                                                          (1, 1)]
     assert cfg.train_parallel_config(4) == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
-                                            "microbatch_group_size_per_vp_stage": 1}
+                                            "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
+                                            "overlap_p2p_comm": False}
     assert cfg.parallel.schedule_config(4).align == 2
     assert data_parallel_size(6, 3) == 2
 

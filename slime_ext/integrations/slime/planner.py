@@ -81,6 +81,7 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     global last_report
     gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
     ids = _dense_ids(rollout_indices)
+    train_parallel_config = with_pipeline(args, train_parallel_config)
     try:
         batch = BatchConfig.from_args(args, global_batch_size=gbs)
         if dynamic_rounds_samples and batch.use_dynamic_global_batch_size:
@@ -92,6 +93,22 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     last_report = _report(schedule, ids)
     _log(last_report, dynamic=schedule.batch.use_dynamic_global_batch_size)
     return schedule
+
+
+def with_pipeline(args: Any, train_parallel_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """slime's parallel dict has no pipeline size or p2p mode; the planner's pipeline objective reads them from
+    Megatron's args (``--pipeline-model-parallel-size``, ``overlap_p2p_comm``) where the dict lacks them."""
+    if not isinstance(train_parallel_config, Mapping):
+        return train_parallel_config
+    extra = {}
+    pp = getattr(args, "pipeline_model_parallel_size", None)
+    if "pp_size" not in train_parallel_config and pp is not None:
+        extra["pp_size"] = pp
+    vpp = train_parallel_config.get("vpp_size") or 1
+    if "overlap_p2p_comm" not in train_parallel_config and isinstance(vpp, int) and vpp > 1:
+        overlap = getattr(args, "overlap_p2p_comm", None)
+        extra["overlap_p2p_comm"] = True if overlap is None else overlap  # Megatron-LM's default with VPP
+    return {**train_parallel_config, **extra} if extra else train_parallel_config
 
 
 def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
@@ -212,4 +229,5 @@ def v024_parallel_config(args: Any, dp_size: int) -> dict[str, int]:
         int(dp_size), context_parallel_size=getattr(args, "context_parallel_size", 1),
         pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
-        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None)).to_dict()
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", None)).to_dict()

@@ -1,0 +1,607 @@
+"""A model of Megatron's pipeline schedules: the makespan of one step of one DP replica, from its micro-batches' costs.
+
+The planner compares candidate schedules by it when ``pp_size > 1`` (the step time of a pipelined replica is the
+makespan of megatron-core's schedule, not the sum of its micro-batches). Pure: standard library and numpy.
+
+**What is modelled.** Each stage runs the program megatron-core 0.16's schedule function runs on that pipeline
+rank, in the same order (read from ``forward_backward_pipelining_without_interleaving`` and ``..._with_interleaving``
+in ``megatron/core/pipeline_parallel/schedules.py``, written here in our own words):
+
+* 1F1B (``vpp_size == 1``): rank ``s`` runs ``min(pp - s - 1, M)`` warm-up forwards, then one forward and one
+  backward in turn, then the remaining backwards (cool-down). Its p2p calls are the blocking ones megatron-core
+  makes: ``recv_forward``, ``send_forward``, ``send_forward_recv_backward`` (one batch),
+  ``send_backward_recv_forward`` (one batch), ``recv_backward``, ``send_backward``.
+* Interleaved (``vpp_size > 1``): see :func:`interleaved_programs`.
+
+``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions (compute replaced by tags, the
+communicator by a recorder) and checks that every rank's computes, p2p calls (which transfers each combines,
+whether it blocks) and waits are exactly these programs'.
+
+**Time.** An operation starts when the previous one on its stage has ended (one stream per stage). A transfer of
+one micro-batch's activation or gradient over one stage boundary takes ``p2p_s`` seconds, and it starts when both
+sides have posted it: megatron-core's sends block until the peer receives (measured on gloo, see the notes; we
+assume the same of NCCL), so a blocking call that sends and receives returns when *all* its transfers are done. Messages on one
+directed link pair up in program order (first send with first receive), as the communication libraries do.
+The programs are compiled once per layout and count into a DAG of the computes (a compute starts at the latest of
+its stage's previous operation and the transfers it waits for) and evaluated level by level, vectorised over
+replicas: 128 replicas x 64 micro-batches x 8 stages take a few milliseconds (``python -m
+bench.pipeline_model_table --speed`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
+it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` is modelled.
+
+**Assumptions.**
+
+* Layers are split evenly: one stage's forward of micro-batch ``m`` takes ``fwd[m]`` on every stage (its
+  backward ``bwd[m]``); under VPP one model chunk takes ``fwd[m] / vpp_size``. No first/last-stage extras
+  (embedding, loss): fold them into the costs if a profile measures them.
+* ``p2p_s`` is the same for every micro-batch and boundary (megatron-core sends tensors of one fixed shape per
+  step; a profile measures it once).
+* The makespan is when the last forward or backward of any stage ends (a transfer always ends before the compute
+  that consumes it).
+* Nothing else on the critical path: no optimizer, no DP gradient reduction, no kernel launch or wake-up latency.
+  Measured on megatron-core's real schedule (``bench/pipeline.py``, the notes), such a model is a few percent low.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .errors import ScheduleError
+from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, show
+
+__all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_timeline",
+           "stage_programs"]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """One replica's pipeline layout and p2p mode, as megatron-core runs it."""
+
+    pp_size: int  # pipeline stages
+    vpp_size: int = 1  # model chunks per stage (Megatron's interleaved schedule when > 1)
+    #: consecutive micro-batches a stage runs per model chunk before switching chunk (interleaved schedule only);
+    #: ``None`` is Megatron's default, ``pp_size``
+    microbatch_group_size_per_vp_stage: int | None = None
+    #: seconds of one stage-boundary send/recv of one micro-batch's activation or gradient
+    p2p_s: float = 0.0
+    #: interleaved schedule only: Megatron's ``overlap_p2p_comm`` (posted early, waited just before use; Megatron-LM
+    #: training's default with VPP) instead of one blocking batch of sends and receives per iteration
+    overlap_p2p_comm: bool = False
+
+    def __post_init__(self) -> None:
+        for name, fix in (("pp_size", "pass the pipeline-parallel size (>= 1)"),
+                          ("vpp_size", "pass 1 without virtual pipeline parallelism")):
+            object.__setattr__(self, name, check_int(f"PipelineSpec.{name}", getattr(self, name),
+                                                     maximum=MAX_PARALLEL_SIZE, fix=fix))
+        group = self.microbatch_group_size_per_vp_stage
+        if group is None:
+            group = self.pp_size
+        object.__setattr__(self, "microbatch_group_size_per_vp_stage", check_int(
+            "PipelineSpec.microbatch_group_size_per_vp_stage", group, maximum=MAX_PARALLEL_SIZE,
+            fix="pass None for Megatron's default (pp_size)"))
+        p2p = self.p2p_s
+        if isinstance(p2p, bool) or not isinstance(p2p, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(p2p)) or p2p < 0:
+            raise ScheduleError(f"PipelineSpec.p2p_s = {show(p2p)} must be a finite number of seconds >= 0; "
+                                f"pass 0 to ignore point-to-point cost")
+        object.__setattr__(self, "p2p_s", float(p2p))
+        object.__setattr__(self, "overlap_p2p_comm", check_bool("PipelineSpec.overlap_p2p_comm",
+                                                                self.overlap_p2p_comm))
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per stage as megatron-core runs them: ``vpp_size``, but 1 without pipelining."""
+        return self.vpp_size if self.pp_size > 1 else 1
+
+    @property
+    def group(self) -> int:
+        """``microbatch_group_size_per_vp_stage``, resolved."""
+        return int(self.microbatch_group_size_per_vp_stage)  # type: ignore[arg-type]
+
+    def check_microbatches(self, num_microbatches: int) -> None:
+        """Raise :class:`ScheduleError` where megatron-core refuses ``num_microbatches`` for this layout."""
+        m = num_microbatches
+        if m < 1:
+            raise ScheduleError(f"num_microbatches = {m}: a pipelined step needs at least one micro-batch")
+        if self.vpp_size > 1 and self.pp_size > 1:
+            g = self.group
+            if not self.pp_size <= g <= m:
+                raise ScheduleError(
+                    f"microbatch_group_size_per_vp_stage = {g} must lie in [pp_size = {self.pp_size}, "
+                    f"num_microbatches = {m}] for the interleaved schedule (megatron-core refuses it otherwise); "
+                    f"pass a group size in that range or plan at least {max(g, self.pp_size)} micro-batches per rank")
+            if 0 < m % g < self.pp_size:
+                raise ScheduleError(
+                    f"num_microbatches = {m} leaves a last group of {m % g} < pp_size = {self.pp_size} micro-batches "
+                    f"with microbatch_group_size_per_vp_stage = {g} (megatron-core refuses it); use a multiple of "
+                    f"{g} or a remainder >= {self.pp_size}")
+
+
+# ---------------------------------------------------------------------------------------------------- programs
+# A stage's program is a list of operations, in the order megatron-core runs them:
+#   ("C", kind, mb, chunk)   compute: kind "F" or "B" of micro-batch `mb` (index in run order) in model chunk `chunk`
+#   ("X", items, blocking)   one p2p call; items are (link, role, handle): link ("f", src) carries activations from
+#                            rank src to rank (src + 1) % pp, ("b", src) gradients from src to (src - 1) % pp; role
+#                            "send" or "recv"; a blocking call returns when all its transfers are done
+#   ("W", handles)           wait for the transfers of earlier non-blocking calls
+
+
+class _Program:
+    """Builds one stage's operation list; handles are unique per stage."""
+
+    def __init__(self, rank: int, pp: int) -> None:
+        self.rank, self.pp, self.ops, self._next = rank, pp, [], 0
+
+    def compute(self, kind: str, mb: int, chunk: int = 0) -> None:
+        self.ops.append(("C", kind, mb, chunk))
+
+    def comm(self, *, send_next: bool = False, recv_prev: bool = False, send_prev: bool = False,
+             recv_next: bool = False, blocking: bool = True) -> dict[str, int]:
+        """One p2p call (the flags are megatron-core's names); returns the handle of each transfer it posted."""
+        r, pp = self.rank, self.pp
+        items, handles = [], {}
+        for flag, name, link, role in ((send_next, "send_next", ("f", r), "send"),
+                                       (recv_prev, "recv_prev", ("f", (r - 1) % pp), "recv"),
+                                       (send_prev, "send_prev", ("b", r), "send"),
+                                       (recv_next, "recv_next", ("b", (r + 1) % pp), "recv")):
+            if flag:
+                items.append((link, role, self._next))
+                handles[name] = self._next
+                self._next += 1
+        if items:
+            self.ops.append(("X", tuple(items), blocking))
+        return handles
+
+    def wait(self, *handles: int | None) -> None:
+        hs = tuple(h for h in handles if h is not None)
+        if hs:
+            self.ops.append(("W", hs))
+
+
+def one_f_one_b_programs(pp: int, m: int) -> list[list[tuple]]:
+    """The non-interleaved schedule's programs, rank by rank (``forward_backward_pipelining_without_interleaving``)."""
+    programs = []
+    for s in range(pp):
+        p = _Program(s, pp)
+        first, last = s == 0, s == pp - 1
+        warmup = min(pp - s - 1, m)
+        remaining = m - warmup
+        for i in range(warmup):
+            p.comm(recv_prev=not first)  # recv_forward
+            p.compute("F", i)
+            p.comm(send_next=not last)  # send_forward
+        if remaining:
+            p.comm(recv_prev=not first)  # recv_forward of the first steady micro-batch
+        for i in range(remaining):
+            p.compute("F", warmup + i)
+            p.comm(send_next=not last, recv_next=not last)  # send_forward_recv_backward
+            p.compute("B", i)
+            if i == remaining - 1:
+                p.comm(send_prev=not first)  # send_backward
+            else:
+                p.comm(send_prev=not first, recv_prev=not first)  # send_backward_recv_forward
+        for i in range(remaining, m):  # cool-down
+            p.comm(recv_next=not last)  # recv_backward
+            p.compute("B", i)
+            p.comm(send_prev=not first)  # send_backward
+        programs.append(p.ops)
+    return programs
+
+
+def schedule_table(m: int, vpp: int, group: int) -> list[tuple[int, int]]:
+    """``(micro-batch, model chunk)`` of each virtual micro-batch id of the interleaved schedule: micro-batches in
+    groups of ``group``, each group through chunk 0, then chunk 1, ...; the last group takes all that are left
+    (megatron-core's ``get_schedule_table``)."""
+    table = []
+    for start in range(0, m, group):
+        stop = m if start + group >= m else start + group
+        table.extend((mb, chunk) for chunk in range(vpp) for mb in range(start, stop))
+    return table
+
+
+def warmup_microbatches(pp: int, rank: int, m: int, vpp: int = 1, group: int | None = None) -> int:
+    """Forwards rank ``rank`` runs before its first backward (megatron-core's ``get_pp_rank_microbatches`` and the
+    non-interleaved schedule): ``pp - rank - 1`` (1F1B) or ``2 (pp - rank - 1) + (vpp - 1) group`` virtual
+    micro-batches (interleaved), at most all of them."""
+    if vpp == 1:
+        return min(pp - rank - 1, m)
+    return min(2 * (pp - rank - 1) + (vpp - 1) * (pp if group is None else group), m * vpp)
+
+
+def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool) -> list[list[tuple]]:
+    """The interleaved schedule's programs (``forward_backward_pipelining_with_interleaving``, default flags:
+    ``overlap_p2p_comm_warmup_flush`` off, no MoE overlap).
+
+    Virtual micro-batch ``k`` is forward ``schedule_table[k]`` and backward of the same micro-batch in chunk
+    ``vpp - 1 - chunk``. Rank ``r`` runs :func:`warmup_microbatches` forwards, then one forward and one backward per
+    iteration, then the rest of the backwards. Chunk ``c`` of rank ``pp - 1`` feeds chunk ``c + 1`` of rank 0 (the
+    links form a ring). The p2p calls per iteration, by mode:
+
+    * batched (``overlap_p2p_comm`` off): after each warm-up forward one blocking call sends its output and
+      receives the next input; the last warm-up call also receives the first gradient (so rank 0 idles there
+      until the gradient of its first backward has come back through the whole pipeline); each steady iteration
+      ends in one blocking call with up to four transfers (send output, send input grad, receive next input,
+      receive next grad); each cool-down backward ends in one blocking send-grad/receive-grad call.
+    * overlapped (``overlap_p2p_comm`` on): warm-up as batched, except that the first gradient is only posted; in
+      the steady state each forward and each backward posts its sends and the next receive without waiting, a
+      forward (backward) waits for its own input (gradient) just before it runs, and a send is waited for when
+      the next send in the same direction has been posted; cool-down as batched.
+    """
+    total = m * vpp
+    table = schedule_table(m, vpp, group)
+
+    def chunk(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else vpp - 1 - c
+
+    programs = []
+    for r in range(pp):
+        p = _Program(r, pp)
+        first, last = r == 0, r == pp - 1
+
+        def receives(k: int, forward: bool) -> bool:
+            """Whether rank r receives, after virtual micro-batch k, an input (forward) or a gradient (backward)."""
+            if not (first if forward else last):  # only the ring's leading rank skips receives
+                return True
+            if k < pp - 1:
+                return False
+            return chunk(k - (pp - 1), forward) != (vpp - 1 if forward else 0)
+
+        def sends_output(k: int) -> bool:
+            return not (last and chunk(k, True) == vpp - 1)
+
+        def sends_grad(k: int) -> bool:
+            return not (first and chunk(k, False) == 0)
+
+        def F(k: int) -> None:
+            p.compute("F", table[k][0], chunk(k, True))
+
+        def B(k: int) -> None:
+            p.compute("B", table[k][0], chunk(k, False))
+
+        warmup = warmup_microbatches(pp, r, m, vpp, group)
+        all_warmup = warmup == total
+        remaining = total - warmup
+        recv_prev_handles: list[int] = []
+        recv_next_handles: list[int] = []
+        send_next_handle = send_prev_handle = None
+
+        p.comm(recv_prev=not first)  # recv_forward of chunk 0's first input
+        for k in range(warmup):
+            recv_prev = receives(k, True) and k != total - 1
+            F(k)
+            if k == warmup - 1 and not overlap and not all_warmup:
+                p.comm(send_next=sends_output(k), recv_prev=recv_prev, recv_next=not last)
+            else:
+                p.comm(send_next=sends_output(k), recv_prev=recv_prev)
+            if overlap and k == warmup - 1 and not all_warmup:
+                h = p.comm(recv_next=not last, blocking=False)  # posted only
+                if "recv_next" in h:
+                    recv_next_handles.append(h["recv_next"])
+        for k in range(remaining):
+            fk = warmup + k
+            recv_prev = receives(fk, True) and k != remaining - 1
+            recv_next = receives(k, False)
+            if overlap:
+                if not (first and chunk(fk, True) == 0) and recv_prev_handles:
+                    p.wait(recv_prev_handles.pop(0))
+                F(fk)
+                h = p.comm(send_next=sends_output(fk), recv_prev=recv_prev, blocking=False)
+                p.wait(send_next_handle)
+                send_next_handle = h.get("send_next")
+                if "recv_prev" in h:
+                    recv_prev_handles.append(h["recv_prev"])
+                if not (last and chunk(k, False) == vpp - 1) and recv_next_handles:
+                    p.wait(recv_next_handles.pop(0))
+                B(k)
+                h = p.comm(send_prev=sends_grad(k), recv_next=recv_next, blocking=False)
+                p.wait(send_prev_handle)
+                send_prev_handle = h.get("send_prev")
+                if "recv_next" in h:
+                    recv_next_handles.append(h["recv_next"])
+            else:
+                F(fk)
+                B(k)
+                p.comm(send_next=sends_output(fk), recv_prev=recv_prev, send_prev=sends_grad(k), recv_next=recv_next)
+        if all_warmup:
+            p.comm(recv_next=not last)  # recv_backward
+        for k in range(remaining, total):
+            if not (last and chunk(k, False) == vpp - 1) and k != 0 and recv_next_handles:
+                p.wait(recv_next_handles.pop(0))
+            recv_next = receives(k, False) and k != total - 1
+            B(k)
+            p.comm(send_prev=sends_grad(k), recv_next=recv_next)
+        p.wait(send_prev_handle)  # (the last forward send is left pending; its receiver ends the step later)
+        programs.append(p.ops)
+    return programs
+
+
+def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple]]:
+    """Every rank's program for ``num_microbatches`` micro-batches (see the comment above :class:`_Program`)."""
+    spec.check_microbatches(num_microbatches)
+    if spec.vpp_size == 1 or spec.pp_size == 1:
+        return one_f_one_b_programs(spec.pp_size, num_microbatches)
+    return interleaved_programs(spec.pp_size, spec.vpp_size, num_microbatches, spec.group, spec.overlap_p2p_comm)
+
+
+# ---------------------------------------------------------------------------------------------------- the DAG
+@dataclass(frozen=True)
+class _Dag:
+    """A program set compiled to a DAG of its computes: a compute ends at ``max over its predecessors q of
+    (end(q) + hops(q) * p2p_s)`` plus its duration (column ``mb`` for a forward, ``M + mb`` for a backward; the
+    predecessor ``num_nodes`` is time 0). ``levels`` groups the computes whose predecessors all lie in earlier
+    levels. ``computes`` / ``compute_nodes`` list each stage's ``(kind, mb, chunk)`` and their nodes in program
+    order.
+    """
+
+    num_nodes: int  # computes only
+    #: (nodes, their padded predecessors, the transfers on the way from each (column vector), their columns)
+    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    computes: tuple[tuple[tuple[str, int, int], ...], ...]  # per stage: (kind, mb, chunk) in program order
+    compute_nodes: tuple[np.ndarray, ...]  # per stage: node ids of those computes
+
+
+def _compile(programs: list[list[tuple]], m: int) -> _Dag:
+    p2p_col, zero_col = 2 * m, 2 * m + 1
+    col: list[int] = []
+    preds: list[list] = []  # entries: node id (int) or ("T", stage, handle), resolved below
+    ends: dict[tuple, list] = {}  # link -> {"send": [(post node, stage, handle)], "recv": [...]}
+    computes, compute_nodes = [], []
+
+    def node(c: int, p: list) -> int:
+        col.append(c)
+        preds.append(p)
+        return len(col) - 1
+
+    source = -1  # "time 0"
+    for s, ops in enumerate(programs):
+        cur = source
+        comp, comp_nodes = [], []
+        for op in ops:
+            if op[0] == "C":
+                _, kind, mb, chunk = op
+                cur = node(mb if kind == "F" else m + mb, [cur])
+                comp.append((kind, mb, chunk))
+                comp_nodes.append(cur)
+            elif op[0] == "X":
+                _, items, blocking = op
+                for link, role, h in items:
+                    ends.setdefault(link, {"send": [], "recv": []})[role].append((cur, s, h))
+                if blocking:
+                    cur = node(zero_col, [cur] + [("T", s, h) for _, _, h in items])
+            else:  # "W"
+                cur = node(zero_col, [cur] + [("T", s, h) for h in op[1]])
+        computes.append(tuple(comp))
+        compute_nodes.append(np.asarray(comp_nodes, dtype=np.int64))
+
+    transfer: dict[tuple[int, int], int] = {}
+    for link, sides in ends.items():
+        sends, recvs = sides["send"], sides["recv"]
+        if len(sends) != len(recvs):
+            raise AssertionError(f"link {link}: {len(sends)} sends but {len(recvs)} receives")  # a program bug
+        for (sp, ss, sh), (rp, rs, rh) in zip(sends, recvs):
+            t = node(p2p_col, [sp, rp])
+            transfer[(ss, sh)] = transfer[(rs, rh)] = t
+
+    n = len(col)
+    resolved = [[transfer[(q[1], q[2])] if isinstance(q, tuple) else (n if q == source else q) for q in p]
+                for p in preds]
+    # a topological order by Kahn's algorithm (a cycle would be a deadlock of the modelled schedule: a program bug)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indeg = [0] * n
+    for i, p in enumerate(resolved):
+        for q in p:
+            if q != n:
+                succ[q].append(i)
+                indeg[i] += 1
+    order = [i for i in range(n) if indeg[i] == 0]
+    head = 0
+    while head < len(order):
+        for j in succ[order[head]]:
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                order.append(j)
+        head += 1
+    if len(order) != n:
+        raise AssertionError("the modelled schedule deadlocks")  # a program bug, never the caller's input
+
+    # keep only the computes: a call or wait ends at the latest of its inputs, a transfer one p2p after its later
+    # side, so every compute starts at max over earlier computes q (or time 0) of end(q) + hops(q) * p2p_s
+    is_compute = [c < 2 * m for c in col]
+    through: list[dict[int, int]] = [{} for _ in range(n)]  # non-compute node -> {compute or n: most hops}
+    new_id: dict[int, int] = {}
+    edges: list[dict[int, int]] = []
+    for i in order:
+        merged: dict[int, int] = {}
+        for q in resolved[i]:
+            for k, h in ({q: 0} if q == n or is_compute[q] else through[q]).items():
+                if merged.get(k, -1) < h:
+                    merged[k] = h
+        if is_compute[i]:
+            new_id[i] = len(edges)
+            edges.append(merged)
+        else:
+            hop = 1 if col[i] == p2p_col else 0
+            through[i] = {k: h + hop for k, h in merged.items()}
+    c_count = len(edges)
+    level = [0] * c_count
+    preds_of, hops_of = [], []
+    for i, e in enumerate(edges):
+        ps = [c_count if k == n else new_id[k] for k in e]
+        level[i] = 1 + max((level[q] for q in ps if q != c_count), default=-1)
+        preds_of.append(ps)
+        hops_of.append(list(e.values()))
+    cols = np.asarray([col[i] for i in order if is_compute[i]], dtype=np.int64)
+    lv = np.asarray(level)
+    by_level = np.argsort(lv, kind="stable")
+    bounds = np.searchsorted(lv[by_level], np.arange(lv.max() + 2))
+    levels = []
+    for k in range(len(bounds) - 1):
+        nodes = by_level[bounds[k]:bounds[k + 1]]
+        width = max(len(preds_of[i]) for i in nodes)
+        preds = np.full((len(nodes), width), c_count, dtype=np.int64)
+        hops = np.zeros((len(nodes), width))
+        for row, i in enumerate(nodes):
+            preds[row, :len(preds_of[i])] = preds_of[i]
+            hops[row, :len(hops_of[i])] = hops_of[i]
+        levels.append((nodes, preds, hops[:, :, None], cols[nodes]))
+    return _Dag(c_count, tuple(levels), tuple(computes),
+                tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes))
+
+
+def _dag(spec: PipelineSpec, m: int) -> _Dag:
+    """The compiled schedule; it depends on the layout and the count, not on the costs or ``p2p_s``."""
+    spec.check_microbatches(m)
+    return _compiled(spec.pp_size, spec.chunks, spec.group if spec.chunks > 1 else 1,
+                     spec.overlap_p2p_comm and spec.chunks > 1, m)
+
+
+@lru_cache(maxsize=256)
+def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
+    return _compile(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), m)
+
+
+# ---------------------------------------------------------------------------------------------------- evaluation
+#: computes x replicas evaluated at once (8M floats, 64 MB); more replicas go in blocks
+MAX_TABLE_ENTRIES = 1 << 23
+
+
+def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
+    try:
+        f = np.asarray(fwd, dtype=np.float64)
+        b = np.asarray(bwd, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ScheduleError(f"fwd and bwd must be arrays of numbers (per-stage seconds or FLOPs per micro-batch), "
+                            f"got {show(fwd)} and {show(bwd)} ({e})") from None
+    one = f.ndim == 1
+    if f.ndim not in (1, 2) or f.shape != b.shape:
+        raise ScheduleError(f"fwd and bwd must have the same shape, (M,) or (replicas, M); got {f.shape} and "
+                            f"{b.shape}; pass one cost per micro-batch in run order")
+    if f.shape[-1] == 0:
+        raise ScheduleError("fwd has no micro-batches; a pipelined step needs at least one")
+    for name, a in (("fwd", f), ("bwd", b)):
+        if not np.isfinite(a).all() or (a < 0).any():
+            raise ScheduleError(f"{name} holds a negative or non-finite cost ({show(a.min())}); pass per-stage "
+                                f"seconds (or FLOPs) >= 0")
+    if one:
+        f, b = f[None, :], b[None, :]
+    return f, b, one
+
+
+def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
+    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    r, m = f.shape
+    dag = _dag(spec, m)
+    v = spec.chunks
+    dur = np.empty((r, 2 * m + 2))
+    dur[:, :m] = f / v
+    dur[:, m:2 * m] = b / v
+    dur[:, 2 * m] = spec.p2p_s
+    dur[:, 2 * m + 1] = 0.0
+    # nodes x replicas: gathering whole rows is contiguous
+    end_t = np.zeros((dag.num_nodes + 1, r))
+    dur_t = np.ascontiguousarray(dur.T)
+    p2p = spec.p2p_s
+    for nodes, preds, hops, cols in dag.levels:
+        before = end_t[preds]
+        if p2p:
+            before += hops * p2p
+        end_t[nodes] = before.max(axis=1) + dur_t[cols]
+    return end_t.T, dag
+
+
+def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
+    """Makespan of one step of Megatron's schedule per replica.
+
+    ``fwd``, ``bwd``: ``(R, M)`` or ``(M,)`` per-stage seconds (or FLOP units) of each micro-batch in the order the
+    micro-batches run (one stage's forward/backward of micro-batch ``m``; layers split evenly). Returns ``(R,)``
+    makespans, or a float for 1-D input: the time the last operation of any stage ends.
+    """
+    f, b, one = _as_costs(fwd, bwd)
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    # replicas in blocks, so that the node-by-replica table stays under MAX_TABLE_ENTRIES (memory, not speed)
+    nodes = 2 * f.shape[1] * spec.chunks * spec.pp_size
+    block = max(1, MAX_TABLE_ENTRIES // nodes)
+    out = np.concatenate([_node_ends(f[i:i + block], b[i:i + block], spec)[0].max(axis=1)
+                          for i in range(0, max(len(f), 1), block)]) if len(f) else np.zeros(0)
+    return float(out[0]) if one else out
+
+
+def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
+    """One replica's timeline: per stage, ``(kind, mb, chunk, start, end)`` of each forward/backward in run order."""
+    f, b, _ = _as_costs(fwd, bwd)
+    if f.shape[0] != 1:
+        raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,); got {f.shape}")
+    end, dag = _node_ends(f, b, spec)
+    out = []
+    for comp, nodes in zip(dag.computes, dag.compute_nodes):
+        e = end[0, nodes]
+        d = np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
+                     b[0, [mb for _, mb, _ in comp]]) / spec.chunks if len(comp) else np.zeros(0)
+        out.append([(k, mb, c, float(ei - di), float(ei)) for (k, mb, c), ei, di in zip(comp, e, d)])
+    return out
+
+
+def bubble_fraction(fwd, bwd, spec: PipelineSpec):
+    """``1 - (one stage's work) / makespan``: the share of the step a stage idles (all stages do the same work,
+    ``sum(fwd) + sum(bwd)``, since layers are split evenly). Shapes as :func:`pipeline_makespan`."""
+    f, b, one = _as_costs(fwd, bwd)
+    span = np.atleast_1d(pipeline_makespan(f, b, spec))
+    work = f.sum(axis=1) + b.sum(axis=1)
+    out = np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0)
+    return float(out[0]) if one else out
+
+
+def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
+    """A makespan no order of these micro-batches can beat, in this model or any schedule of the same work.
+
+    With ``W = sum_m (f_m + b_m)`` (one stage's work), ``V = vpp * pp`` virtual stages, ``c = p2p_s`` and, for
+    ``pp > 1``::
+
+        bound = max( max_m pp (f_m + b_m) + 2 (V - 1) c,                                   # (1) the largest trip
+                     W + (pp - 1) (min_m f_m + min_m b_m) / vpp + 2 (pp - 1) c )            # (2) the last stage
+
+    and ``W`` for ``pp = 1``.
+
+    *Proof.* Every schedule obeys two kinds of constraint that the model also imposes (it adds more: program order,
+    blocking calls): a stage runs one operation at a time, and chunk ``k`` of micro-batch ``m`` runs its forward on
+    virtual stage ``k`` only after its forward on virtual stage ``k - 1`` ended and its activation crossed the
+    boundary (``c``), its backward on virtual stage ``k`` only after the backward on ``k + 1`` (or, on the last
+    virtual stage, its own forward there) ended and the gradient crossed back. Virtual stages ``k`` and ``k + 1`` lie
+    on different ranks when ``pp > 1``, so every boundary costs ``c``.
+
+    (1) Micro-batch ``m``'s operations form one chain: ``V`` forwards of ``f_m / vpp``, ``V`` backwards of
+    ``b_m / vpp`` and ``2 (V - 1)`` transfers, each starting after the previous one ended. The chain alone lasts
+    ``pp (f_m + b_m) + 2 (V - 1) c``, and it starts at time ``>= 0``.
+
+    (2) Take the last rank, ``pp - 1``. Its first operation is a forward of some ``(m, chunk)``; that chunk's
+    forwards on ranks ``0 .. pp - 2`` and their ``pp - 1`` transfers precede it: it cannot start before
+    ``(pp - 1) (f_m / vpp + c) >= (pp - 1) (min f / vpp + c)``. From then on the rank runs its whole work ``W``
+    one operation at a time, so its last operation ends no earlier than that plus ``W``. That last operation is a
+    backward of some ``(m', chunk')`` (a rank's forward of a chunk precedes the same chunk's backward on it), and
+    the backwards of ``chunk'`` on ranks ``pp - 2 .. 0``, with ``pp - 1`` transfers, still follow it:
+    ``>= (pp - 1) (min b / vpp + c)``. Adding the three parts gives (2). Both hold for every order, so their
+    maximum does. ∎
+
+    Shapes as :func:`pipeline_makespan`. ``tests/unit/test_pipeline_model.py`` checks it against the best
+    makespan over all orders of small cases.
+    """
+    f, b, one = _as_costs(fwd, bwd)
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    spec.check_microbatches(f.shape[1])
+    work = f.sum(axis=1) + b.sum(axis=1)
+    pp, v, c = spec.pp_size, spec.chunks, spec.p2p_s
+    if pp == 1:
+        out = work
+    else:
+        trip = pp * (f + b).max(axis=1) + 2 * (v * pp - 1) * c
+        last_stage = work + (pp - 1) * (f.min(axis=1) + b.min(axis=1)) / v + 2 * (pp - 1) * c
+        out = np.maximum(trip, last_stage)
+    return float(out[0]) if one else out

@@ -1,0 +1,406 @@
+"""The planner's objective with pipeline parallelism (``pp_size > 1``): the slowest replica's predicted makespan.
+
+A pipelined replica's step time is the makespan of megatron-core's schedule over its micro-batches
+(:mod:`slime_ext.schedule.pipeline`), which depends on their order and count, not only on their sum. This module
+prices micro-batches for that model and improves one planned step by comparing candidates with it:
+
+* **order** of each rank's micro-batches (free: the gradient is a sum): heaviest first (the pp-unaware order),
+  ascending, cheapest at both ends with the largest in the middle, the cheapest two at the ends with the rest
+  descending; the best per rank, then improved by swapping pairs while the model says it gets faster;
+* **DP assignment** (with ``balance_data``): bins move between the slowest replica and the fastest ones while that
+  lowers the slowest replica's makespan, so the rank holding the largest micro-batch (the longest fill and drain)
+  gets less of the rest;
+* **count**: more, smaller micro-batches (``align`` more at a time, equal on every rank, under the cap), kept only
+  when the slowest replica gets faster.
+
+**Pricing.** A micro-batch's cost ``c`` is the planner's own: forward FLOPs from the ``CostModel`` (tokens without
+one), or seconds of forward + backward from a ``CostProfile`` (which prices the micro-batch whole, its overhead
+included). Per stage (layers split evenly over ``pp`` stages):
+
+* profile: forward ``c / ((1 + r) pp)``, backward ``r`` times that, ``r = backward_forward_ratio``, p2p ``p2p_s``;
+  makespans in **seconds**;
+* FLOPs or tokens: forward ``(c + o) / pp``, backward ``2`` times that, p2p ``0``, where ``o`` charges every
+  micro-batch :data:`FLOPS_MICROBATCH_OVERHEAD` of a full one (``cap`` tokens at the linear rate), so that more,
+  smaller micro-batches are not free; makespans in **per-stage forward-FLOP units** (tokens without a model): a
+  GPU's achieved FLOP/s turns them into seconds.
+
+The schedule records each step's slowest predicted makespan and that replica's bubble fraction (``StepStats``).
+Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from typing import TYPE_CHECKING
+
+from .config import ParallelConfig
+from .cost import CostModel, sample_costs
+from .errors import ScheduleError
+from .pipeline import PipelineSpec, pipeline_makespan
+from .profile import CostProfile
+
+if TYPE_CHECKING:
+    from .dp_schedule import DPSchedule
+
+#: FLOPs (or token) plans charge every micro-batch this share of a full one (``cap`` tokens at the linear rate)
+FLOPS_MICROBATCH_OVERHEAD = 0.02
+#: FLOPs plans: backward = this many times forward
+DEFAULT_BACKWARD_FORWARD_RATIO = 2.0
+#: pair swaps tried per rank and round of order improvement (beyond it: adjacent pairs and pairs with the ends)
+MAX_ORDER_SWAPS = 276
+ORDER_ROUNDS = 6
+#: the planner improves by swaps the orders of the replicas within this share of the slowest (and again, while
+#: the slowest replica is one it has not improved)
+POLISH_BAND = 0.02
+#: moves of bins between replicas, per step and count; partners tried per move (the fastest replicas)
+MAX_BALANCE_MOVES = 64
+BALANCE_PARTNERS = 3
+BALANCE_SWAPS_PER_PARTNER = 8
+#: extra rounds of ``align`` micro-batches tried; the search stops after this many that do not pay off in a row
+MAX_EXTRA_COUNT_ROUNDS = 8
+EXTRA_COUNT_PATIENCE = 2
+#: candidates improved by swaps before the final choice: the pp-unaware count's best and the best recounted ones
+FINALISTS = 3
+
+
+@dataclass(frozen=True)
+class PipelinePricing:
+    """How the planner's micro-batch costs become per-stage forward/backward times for the pipeline model."""
+
+    spec: PipelineSpec
+    backward_forward_ratio: float
+    scale: float  # per-stage forward = (cost + overhead) * scale
+    overhead: float  # added to every micro-batch's cost (FLOPs plans)
+    units: str  # "seconds", "forward FLOPs per stage" or "tokens per stage"
+
+    def stage_costs(self, mb_costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        f = (np.asarray(mb_costs, dtype=np.float64) + self.overhead) * self.scale
+        return f, self.backward_forward_ratio * f
+
+    def makespans(self, mb_costs: np.ndarray) -> np.ndarray:
+        """``(R, M)`` micro-batch costs in run order -> ``(R,)`` predicted makespans."""
+        f, b = self.stage_costs(np.atleast_2d(mb_costs))
+        return np.atleast_1d(pipeline_makespan(f, b, self.spec))
+
+    def bubble(self, mb_costs: np.ndarray) -> float:
+        """One replica's bubble fraction: ``1 - (one stage's work) / makespan``."""
+        f, b = self.stage_costs(mb_costs)
+        span = float(pipeline_makespan(f, b, self.spec))
+        return 1.0 - float(f.sum() + b.sum()) / span if span > 0 else 0.0
+
+
+def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None,
+                     cap: int | None) -> PipelinePricing | None:
+    """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``)."""
+    pp = parallel.pp_size
+    if pp == 1:
+        return None
+    vpp = parallel.vpp_size
+    group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
+    if vpp > 1 and group < pp:  # type: ignore[operator]
+        raise ScheduleError(
+            f"microbatch_group_size_per_vp_stage = {group} < pp_size = {pp}: megatron-core's interleaved schedule "
+            f"refuses it; pass a group size >= {pp} (Megatron's default is the pipeline size)")
+    if isinstance(cost_model, CostProfile):
+        ratio = cost_model.backward_forward_ratio
+        spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm)
+        return PipelinePricing(spec, ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds")
+    linear = cost_model.coefficients()[0] if cost_model is not None else 1.0
+    overhead = FLOPS_MICROBATCH_OVERHEAD * linear * cap if cap is not None else 0.0
+    spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm)
+    units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
+    return PipelinePricing(spec, DEFAULT_BACKWARD_FORWARD_RATIO, 1.0 / pp, overhead, units)
+
+
+def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
+    """``(dp, M)``: each rank's micro-batch costs in ``step``, in the order the rank runs them, priced as the
+    planner prices them (a profile's whole-micro-batch seconds, else summed FLOPs or tokens)."""
+    lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
+    profile = schedule.cost_model if isinstance(schedule.cost_model, CostProfile) else None
+    costs = sample_costs(lengths, schedule.cost_model)
+    start = sum(schedule.num_microbatches[:step])
+    m = schedule.num_microbatches[step]
+    rows = np.zeros((schedule.dp_size, m))
+    for r in range(schedule.dp_size):
+        part = schedule.partitions[r]
+        for k, mb in enumerate(schedule.micro_batch_indices[r][start:start + m]):
+            members = [part[i] for i in mb]
+            rows[r, k] = profile.microbatch_time(lengths[members]) if profile is not None else costs[members].sum()
+    return rows
+
+
+def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePricing | None = None) -> np.ndarray:
+    """``(dp,)`` each replica's predicted makespan of ``step`` as planned (``pricing``: the schedule's own by
+    default; pass another to price the same plan for another layout, e.g. a pp-unaware plan for the real one)."""
+    if pricing is None:
+        pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+        if pricing is None:
+            raise ScheduleError("the schedule has pp_size = 1: pass the pricing of a pipelined layout "
+                                "(pipeline_pricing(ParallelConfig(..., pp_size=N), cost_model, cap))")
+    return pricing.makespans(step_microbatch_costs(schedule, step))
+
+
+# ---------------------------------------------------------------------------------------------------- order
+def heuristic_orders(costs: np.ndarray) -> np.ndarray:
+    """``(H, R, K)`` candidate orders (indices into each row of ``costs``), heaviest first being the first."""
+    r, k = costs.shape
+    asc = np.argsort(costs, axis=1, kind="stable")
+    desc = np.argsort(-costs, axis=1, kind="stable")
+    # cheapest at both ends, largest in the middle: the i-th cheapest goes alternately to the front and the back
+    i = np.arange(k)
+    pos = np.where(i % 2 == 0, i // 2, k - 1 - i // 2)
+    valley = np.empty_like(asc)
+    valley[:, pos] = asc
+    # the cheapest first and the second cheapest last, the rest heaviest first
+    ends = desc
+    if k >= 3:
+        ends = np.concatenate([asc[:, :1], asc[:, :1:-1], asc[:, 1:2]], axis=1)
+    return np.stack([desc, asc, valley, ends])
+
+
+def _take(costs: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(costs, orders, axis=-1)
+
+
+def _swap_pairs(k: int) -> np.ndarray:
+    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    if len(pairs) > MAX_ORDER_SWAPS:  # adjacent pairs, and every position with the first and last two
+        ends = {0, 1, k - 2, k - 1}
+        pairs = [(i, j) for i, j in pairs if j == i + 1 or i in ends or j in ends]
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+
+
+def heuristic_best(pricing: PipelinePricing, costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` and its makespan (ties: the earlier, so
+    heaviest first wins a tie)."""
+    r, k = costs.shape
+    orders = heuristic_orders(costs)
+    h = len(orders)
+    spans = pricing.makespans(_take(np.broadcast_to(costs, (h, r, k)), orders).reshape(h * r, k)).reshape(h, r)
+    pick = spans.argmin(axis=0)
+    return orders[pick, np.arange(r)], spans[pick, np.arange(r)]
+
+
+def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray,
+                   span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Swap pairs of positions in the given rows' orders while that lowers their makespans (every pair of a row at
+    once, each row taking its best swap), for at most :data:`ORDER_ROUNDS` rounds."""
+    order, span = order.copy(), span.copy()
+    r, k = costs.shape
+    pairs = _swap_pairs(k)
+    p = len(pairs)
+    if not p or not r:
+        return order, span
+    a, b = pairs[:, 0], pairs[:, 1]
+    cols = np.arange(p)
+    for _ in range(ORDER_ROUNDS):
+        cand = np.repeat(order[:, None, :], p, axis=1)  # (R, P, K)
+        cand[:, cols, a], cand[:, cols, b] = order[:, b], order[:, a]
+        c = np.take_along_axis(np.broadcast_to(costs[:, None, :], cand.shape), cand, axis=2)
+        useful = c[:, cols, a] != c[:, cols, b]  # swapping equal costs changes nothing
+        if not useful.any():
+            break
+        got = np.full((r, p), np.inf)
+        got[useful] = pricing.makespans(c[useful])
+        best = got.argmin(axis=1)
+        rows = np.flatnonzero(got[np.arange(r), best] < span * (1 - 1e-12))
+        if not len(rows):
+            break
+        order[rows] = cand[rows, best[rows]]
+        span[rows] = got[rows, best[rows]]
+    return order, span
+
+
+def best_orders(pricing: PipelinePricing, costs: np.ndarray, *,
+                all_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan: the best of
+    :func:`heuristic_orders`, improved by :func:`improve_orders` -- on every row, or (``all_rows=False``) only on
+    the slowest rows, until the slowest row is one that was improved (the step time is the slowest replica's)."""
+    order, span = heuristic_best(pricing, costs)
+    if all_rows:
+        return improve_orders(pricing, costs, order, span)
+    done = np.zeros(len(span), dtype=bool)
+    while True:
+        s = int(np.argmax(span))
+        if done[s]:
+            return order, span
+        rows = np.flatnonzero(~done & (span >= span[s] * (1 - POLISH_BAND)))
+        order[rows], span[rows] = improve_orders(pricing, costs[rows], order[rows], span[rows])
+        done[rows] = True
+
+
+# ---------------------------------------------------------------------------------------------------- DP assignment
+def balance_makespans(pricing: PipelinePricing, bin_costs: np.ndarray, rank_of_bin: np.ndarray,
+                      dp: int) -> np.ndarray:
+    """Move bins between the slowest replica and the fastest ones while the slowest one's makespan drops.
+
+    Each move swaps one bin of the slowest replica with a cheaper one of one of the :data:`BALANCE_PARTNERS`
+    fastest. Candidate swaps are ranked by how close they bring the two replicas' makespans to each other, if each
+    makespan moved by the cost swapped (the rank's bubble held fixed); the :data:`BALANCE_SWAPS_PER_PARTNER` best
+    are priced by the model, and the best of those is made when it lowers the larger of the two below the slowest
+    replica's makespan. Every rank keeps its number of bins.
+    """
+    if dp == 1:
+        return rank_of_bin
+    count = len(bin_costs)
+    k = count // dp
+    by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp, k)
+    costs = bin_costs[by_rank]
+    span = heuristic_best(pricing, costs)[1]
+    for _ in range(MAX_BALANCE_MOVES):
+        s = int(np.argmax(span))
+        partners = [int(t) for t in np.argsort(span, kind="stable") if t != s][:BALANCE_PARTNERS]
+        rows, moves = [], []
+        for t in partners:
+            d = costs[s][:, None] - costs[t][None, :]  # cost moved from s to t by swapping (i, j)
+            est = np.maximum(span[s] - d, span[t] + d)
+            est[d <= 0] = np.inf
+            flat = np.argsort(est, axis=None, kind="stable")[:BALANCE_SWAPS_PER_PARTNER]
+            for f in flat:
+                if not np.isfinite(est.flat[f]):
+                    break
+                i, j = divmod(int(f), k)
+                cs, ct = costs[s].copy(), costs[t].copy()
+                cs[i], ct[j] = costs[t][j], costs[s][i]
+                rows += [cs, ct]
+                moves.append((t, i, j))
+        if not moves:
+            break
+        got = heuristic_best(pricing, np.asarray(rows))[1].reshape(-1, 2)
+        worse = got.max(axis=1)
+        best = int(np.argmin(worse))
+        if worse[best] >= span[s] * (1 - 1e-9):
+            break
+        t, i, j = moves[best]
+        by_rank[s, i], by_rank[t, j] = by_rank[t, j], by_rank[s, i]
+        costs[s, i], costs[t, j] = costs[t, j], costs[s, i]
+        span[s], span[t] = got[best]
+    out = np.empty(count, dtype=np.int64)
+    out[by_rank] = np.arange(dp)[:, None]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- one step
+@dataclass(frozen=True)
+class PipelineStep:
+    """One step's micro-batches for the pipeline: ``bin_of``/``rank_of_bin`` as ``StepPlan``; ``emit`` the bins
+    in rank-major run order; ``makespans`` per replica; the slowest replica's ``bubble``."""
+
+    bin_of: np.ndarray
+    rank_of_bin: np.ndarray
+    count: int
+    emit: np.ndarray
+    makespans: np.ndarray
+    bubble: float
+    how: str  # what changed from the pp-unaware plan: "" (nothing), "order", "balance", "count+N"
+
+    @property
+    def slowest(self) -> float:
+        return float(self.makespans.max())
+
+
+def arrange(pricing: PipelinePricing, bin_costs: np.ndarray, bin_of: np.ndarray, rank_of_bin: np.ndarray,
+            count: int, dp: int, *, order: str = "heuristic", balance: bool = False, how: str = "",
+            heaviest: np.ndarray | None = None) -> PipelineStep:
+    """Order (and with ``balance`` first rebalance) one step's bins by the model. ``order``: "heaviest-first" (the
+    pp-unaware plan's order: by ``heaviest``, default ``bin_costs``, ties by bin id), "heuristic" (the best of
+    :func:`heuristic_orders` per rank) or "best" (improved by swaps on the slowest ranks, :func:`best_orders`)."""
+    if balance:
+        rank_of_bin = balance_makespans(pricing, bin_costs, rank_of_bin, dp)
+    k = count // dp
+    key = bin_costs if heaviest is None else heaviest
+    by_rank = np.lexsort((np.arange(count), -key, rank_of_bin)).reshape(dp, k)
+    costs = bin_costs[by_rank]
+    if order == "heaviest-first":
+        spans = pricing.makespans(costs)
+    else:
+        chosen, spans = heuristic_best(pricing, costs) if order == "heuristic" else \
+            best_orders(pricing, costs, all_rows=False)
+        by_rank = np.take_along_axis(by_rank, chosen, axis=1)
+        costs = bin_costs[by_rank]
+    slowest = int(np.argmax(spans))
+    return PipelineStep(bin_of, rank_of_bin, count, by_rank.reshape(-1), spans, pricing.bubble(costs[slowest]), how)
+
+
+def polish(pricing: PipelinePricing, step: PipelineStep, bin_costs: np.ndarray, dp: int) -> PipelineStep:
+    """``step`` with its slowest replicas' orders improved by swaps (:func:`best_orders`)."""
+    k = step.count // dp
+    by_rank = step.emit.reshape(dp, k)
+    costs = bin_costs[by_rank]
+    order, spans = best_orders(pricing, costs, all_rows=False)
+    improved = spans < step.makespans
+    by_rank = np.where(improved[:, None], np.take_along_axis(by_rank, order, axis=1), by_rank)
+    spans = np.minimum(spans, step.makespans)
+    slowest = int(np.argmax(spans))
+    how = step.how or "order"
+    return PipelineStep(step.bin_of, step.rank_of_bin, step.count, by_rank.reshape(-1), spans,
+                        pricing.bubble(bin_costs[by_rank[slowest]]), how)
+
+
+def plan_pipeline_step(
+    pricing: PipelinePricing,
+    bin_of: np.ndarray,
+    rank_of_bin: np.ndarray,
+    count: int,
+    dp: int,
+    bin_costs_of: Callable[[np.ndarray, int], np.ndarray],
+    *,
+    balance: bool,
+    recount: Callable[[int], tuple[np.ndarray, np.ndarray] | None] | None,
+    align: int,
+    heaviest: np.ndarray | None = None,
+) -> PipelineStep:
+    """The best arrangement of one step by the model, never slower than the pp-unaware plan of the step.
+
+    ``bin_of``/``rank_of_bin``/``count``: the pp-unaware plan; ``bin_costs_of(bin_of, count)`` prices bins;
+    ``balance``: rebalance the DP assignment by makespan; ``recount(count)``: a packing and assignment with that
+    many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches);
+    ``heaviest``: the key the pp-unaware plan orders its bins by (default: their prices).
+
+    Candidates (the same bins reordered, rebalanced, then more micro-batches) are compared with each rank in the
+    best of :func:`heuristic_orders`; the best at the pp-unaware count and the :data:`FINALISTS` - 1 best with more
+    micro-batches are then improved by swaps (:func:`polish`), and the fastest of them is returned, or the
+    pp-unaware plan if none beats it.
+    """
+    costs = bin_costs_of(bin_of, count)
+    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
+    same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
+    if balance and dp > 1:
+        rebalanced = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, balance=True, how="balance")
+        if rebalanced.slowest < same.slowest * (1 - 1e-9):
+            same = rebalanced
+    counted = []
+    if recount is not None:
+        best, misses = same.slowest, 0
+        for extra in range(1, MAX_EXTRA_COUNT_ROUNDS + 1):
+            k_count = count + extra * align
+            packed = recount(k_count)
+            if packed is None:
+                break
+            b_of, r_of_b = packed
+            k_costs = bin_costs_of(b_of, k_count)
+            cand = arrange(pricing, k_costs, b_of, r_of_b, k_count, dp, balance=balance and dp > 1,
+                           how=f"count+{k_count - count}")
+            counted.append((cand, k_costs))
+            if cand.slowest < best * (1 - 1e-9):
+                best, misses = cand.slowest, 0
+            else:
+                misses += 1
+                if misses >= EXTRA_COUNT_PATIENCE:
+                    break
+    counted.sort(key=lambda c: c[0].slowest)
+    chosen = unaware
+    for cand, cand_costs in [(same, costs)] + counted[:FINALISTS - 1]:
+        cand = polish(pricing, cand, cand_costs, dp)
+        if cand.slowest < chosen.slowest * (1 - 1e-9):
+            chosen = cand
+    return chosen
+
+
+__all__ = ["DEFAULT_BACKWARD_FORWARD_RATIO", "FLOPS_MICROBATCH_OVERHEAD", "PipelinePricing", "PipelineStep",
+           "arrange", "balance_makespans", "best_orders", "heuristic_best", "heuristic_orders", "improve_orders",
+           "pipeline_pricing", "plan_pipeline_step", "polish", "predicted_makespans", "step_microbatch_costs"]
