@@ -231,13 +231,15 @@ class Setup:
         """GPUs of one DP rank's model replica: ``tp * pp * cp``."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.parallel.cp_size
 
-    def step_seconds(self, fwd_flops_of_slowest_rank: float) -> float | None:
-        """``3 x`` forward FLOPs of the slowest rank over the replica's throughput; ``None`` without a FLOPs model."""
+    def step_seconds(self, rank_cost_max: float) -> float | None:
+        """The slowest rank's step time from its cost (``StepStats.rank_cost_max``): a profile's cost is already
+        seconds of forward + backward; forward FLOPs become ``3 x`` FLOPs over the replica's throughput; ``None``
+        without a cost model (the cost is tokens)."""
         if self.cost_model is None:
             return None
-        if isinstance(self.cost_model, CostProfile):  # the cost is already seconds of forward + backward
-            return fwd_flops_of_slowest_rank
-        return FWD_BWD_FACTOR * fwd_flops_of_slowest_rank / (self.tflops * 1e12 * self.gpus_per_replica)
+        if isinstance(self.cost_model, CostProfile):
+            return rank_cost_max
+        return FWD_BWD_FACTOR * rank_cost_max / (self.tflops * 1e12 * self.gpus_per_replica)
 
 
 def given_values(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from .errors import ScheduleError
 from .validate import check_coefficients, check_cost_model_fields
+
+if TYPE_CHECKING:  # profile.py imports this module (in cost_from_args)
+    from .profile import CostProfile
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
     """A model dim: its default, its one-line help (``slime-ext plan --help`` shows it) and its value kind for the
@@ -130,8 +133,9 @@ REQUIRED_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default
 OPTIONAL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is None)
 
 
-def sample_costs(lengths: np.ndarray, cost_model: CostModel | None) -> np.ndarray:
-    """Per-sample cost: FLOPs from the model dims, or tokens when there is no model."""
+def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:
+    """Per-sample cost: forward FLOPs from the model dims, seconds from a measured profile (its per-sample part,
+    :meth:`CostProfile.sample_costs`), or tokens when there is no model."""
     if cost_model is None:
         return np.asarray(lengths, dtype=np.float64)
     return cost_model.flops(lengths)

@@ -258,10 +258,10 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             if getattr(st, name) != value:
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule has {value!r}")
         floats = {
-            "rank_flops_max": float(rank_cost.max()),
-            "rank_flops_mean": float(rank_cost.mean()),
-            "microbatch_flops_max": max(mb_cost),
-            "microbatch_flops_mean": float(np.mean(mb_cost)),
+            "rank_cost_max": float(rank_cost.max()),
+            "rank_cost_mean": float(rank_cost.mean()),
+            "microbatch_cost_max": max(mb_cost),
+            "microbatch_cost_mean": float(np.mean(mb_cost)),
             "balance_lower_bound": max(1.0, float(costs[members].max()) / float(rank_cost.mean())),
         }
         for name, value in floats.items():

@@ -153,7 +153,7 @@ def test_balance_by_flops_balances_micro_batches_under_the_cap(checked):
     st = by_flops.stats[0]
     assert st.cap_violations == 0 and st.largest_bin_tokens <= 100
     assert st.total_microbatches == plain.stats[0].total_microbatches
-    assert st.microbatch_flops_max / st.microbatch_flops_mean <= 1.1
+    assert st.microbatch_cost_max / st.microbatch_cost_mean <= 1.1
 
 
 # --------------------------------------------------------------------------------------------- steps and rollouts
@@ -350,7 +350,7 @@ def test_cost_model_from_args_and_token_fallback():
     m = CostModel.from_args({"hidden_size": 8, "num_layers": 1, "num_attention_heads": 2, "padded_vocab_size": 32})
     assert m.vocab_size == 32
     s = plan_schedule([10, 20, 30, 40], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN))
-    assert s.stats[0].rank_flops_mean == pytest.approx(50.0)  # tokens when no model dims are given
+    assert s.stats[0].rank_cost_mean == pytest.approx(50.0)  # tokens when no model dims are given
 
 
 def test_attention_makes_long_samples_superlinear():
