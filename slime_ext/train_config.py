@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
 from slime_ext.schedule.payload import DP_SCHEDULES
-from slime_ext.schedule.config import BATCH_FLAGS
+from slime_ext.schedule.config import BATCH_FLAGS, megatron_mb_group_size
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -105,8 +105,8 @@ class Parallelism:
 
     @property
     def mb_group_size(self) -> int:
-        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it."""
-        return self.microbatch_group_size_per_vp_stage or self.pipeline_model_parallel_size
+        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it (:func:`megatron_mb_group_size`)."""
+        return megatron_mb_group_size(self.microbatch_group_size_per_vp_stage, self.pipeline_model_parallel_size)
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size

@@ -42,6 +42,15 @@ def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
     return value
 
 
+def megatron_mb_group_size(microbatch_group_size_per_vp_stage: int | None,
+                           pipeline_model_parallel_size: int | None) -> int | None:
+    """Megatron's ``microbatch_group_size_per_vp_stage`` when it is not given: the pipeline-parallel size (1 when
+    that is not given either). The one place this default is written; the training config resolves it here too."""
+    if microbatch_group_size_per_vp_stage is not None:
+        return microbatch_group_size_per_vp_stage
+    return 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The training job's parallel layout, as far as scheduling cares (slime's ``train_parallel_config``)."""
@@ -119,7 +128,7 @@ class ParallelConfig:
             return default if size is None else size
 
         vpp = given(virtual_pipeline_model_parallel_size, 1)
-        group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
+        group = megatron_mb_group_size(microbatch_group_size_per_vp_stage, pipeline_model_parallel_size)
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
                    microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
                    pp_size=given(pipeline_model_parallel_size, 1),
