@@ -5,7 +5,7 @@ needs (issue 10).
     python -m bench.plan_quality --compare before.json  # on the new code: exit 1 if any case got worse
 
 For every case of :mod:`bench.plan_digest`, step by step: the micro-batch count (fewer is better), then at an equal
-count the slowest rank's cost (``StepStats.rank_flops_max``: FLOPs, or tokens without a cost model; lower is
+count the slowest rank's cost (``StepStats.rank_cost_max``: FLOPs, or tokens without a cost model; lower is
 better). A case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` when both, and a refusal
 must stay the same refusal.
 """
@@ -26,7 +26,7 @@ def summary(outcome) -> dict:
     """A case's outcome (:func:`bench.plan_digest.outcomes`): its refusal, or per step count, max and mean cost."""
     if isinstance(outcome, str):
         return {"refused": outcome}
-    return {"steps": [[s.total_microbatches, s.rank_flops_max, s.rank_flops_mean] for s in outcome.stats]}
+    return {"steps": [[s.total_microbatches, s.rank_cost_max, s.rank_cost_mean] for s in outcome.stats]}
 
 
 def verdict(before: dict, after: dict) -> str:

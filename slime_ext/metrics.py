@@ -48,13 +48,13 @@ class StepMetrics:
     issue_bound: int
     cap_violations: int  # micro-batches of more than one sample above the cap
     largest_microbatch_tokens: int
-    rank_flops_max: float
-    rank_flops_mean: float
+    rank_cost_max: float
+    rank_cost_mean: float
     balance_bound: float  # max(1, FLOPs of the largest sample / mean rank FLOPs)
 
     @property
     def imbalance(self) -> float:
-        return self.rank_flops_max / self.rank_flops_mean if self.rank_flops_mean > 0 else 1.0
+        return self.rank_cost_max / self.rank_cost_mean if self.rank_cost_mean > 0 else 1.0
 
 
 @dataclass
@@ -146,8 +146,8 @@ def measure(schedule: Any, lengths: Sequence[int], *, dp_size: int, cap: int, al
             issue_bound=issue_bound(int(step_lengths.sum()), cap, align),
             cap_violations=violations,
             largest_microbatch_tokens=largest,
-            rank_flops_max=max(rank_flops),
-            rank_flops_mean=mean,
+            rank_cost_max=max(rank_flops),
+            rank_cost_mean=mean,
             balance_bound=max(1.0, float(flops[members].max()) / mean) if mean > 0 else 1.0,
         ))
         first += m

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
 from slime_ext.schemes import DP_SCHEDULES
-from slime_ext.schedule.config import BATCH_FLAGS
+from slime_ext.schedule.config import BATCH_FLAGS, megatron_mb_group_size
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -60,10 +60,6 @@ class Layout:
     dp_size: int
     pp_rank: int
     pp_size: int
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -109,8 +105,8 @@ class Parallelism:
 
     @property
     def mb_group_size(self) -> int:
-        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it."""
-        return self.microbatch_group_size_per_vp_stage or self.pipeline_model_parallel_size
+        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it (:func:`megatron_mb_group_size`)."""
+        return megatron_mb_group_size(self.microbatch_group_size_per_vp_stage, self.pipeline_model_parallel_size)
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
@@ -277,7 +273,7 @@ class TrainConfig:
         """Every key under its flat name; a ``None`` batch gives the batch flags' defaults (argparse's)."""
         flat = dict(_BATCH_DEFAULTS)
         if self.batch is not None:
-            flat.update(self.batch.to_dict())
+            flat.update((k, v) for k, v in self.batch.to_dict().items() if k in _BATCH_DEFAULTS)
         for section in _SECTIONS:
             flat.update(dataclasses.asdict(getattr(self, section)))
         flat.update({k: getattr(self, k) for k in _TOP})
@@ -337,7 +333,8 @@ def _names(kind: type) -> tuple[str, ...]:
 _SECTIONS = {"parallel": (Parallelism, _names(Parallelism)), "model": (ModelConfig, _names(ModelConfig)),
              "optim": (OptimConfig, _names(OptimConfig))}
 _TOP = ("dp_schedule", "seed", "dist_backend", "dist_timeout_seconds")
-_BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig)}
+#: slime's batch flags (BatchConfig's other fields, set by host adapters, are not training-config keys)
+_BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig) if f.name in BATCH_FLAGS}
 #: every flat key a training config accepts
 KEYS = frozenset(BATCH_FLAGS) | frozenset(_TOP) | frozenset(k for _, names in _SECTIONS.values() for k in names)
 #: keys that ``TrainWorker.reset`` may change (the rest are fixed by the process groups and the model)

@@ -35,13 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (0 ok, 1 invalid saved schedule, 2 bad input or flags)."""
+    """Run the CLI; returns the exit code (0 ok, 1 invalid saved schedule, 2 bad input or flags, or out of memory)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except CLIError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError:  # the planner's arrays or a parsed file past this process's memory (ulimit -v, a container)
+        print(f"{PROG} {args.command}: error: out of memory: the input does not fit in this process's memory limit; "
+              f"give fewer samples (plan the rollout in parts) or raise the limit (ulimit -v)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)

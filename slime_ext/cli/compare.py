@@ -142,11 +142,11 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
             rows.append([str(s), r.name, str(m.total_microbatches // dp), str(m.valid_bound // dp),
                          fmt_pct(r.step_tokens[s] / (m.total_microbatches * cap)),
                          fmt_largest(m.largest_microbatch_tokens, cap), str(m.cap_violations),
-                         fmt_cost(m.rank_flops_max, tok), fmt_cost(m.rank_flops_mean, tok), f"{m.imbalance:.3f}",
-                         f"{m.balance_bound:.3f}", fmt_float(setup.step_seconds(m.rank_flops_max))])
+                         fmt_cost(m.rank_cost_max, tok), fmt_cost(m.rank_cost_mean, tok), f"{m.imbalance:.3f}",
+                         f"{m.balance_bound:.3f}", fmt_float(setup.step_seconds(m.rank_cost_max))])
     for r in ok:
         st = r.metrics.steps
-        fmax, fmean = sum(m.rank_flops_max for m in st), sum(m.rank_flops_mean for m in st)
+        fmax, fmean = sum(m.rank_cost_max for m in st), sum(m.rank_cost_mean for m in st)
         rows.append(["all", r.name, str(r.metrics.total_microbatches // dp), str(r.metrics.total_valid_bound // dp),
                      fmt_pct(sum(r.step_tokens) / (r.metrics.total_microbatches * cap)),
                      fmt_largest(r.metrics.largest_microbatch_tokens, cap), str(r.metrics.cap_violations),
@@ -176,12 +176,12 @@ def _verdicts(runs: list[SchemeRun], setup: Setup) -> list[str]:
             out.append(f"{head} {r.note or 'no result'}")
             continue
         m = r.metrics
-        fmax = sum(s.rank_flops_max for s in m.steps)
+        fmax = sum(s.rank_cost_max for s in m.steps)
         if r is ours:
             r.time_note = "one run; python -m bench.run times the schemes properly"
         parts = [f"planned in {r.seconds * 1e3:.1f} ms" + (f" ({r.time_note})" if r.time_note else "")]
         if r is not ours and om is not None and om.steps:
-            ours_fmax = sum(s.rank_flops_max for s in om.steps)
+            ours_fmax = sum(s.rank_cost_max for s in om.steps)
             parts.append(f"micro-batches/rank {m.total_microbatches // setup.parallel.dp_size} vs ours "
                          f"{om.total_microbatches // setup.parallel.dp_size}")
             what = "est. step time" if setup.cost_model is not None else "slowest-rank tokens"

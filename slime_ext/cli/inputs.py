@@ -411,3 +411,75 @@ def load_samples(path: str | None, spec: str | None, progress: bool = True) -> S
     if path.endswith(".npy"):
         return read_npy(path)
     return read_jsonl(path, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------------- saved schedule
+#: largest schedule file ``--from-json`` reads (about 8 million samples at ~31 bytes each as ``--json`` writes them).
+#: Replaying takes about 25x the file's size in memory (the parsed lists, then the arrays and the checker), so this
+#: bound also keeps a replay inside a few GiB; a larger rollout is planned again from its lengths, not replayed.
+MAX_SCHEDULE_BYTES = 256 * 2**20
+#: bytes per read(): read() allocates its whole argument first, so the file is read in chunks of this size
+READ_CHUNK_BYTES = 2**20
+
+
+def _refuse_large(path: str, size: str) -> CLIError:
+    return CLIError(f"{path}: {size}, above the {MAX_SCHEDULE_BYTES // 2**20} MiB --from-json reads "
+                    f"(MAX_SCHEDULE_BYTES); plan the rollout again from its lengths instead of replaying it")
+
+
+def _read_bounded(path: str) -> bytes:
+    """The file's bytes, refused above :data:`MAX_SCHEDULE_BYTES` by its size before reading, and read in
+    :data:`READ_CHUNK_BYTES` chunks so that nothing larger than the file (or the bound) is ever allocated. A pipe or
+    device has no size: it is read to the bound and refused past it; one that does not start with ``{`` (``/dev/zero``)
+    is refused after its first chunk."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_SCHEDULE_BYTES:
+                raise _refuse_large(path, f"{size:,} bytes")
+            buf = bytearray()
+            while True:
+                chunk = f.read(READ_CHUNK_BYTES)
+                if not chunk:
+                    return bytes(buf)
+                if not buf and chunk.lstrip()[:1] not in (b"{", b""):  # /dev/zero, a binary file: refused now
+                    raise CLIError(f"{path}: does not start with a JSON object ('{{'); --from-json takes a "
+                                   f"schedule written by --json")
+                buf += chunk
+                if len(buf) > MAX_SCHEDULE_BYTES:  # a pipe, a device, a file that grew since fstat
+                    raise _refuse_large(path, "more bytes than that")
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def load_schedule_json(path: str) -> dict:
+    """The JSON object in a schedule file written by ``plan --json`` (for ``--from-json``), read with a bound.
+
+    Every failure is a :class:`CLIError` (exit 2: bad input, not an invalid schedule): above
+    :data:`MAX_SCHEDULE_BYTES`, not UTF-8, not JSON, not an object, or too large to parse in this process's memory.
+    """
+    data = _read_bounded(path)
+    size = len(data)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not UTF-8 text; --from-json takes a schedule written by --json") from None
+    del data
+    if not text.strip():
+        raise CLIError(f"{path}: empty file; --from-json takes a schedule written by --json")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise CLIError(f"{path}: JSON nested too deeply to read; --from-json takes a schedule written by --json") \
+            from None
+    except MemoryError:
+        raise CLIError(f"{path}: {size:,} bytes of JSON do not fit in this process's memory once parsed (about "
+                       f"25x the file); raise the memory limit (ulimit -v) or plan again from the lengths") from None
+    except ValueError as e:  # e.g. an integer literal of more than 4300 digits
+        raise CLIError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CLIError(f"{path}: a JSON {type(obj).__name__}, not a schedule object; --from-json takes a "
+                       f"schedule written by --json")
+    return obj

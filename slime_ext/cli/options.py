@@ -10,6 +10,7 @@ they are accepted and ignored. Any other key is an error naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
 from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
+from ..schedule.cost import REQUIRED_DIMS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from ..schemes import DEFAULT as DEFAULT_DP_SCHEDULE
 from ..schemes import DP_SCHEDULES, get_dp_schedule
@@ -45,7 +47,8 @@ BATCH = [
     Key("micro_batch_size", "int", "samples per micro-batch without --use-dynamic-batch-size (default 1)"),
     Key("balance_data", "bool", "balance estimated FLOPs across DP ranks"),
     Key("balance_by_flops", "bool", "also balance FLOPs across the micro-batches of a step (dynamic only)"),
-    Key("use_dynamic_global_batch_size", "bool", "one step for the whole rollout"),
+    Key("use_dynamic_global_batch_size", "bool",
+        "one step of every whole rollout (counts samples; --global-batch-size unused)"),
     Key("disable_rollout_trim_samples", "bool", "an incomplete trailing step is an error instead of dropped"),
     Key("dp_schedule", "choice", "rollout (default) or legacy: the path the training job takes; the table always "
                                  "shows the rollout-side plan (see --compare legacy)"),
@@ -69,21 +72,8 @@ WORLD = [
     Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
     Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
 ]
-MODEL = [
-    Key("hidden_size", "int", ""),
-    Key("num_layers", "int", ""),
-    Key("num_attention_heads", "int", ""),
-    Key("num_query_groups", "int", "GQA groups (default: heads)"),
-    Key("kv_channels", "int", "default: hidden / heads"),
-    Key("ffn_hidden_size", "int", "default: 4 * hidden"),
-    Key("vocab_size", "int", "LM head (default 0: not counted)"),
-    Key("num_experts", "int", "MoE experts"),
-    Key("moe_ffn_hidden_size", "int", ""),
-    Key("moe_router_topk", "int", "default 2"),
-    Key("moe_shared_expert_intermediate_size", "int", ""),
-    Key("moe_layer_freq", "freq", "int k (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0,1,1]"),
-    Key("swiglu", "bool", "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)"),
-]
+#: the model dims, as CostModel declares them (name, kind, help): one declaration, see slime_ext.schedule.cost
+MODEL = [Key(f.name, f.metadata["kind"], f.metadata["help"]) for f in dataclasses.fields(CostModel)]
 ESTIMATE = [
     Key("cost_profile", "path", "a measured cost profile (JSON from `slime-ext calibrate`): balance and price "
                                 "micro-batches by seconds on your hardware instead of the FLOPs model"),
@@ -243,13 +233,15 @@ class Setup:
         """GPUs of one DP rank's model replica: ``tp * pp * cp``."""
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.parallel.cp_size
 
-    def step_seconds(self, fwd_flops_of_slowest_rank: float) -> float | None:
-        """``3 x`` forward FLOPs of the slowest rank over the replica's throughput; ``None`` without a FLOPs model."""
+    def step_seconds(self, rank_cost_max: float) -> float | None:
+        """The slowest rank's step time from its cost (``StepStats.rank_cost_max``): a profile's cost is already
+        seconds of forward + backward; forward FLOPs become ``3 x`` FLOPs over the replica's throughput; ``None``
+        without a cost model (the cost is tokens)."""
         if self.cost_model is None:
             return None
-        if isinstance(self.cost_model, CostProfile):  # the cost is already seconds of forward + backward
-            return fwd_flops_of_slowest_rank
-        return FWD_BWD_FACTOR * fwd_flops_of_slowest_rank / (self.tflops * 1e12 * self.gpus_per_replica)
+        if isinstance(self.cost_model, CostProfile):
+            return rank_cost_max
+        return FWD_BWD_FACTOR * rank_cost_max / (self.tflops * 1e12 * self.gpus_per_replica)
 
     def makespan_seconds(self, predicted_makespan: float | None) -> float | None:
         """A pipelined step's predicted makespan in seconds: a profile's are seconds already; FLOPs plans' are
@@ -343,9 +335,8 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
 
     tflops = _tflops(values, source["tflops"])
     model = {k.name: values[k.name] for k in MODEL if k.name in values}
-    core = ("hidden_size", "num_layers", "num_attention_heads")
-    if model and not all(k in model for k in core):
-        missing = ", ".join("--" + k.replace("_", "-") for k in core if k not in model)
+    if model and not all(k in model for k in REQUIRED_DIMS):
+        missing = ", ".join("--" + k.replace("_", "-") for k in REQUIRED_DIMS if k not in model)
         raise CLIError(f"the FLOPs model needs {missing} too (given: {', '.join(sorted(model))}); "
                        f"give all three core dims or no model dims (cost = tokens)")
     try:  # the batch flags' only check

@@ -83,45 +83,6 @@ def _write_json(path: str, schedule: DPSchedule) -> None:
         raise CLIError(f"cannot write {path}: {e.strerror}") from None
 
 
-#: largest saved schedule read by --from-json (a schedule of MAX_SAMPLES samples would be larger; plan in parts)
-MAX_SCHEDULE_BYTES = 4 * 2**30
-
-
-def _load_schedule_json(path: str):
-    """The JSON object in ``path``; a file that is not JSON is bad input (exit 2), not an invalid schedule."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-            if head.lstrip()[:1] not in (b"{", b""):  # /dev/zero, a binary file: refused before reading it all
-                raise CLIError(f"{path}: does not start with a JSON object ('{{'); --from-json takes a schedule "
-                               f"written by --json")
-            data = head + f.read(max(0, MAX_SCHEDULE_BYTES + 1 - len(head)))
-    except OSError as e:
-        raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_SCHEDULE_BYTES:
-        raise CLIError(f"{path}: larger than {MAX_SCHEDULE_BYTES // 2**30} GiB (MAX_SCHEDULE_BYTES); --from-json "
-                       f"takes a schedule written by --json")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CLIError(f"{path}: not UTF-8 text; --from-json takes a schedule written by --json") from None
-    if not text.strip():
-        raise CLIError(f"{path}: empty file; --from-json takes a schedule written by --json")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:
-        raise CLIError(f"{path}: JSON nested too deeply to read; --from-json takes a schedule written by --json") \
-            from None
-    except ValueError as e:  # e.g. an integer literal of more than 4300 digits
-        raise CLIError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise CLIError(f"{path}: a JSON {type(data).__name__}, not a schedule object; --from-json takes a "
-                       f"schedule written by --json")
-    return data
-
-
 def _plot(args, panels, title: str) -> None:
     steps, truncated = plot.parse_steps(args.plot_steps, panels[0][1].num_steps)
     plot.plot_schedules(args.plot, panels[0][1], panels, args.plot_metric, steps, title)
@@ -170,7 +131,7 @@ def _replay(args) -> int:
     if args.config is not None:
         raise CLIError("--from-json replays a saved schedule with its own config; drop --config (pass "
                        "--tensor-model-parallel-size/--pipeline-model-parallel-size/--tflops for the step time)")
-    data = _load_schedule_json(args.from_json)
+    data = inputs.load_schedule_json(args.from_json)
     try:
         schedule = DPSchedule.from_dict(data)
     except (ScheduleError, TypeError, ValueError, KeyError, AttributeError) as e:

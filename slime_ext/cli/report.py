@@ -1,7 +1,7 @@
 """The text report of ``slime-ext plan``: a header, one row per step from ``DPSchedule.stats``, a total row, a legend.
 
 Nothing here plans or recomputes the schedule: every number is a field of :class:`StepStats` (or a sum of them),
-plus the step-time estimate ``3 x rank_flops_max / (tflops x GPUs per replica)``.
+plus the step-time estimate ``3 x rank_cost_max / (tflops x GPUs per replica)``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _piped(schedule: DPSchedule) -> bool:
 def _step_time(s: StepStats, setup: Setup) -> float | None:
     if s.predicted_makespan is not None:
         return setup.makespan_seconds(s.predicted_makespan)
-    return setup.step_seconds(s.rank_flops_max)
+    return setup.step_seconds(s.rank_cost_max)
 
 
 def _row(s: StepStats, dp: int, setup: Setup, piped: bool = False) -> list[str]:
@@ -89,7 +89,7 @@ def _row(s: StepStats, dp: int, setup: Setup, piped: bool = False) -> list[str]:
         str(s.step), str(s.num_rollouts), str(s.num_samples), str(s.total_tokens),
         str(s.num_microbatches), str(s.packing_target // dp), fmt_pct(s.token_utilization),
         fmt_largest(s.largest_bin_tokens, s.cap), "-" if s.cap is None else str(s.cap),
-        fmt_cost(s.rank_flops_max, tok), fmt_cost(s.rank_flops_mean, tok), f"{s.flops_imbalance:.3f}",
+        fmt_cost(s.rank_cost_max, tok), fmt_cost(s.rank_cost_mean, tok), f"{s.flops_imbalance:.3f}",
         f"{s.balance_lower_bound:.3f}", *pipeline, fmt_float(_step_time(s, setup)),
     ]
 
@@ -105,8 +105,8 @@ def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup, piped: bool = 
     util = None
     if None not in caps:
         util = tokens / sum(s.total_microbatches * s.cap for s in stats)
-    fmax = sum(s.rank_flops_max for s in stats)  # steps run one after another: slowest ranks add up
-    fmean = sum(s.rank_flops_mean for s in stats)
+    fmax = sum(s.rank_cost_max for s in stats)  # steps run one after another: slowest ranks add up
+    fmean = sum(s.rank_cost_mean for s in stats)
     return [
         "all", str(sum(s.num_rollouts for s in stats)), str(sum(s.num_samples for s in stats)), str(tokens),
         str(sum(s.num_microbatches for s in stats)), str(sum(s.packing_target for s in stats) // dp),
@@ -129,12 +129,6 @@ def render_table(rows: list[list[str]], headers: list[str], rule_before_last: bo
             out.append(line(["-" * w for w in widths]))
         out.append(line(r))
     return "\n".join(out)
-
-
-def cost_unit(schedule: DPSchedule) -> str:
-    if isinstance(schedule.cost_model, CostProfile):
-        return "seconds"
-    return "FLOPs" if schedule.cost_model is not None else "tokens"
 
 
 def short_config(schedule: DPSchedule) -> str:
@@ -204,7 +198,7 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
 
 def step_table(schedule: DPSchedule, setup: Setup) -> str:
     piped = _piped(schedule)
-    cols = _columns(cost_unit(schedule), piped)
+    cols = _columns(schedule.cost_unit, piped)
     dp = schedule.dp_size
     rows = [_row(s, dp, setup, piped) for s in schedule.stats]
     rows.append(_total_row(schedule.stats, dp, setup, piped))
@@ -212,7 +206,7 @@ def step_table(schedule: DPSchedule, setup: Setup) -> str:
 
 
 def legend(schedule: DPSchedule) -> str:
-    cols = _columns(cost_unit(schedule), _piped(schedule))
+    cols = _columns(schedule.cost_unit, _piped(schedule))
     width = max(len(c.header) for c in cols if c.legend)
     return "\n".join(f"  {c.header.ljust(width)}  {c.legend}" for c in cols if c.legend)
 
@@ -231,13 +225,13 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
                    f"--disable-rollout-trim-samples makes this an error)")
     else:
         dropped = "0 dropped"
-    fmax = sum(s.rank_flops_max for s in stats)
+    fmax = sum(s.rank_cost_max for s in stats)
     t = _total_time(stats, setup)
     over = sum(s.cap_violations for s in stats)
     parts = [
         f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",
         f"{mbs} micro-batches per rank (aligned bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
-        f"{cost_unit(schedule)} max/mean {fmax / max(1e-300, sum(s.rank_flops_mean for s in stats)):.3f}",
+        f"{schedule.cost_unit} max/mean {fmax / max(1e-300, sum(s.rank_cost_mean for s in stats)):.3f}",
     ]
     if t is not None:
         parts.append(f"est. {fmt_float(t)} s")

@@ -41,6 +41,9 @@ def flatten_samples(output: Any) -> list[Sample]:
 
 def _check_sample(k: int, s: Sample, vocab_size: int | None, seq_length: int | None) -> list[int]:
     where = f"sample {k} (rollout {s.index})"
+    if isinstance(s.index, bool) or not isinstance(s.index, int):
+        raise SampleError(f"sample {k}: index={s.index!r} is not an integer; give every sample its rollout id "
+                          f"(Sample.index, shared by the samples of one rollout)")
     n = len(s.tokens)
     if not 0 < s.response_length < n:
         raise SampleError(f"{where}: response_length={s.response_length} must be in [1, len(tokens)-1="

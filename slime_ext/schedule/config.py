@@ -32,7 +32,7 @@ BATCH_FLAGS = (
 
 
 _BOOL_FLAGS = ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
-               "disable_rollout_trim_samples")
+               "disable_rollout_trim_samples", "dynamic_global_batch_rounds_samples")
 
 
 def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
@@ -40,6 +40,15 @@ def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
     value = check_int(name, getattr(obj, name), maximum=maximum, fix=fix)
     object.__setattr__(obj, name, value)
     return value
+
+
+def megatron_mb_group_size(microbatch_group_size_per_vp_stage: int | None,
+                           pipeline_model_parallel_size: int | None) -> int | None:
+    """Megatron's ``microbatch_group_size_per_vp_stage`` when it is not given: the pipeline-parallel size (1 when
+    that is not given either). The one place this default is written; the training config resolves it here too."""
+    if microbatch_group_size_per_vp_stage is not None:
+        return microbatch_group_size_per_vp_stage
+    return 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size
 
 
 @dataclass(frozen=True)
@@ -119,7 +128,7 @@ class ParallelConfig:
             return default if size is None else size
 
         vpp = given(virtual_pipeline_model_parallel_size, 1)
-        group = given(microbatch_group_size_per_vp_stage, given(pipeline_model_parallel_size, 1))
+        group = megatron_mb_group_size(microbatch_group_size_per_vp_stage, pipeline_model_parallel_size)
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
                    microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
                    pp_size=given(pipeline_model_parallel_size, 1),
@@ -142,8 +151,13 @@ class BatchConfig:
     micro_batch_size: int | None = 1  # samples per micro-batch without use_dynamic_batch_size
     balance_data: bool = False  # balance estimated FLOPs across DP ranks (equal micro-batch counts either way)
     balance_by_flops: bool = False  # also balance FLOPs across a step's micro-batches (dynamic batches only)
-    use_dynamic_global_batch_size: bool = False  # one step per rollout, whatever its size
+    #: one step for the whole input (a slime rollout batch), whatever its size: every whole rollout in it, as long as
+    #: it has a sample for each of the dp_size*mb_group micro-batch slots (samples count here, not rollouts)
+    use_dynamic_global_batch_size: bool = False
     disable_rollout_trim_samples: bool = False  # an incomplete trailing step is an error instead of dropped
+    #: with use_dynamic_global_batch_size: slime v0.2.4's rule for that flag, the step keeps only the whole rollouts
+    #: inside the sample count rounded down to a multiple of dp_size (set by the v0.2.4 adapter; not a slime flag)
+    dynamic_global_batch_rounds_samples: bool = False
 
     def __post_init__(self) -> None:
         for flag in _BOOL_FLAGS:
@@ -157,6 +171,9 @@ class BatchConfig:
             _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass --global-batch-size N (rollouts per step)")
         elif self.global_batch_size is not None:
             _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass a positive --global-batch-size or omit it")
+        if self.dynamic_global_batch_rounds_samples and not self.use_dynamic_global_batch_size:
+            raise ScheduleError("dynamic_global_batch_rounds_samples=True needs use_dynamic_global_batch_size=True "
+                                "(it is how that flag rounds); set both or neither")
         if self.use_dynamic_batch_size:
             if self.max_tokens_per_gpu is None:
                 raise ScheduleError(
@@ -196,10 +213,6 @@ class BatchConfig:
             kwargs["global_batch_size"] = global_batch_size
         return cls(**kwargs)
 
-    @property
-    def dynamic(self) -> bool:
-        return self.use_dynamic_batch_size
-
     def cap(self, cp_size: int) -> int | None:
         """Token cap per micro-batch (``max_tokens_per_gpu * cp_size``), or ``None`` for static batches."""
         return self.max_tokens_per_gpu * cp_size if self.use_dynamic_batch_size else None
@@ -211,4 +224,4 @@ class BatchConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "BatchConfig":
         if not isinstance(d, Mapping):
             raise ScheduleError(f"batch must be a mapping of slime's batch flags, got {show(d)}")
-        return cls(**{k: d[k] for k in BATCH_FLAGS if k in d})
+        return cls(**{k: d[k] for k in (*BATCH_FLAGS, "dynamic_global_batch_rounds_samples") if k in d})

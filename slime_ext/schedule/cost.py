@@ -10,58 +10,62 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from .errors import ScheduleError
 from .validate import check_coefficients, check_cost_model_fields
 
-_MODEL_FIELDS = (
-    "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
-    "vocab_size", "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size",
-    "moe_layer_freq", "swiglu",
-)
+if TYPE_CHECKING:  # profile.py imports this module (in cost_from_args)
+    from .profile import CostProfile
+
+def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
+    """A model dim: its default, its one-line help (``slime-ext plan --help`` shows it) and its value kind for the
+    CLI (``int``, ``bool``, or ``freq``: an int or a 0/1 list)."""
+    return dataclasses.field(default=default, metadata={"help": help, "kind": kind})
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Transformer dims, with Megatron's argument names (missing optional dims take Megatron's defaults)."""
+    """Transformer dims, with Megatron's argument names (missing optional dims take Megatron's defaults).
 
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int | None = None  # default: num_attention_heads (no GQA)
-    kv_channels: int | None = None  # default: hidden_size // num_attention_heads
-    ffn_hidden_size: int | None = None  # default: 4 * hidden_size
-    vocab_size: int = 0
-    num_experts: int | None = None
-    moe_ffn_hidden_size: int | None = None  # default: ffn_hidden_size
-    moe_router_topk: int = 2
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_layer_freq: int | tuple[int, ...] = 1  # int: every k-th layer is MoE; tuple: 1 = MoE layer, 0 = dense
-    swiglu: bool = False  # gated MLP (SwiGLU): three matmuls instead of two; Megatron's default is off
+    The one declaration of the model dims: the CLI's options (:data:`slime_ext.cli.options.MODEL`), the validation
+    (:func:`slime_ext.schedule.validate.check_cost_model_fields`: the dims without a default are required, those
+    defaulting to ``None`` are optional positive sizes) and :meth:`from_args` all read these fields.
+    """
+
+    hidden_size: int = _dim()
+    num_layers: int = _dim()
+    num_attention_heads: int = _dim()
+    num_query_groups: int | None = _dim(None, "GQA groups (default: heads)")
+    kv_channels: int | None = _dim(None, "default: hidden / heads")
+    ffn_hidden_size: int | None = _dim(None, "default: 4 * hidden")
+    vocab_size: int = _dim(0, "LM head (default 0: not counted)")
+    num_experts: int | None = _dim(None, "MoE experts")
+    moe_ffn_hidden_size: int | None = _dim(None, "default: ffn_hidden_size")
+    moe_router_topk: int = _dim(2, "default 2")
+    moe_shared_expert_intermediate_size: int | None = _dim(None)
+    moe_layer_freq: int | tuple[int, ...] = _dim(
+        1, "int k (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0,1,1]", kind="freq")
+    swiglu: bool = _dim(False, "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)", kind="bool")
 
     def __post_init__(self) -> None:
         # every dim is an exact, bounded integer (numpy ints become int, a list moe_layer_freq a tuple) and the
         # coefficients are finite and positive: see slime_ext.schedule.validate
-        fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+                                         required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         check_coefficients(*self.coefficients())
 
     # ------------------------------------------------------------------ derived dims
     def _layer_counts(self) -> tuple[int, int]:
-        """(dense layers, MoE layers)."""
+        """(dense layers, MoE layers). A per-layer ``moe_layer_freq`` has ``num_layers`` entries (validated)."""
         if not self.num_experts:
             return self.num_layers, 0
         freq = self.moe_layer_freq
         if isinstance(freq, tuple):
-            if len(freq) != self.num_layers:
-                raise ScheduleError(
-                    f"CostModel.moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}; "
-                    f"give one 0/1 per layer"
-                )
             moe = sum(1 for f in freq if f)
         else:
             moe = -(-self.num_layers // int(freq))  # layers 0, freq, 2 freq, ...: closed form (num_layers may be huge)
@@ -109,7 +113,7 @@ class CostModel:
         get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
         if any(get(k) is None for k in ("hidden_size", "num_layers", "num_attention_heads")):
             return None
-        kwargs = {k: get(k) for k in _MODEL_FIELDS if get(k) is not None}
+        kwargs = {k: get(k) for k in MODEL_DIMS if get(k) is not None}
         if "vocab_size" not in kwargs and get("padded_vocab_size") is not None:
             kwargs["vocab_size"] = get("padded_vocab_size")
         return cls(**kwargs)
@@ -121,8 +125,17 @@ class CostModel:
         return d
 
 
-def sample_costs(lengths: np.ndarray, cost_model: CostModel | None) -> np.ndarray:
-    """Per-sample cost: FLOPs from the model dims, or tokens when there is no model."""
+#: the model dims, in declaration order (every CostModel field)
+MODEL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel))
+#: dims without a default: the FLOPs model needs them
+REQUIRED_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is dataclasses.MISSING)
+#: dims that default to ``None`` (Megatron's default): a positive size when given
+OPTIONAL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is None)
+
+
+def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:
+    """Per-sample cost: forward FLOPs from the model dims, seconds from a measured profile (its per-sample part,
+    :meth:`CostProfile.sample_costs`), or tokens when there is no model."""
     if cost_model is None:
         return np.asarray(lengths, dtype=np.float64)
     return cost_model.flops(lengths)

@@ -18,7 +18,11 @@ from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_num
                        is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
 
-SCHEMA_VERSION = 2  # 2: StepStats.aligned_lower_bound renamed packing_target
+SCHEMA_VERSION = 3  # 2: StepStats.aligned_lower_bound renamed packing_target; 3: rank_flops_* -> rank_cost_*
+#: StepStats fields renamed in schema 3 (they hold the cost model's unit, seconds with a CostProfile); a schema-2
+#: schedule is read with these names mapped
+RENAMED_IN_3 = {"rank_flops_max": "rank_cost_max", "rank_flops_mean": "rank_cost_mean",
+                "microbatch_flops_max": "microbatch_cost_max", "microbatch_flops_mean": "microbatch_cost_mean"}
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,15 @@ class StepStats:
     largest_bin_tokens: int
     #: micro-batches above the cap that hold more than one sample (must be 0)
     cap_violations: int
-    #: estimated FLOPs summed per rank: max and mean over ranks
-    rank_flops_max: float
-    rank_flops_mean: float
-    #: ``max(1, FLOPs of the largest sample / rank_flops_mean)``: no assignment can do better
+    #: estimated cost summed per rank, max and mean over ranks, in ``DPSchedule.cost_unit``: forward FLOPs with a
+    #: CostModel, seconds with a measured CostProfile, tokens without a cost model
+    rank_cost_max: float
+    rank_cost_mean: float
+    #: ``max(1, cost of the largest sample / rank_cost_mean)``: no assignment can do better
     balance_lower_bound: float
-    #: estimated FLOPs per micro-batch: max and mean over all micro-batches of the step
-    microbatch_flops_max: float
-    microbatch_flops_mean: float
+    #: estimated cost per micro-batch (same unit): max and mean over all micro-batches of the step
+    microbatch_cost_max: float
+    microbatch_cost_mean: float
     #: which packing produced the step (for diagnostics): e.g. ``"rank-greedy"``, ``"lpt"``, ``"bfd"``, ``"static"``
     strategy: str = ""
     #: with pipeline parallelism (``pp_size > 1``), the slowest replica's predicted makespan of the step
@@ -62,8 +67,8 @@ class StepStats:
 
     @property
     def flops_imbalance(self) -> float:
-        """max/mean of per-rank FLOPs (1.0 is perfect)."""
-        return self.rank_flops_max / self.rank_flops_mean if self.rank_flops_mean > 0 else 1.0
+        """max/mean of per-rank cost (1.0 is perfect); a ratio, the same in every cost unit."""
+        return self.rank_cost_max / self.rank_cost_mean if self.rank_cost_mean > 0 else 1.0
 
     @property
     def token_utilization(self) -> float | None:
@@ -109,7 +114,8 @@ class DPSchedule:
     rollout_ids: list[int] | None = None
     loss_tokens: list[int] | None = None
     loss_tokens_per_step: list[int] | None = None
-    cost_model: CostModel | None = None
+    #: what the costs were estimated with (see :attr:`cost_unit`)
+    cost_model: CostModel | CostProfile | None = None
     #: global sample indices of step ``s`` in rollout order (before distribution); handy for ledgers
     step_samples: list[list[int]] = field(default_factory=list)
 
@@ -125,6 +131,14 @@ class DPSchedule:
     @property
     def cap(self) -> int | None:
         return self.batch.cap(self.parallel.cp_size)
+
+    @property
+    def cost_unit(self) -> str:
+        """The unit of the stats' costs (``rank_cost_*``, ``microbatch_cost_*``): ``"seconds"`` with a measured
+        :class:`CostProfile`, ``"FLOPs"`` (forward) with a :class:`CostModel`, ``"tokens"`` without a cost model."""
+        if isinstance(self.cost_model, CostProfile):
+            return "seconds"
+        return "FLOPs" if self.cost_model is not None else "tokens"
 
     @property
     def num_samples(self) -> int:
@@ -188,11 +202,14 @@ class DPSchedule:
             raise ScheduleError(f"a schedule must be a JSON object written by DPSchedule.to_dict, got "
                                 f"{type(d).__name__}")
         version = d.get("schema_version")
-        if not is_int(version) or version != SCHEMA_VERSION:  # not ==: an array would compare elementwise
+        if not is_int(version) or version not in (2, SCHEMA_VERSION):  # not ==: an array compares elementwise
             raise ScheduleError(
-                f"schema_version={show(version)} is not supported (expected {SCHEMA_VERSION}); "
+                f"schema_version={show(version)} is not supported (expected {SCHEMA_VERSION}, or 2); "
                 f"re-create the schedule with this version of slime-ext"
             )
+        if version == 2 and isinstance(d.get("stats"), list):  # the stats' old names
+            d = {**d, "stats": [{RENAMED_IN_3.get(k, k): v for k, v in s.items()} if isinstance(s, Mapping) else s
+                                for s in d["stats"]]}
         missing = [k for k in ("partitions", "micro_batch_indices", "num_microbatches", "samples_per_step",
                                "rollouts_per_step", "dropped", "stats", "parallel", "batch", "total_lengths")
                    if k not in d]

@@ -181,6 +181,14 @@ def check_schedule(
             bad(f"rollouts_per_step={sched.rollouts_per_step} but global_batch_size={gbs}")
         if len({ordinal[rids[g]] for g in dropped}) >= (gbs or 1):
             bad("dropped holds a whole step's worth of rollouts")
+    else:  # one step of whole rollouts (the trailing ones the layout cannot train are dropped)
+        if num_steps > 1:
+            bad(f"use_dynamic_global_batch_size plans one step, not {num_steps}")
+        rounds = sched.batch.dynamic_global_batch_rounds_samples and not sched.batch.disable_rollout_trim_samples
+        budget = max(dp, (n // dp) * dp)
+        if rounds and n - len(dropped) > budget:
+            bad(f"use_dynamic_global_batch_size (slime v0.2.4's rule) keeps at most {budget} samples (the sample "
+                f"count rounded down to a multiple of dp_size), not {n - len(dropped)}")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
     if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
@@ -250,10 +258,10 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             if getattr(st, name) != value:
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule has {value!r}")
         floats = {
-            "rank_flops_max": float(rank_cost.max()),
-            "rank_flops_mean": float(rank_cost.mean()),
-            "microbatch_flops_max": max(mb_cost),
-            "microbatch_flops_mean": float(np.mean(mb_cost)),
+            "rank_cost_max": float(rank_cost.max()),
+            "rank_cost_mean": float(rank_cost.mean()),
+            "microbatch_cost_max": max(mb_cost),
+            "microbatch_cost_mean": float(np.mean(mb_cost)),
             "balance_lower_bound": max(1.0, float(costs[members].max()) / float(rank_cost.mean())),
         }
         for name, value in floats.items():

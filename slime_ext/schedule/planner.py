@@ -361,7 +361,7 @@ def plan_schedule(
     pricing = pipeline_pricing(parallel, cost_model, cap)  # None without pipeline parallelism
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
-    steps, rollouts_per_step, dropped = split_into_steps(ordinals, parallel, batch)
+    steps, rollouts_per_step, dropped = split_into_steps(ordinals, lengths, parallel, batch)
     if len(steps[0]) < dp:  # before any per-rank allocation: dp_size can be huge (the step loop repeats this)
         raise ScheduleError(
             f"step 0 has {len(steps[0])} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
@@ -413,11 +413,11 @@ def plan_schedule(
             cap=cap,
             largest_bin_tokens=int(mb_tokens.max()),
             cap_violations=violations,
-            rank_flops_max=float(rank_cost.max()),
-            rank_flops_mean=mean,
+            rank_cost_max=float(rank_cost.max()),
+            rank_cost_mean=mean,
             balance_lower_bound=max(1.0, float(step_cost.max()) / mean) if mean > 0 else 1.0,
-            microbatch_flops_max=float(mb_cost.max()),
-            microbatch_flops_mean=float(mb_cost.mean()),
+            microbatch_cost_max=float(mb_cost.max()),
+            microbatch_cost_mean=float(mb_cost.mean()),
             strategy=plan.strategy,
             predicted_makespan=None if piped is None else piped.slowest,
             bubble_fraction=None if piped is None else piped.bubble,

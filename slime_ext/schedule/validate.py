@@ -20,7 +20,7 @@ The rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -219,19 +219,16 @@ def check_samples(
 
 
 # ---------------------------------------------------------------------------------------------------- the model
-#: CostModel dims that must be positive integers when given (``None`` = Megatron's default)
-OPTIONAL_DIMS = ("num_query_groups", "kv_channels", "ffn_hidden_size", "num_experts", "moe_ffn_hidden_size",
-                 "moe_shared_expert_intermediate_size")
-REQUIRED_DIMS = ("hidden_size", "num_layers", "num_attention_heads")
-
-
-def check_cost_model_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """The CostModel's fields normalised (numpy ints -> int, a list ``moe_layer_freq`` -> tuple), or an error."""
+def check_cost_model_fields(fields: Mapping[str, Any], *, required: Sequence[str],
+                            optional: Sequence[str]) -> dict[str, Any]:
+    """The CostModel's fields normalised (numpy ints -> int, a list ``moe_layer_freq`` -> tuple), or an error.
+    ``required``: dims that must be positive integers; ``optional``: the same or ``None`` (both derived from
+    CostModel's declaration, :data:`slime_ext.schedule.cost.REQUIRED_DIMS` / ``OPTIONAL_DIMS``)."""
     out = dict(fields)
-    for name in REQUIRED_DIMS:
+    for name in required:
         out[name] = check_int(f"CostModel.{name}", fields[name], maximum=MAX_MODEL_DIM,
                               fix=f"pass the model's --{name.replace('_', '-')}")
-    for name in OPTIONAL_DIMS:
+    for name in optional:
         if fields[name] is not None:
             out[name] = check_int(f"CostModel.{name}", fields[name], maximum=MAX_MODEL_DIM,
                                   fix="give a positive size or leave it unset (None) for Megatron's default")

@@ -45,6 +45,20 @@ CASES = {
     # static micro-batches of 2 samples
     "static": dict(rollouts=[[10 + 3 * i] for i in range(16)], dp=2, gbs=8, dynamic=False, mbs=2,
                    balance_data=True),
+    # issue 16: --use-dynamic-global-batch-size counts samples: three rollouts of four samples fill dp = 4 (they
+    # were refused with "lower --global-batch-size to at most 3"); --global-batch-size 8 is ignored
+    "dynamic_gbs": dict(rollouts=[[50 + i] * 4 for i in range(3)], dp=4, gbs=8, dynamic=True, max_tokens=4096,
+                        balance_data=True, dyn_gbs=True),
+    # five rollouts of three samples at dp = 4: slime v0.2.4 keeps 12 of the 15 samples (its sample rounding),
+    # slime-ext there the four whole rollouts inside 12; later slime has no such flag: every rollout is kept
+    "dynamic_gbs_round": dict(rollouts=[[40 + i] * 3 for i in range(5)], dp=4, gbs=8, dynamic=True,
+                              max_tokens=4096, balance_data=False, dyn_gbs=True),
+    # issue 16: samples whose Sample.index (the rollout id slime hands the split) is None: each is its own
+    # rollout, never merged; with gbs = 2, 16 rollouts make 8 steps of 2 samples
+    "none_index": dict(rollouts=[[20 + i] for i in range(16)], ids=[None] * 8 + list(range(8)), dp=2, gbs=2,
+                       dynamic=True, max_tokens=256, balance_data=True),
+    "all_none_index": dict(rollouts=[[20 + i] for i in range(16)], ids=[None] * 16, dp=2, gbs=2, dynamic=True,
+                           max_tokens=256, balance_data=True),
 }
 
 
@@ -52,7 +66,8 @@ def make_args(case: dict, *, revision: str) -> SimpleNamespace:
     return SimpleNamespace(
         dp_schedule="rollout", global_batch_size=case["gbs"], micro_batch_size=case.get("mbs", 1),
         use_dynamic_batch_size=case["dynamic"], max_tokens_per_gpu=case.get("max_tokens"),
-        balance_data=case["balance_data"], balance_by_flops=False, use_dynamic_global_batch_size=False,
+        balance_data=case["balance_data"], balance_by_flops=False,
+        use_dynamic_global_batch_size=case.get("dyn_gbs", False),
         disable_rollout_trim_samples=False, context_parallel_size=case.get("cp", 1),
         virtual_pipeline_model_parallel_size=case.get("vpp"), microbatch_group_size_per_vp_stage=case.get("mb_group"),
         pipeline_model_parallel_size=2 if case.get("vpp") else 1,
@@ -71,18 +86,19 @@ def train_data(case: dict, revision: str) -> tuple[dict, list[int]]:
             tokens.append([len(tokens)] * length)
             rollout_of.append(rid)
     n = len(tokens)
+    ids = case.get("ids", rollout_of)  # what slime hands the split: Sample.index (v0.2.4), group/rollout ids later
     data = {"tokens": tokens, "response_lengths": [max(1, len(t) // 2) for t in tokens],
             "rewards": [float(i % 3) for i in range(n)], "raw_reward": [float(i % 3) for i in range(n)],
             "truncated": [0] * n, "loss_masks": [[1] * max(1, len(t) // 2) for t in tokens]}
     if revision == "0.2.4":
-        data["sample_indices"] = list(rollout_of)  # Sample.index: one id per rollout
+        data["sample_indices"] = list(ids)  # Sample.index: one id per rollout
     elif revision == "0.3.0":
         data["sample_indices"] = list(range(n))
-        data["group_ids"] = list(rollout_of)
+        data["group_ids"] = list(ids)
         data["group_mask_sums"] = [1.0] * n
     else:
         data["sample_indices"] = list(range(n))
-        data["rollout_ids"] = list(rollout_of)
+        data["rollout_ids"] = list(ids)
     return data, rollout_of
 
 
@@ -174,7 +190,11 @@ def run_ledger(case_name: str) -> dict:
                       "keys_seen_by_slime": sorted(rollout_data), "samples_per_step": sizes,
                       "global_batch_sizes": rollout_data.get("global_batch_sizes")})
     report = planner.last_report
-    return {"revision": revision.version, "case": case_name, "n": n, "lengths": lengths, "rollout_of": rollout_of,
+    slime_v024_samples = None  # slime v0.2.4's own --use-dynamic-global-batch-size sample count (its real method)
+    if revision.version == "0.2.4" and case.get("dyn_gbs"):
+        slime_v024_samples = manager._compute_dynamic_global_batch_size(n)
+    return {"revision": revision.version, "case": case_name, "dyn_gbs": case.get("dyn_gbs", False),
+            "slime_v024_samples": slime_v024_samples, "n": n, "lengths": lengths, "rollout_of": rollout_of,
             "dp": dp, "cap": case["max_tokens"] * case.get("cp", 1) if case["dynamic"] else None,
             "gbs": case["gbs"], "vpp": vpp, "mb_group": case.get("mb_group") or 1, "bound": bound, "ranks": ranks,
             "report": None if report is None else report.__dict__ | {"num_microbatches": list(report.num_microbatches)},

@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 PROBE = HERE / "slime_probe.py"
 EXPECTED = {"v0.2.4": ("0.2.4", None), "v0.3.0": ("0.3.0", "group_indices"), "v0.3.1": ("0.3.1", "rollout_indices"),
             "HEAD": ("0.3.1", "rollout_indices")}
-CASES = ("one_sample", "multi_sample", "vpp2", "cp2", "static")
+CASES = ("one_sample", "multi_sample", "vpp2", "cp2", "static", "dynamic_gbs", "dynamic_gbs_round", "none_index",
+         "all_none_index")
 #: slime's own tests that pin slime's own choices rather than the contract, and why slime-ext differs:
 PINNED = {
     # the exact rank assignment of its Karmarkar-Karp; slime-ext's is as balanced (21/20 tokens either way)
@@ -98,7 +99,10 @@ def check_ledger(out: dict) -> dict:
     assert report["dropped_samples"] == len(dropped) and report["num_steps"] == steps
     rollouts_per_step = [len({rollout_of[i] for i in kept if step_of[i] == s}) for s in range(steps)]
     samples_per_step = [sum(1 for i in kept if step_of[i] == s) for s in range(steps)]
-    assert rollouts_per_step == [out["gbs"]] * steps
+    if out.get("dyn_gbs"):  # one step of whole rollouts; --global-batch-size is not used
+        assert steps == 1
+    else:
+        assert rollouts_per_step == [out["gbs"]] * steps
     for r in ranks:  # the trainer is told the step's real size, in the unit that revision normalises by
         if out["revision"] == "0.2.4":
             assert r["samples_per_step"] == samples_per_step
@@ -116,6 +120,39 @@ def test_ledger_through_slime(slime_env, case):
     if out["revision"] == "0.2.4" and slime_env["megatron"] is not None:
         assert out["bound"] == "slime.backends.megatron_utils.actor.get_data_iterator"
     print(f"LEDGER {slime_env['tag']} {case}: {figures}")
+
+
+def test_issue16_dynamic_global_batch_size_counts_samples(slime_env):
+    """Three rollouts of four samples at dp = 4 with --use-dynamic-global-batch-size: one step of all 12 samples
+    through slime's real split and trainer (they were refused, "lower --global-batch-size to at most 3")."""
+    out = probe_all(slime_env)["ledgers"]["dynamic_gbs"]
+    figures = check_ledger(out)
+    assert figures["kept"] == 12 and figures["steps"] == 1 and figures["samples_per_step"] == [12]
+    if out["revision"] == "0.2.4":
+        assert out["slime_v024_samples"] == 12  # slime's own rounding keeps them all too
+
+
+def test_issue16_dynamic_global_batch_size_follows_slime_v024_sample_rounding(slime_env):
+    """Five rollouts of three samples at dp = 4. At v0.2.4 slime's own ``_compute_dynamic_global_batch_size``
+    keeps 12 of 15 samples; slime-ext keeps the whole rollouts inside that count (rounding rollouts to a multiple of
+    dp kept 4 of 5 rollouts by luck here, and refused three rollouts outright). Later slime has no such flag: the
+    one step keeps every rollout."""
+    out = probe_all(slime_env)["ledgers"]["dynamic_gbs_round"]
+    figures = check_ledger(out)
+    if out["revision"] == "0.2.4":
+        assert out["slime_v024_samples"] == 12
+        assert figures["kept"] == 12 and figures["dropped"] == 3  # the fifth rollout, whole, and reported
+    else:
+        assert figures["kept"] == 15 and figures["dropped"] == 0
+
+
+@pytest.mark.parametrize("case", ["none_index", "all_none_index"])
+def test_issue16_a_sample_without_an_index_is_its_own_rollout(slime_env, case):
+    """Samples whose id is None were merged into one rollout (steps of [9, 2, 2, 2] samples, or a refusal saying
+    "lower --global-batch-size" when every id is None); each is its own rollout, as slime treats it: 8 steps of 2."""
+    out = probe_all(slime_env)["ledgers"][case]
+    figures = check_ledger(out)
+    assert figures["samples_per_step"] == [2] * 8 and figures["dropped"] == 0
 
 
 def test_slimes_own_planner_tests_pass_with_slime_ext(slime_env):

@@ -400,8 +400,98 @@ def test_from_json_reader_failures_exit_2(data, fragment, tmp_path):
 
 def test_from_json_reads_to_a_bound(saved_json, tmp_path, monkeypatch):
     (tmp_path / "s.json").write_text(json.dumps(saved_json))
-    monkeypatch.setattr(plan_cmd, "MAX_SCHEDULE_BYTES", 100)
-    refused(cli("plan", "--from-json", "s.json", cwd=tmp_path), "s.json: larger than", "MAX_SCHEDULE_BYTES")
+    size = (tmp_path / "s.json").stat().st_size
+    monkeypatch.setattr(inputs, "MAX_SCHEDULE_BYTES", size - 1)
+    refused(cli("plan", "--from-json", "s.json", cwd=tmp_path), f"s.json: {size:,} bytes, above the 0 MiB",
+            "MAX_SCHEDULE_BYTES", "plan the rollout again from its lengths")
+    monkeypatch.setattr(inputs, "MAX_SCHEDULE_BYTES", size)  # exactly at the bound: read, in many small chunks
+    monkeypatch.setattr(inputs, "READ_CHUNK_BYTES", 7)
+    res = cli("plan", "--from-json", "s.json", cwd=tmp_path)
+    assert res.rc == 0 and res.stdout.startswith("valid: s.json"), res.stdout + res.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO")
+def test_from_json_pipe_without_a_size_is_read_to_the_bound(tmp_path, monkeypatch):
+    """A pipe has st_size 0, so the size check passes: the chunked read stops one chunk past the bound."""
+    import threading
+
+    monkeypatch.setattr(inputs, "MAX_SCHEDULE_BYTES", 1000)
+    monkeypatch.setattr(inputs, "READ_CHUNK_BYTES", 64)
+    fifo = tmp_path / "p.json"
+    os.mkfifo(fifo)
+    written = []
+
+    def writer():
+        try:
+            with open(fifo, "wb", buffering=0) as f:
+                for _ in range(10_000):  # 10 MB offered; the reader stops after ~1 KB and closes the pipe
+                    f.write(b"{" + b" " * 1023)
+                    written.append(1)
+        except BrokenPipeError:
+            pass
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    refused(cli("plan", "--from-json", fifo), "p.json: more bytes than that, above the", "MAX_SCHEDULE_BYTES")
+    t.join(timeout=30)
+    assert not t.is_alive() and len(written) < 10_000
+
+
+def test_from_json_memory_error_while_parsing_is_one_line(saved_json, tmp_path, monkeypatch):
+    (tmp_path / "s.json").write_text(json.dumps(saved_json))
+
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(inputs.json, "loads", no_memory)
+    refused(cli("plan", "--from-json", "s.json", cwd=tmp_path), "s.json: ", "bytes of JSON do not fit in this "
+            "process's memory once parsed", "ulimit -v")
+
+
+def test_memory_error_anywhere_in_a_command_is_one_line(monkeypatch):
+    def no_memory(*a, **k):
+        raise MemoryError
+
+    monkeypatch.setattr(plan_cmd, "plan_schedule", no_memory)
+    refused(cli("plan", "--synthetic", "lognormal:n=8", *GBS), "out of memory", "plan the rollout in parts",
+            "ulimit -v")
+
+
+#: the issue's address-space limit (KiB): a 4 GiB read() died under it before the reader was bounded
+ULIMIT_V = 3_000_000
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not os.path.exists("/bin/bash"), reason="needs bash's ulimit -v")
+def test_cli_processes_under_ulimit_v(saved_json, tmp_path):
+    """Real ``python -m slime_ext.cli`` processes under ``ulimit -v 3000000``: a small saved schedule replays, one
+    above MAX_SCHEDULE_BYTES (a sparse file: no disk used) is refused by its size, /dev/zero is refused after one
+    chunk, and planning (JSONL .gz, synthetic with --compare) works: nothing asks for more than the limit."""
+    (tmp_path / "small.json").write_text(json.dumps(saved_json))
+    with open(tmp_path / "huge.json", "wb") as f:
+        f.write(b"{")
+        f.truncate(inputs.MAX_SCHEDULE_BYTES + 1)
+    (tmp_path / "l.jsonl.gz").write_bytes(_gz(b'{"total_length": 100, "rollout_id": 0}\n' * 64))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def run(*args):
+        cmd = f"ulimit -v {ULIMIT_V}; exec {sys.executable} -m slime_ext.cli plan " + " ".join(map(str, args))
+        out = subprocess.run(["/bin/bash", "-c", cmd], capture_output=True, text=True, cwd=tmp_path, env=env,
+                             timeout=120)
+        return SimpleNamespace(rc=out.returncode, stdout=out.stdout, stderr=out.stderr)
+
+    res = run("--from-json", "small.json")
+    assert res.rc == 0 and res.stdout.startswith("valid: small.json"), res.stdout + res.stderr
+    assert "Error" not in res.stderr, res.stderr
+    refused(run("--from-json", "huge.json"), f"huge.json: {inputs.MAX_SCHEDULE_BYTES + 1:,} bytes, above the "
+            "256 MiB --from-json reads")
+    if os.path.exists("/dev/zero"):
+        refused(run("--from-json", "/dev/zero"), "/dev/zero: does not start with a JSON object")
+    res = run("l.jsonl.gz", "--global-batch-size", 1, "--use-dynamic-batch-size", "--max-tokens-per-gpu", 4096,
+              "--no-legend")
+    assert res.rc == 0 and "l.jsonl.gz" in res.stdout, res.stdout + res.stderr
+    res = run("--synthetic", "lognormal:n=512", "--global-batch-size", 64, "--use-dynamic-batch-size",
+              "--max-tokens-per-gpu", 16384, "--compare", "legacy,reference", "-q", "--no-legend")
+    assert res.rc == 0 and "legacy" in res.stdout, res.stdout + res.stderr
 
 
 def _paths(obj):

@@ -119,7 +119,7 @@ def test_magnitudes_never_wrap(values, container):
     assert ok
     assert sum(st_.total_tokens for st_ in s.stats) == sum(values)  # exact, as Python ints
     assert all(0 < st_.largest_bin_tokens <= st_.total_tokens for st_ in s.stats)
-    assert all(np.isfinite(st_.rank_flops_max) and st_.rank_flops_max > 0 for st_ in s.stats)
+    assert all(np.isfinite(st_.rank_cost_max) and st_.rank_cost_max > 0 for st_ in s.stats)
     assert check_schedule(s) == []
 
 
@@ -511,6 +511,23 @@ def test_to_dict_returns_copies(saved):
             node.append(-1)
     assert saved.to_dict() == before
     assert DPSchedule.from_dict(before) == saved
+
+
+def test_a_schema_2_schedule_reads_with_the_stats_old_names(saved):
+    """Schema 3 renamed StepStats.rank_flops_* / microbatch_flops_* to *_cost_* (they hold seconds with a
+    CostProfile); a file written before reads to the same schedule, one written by an older schema is refused."""
+    from slime_ext.schedule.dp_schedule import RENAMED_IN_3
+
+    old = saved.to_dict()
+    old["schema_version"] = 2
+    old["stats"] = [{({v: k for k, v in RENAMED_IN_3.items()}).get(k, k): v for k, v in st_.items()}
+                    for st_ in old["stats"]]
+    assert "rank_flops_max" in old["stats"][0] and "rank_cost_max" not in old["stats"][0]
+    assert DPSchedule.from_dict(old) == saved
+    with pytest.raises(ScheduleError, match=r"schema_version=1 is not supported \(expected 3, or 2\)"):
+        DPSchedule.from_dict({**old, "schema_version": 1})
+    with pytest.raises(ScheduleError, match=r"stats\[0\] has unknown keys \[.*'rank_flops_max'"):
+        DPSchedule.from_dict({**old, "schema_version": 3})  # the old names are not read as schema 3
 
 
 def test_from_dict_refuses_non_mappings_and_unknown_keys(saved):

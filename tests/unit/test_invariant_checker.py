@@ -125,10 +125,10 @@ def test_assert_valid_lists_every_violation(schedule):
 
 def test_edited_stats_are_caught(schedule):
     stats = list(schedule.stats)
-    stats[0] = dataclasses.replace(stats[0], rank_flops_max=stats[0].rank_flops_max * 0.5, cap_violations=3)
+    stats[0] = dataclasses.replace(stats[0], rank_cost_max=stats[0].rank_cost_max * 0.5, cap_violations=3)
     problems = check_schedule(tamper(schedule, stats=stats))
     first_problem_matching(problems, "stats[0].cap_violations = 3 but the schedule has 0")
-    first_problem_matching(problems, "stats[0].rank_flops_max")
+    first_problem_matching(problems, "stats[0].rank_cost_max")
 
 
 def test_one_broken_rank_does_not_cascade(schedule):

@@ -236,7 +236,7 @@ def test_schedule_round_trip_keeps_the_profile():
                                       balance_data=True, balance_by_flops=True), cost_model=prof)
     back = DPSchedule.from_dict(json.loads(json.dumps(sched.to_dict())))
     assert isinstance(back.cost_model, CostProfile) and back.cost_model == prof
-    assert math.isclose(back.stats[0].rank_flops_max, sched.stats[0].rank_flops_max)
+    assert math.isclose(back.stats[0].rank_cost_max, sched.stats[0].rank_cost_max)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -47,6 +47,9 @@ def test_flatten_groups_and_flat_lists():
     (S(7, 0, 0.0, tokens=(1, 2, 3, 99)), r"outside \[0, vocab_size=10\)"),
     (S(7, 0, 0.0, loss_mask=[1]), r"loss_mask has 1 entries but response_length=2"),
     (S(7, 0, 0.0, loss_mask=[1, 2]), r"values other than 0 and 1"),
+    # slime's Sample.index may be None (the slime integration makes each such sample a rollout of its own);
+    # slime-ext's own Sample requires the id: said, not an int() TypeError
+    (S(None, 0, 0.0), r"sample 0: index=None is not an integer; give every sample its rollout id"),
 ])
 def test_bad_samples_name_the_sample_and_the_fix(sample, message):
     with pytest.raises(SampleError, match=message):

@@ -153,7 +153,7 @@ def test_balance_by_flops_balances_micro_batches_under_the_cap(checked):
     st = by_flops.stats[0]
     assert st.cap_violations == 0 and st.largest_bin_tokens <= 100
     assert st.total_microbatches == plain.stats[0].total_microbatches
-    assert st.microbatch_flops_max / st.microbatch_flops_mean <= 1.1
+    assert st.microbatch_cost_max / st.microbatch_cost_mean <= 1.1
 
 
 # --------------------------------------------------------------------------------------------- steps and rollouts
@@ -191,15 +191,68 @@ def test_not_even_one_step_is_an_error():
         plan_schedule([10] * 3, ParallelConfig(dp_size=1), BatchConfig(global_batch_size=4, **DYN))
 
 
-def test_dynamic_global_batch_size_is_one_step_rounded_to_dp(checked):
-    s = checked([10] * 11, ParallelConfig(dp_size=4),
-                BatchConfig(use_dynamic_global_batch_size=True, **DYN))
-    assert s.num_steps == 1 and s.rollouts_per_step == [8] and s.samples_per_step == [8]
-    assert s.dropped == [8, 9, 10] and s.dropped_rollouts == [8, 9, 10]  # no ids: a sample is a rollout
-    # with trimming disabled the whole rollout is the step
-    s = checked([10] * 11, ParallelConfig(dp_size=4),
-                BatchConfig(use_dynamic_global_batch_size=True, disable_rollout_trim_samples=True, **DYN))
-    assert s.rollouts_per_step == [11] and s.dropped == []
+def test_dynamic_global_batch_size_is_one_step_of_every_whole_rollout(checked):
+    """The unit is the sample: 11 one-sample rollouts at dp = 4 train all 11 (rounding rollouts to a multiple of dp
+    dropped 3); three rollouts of four samples fill dp = 4 (they were refused: "lower --global-batch-size")."""
+    s = checked([10] * 11, ParallelConfig(dp_size=4), BatchConfig(use_dynamic_global_batch_size=True, **DYN))
+    assert s.num_steps == 1 and s.rollouts_per_step == [11] and s.samples_per_step == [11] and s.dropped == []
+    s = checked([500] * 12, ParallelConfig(dp_size=4),
+                BatchConfig(global_batch_size=8, use_dynamic_global_batch_size=True, use_dynamic_batch_size=True,
+                            max_tokens_per_gpu=4096), rollout_ids=[0] * 4 + [1] * 4 + [2] * 4)
+    assert s.rollouts_per_step == [3] and s.samples_per_step == [12] and s.dropped == []
+    # fewer samples than micro-batch slots: said in samples, and --global-batch-size is not the fix
+    with pytest.raises(ScheduleError, match=r"3 samples \(1 rollouts\) but dp_size = 4 micro-batch slots.*"
+                                            r"collect at least 4 samples \(--global-batch-size is not used"):
+        plan_schedule([10] * 3, ParallelConfig(dp_size=4), BatchConfig(use_dynamic_global_batch_size=True, **DYN),
+                      rollout_ids=[7, 7, 7])
+
+
+def test_dynamic_global_batch_size_static_keeps_the_longest_trainable_prefix(checked):
+    """Static micro-batches of 2 at dp = 4 need a multiple of 4 micro-batches: rollouts of 3, 3, 2, 3 samples make
+    2, 3, 4, 6 micro-batches, so the first three (8 samples) are kept and the last is dropped as a trailing rollout;
+    with no such prefix it is refused."""
+    batch = BatchConfig(use_dynamic_global_batch_size=True, micro_batch_size=2)
+    s = checked([10] * 11, ParallelConfig(dp_size=4), batch, rollout_ids=[0] * 3 + [1] * 3 + [2] * 2 + [3] * 3)
+    assert s.rollouts_per_step == [3] and s.samples_per_step == [8] and s.dropped == [8, 9, 10]
+    with pytest.raises(ScheduleError, match=r"no run of whole rollouts from the first that make a multiple of "
+                                            r"dp_size = 4 micro-batches of micro_batch_size=2.*end at samples 3, 6; "
+                                            r"collect more samples, change --micro-batch-size"):
+        plan_schedule([10] * 6, ParallelConfig(dp_size=4), batch, rollout_ids=[0] * 3 + [1] * 3)
+    with pytest.raises(ScheduleError, match=r"trains only the first 3 of 4 rollouts \(8 of 11 samples\) but "
+                                            r"--disable-rollout-trim-samples forbids"):
+        plan_schedule([10] * 11, ParallelConfig(dp_size=4), BatchConfig(
+            use_dynamic_global_batch_size=True, micro_batch_size=2, disable_rollout_trim_samples=True),
+            rollout_ids=[0] * 3 + [1] * 3 + [2] * 2 + [3] * 3)
+
+
+def test_dynamic_global_batch_size_dynamic_batches_drop_what_the_cap_cannot_fill(checked):
+    """Dynamic micro-batches keep every rollout unless its samples cannot fill the micro-batches their tokens need:
+    under a cap of 100 at dp = 2, a last rollout of one 1000-token sample makes 5 samples that need 5 bins, 6 once
+    aligned: the step keeps the first 4 samples (4 bins) and drops that rollout as a trailing one."""
+    s = checked([100] * 4 + [1000], ParallelConfig(dp_size=2), BatchConfig(use_dynamic_global_batch_size=True, **DYN),
+                rollout_ids=[0, 0, 1, 1, 2])
+    assert s.samples_per_step == [4] and s.rollouts_per_step == [2] and s.dropped == [4]
+
+
+def test_dynamic_global_batch_size_with_slime_v024_rounding(checked):
+    """slime v0.2.4 rounds the sample count down to a multiple of dp_size; slime-ext keeps the whole rollouts inside
+    that count. 11 samples at dp = 4 -> 8: rollouts of 3, 3, 2, 3 keep 8; of 3, 3, 3, 2 keep 6 (the third would
+    pass 8); --disable-rollout-trim-samples keeps all 11, as slime then does not trim."""
+    batch = BatchConfig(use_dynamic_global_batch_size=True, dynamic_global_batch_rounds_samples=True, **DYN)
+    s = checked([10] * 11, ParallelConfig(dp_size=4), batch, rollout_ids=[0] * 3 + [1] * 3 + [2] * 2 + [3] * 3)
+    assert s.samples_per_step == [8] and s.rollouts_per_step == [3] and s.dropped == [8, 9, 10]
+    s = checked([10] * 11, ParallelConfig(dp_size=4), batch, rollout_ids=[0] * 3 + [1] * 3 + [2] * 3 + [3] * 2)
+    assert s.samples_per_step == [6] and s.dropped == [6, 7, 8, 9, 10]
+    s = checked([10] * 11, ParallelConfig(dp_size=4), BatchConfig(
+        use_dynamic_global_batch_size=True, dynamic_global_batch_rounds_samples=True,
+        disable_rollout_trim_samples=True, **DYN), rollout_ids=[0] * 3 + [1] * 3 + [2] * 3 + [3] * 2)
+    assert s.samples_per_step == [11] and s.dropped == []
+    with pytest.raises(ScheduleError, match=r"inside slime v0.2.4's 4 samples.*end at samples 7; collect more "
+                                            r"samples, or pass --disable-rollout-trim-samples to train on all 7"):
+        plan_schedule([10] * 7, ParallelConfig(dp_size=4), batch, rollout_ids=[0] * 7)
+    with pytest.raises(ScheduleError, match="dynamic_global_batch_rounds_samples=True needs "
+                                            "use_dynamic_global_batch_size=True"):
+        BatchConfig(global_batch_size=2, dynamic_global_batch_rounds_samples=True, **DYN)
 
 
 def test_compute_dynamic_global_batch_size():
@@ -297,7 +350,7 @@ def test_cost_model_from_args_and_token_fallback():
     m = CostModel.from_args({"hidden_size": 8, "num_layers": 1, "num_attention_heads": 2, "padded_vocab_size": 32})
     assert m.vocab_size == 32
     s = plan_schedule([10, 20, 30, 40], ParallelConfig(dp_size=2), BatchConfig(global_batch_size=4, **DYN))
-    assert s.stats[0].rank_flops_mean == pytest.approx(50.0)  # tokens when no model dims are given
+    assert s.stats[0].rank_cost_mean == pytest.approx(50.0)  # tokens when no model dims are given
 
 
 def test_attention_makes_long_samples_superlinear():

@@ -80,12 +80,34 @@ def configs(draw, dynamic: bool):
         balance_by_flops=dynamic and draw(st.booleans()),
         use_dynamic_global_batch_size=dyn_gbs,
         disable_rollout_trim_samples=draw(st.booleans()) and draw(st.booleans()),
+        dynamic_global_batch_rounds_samples=dyn_gbs and draw(st.booleans()),  # slime v0.2.4's rule
     )
     return parallel, batch
 
 
-def _steps(lengths, ids, batch, dp):
-    """Independent re-derivation of stage 1 (sample ids per step, number of rollouts)."""
+def _dynamic_rollouts(lengths, order, members, parallel, batch):
+    """Independent re-derivation of use_dynamic_global_batch_size's one step: the most whole rollouts (from the
+    first) whose samples the layout can train -- each of the align slots needs a sample; static micro-batches make
+    an aligned count; dynamic ones can fill the aligned bins their tokens need; slime v0.2.4's rule keeps them inside
+    the sample count rounded down to a multiple of dp. ``None`` when no prefix qualifies."""
+    align, dp, best, ends = parallel.align, parallel.dp_size, None, 0
+    budget = max(dp, len(lengths) // dp * dp)
+    for k, rid in enumerate(order, 1):
+        ends += len(members[rid])
+        ok = ends >= align
+        if batch.dynamic_global_batch_rounds_samples and not batch.disable_rollout_trim_samples:
+            ok = ok and ends <= budget
+        if not batch.use_dynamic_batch_size:
+            ok = ok and math.ceil(ends / batch.micro_batch_size) % align == 0
+        elif ok:
+            prefix = np.array([lengths[i] for r in order[:k] for i in members[r]])
+            ok = -(-bin_lower_bound(prefix, batch.max_tokens_per_gpu * parallel.cp_size) // align) * align <= ends
+        best = k if ok else best
+    return best
+
+
+def _steps(lengths, ids, batch, parallel):
+    """Independent re-derivation of stage 1 (sample ids per step, number of rollouts, rollouts per step)."""
     ids = list(range(len(lengths))) if ids is None else ids
     order = []
     members = {}
@@ -95,16 +117,22 @@ def _steps(lengths, ids, batch, dp):
             order.append(rid)
         members[rid].append(i)
     if batch.use_dynamic_global_batch_size:
-        gbs = len(order) if batch.disable_rollout_trim_samples else max(dp, len(order) // dp * dp)
-    else:
-        gbs = batch.global_batch_size
+        gbs = _dynamic_rollouts(lengths, order, members, parallel, batch) or len(order) + 1
+        return ([[i for rid in order[:gbs] for i in members[rid]]] if gbs <= len(order) else []), len(order), gbs
+    gbs = batch.global_batch_size
     return [[i for rid in order[s * gbs:(s + 1) * gbs] for i in members[rid]] for s in range(len(order) // gbs)], \
         len(order), gbs
 
 
 def _refusal_is_true(msg: str, lengths, ids, parallel, batch) -> bool:
     """Re-derive, independently of the planner, that the refused input really cannot be scheduled."""
-    steps, num_rollouts, gbs = _steps(lengths, ids, batch, parallel.dp_size)
+    steps, num_rollouts, gbs = _steps(lengths, ids, batch, parallel)
+    if "micro-batch slots each need a sample" in msg:  # use_dynamic_global_batch_size, too few samples
+        return len(lengths) < parallel.align
+    if "no run of whole rollouts from the first" in msg:
+        return batch.use_dynamic_global_batch_size and gbs > num_rollouts
+    if "--disable-rollout-trim-samples forbids dropping" in msg:
+        return batch.disable_rollout_trim_samples and gbs < num_rollouts
     if "not a multiple of global_batch_size" in msg:
         return batch.disable_rollout_trim_samples and num_rollouts % gbs != 0
     if "not even one step" in msg:
@@ -167,7 +195,7 @@ def _run(data, parallel, batch, cost_model):
         event("refused: " + re.sub(r"[\d.]+", "N", str(e))[:40])
         return None
     event("planned")
-    steps, _, _ = _steps(lengths, ids, batch, parallel.dp_size)
+    steps, _, _ = _steps(lengths, ids, batch, parallel)
     assert s.step_samples == steps
     for st_, step in zip(s.stats, steps):
         assert st_.cap_violations == 0

@@ -158,6 +158,64 @@ def test_rank_payloads_keep_the_v024_layout():
         assert sched["samples_per_step"] == [4, 3]  # rollouts {0,1,2}: samples 0-3; {3,4,5}: samples 4-6
 
 
+def v024_data(lengths, indices):
+    """slime v0.2.4's train data: ``sample_indices`` is ``[sample.index for sample in samples]``."""
+    n = len(lengths)
+    return {"tokens": [[i] * lengths[i] for i in range(n)], "loss_masks": [[1] for _ in range(n)],
+            "rewards": [0.0] * n, "raw_reward": [0.0] * n, "sample_indices": list(indices)}
+
+
+def test_issue16_dynamic_global_batch_size_counts_samples_not_rollouts():
+    """Issue 16: three rollouts of four samples at dp = 4 were refused ("lower --global-batch-size to at most 3",
+    a flag this mode ignores); 12 samples fill all four ranks, in one step of the three whole rollouts."""
+    args = slime_args(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
+                      use_dynamic_global_batch_size=True)
+    tpc = {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    partitions, mbi, num_mbs, gbs = planner.build_dp_schedule(args, tpc, [500] * 12, global_batch_size=8,
+                                                              rollout_indices=[0] * 4 + [1] * 4 + [2] * 4)
+    assert gbs == [3] and num_mbs == [1] and sorted(i for p in partitions for i in p) == list(range(12))
+    # v0.2.4 (rank_payloads): slime's own sample rounding, 12 -> 12 at dp = 4: nothing dropped either
+    payloads = planner.rank_payloads(args, v024_data([500] * 12, [0] * 4 + [1] * 4 + [2] * 4),
+                                     planner.v024_parallel_config(args, 4))
+    assert sorted(i for p in payloads for i in p["partition"]) == list(range(12))
+    assert payloads[0][planner.SCHEDULE_KEY]["samples_per_step"] == [12]
+
+
+def test_issue16_v024_dynamic_global_batch_size_follows_slimes_sample_rounding(caplog):
+    """5 rollouts of 4 samples at dp = 4: rounding rollouts to a multiple of dp dropped the fifth; slime v0.2.4
+    keeps all 20 samples (20 is a multiple of 4), and so does slime-ext. With 3 samples per rollout and dp = 4,
+    slime keeps 12 of 15 samples: the whole rollouts inside 12 are the first four."""
+    args = slime_args(use_dynamic_global_batch_size=True, max_tokens_per_gpu=4096)
+    tpc = planner.v024_parallel_config(args, 4)
+    payloads = planner.rank_payloads(args, v024_data([100] * 20, [i // 4 for i in range(20)]), tpc)
+    assert sorted(i for p in payloads for i in p["partition"]) == list(range(20))
+    with caplog.at_level(logging.INFO, logger="slime_ext.integrations.slime"):
+        payloads = planner.rank_payloads(args, v024_data([100] * 15, [i // 3 for i in range(15)]), tpc)
+    assert sorted(i for p in payloads for i in p["partition"]) == list(range(12))
+    assert payloads[0][planner.SCHEDULE_KEY]["samples_per_step"] == [12]
+    assert any("outside --use-dynamic-global-batch-size's step" in r.getMessage() for r in caplog.records)
+    # the same rollout through slime >= v0.3.0's entry keeps every rollout (slime has no such flag there)
+    *_, gbs = planner.build_dp_schedule(args, tpc, [100] * 15, global_batch_size=1,
+                                        rollout_indices=[i // 3 for i in range(15)])
+    assert gbs == [5]
+
+
+def test_issue16_a_sample_without_an_index_is_its_own_rollout():
+    """8 samples with ``Sample.index`` None and 8 indexed ones at gbs = 2: the None ones were merged into one
+    "rollout" (steps of [9, 2, 2, 2] samples); slime alone makes 8 steps of 2. All None: refused with a misleading
+    "lower --global-batch-size"; now 8 steps of 2."""
+    args = slime_args(global_batch_size=2, max_tokens_per_gpu=4096)
+    tpc = planner.v024_parallel_config(args, 2)
+    for indices, steps in (([None] * 8 + list(range(8)), [2] * 8), ([None] * 16, [2] * 8),
+                           # ids 0 and 1 are rollouts of 4 samples; each None is one: 10 rollouts, 2 per step
+                           ([0, None, 1, None] * 4, [5, 5, 2, 2, 2])):
+        payloads = planner.rank_payloads(args, v024_data([50] * 16, indices), tpc)
+        assert payloads[0][planner.SCHEDULE_KEY]["samples_per_step"] == steps, indices
+        assert sorted(i for p in payloads for i in p["partition"]) == list(range(16))
+    assert planner.last_report.num_rollouts == 10
+    assert planner._dense_ids([None, None, "a", "a", None]) == [0, 1, 2, 2, 3]
+
+
 # ------------------------------------------------------------------------------------------------ trainer (v0.2.4)
 class V024DataIterator:
     """The constructor and ``rollout_data`` attribute slime v0.2.4's DataIterator has (the real one runs in

@@ -30,6 +30,11 @@ def test_flat_keys_route_to_their_sections_and_flatten_back():
     assert cfg.batch == BatchConfig(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=96,
                                     balance_data=True)
     assert (cfg.parallel.vpp_size, cfg.parallel.mb_group_size) == (2, 2)
+    # the trainer's group size and the planner's come from one rule (Megatron's: the pipeline size by default)
+    for group in (None, 3):
+        par = cfg.parallel.__class__(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                     microbatch_group_size_per_vp_stage=group)
+        assert par.mb_group_size == par.schedule_config(4).microbatch_group_size_per_vp_stage == (group or 2)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_size) == (4, 32, 128)
     assert (cfg.optim.lr, cfg.optim.lr_decay_steps, cfg.seed) == (1e-3, 100, 7)
     args = cfg.to_args()

@@ -58,7 +58,9 @@ def add_arguments(parser: Any) -> Any:
                                 "(default); legacy: slime's own path, untouched")
     if "--use-dynamic-global-batch-size" not in have:
         group.add_argument("--use-dynamic-global-batch-size", action="store_true", default=False,
-                           help="slime-ext: one training step per rollout, whatever its size")
+                           help="slime-ext: one training step for the whole rollout batch, of whole rollouts; it "
+                                "needs a sample per micro-batch slot (samples count, not rollouts) and ignores "
+                                "--global-batch-size")
     if "--disable-rollout-trim-samples" not in have:
         group.add_argument("--disable-rollout-trim-samples", action="store_true", default=False,
                            help="slime-ext: never drop trailing rollouts that do not fill a step; an incomplete "

@@ -18,12 +18,13 @@ logged (logger ``slime_ext.integrations.slime``) and its :class:`PlanReport` is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError
-from slime_ext.schedule import build_dp_schedule as plan_dp_schedule
+from slime_ext.schedule import BatchConfig, DPSchedule, ParallelConfig, ScheduleError, plan_schedule
+from slime_ext.schedule.profile import cost_from_args
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
@@ -69,21 +70,28 @@ last_report: PlanReport | None = None
 
 
 def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
-         global_batch_size: int | None, rollout_indices: Sequence[Any], loss_tokens: Sequence[int] | None = None
-         ) -> DPSchedule:
+         global_batch_size: int | None, rollout_indices: Sequence[Any], loss_tokens: Sequence[int] | None = None,
+         dynamic_rounds_samples: bool = False) -> DPSchedule:
     """slime-ext's schedule for one rollout, read off slime's ``args`` (``--balance-data``,
-    ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, ...)."""
+    ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, ...).
+
+    ``dynamic_rounds_samples``: ``--use-dynamic-global-batch-size`` follows slime v0.2.4's rule for it (the sample
+    count rounded down to a multiple of dp_size, whole rollouts inside it; see
+    :func:`slime_ext.schedule.steps.dynamic_step_rollouts`); without it the one step keeps every rollout."""
     global last_report
     gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
     ids = _dense_ids(rollout_indices)
     train_parallel_config = with_pipeline(args, train_parallel_config)
     try:
-        schedule = plan_dp_schedule(args, train_parallel_config, list(total_lengths), global_batch_size=gbs,
-                                    rollout_indices=ids, loss_tokens=loss_tokens)
+        batch = BatchConfig.from_args(args, global_batch_size=gbs)
+        if dynamic_rounds_samples and batch.use_dynamic_global_batch_size:
+            batch = dataclasses.replace(batch, dynamic_global_batch_rounds_samples=True)
+        schedule = plan_schedule(list(total_lengths), ParallelConfig.from_dict(train_parallel_config), batch,
+                                 rollout_ids=ids, loss_tokens=loss_tokens, cost_model=cost_from_args(args))
     except ScheduleError as exc:
         raise SlimePlanError(str(exc)) from None
     last_report = _report(schedule, ids)
-    _log(last_report)
+    _log(last_report, dynamic=schedule.batch.use_dynamic_global_batch_size)
     return schedule
 
 
@@ -123,14 +131,16 @@ def rank_payloads(args: Any, data: Mapping[str, Any], train_parallel_config: Map
     """v0.2.4: one dict per DP rank in slime's layout, planned by slime-ext (the body of the replaced split).
 
     The rollout id of sample ``i`` is ``data["sample_indices"][i]`` (``Sample.index``); samples sharing it stay in
-    one step. ``global_batch_size`` counts rollouts per step, which is v0.2.4's count of samples when every
-    rollout emits one sample.
+    one step, a sample whose index is ``None`` is a rollout of its own. ``global_batch_size`` counts rollouts per
+    step, which is v0.2.4's count of samples when every rollout emits one sample. ``--use-dynamic-global-batch-size``
+    follows v0.2.4's own rule for it: the step keeps the whole rollouts inside the sample count rounded down to a
+    multiple of dp_size (slime cut that many samples, whole rollouts or not).
     """
     total_lengths = [len(t) for t in data["tokens"]]
     rollout_ids = data.get("sample_indices") or list(range(len(total_lengths)))
     loss_tokens = [int(sum(m)) for m in data["loss_masks"]] if "loss_masks" in data else None
     schedule = plan(args, train_parallel_config, total_lengths, global_batch_size=None,
-                    rollout_indices=rollout_ids, loss_tokens=loss_tokens)
+                    rollout_indices=rollout_ids, loss_tokens=loss_tokens, dynamic_rounds_samples=True)
     n = len(total_lengths)
     payloads = []
     for r in range(schedule.dp_size):
@@ -176,9 +186,16 @@ def _slime_tracking():
 
 
 def _dense_ids(rollout_indices: Sequence[Any]) -> list[int]:
-    """Rollout ids as 0..k-1 in first-seen order (slime's ids may be any hashable, e.g. None-filled or str)."""
+    """Rollout ids as 0..k-1 in first-seen order (slime's ids may be any hashable, e.g. str). A ``None`` id (a
+    ``Sample`` without ``index``) is a rollout of its own, never merged with another ``None``: slime gives each such
+    sample a fresh id of its own (v0.3.1's ``_convert_samples_to_train_data``) and v0.2.4 counts it as one sample."""
     dense: dict[Any, int] = {}
-    return [dense.setdefault(rid, len(dense)) for rid in rollout_indices]
+    out = []
+    for rid in rollout_indices:
+        if rid is None:
+            rid = object()  # unique: equal to nothing else
+        out.append(dense.setdefault(rid, len(dense)))
+    return out
 
 
 def _report(schedule: DPSchedule, ids: Sequence[int]) -> PlanReport:
@@ -189,11 +206,16 @@ def _report(schedule: DPSchedule, ids: Sequence[int]) -> PlanReport:
                       num_microbatches=tuple(schedule.num_microbatches), flops_imbalance=round(worst, 4))
 
 
-def _log(report: PlanReport) -> None:
+def _log(report: PlanReport, dynamic: bool = False) -> None:
     logger.info(f"slime-ext planned {report.num_samples} samples of {report.num_rollouts} rollouts into "
                 f"{report.num_steps} steps, micro-batches per rank {list(report.num_microbatches)}, "
                 f"FLOPs max/mean {report.flops_imbalance}")
-    if report.dropped_samples:
+    if report.dropped_samples and dynamic:
+        logger.warning(f"slime-ext dropped {report.dropped_samples} samples of {report.dropped_rollouts} trailing "
+                       f"rollouts outside --use-dynamic-global-batch-size's step (slime v0.2.4 rounds the sample "
+                       f"count down to a multiple of dp_size; slime-ext keeps the whole rollouts inside it); pass "
+                       f"--disable-rollout-trim-samples to train on every sample")
+    elif report.dropped_samples:
         logger.warning(f"slime-ext dropped {report.dropped_samples} samples of {report.dropped_rollouts} trailing "
                        f"rollouts that do not fill a step of --global-batch-size rollouts; make the rollout a "
                        f"multiple of it to train on every sample, or pass --disable-rollout-trim-samples to make "
