@@ -7,6 +7,7 @@ import logging
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from slime_ext.integrations import slime as integration
@@ -270,3 +271,27 @@ def test_lr_and_loss_normaliser_follow_the_steps_samples():
     assert scheduler.num_steps == 12 and seen[-1] == 4 and "dynamic_global_batch_size" not in plain[0].rollout_data
     with pytest.raises(RuntimeError, match="not by --global-batch-size"):
         trainer.StepSizedScheduler(scheduler, 4, 5).step(increment=7)
+
+
+def test_pipelined_plans_put_each_steps_predicted_makespan_bubble_and_count_into_slimes_metrics():
+    """Issue 15: with --pipeline-model-parallel-size, slime's rollout metrics carry every step's prediction."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(100, 4000, size=32).tolist()
+    args = slime_args(pipeline_model_parallel_size=4, max_tokens_per_gpu=4096)
+    planner.build_dp_schedule(args, PARALLEL, lengths, global_batch_size=16, rollout_indices=list(range(32)))
+    report = planner.last_report
+    schedule = planner.plan(args, PARALLEL, lengths, global_batch_size=16, rollout_indices=list(range(32)))
+    assert report.num_steps == 2 and len(report.predicted_makespans) == 2
+    metrics = report.metrics()
+    for s, stats in enumerate(schedule.stats):
+        assert metrics[f"rollout/slime_ext/step_{s}/predicted_makespan"] == stats.predicted_makespan > 0
+        assert metrics[f"rollout/slime_ext/step_{s}/bubble"] == stats.bubble_fraction
+        assert 0 < stats.bubble_fraction < 1
+        assert metrics[f"rollout/slime_ext/step_{s}/microbatches_per_rank"] == schedule.num_microbatches[s]
+    assert metrics["rollout/slime_ext/pipeline_makespan"] == pytest.approx(
+        sum(s.predicted_makespan for s in schedule.stats))
+    assert min(report.bubble_fractions) <= metrics["rollout/slime_ext/pipeline_bubble"] <= max(report.bubble_fractions)
+    # without a pipeline, no pipeline keys
+    planner.build_dp_schedule(slime_args(max_tokens_per_gpu=4096), PARALLEL, lengths, global_batch_size=16,
+                              rollout_indices=list(range(32)))
+    assert not any("pipeline" in k or "/step_" in k for k in planner.last_report.metrics())

@@ -53,16 +53,33 @@ class PlanReport:
     dropped_rollouts: int
     num_microbatches: tuple[int, ...]
     flops_imbalance: float
+    #: with pipeline parallelism, each step's predicted makespan of its slowest replica (seconds with a calibrated
+    #: profile, else per-stage forward FLOPs) and that replica's bubble fraction; empty without
+    predicted_makespans: tuple[float, ...] = ()
+    bubble_fractions: tuple[float, ...] = ()
 
     def metrics(self) -> dict[str, float]:
-        """slime metric names (``rollout/`` prefix, as slime's rollout logging uses)."""
-        return {
+        """slime metric names (``rollout/`` prefix, as slime's rollout logging uses). With pipeline parallelism,
+        each step ``s`` of the rollout also gets ``rollout/slime_ext/step_{s}/...``: its predicted makespan, bubble
+        and micro-batches per rank, and the rollout its predicted total and makespan-weighted bubble."""
+        out = {
             "rollout/slime_ext/dropped_samples": self.dropped_samples,
             "rollout/slime_ext/dropped_rollouts": self.dropped_rollouts,
             "rollout/slime_ext/train_steps": self.num_steps,
             "rollout/slime_ext/microbatches_per_rank": sum(self.num_microbatches),
             "rollout/slime_ext/flops_max_over_mean": self.flops_imbalance,
         }
+        if self.predicted_makespans:
+            total = sum(self.predicted_makespans)
+            out["rollout/slime_ext/pipeline_makespan"] = total
+            out["rollout/slime_ext/pipeline_bubble"] = (
+                sum(m * b for m, b in zip(self.predicted_makespans, self.bubble_fractions)) / total if total else 0.0)
+            for s, (span, bubble, count) in enumerate(zip(self.predicted_makespans, self.bubble_fractions,
+                                                          self.num_microbatches)):
+                out[f"rollout/slime_ext/step_{s}/predicted_makespan"] = span
+                out[f"rollout/slime_ext/step_{s}/bubble"] = bubble
+                out[f"rollout/slime_ext/step_{s}/microbatches_per_rank"] = count
+        return out
 
 
 #: the report of the last plan made in this process (the RolloutManager actor plans one rollout at a time)
@@ -203,13 +220,19 @@ def _report(schedule: DPSchedule, ids: Sequence[int]) -> PlanReport:
     worst = max((s.flops_imbalance for s in schedule.stats), default=1.0)
     return PlanReport(num_samples=schedule.num_samples, num_rollouts=len(set(ids)), num_steps=schedule.num_steps,
                       dropped_samples=len(schedule.dropped), dropped_rollouts=dropped_rollouts,
-                      num_microbatches=tuple(schedule.num_microbatches), flops_imbalance=round(worst, 4))
+                      num_microbatches=tuple(schedule.num_microbatches), flops_imbalance=round(worst, 4),
+                      predicted_makespans=tuple(s.predicted_makespan for s in schedule.stats
+                                                if s.predicted_makespan is not None),
+                      bubble_fractions=tuple(s.bubble_fraction for s in schedule.stats
+                                             if s.bubble_fraction is not None))
 
 
 def _log(report: PlanReport, dynamic: bool = False) -> None:
     logger.info(f"slime-ext planned {report.num_samples} samples of {report.num_rollouts} rollouts into "
                 f"{report.num_steps} steps, micro-batches per rank {list(report.num_microbatches)}, "
-                f"FLOPs max/mean {report.flops_imbalance}")
+                f"FLOPs max/mean {report.flops_imbalance}"
+                + (f", predicted pipeline makespan per step {[float(f'{m:.4g}') for m in report.predicted_makespans]}"
+                   f" (bubble {[round(b, 3) for b in report.bubble_fractions]})" if report.predicted_makespans else ""))
     if report.dropped_samples and dynamic:
         logger.warning(f"slime-ext dropped {report.dropped_samples} samples of {report.dropped_rollouts} trailing "
                        f"rollouts outside --use-dynamic-global-batch-size's step (slime v0.2.4 rounds the sample "
