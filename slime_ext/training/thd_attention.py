@@ -1,4 +1,4 @@
-"""Core attention over THD packed sequences without TransformerEngine: causal within each sample, Σ L² per micro-batch.
+"""Core attention over THD packed sequences without TransformerEngine: causal within each sample, Σ L² per row.
 
 slime (v0.3.1, HEAD) and this repo's training adapter pack a micro-batch as THD: the samples' tokens concatenated
 into one row ``[1, T]`` and ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=...)`` saying where
