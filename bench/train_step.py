@@ -200,7 +200,68 @@ def rank_micro_batches(scheme: str, payloads: list, lengths: list[int], w: Workl
     return [[[p.partition[i] for i in mb] for mb in p.micro_batch_indices] for p in payloads]
 
 
-def analyse_replay(say: "Report", replay: dict, profiles: dict, lengths_of: dict, dp: int, repeats: int,
+def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[dict], repeats: int) -> dict:
+    """One rank: every (repeat, scheme, workload) run; busy/wall per run, invariance checks after repeat 0."""
+    import torch.distributed as dist
+    from train_harness import assert_params_match
+
+    from slime_ext.training.worker import TrainWorker
+
+    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port)
+    layout = worker.setup()
+    out: dict = {"layout": layout, "runs": [], "invariance": []}
+    initial = worker.param_snapshot()
+    first: dict[str, tuple[str, dict]] = {}
+    try:
+        for rep in range(repeats):
+            shift = rep % len(SCHEMES)
+            order = SCHEMES[shift:] + SCHEMES[:shift]
+            for scheme in order:
+                for run in runs:
+                    if run["scheme"] != scheme:
+                        continue
+                    worker.reset(**run["changes"])
+                    data = run["payloads"][layout["dp_rank"]]
+                    dist.barrier()
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    records = worker.train_rollout(data)
+                    busy, wall = time.thread_time() - c0, time.perf_counter() - w0
+                    ids = data.partition
+                    out["runs"].append(dict(rep=rep, scheme=scheme, workload=run["workload"], busy=busy, wall=wall,
+                                            ledger=records[0]["ledger"], num_microbatches=records[0]["num_microbatches"],
+                                            num_local=len(ids)))
+                    if rep == 0:
+                        params = worker.param_snapshot()
+                        if run["workload"] not in first:
+                            first[run["workload"]] = (scheme, params)
+                        else:
+                            ref_scheme, ref = first[run["workload"]]
+                            try:
+                                errs = assert_params_match(params, ref, initial, rtol=1e-5,
+                                                           label=f"{scheme} vs {ref_scheme}")
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, True, errs, ""))
+                            except AssertionError as exc:
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, False, {}, str(exc)))
+    finally:
+        worker.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+class Report:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:7.0f}"
+
+
+def analyse_replay(say: Report, replay: dict, profiles: dict, lengths_of: dict, dp: int, repeats: int,
                    targets: list[tuple[bool, str]]) -> dict:
     """The replay table (step time = slowest rank, ratio to ours, each profile's prediction) and its targets.
 
@@ -248,20 +309,6 @@ def analyse_replay(say: "Report", replay: dict, profiles: dict, lengths_of: dict
                             f"replay {wname}: ours not slower than {other}: step ratio {m['step'] / ours['step']:.3f} "
                             f"(predicted {m['pred'] / ours['pred']:.3f})"))
     return first
-
-
-# ---------------------------------------------------------------------------------------------------- report
-class Report:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.lines.append(line)
-
-
-def _ms(x: float) -> str:
-    return f"{1000 * x:7.0f}"
 
 
 def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths_of: dict, dp: int, pp: int,
