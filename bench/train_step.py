@@ -1,7 +1,7 @@
 """Measured step time: a real megatron-core GPT trained on identical rollouts under every schedule (issues 11, 17).
 
-    python -m bench.train_step            # full run: rl + heavy-tail; replay, then DP=2 and DP=2 x PP=2 (~15 min)
-    python -m bench.train_step --quick    # smoke run: one small workload; replay, DP=2, one repeat (~2 min)
+    python -m bench.train_step            # full run: rl + heavy-tail; replay, then DP=2 and DP=2 x PP=2 (~8 min)
+    python -m bench.train_step --quick    # smoke run: one small workload; replay, DP=2, one repeat (~1 min)
 
 The model packs every micro-batch as THD and runs attention within each sample
 (:mod:`slime_ext.training.thd_attention`), as TransformerEngine's varlen kernels do on a GPU: attention costs
@@ -480,11 +480,11 @@ def run(argv: list[str] | None = None) -> int:
                      "use_dynamic_global_batch_size": True}
     design = [step for sd in CALIBRATION_SEEDS for step in calibration_design(cap, seed=sd)]
     t0 = time.perf_counter()
-    (res,) = launch([(replay_job, (replay_config, steps, design, replay_repeats, free_port()))], timeout=3600)
-    seconds = res["seconds"]
+    (replayed,) = launch([(replay_job, (replay_config, steps, design, replay_repeats, free_port()))], timeout=3600)
+    seconds = replayed["seconds"]
     for k in keys:
         replay[k]["seconds"], seconds = seconds[:replay_dp], seconds[replay_dp:]
-    replay_profile, replay_report = fit_profile(res["design"], meta={"device": "cpu", "timer": "thread",
+    replay_profile, replay_report = fit_profile(replayed["design"], meta={"device": "cpu", "timer": "thread",
                                                                      "statistic": "min", "repeats": replay_repeats})
     say(f"\n## Replay ({len(steps)} rank-steps and the {len(design)} calibration steps again, interleaved, min of "
         f"{replay_repeats} each, one process: {time.perf_counter() - t0:.0f} s)\n")
