@@ -192,11 +192,13 @@ class ProcessTrainGroup:
 
 
 def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
-        on_group: Callable[[ProcessTrainGroup], None] | None = None):
+        on_ready: Callable[[ProcessTrainGroup], None] | None = None,
+        on_done: Callable[[ProcessTrainGroup], None] | None = None):
     """Run ``config`` without Ray: ``num_rollout`` rollouts, each trained to the end (see the module docstring).
 
-    ``on_group(group)`` runs after the last rollout, before the processes are shut down (e.g. to fetch parameter
-    snapshots with ``group.call("param_snapshot", ...)``). Returns :class:`~.driver.RunResult`."""
+    ``on_ready(group)`` runs once the ranks are set up, ``on_done(group)`` after the last rollout, before the
+    processes are shut down (e.g. to fetch parameters with ``group.call("param_snapshot", ...)``). Returns
+    :class:`~.driver.RunResult`."""
     from .driver import LedgerError, RolloutResult, RunResult, HEADER, describe, format_row, step_rows
 
     emit = out or (lambda line: None)
@@ -209,6 +211,8 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
         first = manager.plan(0)  # while the ranks import torch and megatron
         first_seconds = time.perf_counter() - t0
         group.setup()
+        if on_ready is not None:
+            on_ready(group)
         result = RunResult(config=config, layouts=list(group.layouts))
         emit(describe(config) + " | launcher=processes")
         emit(HEADER)
@@ -233,8 +237,8 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
             result.rollouts.append(RolloutResult(rollout_id=rollout_id, plan=plan, ranks=ranks, rows=rows,
                                                  generate_seconds=generate_seconds,
                                                  seconds=time.perf_counter() - t0))
-        if on_group is not None:
-            on_group(group)
+        if on_done is not None:
+            on_done(group)
         result.seconds = time.perf_counter() - start
         group.shutdown()
         return result
