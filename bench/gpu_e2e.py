@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         check(all(lay["backend"] == want_backend and lay["device"] == device for lay in res["layouts"]),
               f"{name}: every rank ran {want_backend} on {device} "
               f"({sorted({(lay['backend'], lay['device']) for lay in res['layouts']})})")
+        import slime_ext
+
+        check({lay["slime_ext"] for lay in res["layouts"]} == {slime_ext.__file__},
+              f"{name}: every rank imported slime-ext from {os.path.dirname(slime_ext.__file__)}")
         check(all(math.isfinite(row["loss"]) for row in res["rows"]), f"{name}: every step's loss is finite")
         check({s["samples"] for s in res["scheduler"]} == {res["trained"]},
               f"{name}: the LR scheduler counted {sorted({s['samples'] for s in res['scheduler']})} samples, "
