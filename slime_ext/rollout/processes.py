@@ -149,8 +149,22 @@ class ProcessTrainGroup:
             if cid != call_id:  # an answer to an earlier call that timed out: keep it apart
                 self._early[(rank, cid)] = (status, value)
                 continue
+            if status != "ok":
+                self._raise_if_a_peer_died(rank, value, what)
             got[rank] = self._unpack(rank, status, value, what)
         return [got[r] for r in range(world)]
+
+    def _raise_if_a_peer_died(self, rank: int, error: str, what: str, grace_s: float = 2.0) -> None:
+        """A rank's collective fails at once when its peer's process dies; name the dead peer, the cause."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self.procs) if r != rank and p.exitcode not in (None, 0)]
+            if dead:
+                r, p = dead[0]
+                first = error.strip().splitlines()[0] if error.strip() else "?"
+                raise RankDied(f"{what}: train rank {r} (pid {p.pid}) exited with code {p.exitcode} without "
+                               f"answering; train rank {rank} then failed: {first}")
+            time.sleep(_POLL_S)
 
     @staticmethod
     def _unpack(rank: int, status: str, value: Any, what: str) -> Any:
