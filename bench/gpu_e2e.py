@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, fp32, a tiny model (checks the code path)")
     p.add_argument("--dp", type=int, default=None, help="train processes (default: the GPU count; dry run 2)")
     p.add_argument("--rtol", type=float, default=1e-5, help="fp32 cap A vs cap B, relative per tensor")
-    p.add_argument("--bf16-tol", type=float, default=0.05,
-                   help="bf16 update vs fp32 update, relative distance (GPU only)")
+    p.add_argument("--bf16-tol", type=float, default=0.1,
+                   help="bf16 update vs fp32 update, relative distance (GPU only; CPU bf16 autocast on the dry-run "
+                        "model measured 0.021)")
     args = p.parse_args(argv)
     if args.dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the dry run stays on CPU even on a GPU host
