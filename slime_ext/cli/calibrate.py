@@ -36,7 +36,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, required=True, metavar="N",
                    help="the largest micro-batch to time, in tokens (use your --max-tokens-per-gpu)")
     p.add_argument("--out", metavar="PROFILE.json", required=True, help="where to write the profile")
-    p.add_argument("--repeats", type=int, default=3, metavar="K", help="times each step is timed (median; default 3)")
+    p.add_argument("--repeats", type=int, default=3, metavar="K", help="times each step is timed (default 3)")
+    p.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="what of the K timings a step's observation is: median (default) or min (the least "
+                        "disturbed run, for machines shared with other jobs)")
     p.add_argument("--min-length", type=int, default=32, metavar="N", help="shortest sample timed (default 32)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch CPU threads (default: torch's; 1 times with the calling thread's CPU time)")
@@ -78,6 +81,7 @@ def run(args) -> int:
     progress = (lambda msg: print(f"slime-ext calibrate: {msg}", file=sys.stderr, flush=True))
     try:
         profile, report, _ = calibrate(config, max_tokens=args.max_tokens, repeats=args.repeats,
+                                       statistic=args.statistic,
                                        min_length=args.min_length, timer=args.timer, autocast=autocast,
                                        progress=progress)
     except ScheduleError as e:

@@ -9,10 +9,11 @@ as::
                                             + per_sample_quadratic   * sum(len**2) # attention within each sample
                                             + packed_quadratic       * T**2 )      # attention over the packed row
 
-``per_sample_quadratic`` is attention that sees each sample alone (flash/THD kernels); ``packed_quadratic`` is
-attention computed over the whole packed row and masked (megatron-core's local ``DotProductAttention`` with a
-block-diagonal mask, as this repo's training adapter runs it on CPU). A calibration fits all terms and lets the
-data say which ones matter (non-negative least squares, weighted by relative error).
+``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels; this repo's training
+adapter packs THD and runs :mod:`slime_ext.training.thd_attention` on CPU, so it pays this term too);
+``packed_quadratic`` is attention computed over the whole packed row and masked (megatron-core's local
+``DotProductAttention`` with a block-diagonal mask, which a path that packs without THD pays). A calibration fits all
+terms and lets the data say which ones matter (non-negative least squares, weighted by relative error).
 
 :func:`fit_profile` turns timed observations into a :class:`CostProfile`; it rejects data that cannot determine
 the coefficients (too few points, columns that are linear combinations of each other, such as equal sample

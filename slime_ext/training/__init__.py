@@ -5,10 +5,12 @@ One concern per module, in the order a step touches them:
 * :mod:`slime_ext.train_config` -- ``TrainConfig`` (pure Python, shared with the rollout side): ``batch``,
   ``parallel``, ``model``, ``optim`` sections under flat slime names;
 * :mod:`.parallel` -- torch.distributed + ``megatron.core.parallel_state`` (tp=1, pp, vpp, dp), bounded timeouts;
-* :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, fp32), canonical init, DDP;
+* :mod:`.model` -- tiny Megatron ``GPTModel`` (local spec, THD core attention, fp32), canonical init, DDP;
+* :mod:`.thd_attention` -- core attention over THD packed sequences without TransformerEngine, its layer spec
+  and slime's ``--spec`` callable;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
 * :mod:`.data` -- **where the schedule is consumed**: ``DataIterator`` over a ``RankPayload``, ``RolloutPath``;
-* :mod:`.batch` -- a micro-batch packed into tensors;  :mod:`.loss` -- the per-token policy loss and its scaling;
+* :mod:`.batch` -- a micro-batch packed into tensors (THD);  :mod:`.loss` -- the per-token policy loss and its scaling;
 * :mod:`.train_step` -- the train loop over ``get_forward_backward_func()``, the forward-only pass, and
   ``DATA_PATHS``: the data path chosen by ``dp_schedule``;
 * :mod:`.legacy_backend` -- ``LegacyPath``, upstream's training-side planning (``dp_schedule: legacy``);

@@ -1,14 +1,17 @@
-"""One micro-batch as tensors: its samples packed into a single row with a block-diagonal causal mask.
+"""One micro-batch as tensors: its samples packed as THD, one row ``[1, T]`` plus where each sample starts.
 
-Megatron's local attention (``DotProductAttention``) has no packed-sequence (THD) support, so samples are packed
-along the sequence and kept apart by the mask: token ``j`` of sample ``a`` attends to token ``k`` only if ``k`` is
-in ``a`` and ``k <= j``. Position ids restart at 0 for every sample, so each sample sees exactly what it would see
-alone. The row is as long as the micro-batch's tokens (no padding); under pipeline parallelism Megatron exchanges
-the shape per micro-batch (``variable_seq_lengths``).
+As slime's ``get_batch`` packs them: the samples' tokens concatenated into one row, and
+``PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens_kv=[0, L0, L0+L1, ...], max_seqlen_q=max_seqlen_kv=max L)``
+for the attention, which runs causally within each sample (:class:`slime_ext.training.thd_attention.
+ThdDotProductAttention` here, TransformerEngine's on a TE host). Position ids restart at 0 for every sample, so each
+sample sees exactly what it would see alone. The row is as long as the micro-batch's tokens (no padding: slime
+pads the row to a multiple of 128 x TP as one more segment, which only TE's kernels want); under pipeline
+parallelism Megatron exchanges the shape per micro-batch (``variable_seq_lengths``).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +24,8 @@ BATCH_KEYS = ("tokens", "total_lengths", "response_lengths", "loss_masks", "adva
 class PackedBatch:
     tokens: torch.Tensor  # [1, T] int64
     position_ids: torch.Tensor  # [1, T] int64
-    attention_mask: torch.Tensor  # [1, 1, T, T] bool, True = masked
+    cu_seqlens: torch.Tensor  # [samples + 1] int32: sample i is tokens[0, cu_seqlens[i]:cu_seqlens[i + 1]]
+    max_seqlen: int
     #: per response token (concatenated over samples): the logit position that predicts it, its id, its mask
     #: and its sample's advantage
     logit_positions: torch.Tensor  # [R] int64
@@ -35,13 +39,13 @@ class PackedBatch:
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+    @property
+    def packed_seq_params(self):
+        """megatron-core's ``PackedSeqParams`` for this row (THD, self-attention: the same segments for Q and KV)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
 
-def block_causal_mask(lengths: list[int]) -> torch.Tensor:
-    """``[1, 1, T, T]`` bool mask (True = masked) that keeps each sample causal and on its own."""
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.arange(len(seg))
-    allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
-    return (~allowed)[None, None]
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
 def pack_micro_batch(batch: dict, *, max_positions: int | None = None, device: torch.device | str = "cpu"
@@ -71,7 +75,8 @@ def pack_micro_batch(batch: dict, *, max_positions: int | None = None, device: t
     return PackedBatch(
         tokens=torch.tensor(flat, dtype=torch.int64, device=device)[None],
         position_ids=torch.tensor(positions, dtype=torch.int64, device=device)[None],
-        attention_mask=block_causal_mask(list(totals)).to(device),
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(totals)], dtype=torch.int32, device=device),
+        max_seqlen=int(max(totals)),
         logit_positions=torch.tensor(logit_pos, dtype=torch.int64, device=device),
         targets=torch.tensor(targets, dtype=torch.int64, device=device),
         loss_mask=torch.tensor(mask, dtype=torch.float32, device=device),

@@ -123,15 +123,24 @@ def make_clock(timer: str) -> Callable[[Callable[[], Any]], tuple[Any, float, fl
     return clock
 
 
+#: how the repeats of one step become its observation: ``median`` (the default) or ``min`` (the least-disturbed run:
+#: on a shared machine other processes only ever add time, so the minimum of k repeats is the stablest estimate)
+STATISTICS = {"median": statistics.median, "min": min}
+
+
 def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int = 3, timer: str | None = None,
                autocast: Callable[[], Any] | None = None, warmup: int = 1,
-               progress: Callable[[str], None] | None = None) -> list[Observation]:
-    """Median busy seconds of each step in ``steps`` (run ``repeats`` times, interleaved) on ``worker``.
+               progress: Callable[[str], None] | None = None, statistic: str = "median") -> list[Observation]:
+    """Busy seconds of each step in ``steps`` (run ``repeats`` times, interleaved; ``statistic`` of the repeats, see
+    :data:`STATISTICS`) on ``worker``.
 
     ``worker`` is a set-up :class:`slime_ext.training.worker.TrainWorker` on the rollout-side path, alone in its
     data-parallel group (world size 1, or the caller times one rank while the others wait). ``autocast`` wraps
     each step (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``).
     """
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic={statistic!r} must be one of {sorted(STATISTICS)}")
+    reduce = STATISTICS[statistic]
     clock = make_clock(timer or default_timer())
     ctx = autocast or _no_context
     vocab = worker.config.model.vocab_size
@@ -148,13 +157,13 @@ def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int
             samples[i].append(busy)
         if progress:
             progress(f"repeat {rep + 1}/{repeats}: {len(steps)} steps timed")
-    return [Observation(tuple(tuple(int(x) for x in mb) for mb in s), statistics.median(t))
+    return [Observation(tuple(tuple(int(x) for x in mb) for mb in s), reduce(t))
             for s, t in zip(steps, samples)]
 
 
 def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
               autocast: Callable[[], Any] | None = None, master_port: int | None = None,
-              progress: Callable[[str], None] | None = None, seed: int = 0
+              progress: Callable[[str], None] | None = None, seed: int = 0, statistic: str = "median"
               ) -> tuple[CostProfile, FitReport, list[Observation]]:
     """Set up one training process (world size 1) for ``config``, time :func:`calibration_design`, fit a profile.
 
@@ -162,16 +171,19 @@ def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int
     are what is timed; the parallel layout is forced to one process, the schedule to the rollout-side path).
     """
     observations, meta = measure(config, max_tokens=max_tokens, repeats=repeats, min_length=min_length, timer=timer,
-                                 autocast=autocast, master_port=master_port, progress=progress, seed=seed)
+                                 autocast=autocast, master_port=master_port, progress=progress, seed=seed,
+                                 statistic=statistic)
     profile, report = fit_profile(observations, meta=meta)
     return profile, report, observations
 
 
 def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
             autocast: Callable[[], Any] | None = None, master_port: int | None = None,
-            progress: Callable[[str], None] | None = None, seed: int = 0) -> tuple[list[Observation], dict]:
+            progress: Callable[[str], None] | None = None, seed: int | Sequence[int] = 0,
+            statistic: str = "median") -> tuple[list[Observation], dict]:
     """The timing half of :func:`calibrate`: ``(observations, meta)``. Several processes may measure at once (with
-    different ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run."""
+    different ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run; or one
+    process may time several draws of the design (``seed`` a sequence), interleaved in one :func:`time_steps`."""
     import socket
 
     import torch
@@ -189,12 +201,14 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             master_port = s.getsockname()[1]
-    steps = calibration_design(max_tokens, min_length=min_length, seed=seed)
+    seeds = [seed] if isinstance(seed, int) else list(seed)
+    steps = [step for sd in seeds for step in calibration_design(max_tokens, min_length=min_length, seed=sd)]
     timer = timer or default_timer()
     worker = TrainWorker(cfg, 0, 1, "127.0.0.1", master_port)
     worker.setup()
     try:
-        observations = time_steps(worker, steps, repeats=repeats, timer=timer, autocast=autocast, progress=progress)
+        observations = time_steps(worker, steps, repeats=repeats, timer=timer, autocast=autocast, progress=progress,
+                                  statistic=statistic)
     finally:
         worker.shutdown()
     meta = {
@@ -207,6 +221,7 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
         "optimizer": cfg.optim.optimizer,
         "max_tokens": max_tokens,
         "repeats": repeats,
+        "statistic": statistic,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return observations, meta

@@ -1,4 +1,9 @@
-"""The model: a Megatron ``GPTModel`` (local layer spec, fp32), one chunk per virtual pipeline stage, DDP-wrapped.
+"""The model: a Megatron ``GPTModel`` (local layer spec with THD core attention, fp32), one chunk per virtual pipeline
+stage, DDP-wrapped.
+
+The layer spec is megatron-core's local one with :class:`slime_ext.training.thd_attention.ThdDotProductAttention` as
+its core attention (:func:`~slime_ext.training.thd_attention.get_thd_layer_spec`): micro-batches arrive packed as
+THD (:mod:`.batch`) and attention runs within each sample, costing Σ L² per micro-batch as varlen kernels do on GPU.
 
 Parameters are initialised from their **canonical names** -- the name a parameter has in a single-process model
 (global layer numbers; the last stage's copy of tied embeddings is the embedding) -- each from its own seeded
@@ -61,10 +66,10 @@ def build_model(config: TrainConfig) -> list:
     """One ``GPTModel`` per virtual pipeline stage of this rank (unwrapped), canonically initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from .thd_attention import get_thd_layer_spec
 
     tconfig = transformer_config(config)
-    spec = get_gpt_layer_local_spec()
+    spec = get_thd_layer_spec()
     vpp = config.parallel.vpp_size
     chunks = []
     for vp_stage in range(vpp):

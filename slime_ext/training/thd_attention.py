@@ -1,4 +1,4 @@
-"""Core attention over THD packed sequences without TransformerEngine: causal within each sample, Σ L² per micro-batch.
+"""Core attention over THD packed sequences without TransformerEngine: causal within each sample, Σ L² per row.
 
 slime (v0.3.1, HEAD) and this repo's training adapter pack a micro-batch as THD: the samples' tokens concatenated
 into one row ``[1, T]`` and ``PackedSeqParams(qkv_format="thd", cu_seqlens_q=..., cu_seqlens_kv=...)`` saying where
@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import threading
 from typing import Any
 
 import torch
@@ -80,6 +81,34 @@ def thd_segments(packed_seq_params: Any, total_tokens: int) -> list[tuple[int, i
     if starts[-1] > total_tokens:
         raise ValueError(f"cu_seqlens end at {starts[-1]} but the packed row has {total_tokens} tokens")
     return segments
+
+
+class _LastSegments(threading.local):
+    """The segments of the last ``cu_seqlens`` tensors read, per thread.
+
+    Every layer of one forward pass gets the same ``PackedSeqParams``, and reading ``cu_seqlens`` to the host
+    (``tolist``) waits for the GPU; with this, one wait per micro-batch instead of one per layer. A hit needs the
+    very same tensor objects (held here, so their ids cannot be reused) at the same version (an in-place change
+    bumps ``_version``) and the same row length.
+    """
+
+    tensors: tuple = ()
+    key: tuple = ()
+    segments: list = []
+
+    def get(self, packed_seq_params: Any, total_tokens: int) -> list[tuple[int, int]]:
+        tensors = tuple(getattr(packed_seq_params, name, None) for name in
+                        ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"))
+        key = (total_tokens, *(None if t is None else t._version for t in tensors))
+        if len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors)) \
+                and key == self.key:
+            return self.segments
+        segments = thd_segments(packed_seq_params, total_tokens)
+        self.tensors, self.key, self.segments = tensors, key, segments
+        return segments
+
+
+_last_segments = _LastSegments()
 
 
 class ThdDotProductAttention(MegatronModule):
@@ -135,7 +164,7 @@ class ThdDotProductAttention(MegatronModule):
                              f"{tuple(query.shape)}")
         total = query.size(0)
         pieces, cursor = [], 0
-        for start, length in thd_segments(packed_seq_params, total):
+        for start, length in _last_segments.get(packed_seq_params, total):
             if start > cursor:  # padding between slots: attends to nothing
                 pieces.append(query.new_zeros(start - cursor, query.size(1), value.size(-1)))
             if length:

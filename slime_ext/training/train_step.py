@@ -70,12 +70,12 @@ class _Ledger:
 
 
 def _forward_step(state: TrainState, ledger: _Ledger, make_loss, data_iterator, model):
-    """Megatron ``forward_step_func``: next micro-batch -> packed tensors -> model -> (output, loss function)."""
+    """Megatron ``forward_step_func``: next micro-batch -> THD-packed tensors -> model -> (output, loss function)."""
     batch = data_iterator.get_next(BATCH_KEYS)
     chunk = unwrap(model).vp_stage or 0
     ledger.record(chunk, list(batch["sample_indices"]))
     packed = pack_micro_batch(batch, max_positions=state.config.model.max_positions, device=_device())
-    output = model(packed.tokens, packed.position_ids, packed.attention_mask)
+    output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.packed_seq_params)
     return output, partial(make_loss, packed)
 
 

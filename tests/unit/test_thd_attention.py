@@ -231,3 +231,25 @@ def test_slime_spec_callable(megatron_world):
     spec = fn(args, _config(), None)
     assert spec.submodules.self_attention.submodules.core_attention is ThdDotProductAttention
     assert spec.submodules.self_attention.submodules.q_layernorm is not None
+
+
+def test_segments_are_read_once_per_cu_seqlens_and_again_after_a_change(megatron_world, monkeypatch):
+    """One host read of cu_seqlens per micro-batch (every layer gets the same tensors), none stale."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from slime_ext.training import thd_attention
+
+    reads = []
+    real = thd_attention.thd_segments
+    monkeypatch.setattr(thd_attention, "thd_segments", lambda p, t: reads.append(t) or real(p, t))
+    ours = thd_attention.ThdDotProductAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
+    q, kv = torch.randn(10, 8, 8), torch.randn(10, 2, 8)
+    params = _packed([4, 6])
+    first = ours(q, kv, kv, None, packed_seq_params=params)
+    ours(q, kv, kv, None, packed_seq_params=params)  # a second layer, same micro-batch
+    assert len(reads) == 1
+    params.cu_seqlens_q[1] = 7  # changed in place (the same tensor object is cu_seqlens_kv)
+    changed = ours(q, kv, kv, None, packed_seq_params=params)
+    assert len(reads) == 2 and not torch.equal(first, changed)
+    ours(q, kv, kv, None, packed_seq_params=_packed([4, 6]))  # equal values, new tensors: read again
+    assert len(reads) == 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, ScheduleError, plan_schedule
-from slime_ext.training.batch import block_causal_mask, pack_micro_batch
+from slime_ext.training.batch import pack_micro_batch
 from slime_ext.training.data import DataIterator, RolloutDataError, RolloutPath
 from slime_ext.training.loss import loss_scale, policy_loss_sum, token_log_probs
 
@@ -107,10 +107,11 @@ def test_pack_micro_batch_keeps_samples_apart():
     assert packed.targets.tolist() == [6, 7, 9]
     assert packed.loss_mask.tolist() == [1.0, 0.0, 1.0] and packed.advantages.tolist() == [0.5, 0.5, -2.0]
     assert packed.num_loss_tokens == 2 and packed.sample_ids == [7, 3]
-    allowed = ~block_causal_mask([3, 2])[0, 0]
-    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]],
-                            dtype=torch.bool)
-    assert torch.equal(allowed, expected)
+    # THD, as slime's get_batch: sample i is tokens[cu_seqlens[i]:cu_seqlens[i + 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 5] and packed.cu_seqlens.dtype == torch.int32
+    params = packed.packed_seq_params
+    assert params.qkv_format == "thd" and params.max_seqlen_q == params.max_seqlen_kv == 3
+    assert params.cu_seqlens_q is params.cu_seqlens_kv is packed.cu_seqlens
     with pytest.raises(ValueError, match="max_position_embeddings=2"):
         pack_micro_batch(batch, max_positions=2)
 
