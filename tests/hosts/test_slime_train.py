@@ -44,8 +44,12 @@ _worker = _load("slime_ext_hosts_train_worker", WORKER)
 CASES, LR, WARMUP_ITERS, TAG_CASES = _worker.CASES, _worker.LR, _worker.WARMUP_ITERS, _worker.TAG_CASES
 iterations, first_token = _worker.iterations, _worker.first_token
 #: slime vs slime-ext, largest absolute parameter difference after two steps: Adam, lr 1e-2 (updates ~1e-2 per
-#: parameter), the same samples per step in different micro-batches, so only float summation order differs
-PARAM_TOL = 2e-5
+#: parameter), the same samples per step in different micro-batches, so only float summation order differs. Adam
+#: divides each coordinate's step by its own gradient scale, so an order-of-summation difference in a gradient near
+#: zero moves that coordinate by a visible fraction of lr: measured up to 1.3e-05 (v0.3.1, dynamic, balanced); the
+#: bound is 0.5% of the largest update. Adam is blind to a constant loss scale, so the normaliser is checked on its
+#: own (what slime's loss_function receives), not through the parameters.
+PARAM_TOL = 5e-5
 
 
 def _env(slime_git: str, tag: str) -> dict:
