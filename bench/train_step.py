@@ -1,7 +1,7 @@
 """Measured step time: a real megatron-core GPT trained on identical rollouts under every schedule (issues 11, 17).
 
-    python -m bench.train_step            # full run: rl + heavy-tail; replay, then DP=2 and DP=2 x PP=2 (~15 min)
-    python -m bench.train_step --quick    # smoke run: one small workload; replay, DP=2, one repeat (~2 min)
+    python -m bench.train_step            # full run: rl + heavy-tail; replay, then DP=2 and DP=2 x PP=2 (~8 min)
+    python -m bench.train_step --quick    # smoke run: one small workload; replay, DP=2, one repeat (~1 min)
 
 The model packs every micro-batch as THD and runs attention within each sample
 (:mod:`slime_ext.training.thd_attention`), as TransformerEngine's varlen kernels do on a GPU: attention costs
@@ -200,7 +200,68 @@ def rank_micro_batches(scheme: str, payloads: list, lengths: list[int], w: Workl
     return [[[p.partition[i] for i in mb] for mb in p.micro_batch_indices] for p in payloads]
 
 
-def analyse_replay(say: "Report", replay: dict, profiles: dict, lengths_of: dict, dp: int, repeats: int,
+def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[dict], repeats: int) -> dict:
+    """One rank: every (repeat, scheme, workload) run; busy/wall per run, invariance checks after repeat 0."""
+    import torch.distributed as dist
+    from train_harness import assert_params_match
+
+    from slime_ext.training.worker import TrainWorker
+
+    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port)
+    layout = worker.setup()
+    out: dict = {"layout": layout, "runs": [], "invariance": []}
+    initial = worker.param_snapshot()
+    first: dict[str, tuple[str, dict]] = {}
+    try:
+        for rep in range(repeats):
+            shift = rep % len(SCHEMES)
+            order = SCHEMES[shift:] + SCHEMES[:shift]
+            for scheme in order:
+                for run in runs:
+                    if run["scheme"] != scheme:
+                        continue
+                    worker.reset(**run["changes"])
+                    data = run["payloads"][layout["dp_rank"]]
+                    dist.barrier()
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    records = worker.train_rollout(data)
+                    busy, wall = time.thread_time() - c0, time.perf_counter() - w0
+                    ids = data.partition
+                    out["runs"].append(dict(rep=rep, scheme=scheme, workload=run["workload"], busy=busy, wall=wall,
+                                            ledger=records[0]["ledger"], num_microbatches=records[0]["num_microbatches"],
+                                            num_local=len(ids)))
+                    if rep == 0:
+                        params = worker.param_snapshot()
+                        if run["workload"] not in first:
+                            first[run["workload"]] = (scheme, params)
+                        else:
+                            ref_scheme, ref = first[run["workload"]]
+                            try:
+                                errs = assert_params_match(params, ref, initial, rtol=1e-5,
+                                                           label=f"{scheme} vs {ref_scheme}")
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, True, errs, ""))
+                            except AssertionError as exc:
+                                out["invariance"].append((run["workload"], scheme, ref_scheme, False, {}, str(exc)))
+    finally:
+        worker.shutdown()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+class Report:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:7.0f}"
+
+
+def analyse_replay(say: Report, replay: dict, profiles: dict, lengths_of: dict, dp: int, repeats: int,
                    targets: list[tuple[bool, str]]) -> dict:
     """The replay table (step time = slowest rank, ratio to ours, each profile's prediction) and its targets.
 
@@ -248,20 +309,6 @@ def analyse_replay(say: "Report", replay: dict, profiles: dict, lengths_of: dict
                             f"replay {wname}: ours not slower than {other}: step ratio {m['step'] / ours['step']:.3f} "
                             f"(predicted {m['pred'] / ours['pred']:.3f})"))
     return first
-
-
-# ---------------------------------------------------------------------------------------------------- report
-class Report:
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.lines.append(line)
-
-
-def _ms(x: float) -> str:
-    return f"{1000 * x:7.0f}"
 
 
 def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths_of: dict, dp: int, pp: int,
@@ -433,11 +480,11 @@ def run(argv: list[str] | None = None) -> int:
                      "use_dynamic_global_batch_size": True}
     design = [step for sd in CALIBRATION_SEEDS for step in calibration_design(cap, seed=sd)]
     t0 = time.perf_counter()
-    (res,) = launch([(replay_job, (replay_config, steps, design, replay_repeats, free_port()))], timeout=3600)
-    seconds = res["seconds"]
+    (replayed,) = launch([(replay_job, (replay_config, steps, design, replay_repeats, free_port()))], timeout=3600)
+    seconds = replayed["seconds"]
     for k in keys:
         replay[k]["seconds"], seconds = seconds[:replay_dp], seconds[replay_dp:]
-    replay_profile, replay_report = fit_profile(res["design"], meta={"device": "cpu", "timer": "thread",
+    replay_profile, replay_report = fit_profile(replayed["design"], meta={"device": "cpu", "timer": "thread",
                                                                      "statistic": "min", "repeats": replay_repeats})
     say(f"\n## Replay ({len(steps)} rank-steps and the {len(design)} calibration steps again, interleaved, min of "
         f"{replay_repeats} each, one process: {time.perf_counter() - t0:.0f} s)\n")

@@ -163,17 +163,27 @@ class ThdDotProductAttention(MegatronModule):
             raise ValueError(f"THD query must be [t, heads, head_dim] (megatron-core squeezes the batch dim), got "
                              f"{tuple(query.shape)}")
         total = query.size(0)
-        pieces, cursor = [], 0
+        # the row cut into samples and padding; torch.split, not one slice per sample: a slice's backward writes a
+        # full-row zero tensor per sample (samples x T), split's backward is one concatenation (T)
+        sizes, is_sample, cursor = [], [], 0
         for start, length in _last_segments.get(packed_seq_params, total):
             if start > cursor:  # padding between slots: attends to nothing
-                pieces.append(query.new_zeros(start - cursor, query.size(1), value.size(-1)))
+                sizes.append(start - cursor)
+                is_sample.append(False)
             if length:
-                # [L, heads, hn] -> [1, heads, L, hn]
-                q, k, v = (x[start:start + length].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                pieces.append(self._sdpa(q, k, v, causal=causal)[0].transpose(0, 1))
+                sizes.append(length)
+                is_sample.append(True)
             cursor = start + length
         if cursor < total:
-            pieces.append(query.new_zeros(total - cursor, query.size(1), value.size(-1)))
+            sizes.append(total - cursor)
+            is_sample.append(False)
+        pieces = []
+        for sample, q, k, v in zip(is_sample, *(torch.split(x, sizes) for x in (query, key, value))):
+            if sample:  # [L, heads, hn] -> [1, heads, L, hn] and back
+                q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+                pieces.append(self._sdpa(q, k, v, causal=causal)[0].transpose(0, 1))
+            else:
+                pieces.append(q.new_zeros(q.size(0), q.size(1), value.size(-1)))
         out = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
         return out.reshape(total, -1)
 

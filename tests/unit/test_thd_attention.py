@@ -253,3 +253,16 @@ def test_segments_are_read_once_per_cu_seqlens_and_again_after_a_change(megatron
     assert len(reads) == 2 and not torch.equal(first, changed)
     ours(q, kv, kv, None, packed_seq_params=_packed([4, 6]))  # equal values, new tensors: read again
     assert len(reads) == 3
+
+
+def test_slime_spec_callable_for_moe_replaces_every_layers_core_attention(megatron_world):
+    """``--num-experts``: slime builds ``get_gpt_decoder_block_spec``; every layer of the block gets THD attention."""
+    from types import SimpleNamespace
+
+    from slime_ext.training.thd_attention import ThdDotProductAttention, slime_layer_spec
+
+    config = _config(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
+    block = slime_layer_spec(SimpleNamespace(num_experts=4), config, None)
+    assert len(block.layer_specs) == config.num_layers
+    for layer in block.layer_specs:
+        assert layer.submodules.self_attention.submodules.core_attention is ThdDotProductAttention
