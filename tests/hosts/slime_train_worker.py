@@ -1,13 +1,13 @@
-"""Real slime training on CPU: slime v0.2.4's ``train`` / ``train_one_step`` on the Megatron-LM commit slime pins,
-torch.distributed gloo, DP=2. Started by ``test_slime_train.py``; slime's tree and Megatron-LM first on PYTHONPATH.
+"""Real slime training on CPU: slime's ``train`` / ``train_one_step`` (v0.2.4, v0.3.0, v0.3.1, HEAD) on the
+Megatron-LM commit each tag pins, torch.distributed gloo, DP=2. Started by ``test_slime_train.py``; slime's tree and Megatron-LM first on PYTHONPATH.
 
 Two phases, each in fresh processes (slime's modules and the patches are process-wide):
 
 ``prepare --case C --out DIR``
     One "driver" process with a real local Ray: the case's train data goes through slime's real
     ``RolloutManager._split_train_data_by_dp`` and ``process_rollout_data`` twice, first as slime ships it, then with
-    ``slime_ext.integrations.slime.enable()`` (slime-ext plans on the rollout side). Each rank's dict is saved to
-    ``DIR/{path}-rank{r}.pt``.
+    ``slime_ext.integrations.slime.enable()`` (slime-ext plans on the rollout side), once per rollout of the case
+    (``iterations``). Each rank's dict is saved to ``DIR/{path}-it{k}-rank{r}.pt``.
 ``train --case C --path slime|ext --out DIR``   (two processes, ``RANK``/``WORLD_SIZE``/``MASTER_*`` set)
     Megatron args parsed by slime's own parser (megatron's ``parse_args`` with slime's extra arguments, slime's
     defaults, megatron's ``validate_args``), slime's distributed/seed setup, slime's ``setup_model_and_optimizer``
@@ -31,8 +31,10 @@ What is not slime's own code here, and why (each is a CPU/test necessity, nothin
   ``torch.cuda.current_device()``), but the Ray transfer is replaced: its ``process_rollout_data`` returns the dict
   that slime's ``process_rollout_data`` returned in the driver, saved to a file (the workers run no Ray).
 * CPU-only Megatron has no TransformerEngine, and the local attention asserts ``packed_seq_params is None``
-  (megatron/core/transformer/dot_product_attention.py:159), so slime's packed ``thd`` format cannot run; slime's
-  ``bshd`` format is used, which slime allows only with fixed micro-batches (slime/utils/arguments.py:1757).
+  (megatron/core/transformer/dot_product_attention.py:159). As slime-ext's integration does in slime's driver
+  (``_finish``, run here on both paths), slime's ``--spec`` names slime-ext's THD layer spec, so slime's packed
+  ``thd`` micro-batches train (every dynamic case, and every case from v0.3.1). The static cases at v0.2.4/v0.3.0
+  keep slime's ``bshd`` format, which slime allows only with fixed micro-batches (slime/utils/arguments.py:1757).
 * slime sets ``use_distributed_optimizer`` (``_set_default_megatron_args``); Megatron's ``DistributedOptimizer``
   raises ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...`` for CPU parameters
   (megatron/core/optimizer/distrib_optimizer.py:428), so the worker trains with Megatron's FP32Optimizer (Adam).
