@@ -1,13 +1,23 @@
-# Sourced by ci/gpu_e2e and ci/gpu_bench: find a Python with a CUDA torch already installed and add our packages to
-# it from a local wheel folder, without the network and without touching torch.
+# Sourced by ci/gpu_all, ci/gpu_e2e and ci/gpu_bench: the environment of the GPU checks on an offline machine.
 #
-#   PYTHON=/path/to/python          a Python whose torch is a CUDA build (default: python3)
-#   SLIME_EXT_WHEELHOUSE=DIR         wheels from ci/build_wheelhouse --python X.Y DIR (default: ./wheelhouse)
-#   SLIME_EXT_GPU_VENV=DIR           where our packages go: a venv over PYTHON's site-packages (default .venv-gpu);
-#                                    "none" installs into PYTHON's own environment (use it when PYTHON is a venv)
+# The target: one GPU, no network, a Python with a preinstalled CUDA torch, no Ray, no megatron-core, and only what
+# is carried in with the tree (at most 64 MiB). So nothing here needs Ray or pytest: the train ranks start through
+# torch.multiprocessing (slime_ext.rollout.processes) and the checks are plain Python modules (bench/gpu_e2e.py,
+# bench/gpu_replay.py). Two wheels are carried, built on a connected machine by ci/build_wheelhouse:
+# megatron-core (~2.6 MB, without its dependencies) and slime-ext's own.
 #
-# After gpu_env_setup, $PY is the interpreter to run. GPU_ENV_CPU_OK=1 (ci/gpu_bench --dry-run only) accepts a CPU
-# torch, so that the offline install can be checked on a machine without a GPU.
+#   PYTHON=/path/to/python          the Python whose torch is a CUDA build (default: python3); never modified
+#   SLIME_EXT_WHEELHOUSE=DIR         the carried wheels (default: ./wheelhouse)
+#   SLIME_EXT_GPU_SITE=DIR           where they are unpacked (default: .gpu-site): `pip install --target`, or plain
+#                                    unzipping where PYTHON has no pip; it is put first on PYTHONPATH
+#
+# gpu_env_setup checks PYTHON's torch (a CUDA build that sees a GPU, unless GPU_ENV_CPU_OK=1: the dry run), installs
+# the wheels offline, then checks that torch, megatron-core and slime-ext import from where they should (torch from
+# PYTHON's own environment, unchanged; megatron-core and slime-ext from the wheels) and that numpy and packaging,
+# which megatron-core needs, are there. After it, `gpu_env_run ARGS...` runs PYTHON with that path and `-P` (the
+# working directory is not put first: slime_ext comes from the wheel; bench/ from the tree).
+#
+# Every refusal exits with status 2 and says what is missing and how to fix it.
 
 gpu_env_refuse() {  # message; exit status 2 = this machine cannot run the script
   echo "$GPU_SCRIPT: $1" >&2
@@ -21,12 +31,20 @@ gpu_env_require_gpu() {
   nvidia-smi -L
 }
 
+GPU_ENV_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+gpu_env_run() {  # the interpreter with the carried wheels first on the path
+  PYTHONPATH="$GPU_ENV_SITE:$GPU_ENV_REPO${GPU_ENV_EXTRA_PATH:+:$GPU_ENV_EXTRA_PATH}" "$GPU_ENV_PYTHON" -P "$@"
+}
+
 gpu_env_setup() {
-  local base="${PYTHON:-python3}"
-  command -v "$base" >/dev/null 2>&1 || gpu_env_refuse "PYTHON=$base is not an executable"
+  GPU_ENV_PYTHON="${PYTHON:-python3}"
+  command -v "$GPU_ENV_PYTHON" >/dev/null 2>&1 || gpu_env_refuse "PYTHON=$GPU_ENV_PYTHON is not an executable"
+  "$GPU_ENV_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || gpu_env_refuse "PYTHON=$GPU_ENV_PYTHON is older than Python 3.11 (the scripts run it with -P)"
   # the machine's torch, before anything is installed: it must be a CUDA build that sees a GPU
   local torch_before
-  torch_before=$("$base" - <<'PYEOF'
+  torch_before=$("$GPU_ENV_PYTHON" - <<'PYEOF'
 import os
 import sys
 try:
@@ -37,37 +55,52 @@ if not torch.cuda.is_available() and os.environ.get("GPU_ENV_CPU_OK") != "1":
     sys.exit(f"torch {torch.__version__} sees no CUDA device (a CPU build, or no driver); point PYTHON at the Python with the CUDA torch")
 print(f"{torch.__version__} {torch.__file__}")
 PYEOF
-  ) || gpu_env_refuse "PYTHON=$base: see the line above"
-  local venv="${SLIME_EXT_GPU_VENV:-.venv-gpu}"
-  if [ "$venv" = "none" ]; then
-    PY="$base"
-  else
-    if [ ! -x "$venv/bin/python" ]; then
-      if "$base" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
-        gpu_env_refuse "PYTHON=$base is itself a virtualenv: a venv over it would not see its torch; set SLIME_EXT_GPU_VENV=none to install into it"
-      fi
-      "$base" -m venv --system-site-packages "$venv"
-    fi
-    PY="$venv/bin/python"
-  fi
+  ) || gpu_env_refuse "PYTHON=$GPU_ENV_PYTHON: see the line above"
   local wheels="${SLIME_EXT_WHEELHOUSE:-wheelhouse}"
-  if [ ! -d "$wheels" ] || ! ls "$wheels"/slime_ext-*.whl >/dev/null 2>&1; then
-    gpu_env_refuse "no wheel folder at $wheels (SLIME_EXT_WHEELHOUSE); build it on a connected machine with ci/build_wheelhouse --python $("$base" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') DIR and copy it here"
+  local pyver
+  pyver=$("$GPU_ENV_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+  if ! ls "$wheels"/slime_ext-*.whl >/dev/null 2>&1 || ! ls "$wheels"/megatron_core-*.whl >/dev/null 2>&1; then
+    gpu_env_refuse "no slime-ext and megatron-core wheels in $wheels (SLIME_EXT_WHEELHOUSE); build them on a connected machine with ci/build_wheelhouse --python $pyver DIR and carry DIR in"
   fi
-  "$PY" -m pip install -q --disable-pip-version-check --no-index --find-links "$wheels" \
-    "megatron-core>=0.16,<0.17" "ray>=2.40" "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100" \
-    "pyyaml>=6" || gpu_env_refuse "installing from $wheels failed (is it built for this Python and platform?)"
-  # slime-ext itself: the wheel built from this checkout, replacing an older install
-  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --force-reinstall "$wheels"/slime_ext-*.whl
-  local torch_after
-  torch_after=$("$PY" -c 'import torch; print(f"{torch.__version__} {torch.__file__}")')
-  if [ "$torch_after" != "$torch_before" ]; then
-    gpu_env_refuse "torch changed during the install ($torch_before -> $torch_after); refusing to run on a torch we did not choose"
+  local carried
+  carried=$(du -sk "$wheels" | cut -f1)
+  echo "wheelhouse $wheels: $(ls "$wheels" | tr '\n' ' ')($((carried / 1024)) MiB)"
+  GPU_ENV_SITE="$(mkdir -p "${SLIME_EXT_GPU_SITE:-.gpu-site}" && cd "${SLIME_EXT_GPU_SITE:-.gpu-site}" && pwd)"
+  rm -rf "${GPU_ENV_SITE:?}"/*
+  if "$GPU_ENV_PYTHON" -m pip --version >/dev/null 2>&1; then
+    "$GPU_ENV_PYTHON" -m pip install -q --disable-pip-version-check --no-index --no-deps --target "$GPU_ENV_SITE" \
+      "$wheels"/*.whl || gpu_env_refuse "installing from $wheels failed (are the wheels built for Python $pyver and this platform?)"
+  else  # a wheel is a zip of what goes into site-packages
+    "$GPU_ENV_PYTHON" - "$GPU_ENV_SITE" "$wheels"/*.whl <<'PYEOF' || gpu_env_refuse "unpacking $wheels failed"
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+PYEOF
   fi
-  "$PY" - <<'PYEOF'
-import torch, megatron.core, ray
+  GPU_ENV_TORCH_BEFORE="$torch_before"
+  gpu_env_run - <<'PYEOF' || gpu_env_refuse "the environment is not what the checks need: see the line above"
+import os
+import sys
+
+site = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+try:
+    import numpy, packaging  # megatron-core's own dependencies, not carried by default
+except ImportError as exc:
+    sys.exit(f"{exc}: megatron-core needs numpy and packaging; add them to the wheelhouse (ci/build_wheelhouse --with-deps)")
+import torch
+import megatron.core
+import slime_ext
+
+want = os.environ["GPU_ENV_TORCH_BEFORE"]
+got = f"{torch.__version__} {torch.__file__}"
+if got != want:
+    sys.exit(f"torch changed: {want} -> {got}; refusing to run on a torch we did not choose")
+for name, module in (("megatron-core", megatron.core), ("slime-ext", slime_ext)):
+    if not os.path.realpath(module.__file__).startswith(os.path.realpath(site)):
+        sys.exit(f"{name} was imported from {module.__file__}, not from the carried wheel in {site}")
 gpus = f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no GPU"
-print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus}), megatron-core {megatron.core.__version__}, "
-      f"ray {ray.__version__}")
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}, {gpus}), "
+      f"megatron-core {megatron.core.__version__} and slime-ext from {site}")
 PYEOF
 }
+export GPU_ENV_TORCH_BEFORE

@@ -100,7 +100,7 @@ IGNORED_KEYS = frozenset("""
     rollout_function_path num_rollout rollout_batch_size n_samples_per_prompt rollout_seed
     synthetic_prompt_length_min synthetic_prompt_length_max synthetic_response_length_median
     synthetic_response_length_sigma synthetic_multi_sample_prob synthetic_max_samples_per_rollout
-    synthetic_masked_span_prob device train_worker_class ray_num_cpus ray_object_store_memory_mb
+    synthetic_masked_span_prob device launcher train_autocast train_worker_class ray_num_cpus ray_object_store_memory_mb
     setup_timeout_seconds rollout_timeout_seconds train_timeout_seconds verify_ledger
     lr_warmup_iters lr_warmup_fraction lr_decay_iters train_iters num_epoch num_steps_per_rollout
     rollout_max_response_len rollout_max_prompt_len rollout_temperature rollout_top_p loss_type kl_coef

@@ -1,4 +1,4 @@
-"""The Ray actors: ``RolloutManager`` (rollout -> schedule -> per-rank payloads) and ``TrainActor`` (one train rank).
+"""The actors: ``RolloutManager`` (rollout -> schedule -> per-rank payloads) and ``TrainActor`` (one train rank).
 
 Data flow of one rollout::
 
@@ -6,7 +6,9 @@ Data flow of one rollout::
     TrainActor[rank].train_rollout(rollout_id, refs) # each rank fetches refs[its dp_rank] itself
 
 Every pipeline stage of a DP replica fetches the same payload. The classes are plain Python; :func:`remote`
-turns them into Ray actor classes (so they stay importable and testable without a running Ray).
+turns them into Ray actor classes (so they stay importable and testable without a running Ray), and
+:mod:`.processes` hosts the same classes without Ray (``RolloutManager.plan`` in the driver, one ``TrainActor`` per
+``torch.multiprocessing`` process, payloads passed directly to ``TrainActor.train_payload``).
 """
 
 from __future__ import annotations
@@ -45,15 +47,22 @@ class RolloutManager:
         self.generate_rollout: Callable = load_object(self.args.rollout_function_path)
 
     def generate(self, rollout_id: int) -> dict:
-        """Returns ``{"payload_refs": [ObjectRef per DP rank], "plan": PlanInfo, "seconds": ...}``.
+        """Returns ``{"payload_refs": [ObjectRef per DP rank], "plan": PlanInfo, "seconds": ...}``: :meth:`plan`'s
+        payloads put in Ray's object store, one per DP rank."""
+        import ray
+
+        start = time.perf_counter()
+        payloads, info = self.plan(rollout_id)
+        refs = [ray.put(p) for p in payloads]
+        return {"payload_refs": refs, "plan": info, "seconds": time.perf_counter() - start}
+
+    def plan(self, rollout_id: int) -> tuple[list, PlanInfo]:
+        """Generate, convert and plan one rollout in this process: ``(payload per DP rank, plan)``.
 
         ``plan`` (:class:`slime_ext.schemes.PlanInfo`) is what the driver checks and prints: partitions,
         step_samples, dropped (+ reason), the full schedule dict (rollout path) and the per-sample ``total_lengths``
         / ``rollout_ids`` / ``loss_tokens``.
         """
-        import ray
-
-        start = time.perf_counter()
         output = self.generate_rollout(self.args, rollout_id, None, False)
         samples = flatten_samples(output)
         train_data = samples_to_train_data(samples, vocab_size=self.args.vocab_size,
@@ -61,20 +70,21 @@ class RolloutManager:
         plan = plan_rollout(train_data, self.args, self.train_parallel_config, rollout_id=rollout_id)
         if plan.dropped:  # also in the returned plan; the driver prints it with the step table
             logger.info("rollout %d: dropped %s", rollout_id, plan.dropped_reason)
-        refs = [ray.put(p) for p in plan.payloads]
         info = PlanInfo(dp_schedule=plan.dp_schedule, rollout_id=rollout_id, num_samples=plan.num_samples,
                         partitions=plan.partitions, step_samples=plan.step_samples, dropped=plan.dropped,
                         dropped_reason=plan.dropped_reason, total_lengths=train_data.total_lengths,
                         rollout_ids=train_data.rollout_ids, loss_tokens=train_data.loss_tokens,
                         schedule=plan.schedule)
-        return {"payload_refs": refs, "plan": info, "seconds": time.perf_counter() - start}
+        return list(plan.payloads), info
 
 
 class TrainActor:
     """One rank of the dp x pp world, wrapping a ``TrainWorker`` (``train_worker_class``)."""
 
-    def __init__(self, worker_class: str, train_config: Mapping[str, Any], rank: int, world_size: int):
+    def __init__(self, worker_class: str, train_config: Mapping[str, Any], rank: int, world_size: int,
+                 autocast: str | None = None):
         self.worker_class = worker_class
+        self.autocast = autocast  # the run config's train_autocast: None or a torch dtype name
         self.train_config = dict(train_config)
         self.rank, self.world_size = rank, world_size
         self.worker = None
@@ -110,20 +120,39 @@ class TrainActor:
         """Fetch this rank's payload (``payload_refs[dp_rank]``) and train on it; one record per step."""
         import ray
 
-        worker = self._require()
+        self._require()
         start = time.perf_counter()
         payload = ray.get(payload_refs[self.info["dp_rank"]])
-        fetched = time.perf_counter() - start
+        return self.train_payload(rollout_id, payload, fetch_seconds=time.perf_counter() - start)
+
+    def train_payload(self, rollout_id: int, payload: Any, fetch_seconds: float = 0.0) -> RankResult:
+        """Train on this rank's payload of ``rollout_id`` (already fetched); one record per step.
+
+        ``train_autocast`` (``bfloat16``) runs the steps under ``torch.autocast`` on the rank's device."""
+        worker = self._require()
         if payload.rollout_id != rollout_id or payload.dp_rank != self.info["dp_rank"]:
             raise RuntimeError(f"rank {self.rank} (dp_rank {self.info['dp_rank']}) got the payload of rollout "
                                f"{payload.rollout_id} / dp_rank {payload.dp_rank}, expected rollout "
                                f"{rollout_id}; the payload refs are out of order")
-        records = worker.train_rollout(payload)
+        with self._autocast():
+            records = worker.train_rollout(payload)
         return RankResult(rank=self.rank, dp_rank=self.info["dp_rank"], pp_rank=self.info["pp_rank"],
-                          records=list(records), fetch_seconds=fetched)
+                          records=list(records), fetch_seconds=fetch_seconds)
+
+    def _autocast(self):
+        import contextlib
+
+        import torch
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.info["device"], dtype=getattr(torch, self.autocast))
 
     def param_snapshot(self) -> dict:
         return self._require().param_snapshot()
+
+    def scheduler_state(self) -> dict:
+        return self._require().scheduler_state()
 
     def shutdown(self) -> None:
         if self.worker is not None:

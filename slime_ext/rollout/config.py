@@ -27,6 +27,8 @@ from .synthetic import SYNTHETIC_DEFAULTS, synthetic_bounds
 DEFAULT_ROLLOUT_FUNCTION = "slime_ext.rollout.synthetic.generate_rollout"
 DEVICE_ENV = "SLIME_EXT_DEVICE"
 DEVICES = ("cpu", "cuda")
+LAUNCHERS = ("ray", "processes")
+AUTOCAST_DTYPES = (None, "bfloat16", "float16")
 
 #: rollout-side and harness keys with their defaults (training keys are TrainConfig's fields)
 RUN_DEFAULTS: dict[str, Any] = {
@@ -43,6 +45,8 @@ RUN_DEFAULTS: dict[str, Any] = {
     "data_parallel_size": None,  # optional; checked against the world size
     # harness
     "device": "cpu",  # cpu: gloo; cuda: NCCL, one GPU per train process (SLIME_EXT_DEVICE overrides)
+    "launcher": "ray",  # ray: Ray actors (slime's layout); processes: torch.multiprocessing, no Ray (.processes)
+    "train_autocast": None,  # null: the model's fp32; bfloat16: each train step under torch.autocast (GPU runs)
     "train_worker_class": "slime_ext.training.worker.TrainWorker",
     "ray_num_cpus": None,  # logical CPUs Ray advertises (default: the machine's)
     "ray_object_store_memory_mb": 128,
@@ -138,6 +142,11 @@ def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
     ncpu = options["ray_num_cpus"]
     if ncpu is not None and (isinstance(ncpu, bool) or not isinstance(ncpu, (int, float)) or not ncpu > 0):
         problems.append(f"ray_num_cpus={ncpu!r}: must be a positive number or null (the machine's CPU count)")
+    if options["launcher"] not in LAUNCHERS:
+        problems.append(f"launcher={options['launcher']!r}: must be one of {LAUNCHERS}")
+    if options["train_autocast"] not in AUTOCAST_DTYPES:
+        problems.append(f"train_autocast={options['train_autocast']!r}: must be one of {AUTOCAST_DTYPES} "
+                        f"(null: fp32)")
     if options["device"] not in DEVICES:
         problems.append(f"device={options['device']!r}: must be one of {DEVICES} (or set {DEVICE_ENV})")
     if options["actor_num_nodes"] != 1:

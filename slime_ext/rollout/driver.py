@@ -1,4 +1,5 @@
-"""The harness: start Ray on loopback, run ``num_rollout`` rollout -> train iterations, print each step, shut down.
+"""The harness: start Ray on loopback, run ``num_rollout`` rollout -> train iterations, print each step, shut down
+(``launcher: processes``: the same without Ray, :mod:`.processes`).
 
 ::
 
@@ -162,7 +163,8 @@ class TrainGroup:
         cpus = ray.cluster_resources().get("CPU", 1) / (world + 1)
         opts = dict(num_cpus=cpus, num_gpus=1 if device == "cuda" else 0)
         actors = [remote(TrainActor, **opts).remote(config.options["train_worker_class"], config.train.to_dict(),
-                                                    rank, world) for rank in range(world)]
+                                                    rank, world, config.options["train_autocast"])
+                  for rank in range(world)]
         group = cls(config, actors, [])
         try:
             addr, port = gather([("train rank 0", actors[0].address.remote())], config.options["setup_timeout_seconds"],
@@ -307,7 +309,16 @@ def describe(config: RunConfig) -> str:
 
 def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[str], None] | None = print,
         extra_pythonpath: Sequence[str] = ()) -> RunResult:
-    """Run ``config``: ``num_rollout`` rollouts, each trained to the end; see the module docstring."""
+    """Run ``config``: ``num_rollout`` rollouts, each trained to the end; see the module docstring.
+
+    ``launcher: processes`` runs the same loop without Ray (:mod:`.processes`); ``group`` is Ray's only."""
+    if config.options["launcher"] == "processes":
+        if group is not None or extra_pythonpath:
+            raise ValueError("launcher: processes starts its own train processes; group= and extra_pythonpath= "
+                             "are for launcher: ray")
+        from .processes import run as run_processes
+
+        return run_processes(config, out=out)
     import ray
 
     emit = out or (lambda line: None)

@@ -3,8 +3,9 @@
 The fault injectors are importable by dotted path (``rollout_harness.RaisingTrainWorker``) in the Ray worker
 processes because :func:`ray_session` puts this directory on their ``PYTHONPATH``.
 
-``SLIME_EXT_DEVICE=cuda`` (set by ``ci/gpu_e2e``) runs the same tests on NCCL + CUDA; a config that needs more GPUs
-than the machine has is skipped with the reason.
+``SLIME_EXT_DEVICE=cuda`` runs the same tests on NCCL + CUDA (on a GPU machine that has Ray and pytest; the offline
+``ci/gpu_all`` runs ``bench/gpu_e2e.py`` instead); a config that needs more GPUs than the machine has is skipped with
+the reason.
 """
 
 from __future__ import annotations

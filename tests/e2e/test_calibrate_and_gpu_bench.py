@@ -1,4 +1,4 @@
-"""``slime-ext calibrate`` on a real (tiny) megatron-core model, and ``ci/gpu_bench``'s CPU dry run and refusal.
+"""``slime-ext calibrate`` on a real (tiny) megatron-core model, and ``ci/gpu_all``'s CPU dry run and refusal.
 
 Real processes, real training steps: the calibration times steps through ``TrainWorker.train_rollout`` and fits a
 profile; the dry run plans DP=8 schedules of every scheme and replays them rank by rank. Nothing here is timed
@@ -53,12 +53,28 @@ def test_calibrate_cli_writes_a_profile_the_planner_takes(tmp_path):
     assert "measured profile" in res.stdout
 
 
-def test_gpu_bench_dry_run_replays_every_scheme_on_cpu(tmp_path):
-    report = tmp_path / "dry.md"
-    res = subprocess.run([str(REPO / "ci" / "gpu_bench"), "--dry-run", "--out", str(report)],
-                         capture_output=True, text=True, env={**ENV, "PYTHON": sys.executable}, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    text = report.read_text()
+def test_gpu_all_dry_run_proves_the_offline_gpu_path_on_cpu(tmp_path):
+    """``ci/gpu_all --dry-run``: every step of the offline GPU run but the device. It builds the two-wheel wheelhouse
+    (ci/build_wheelhouse), installs it offline into a fresh folder, hides ray, pytest and yaml, then runs the Ray-free
+    e2e check (torch.multiprocessing ranks over gloo, fp32 invariance across token caps) and the calibration + replay
+    benchmark, both importing slime-ext and megatron-core from the carried wheels."""
+    out = tmp_path / "gpu_all"
+    res = subprocess.run([str(REPO / "ci" / "gpu_all"), "--dry-run"], capture_output=True, text=True, timeout=900,
+                         env={**ENV, "PYTHON": sys.executable, "OUT_DIR": str(out)})
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-6000:]
+    wheels = sorted(p.name for p in (out / "wheelhouse").iterdir())
+    assert len(wheels) == 2 and wheels[0].startswith("megatron_core-") and wheels[1].startswith("slime_ext-"), wheels
+    assert sum(p.stat().st_size for p in (out / "wheelhouse").iterdir()) < 64 * 2**20
+    assert f"slime-ext from {out / 'site'}" in log  # megatron-core and slime-ext imported from the wheels
+    e2e = (out / "gpu_e2e.log").read_text()
+    assert "PASS: 0 failed check(s)" in e2e and "FAIL" not in e2e
+    for check in ("every rank imported slime-ext from " + str(out / "site"), "Ray was never imported",
+                  "cap A and cap B cut different micro-batches", "fp32 parameters after training, cap A vs cap B",
+                  "every rank ran gloo on cpu"):
+        assert f"ok   {check}" in e2e or any(line.startswith("  ok") and check in line for line in e2e.splitlines()), \
+            f"no passed check {check!r} in the e2e log"
+    text = (out / "gpu_bench.md").read_text()
     schemes = ["legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops"]
     if BASELINES["reference"].missing():  # upstream's own planner: an installed slime or SLIME_GIT, else it says so
         schemes.remove("reference")
@@ -67,11 +83,13 @@ def test_gpu_bench_dry_run_replays_every_scheme_on_cpu(tmp_path):
         for scheme in schemes:
             assert f"| {dist} | {scheme} |" in text, f"no row for {dist} / {scheme}"
     assert "## Cost profile" in text and "## Targets" in text
+    assert (out / "gpu_profile.json").exists()
+    assert "ci/gpu_all --dry-run: e2e exit 0, bench exit 0" in log
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi: the refusal is "
                                                                      "for machines without a GPU")
-@pytest.mark.parametrize("script", ["gpu_bench", "gpu_e2e"])
+@pytest.mark.parametrize("script", ["gpu_all", "gpu_bench", "gpu_e2e"])
 def test_gpu_scripts_refuse_without_a_gpu(script):
     res = subprocess.run([str(REPO / "ci" / script)], capture_output=True, text=True, env=ENV, timeout=60)
     assert res.returncode == 2

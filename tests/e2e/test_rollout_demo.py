@@ -59,7 +59,7 @@ def test_demo_cpu_end_to_end(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="needs SLIME_EXT_DEVICE=cuda and a CUDA GPU (ci/gpu_e2e)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs SLIME_EXT_DEVICE=cuda and a CUDA GPU (a GPU machine with Ray and pytest)")
 def test_demo_on_one_gpu_uses_nccl(tmp_path):
     _, report, _ = _run_demo(tmp_path, "actor_num_gpus_per_node=1", "data_parallel_size=1", "num_rollout=2")
     assert [(l["backend"], l["device"]) for l in report["layouts"]] == [("nccl", "cuda")]

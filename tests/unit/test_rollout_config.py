@@ -71,6 +71,8 @@ def _problems(**changes):
     (dict(dp_schedule="legacy", global_batch_size=40), "16 samples but global_batch_size=40 samples per step (legacy "
                                                        "path): not even one step"),
     (dict(dp_schedule="planner"), "dp_schedule"),
+    (dict(launcher="slurm"), "launcher='slurm': must be one of ('ray', 'processes')"),
+    (dict(train_autocast="bf16"), "train_autocast='bf16': must be one of (None, 'bfloat16', 'float16')"),
     # found by the dry run, not by a re-coded rule
     (dict(global_batch_size=1), "step 0 has 1 samples but dp_size = 2"),
     (dict(global_batch_size=5, disable_rollout_trim_samples=True), "the rollout has 16 rollouts, not a multiple of "

@@ -54,6 +54,33 @@ def test_finish_routes_the_train_actor_hook_and_chains_the_users():
     assert legacy.custom_megatron_init_path is None
 
 
+def test_without_transformer_engine_slimes_spec_becomes_the_thd_layer_spec(monkeypatch):
+    """No TE, no --spec: slime's ``--spec`` (Megatron's [module, name]) names the THD spec callable, whatever
+    --dp-schedule; megatron-core's ``import_module`` (what slime's model_provider calls) resolves it to a callable
+    that returns a layer spec with THD core attention. A user's --spec, or TE being there, leaves it alone."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.spec_utils import import_module
+
+    from slime_ext.training.thd_attention import ThdDotProductAttention
+
+    monkeypatch.setattr(integration, "transformer_engine_available", lambda: False)
+    for schedule in ("rollout", "legacy"):
+        args = SimpleNamespace(dp_schedule=schedule, custom_megatron_init_path=None, spec=None)
+        integration._finish(args)
+        assert args.spec == list(integration.THD_LAYER_SPEC)
+    fn = import_module(args.spec)
+    spec = fn(SimpleNamespace(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                              multi_latent_attention=False, moe_use_legacy_grouped_gemm=False), None, None)
+    assert spec.submodules.self_attention.submodules.core_attention is ThdDotProductAttention
+    mine = SimpleNamespace(dp_schedule="rollout", custom_megatron_init_path=None, spec=["my.specs", "layer"])
+    integration._finish(mine)
+    assert mine.spec == ["my.specs", "layer"]
+    monkeypatch.setattr(integration, "transformer_engine_available", lambda: True)
+    with_te = SimpleNamespace(dp_schedule="rollout", custom_megatron_init_path=None, spec=None)
+    integration._finish(with_te)
+    assert with_te.spec is None
+
+
 def test_megatron_init_runs_the_users_hook(tmp_path, monkeypatch):
     (tmp_path / "user_hooks_for_test.py").write_text("CALLS = []\ndef init(args):\n    CALLS.append(args)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -13,7 +13,10 @@ That runs slime's ``train.py`` unchanged after :func:`enable`, which
 2. patches slime's RolloutManager in the driver, before Ray ships it to its actor (see
    :mod:`slime_ext.patches.slime_host` for why it must be the driver): it plans each rollout with slime-ext;
 3. for slime v0.2.4, whose trainer plans on its own, sets ``--custom-megatron-init-path`` to :func:`megatron_init`
-   (chaining a hook the user gave), which switches each train actor to the sent schedule.
+   (chaining a hook the user gave), which switches each train actor to the sent schedule;
+4. on a machine without TransformerEngine, when the user gave no ``--spec``, sets slime's ``--spec`` to
+   :data:`THD_LAYER_SPEC` (:func:`set_default_layer_spec`): slime packs micro-batches as THD, which megatron-core's
+   local attention refuses.
 
 A driver of your own calls :func:`enable` before slime creates the RolloutManager and parses its args with
 slime's ``parse_args``. Supported slime: :data:`slime_ext.patches.slime_host.SUPPORTED_TAGS`; anything else is
@@ -35,12 +38,15 @@ from slime_ext.schemes import DP_SCHEDULES
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
-__all__ = ["PatchError", "add_arguments", "enable", "enabled", "megatron_init"]
+__all__ = ["PatchError", "THD_LAYER_SPEC", "add_arguments", "enable", "enabled", "megatron_init",
+           "set_default_layer_spec"]
 
 #: the hook slime's train actors call (``--custom-megatron-init-path``)
 MEGATRON_INIT_PATH = "slime_ext.integrations.slime.megatron_init"
 #: where the user's own ``--custom-megatron-init-path`` is kept, to be chained
 USER_INIT_ATTR = "slime_ext_user_megatron_init_path"
+#: slime's ``--spec`` (module, callable) on a machine without TransformerEngine: ``(args, config, vp_stage) -> spec``
+THD_LAYER_SPEC = ("slime_ext.training.thd_attention", "slime_layer_spec")
 
 
 def enabled(args: Any) -> bool:
@@ -72,8 +78,28 @@ def add_arguments(parser: Any) -> Any:
     return parser
 
 
+def transformer_engine_available() -> bool:
+    """Whether TransformerEngine can be imported here (slime's train actors run on the driver's image)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def set_default_layer_spec(args: Any) -> None:
+    """Without TransformerEngine and without a ``--spec`` of the user's, set slime's ``--spec`` (Megatron's
+    ``[module, name]``) to :data:`THD_LAYER_SPEC`, a layer spec whose core attention takes slime's packed THD
+    micro-batches; megatron-core's local attention refuses them (``assert packed_seq_params is None``)."""
+    if getattr(args, "spec", None) is not None:
+        logger.info(f"slime-ext: keeping the given --spec {' '.join(args.spec)}")
+        return
+    if transformer_engine_available():
+        return
+    args.spec = list(THD_LAYER_SPEC)
+    logger.info(f"slime-ext: no TransformerEngine here: --spec {' '.join(THD_LAYER_SPEC)} (THD core attention)")
+
+
 def _finish(args: Any) -> None:
-    """After slime parsed: route slime's train-actor hook through slime-ext when slime-ext plans."""
+    """After slime parsed: the layer spec without TE (:func:`set_default_layer_spec`, whatever ``--dp-schedule``);
+    route slime's train-actor hook through slime-ext when slime-ext plans."""
+    set_default_layer_spec(args)
     if not enabled(args):
         logger.info("slime-ext: --dp-schedule legacy, slime plans as usual")
         return
