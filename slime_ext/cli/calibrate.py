@@ -46,6 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timer", choices=("thread", "process", "cuda"), default=None,
                    help="default: cuda on a GPU, thread with one CPU thread, else process")
     p.add_argument("--bf16", action="store_true", help="GPU: run the steps under torch.autocast(bfloat16)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="skip what the pipeline model reads (pp > 1): the backward/forward ratio, fitted on "
+                        "forward-only passes of the same steps, and p2p_s, one activation send/recv between two "
+                        "processes")
     p.set_defaults(func=run)
     return p
 
@@ -83,10 +87,13 @@ def run(args) -> int:
         profile, report, _ = calibrate(config, max_tokens=args.max_tokens, repeats=args.repeats,
                                        statistic=args.statistic,
                                        min_length=args.min_length, timer=args.timer, autocast=autocast,
-                                       progress=progress)
+                                       progress=progress, pipeline=not args.no_pipeline)
     except ScheduleError as e:
         raise CLIError(f"the timings do not support a fit: {e}") from None
     print(fit_summary(profile, report))
+    if not args.no_pipeline:
+        print(f"pipeline: backward/forward = {profile.backward_forward_ratio:.3f}, p2p_s = {profile.p2p_s:.3g} "
+              f"({profile.meta.get('pipeline', {}).get('p2p_s', '')})")
     try:
         profile.save(args.out)
     except OSError as e:

@@ -19,6 +19,12 @@ one torch thread: other processes sharing the cores do not inflate it, and a wai
 quadratic terms), micro-batches packing 2-6 samples of mixed lengths (separating attention within a sample from
 attention over the packed row) and 1-3 micro-batches per step (separating the per-step from the per-micro-batch
 overhead).
+
+For the pipeline model (``pp_size > 1``) calibration also fits what a profile's ``backward_forward_ratio`` and
+``p2p_s`` say: the same design steps are timed forward only (:func:`time_forward_only`, megatron-core's schedule
+with ``forward_only=True``), and the ratio is :func:`fit_backward_forward_ratio`; ``p2p_s`` is the time of one
+send/recv of one capped micro-batch's activation between two processes on the job's backend
+(:func:`measure_p2p`: gloo on CPU; NCCL needs two GPUs, else it is left 0 and the profile's meta says why).
 """
 
 from __future__ import annotations
@@ -161,27 +167,146 @@ def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int
             for s, t in zip(steps, samples)]
 
 
+def time_forward_only(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int = 3,
+                      timer: str | None = None, autocast: Callable[[], Any] | None = None,
+                      statistic: str = "median") -> list[float]:
+    """Busy seconds of each step's forward-only pass (megatron-core's schedule with ``forward_only=True``, no
+    optimizer), ``statistic`` of ``repeats`` interleaved runs, on the same kind of payloads as :func:`time_steps`."""
+    reduce = STATISTICS[statistic]
+    clock = make_clock(timer or default_timer())
+    ctx = autocast or _no_context
+    payloads = [synthetic_step(s, vocab_size=worker.config.model.vocab_size, seed=i) for i, s in enumerate(steps)]
+    with ctx():
+        worker.forward_only(payloads[0])  # first-call costs stay out
+    samples: list[list[float]] = [[] for _ in steps]
+    for rep in range(repeats):
+        for i in (range(len(steps)) if rep % 2 == 0 else reversed(range(len(steps)))):
+            with ctx():
+                _, busy, _ = clock(lambda: worker.forward_only(payloads[i]))
+            samples[i].append(busy)
+    return [reduce(t) for t in samples]
+
+
+def fit_backward_forward_ratio(train_seconds: Sequence[float], forward_seconds: Sequence[float],
+                               step_overhead_s: float) -> float:
+    """``r`` in ``train = step_overhead + (1 + r) * forward``, fitted over the design's steps (least squares through
+    the origin of ``train - step_overhead - forward`` on ``forward``): a step's micro-batches take ``1 + r`` times
+    their forward pass to train, the optimizer and the other per-step costs land in ``step_overhead``.
+
+    Raises ``ValueError`` when the timings give no positive ratio (a forward pass that costs as much as training:
+    the timer did not see the work)."""
+    t = np.asarray(train_seconds, dtype=np.float64) - step_overhead_s
+    f = np.asarray(forward_seconds, dtype=np.float64)
+    if len(t) != len(f) or not len(f) or float(f @ f) <= 0:
+        raise ValueError("fit_backward_forward_ratio needs one positive forward time per timed step")
+    ratio = float((t - f) @ f / (f @ f))
+    if not np.isfinite(ratio) or ratio <= 0:
+        raise ValueError(f"the timings give backward/forward = {ratio:.3g} (forward-only passes as slow as training); "
+                         f"re-run with more --repeats or --statistic min on a quieter machine")
+    return ratio
+
+
+def _p2p_rank(rank: int, port: int, backend: str, shape: tuple[int, ...], dtype: str, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        buf = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+        times = []
+        for i in range(repeats + 1):  # the first exchange sets up the connection: not counted
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            if i:
+                times.append((time.perf_counter() - start) / 2)  # one way
+        if rank == 0:
+            out.put(min(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_p2p(hidden_size: int, tokens: int, *, dtype: str = "float32", repeats: int = 10
+                ) -> tuple[float, str]:
+    """``(seconds, how)``: one send/recv of one micro-batch's activation (``tokens x hidden_size``) between two
+    processes, the least of ``repeats`` ping-pongs (half a round trip). On a GPU machine it needs two GPUs (NCCL
+    cannot put two ranks on one device): with one, ``(0.0, why)``."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.is_available():
+        if torch.cuda.device_count() < 2:
+            return 0.0, "not measured: one GPU (NCCL puts one rank per device); p2p_s = 0"
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_p2p_rank, args=(r, port, backend, (tokens, 1, hidden_size), dtype, repeats, out))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        seconds = out.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return float(seconds), f"{backend}: {tokens} x {hidden_size} {dtype}, min of {repeats} ping-pongs / 2"
+
+
 def calibrate(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
               autocast: Callable[[], Any] | None = None, master_port: int | None = None,
-              progress: Callable[[str], None] | None = None, seed: int = 0, statistic: str = "median"
-              ) -> tuple[CostProfile, FitReport, list[Observation]]:
+              progress: Callable[[str], None] | None = None, seed: int = 0, statistic: str = "median",
+              pipeline: bool = True) -> tuple[CostProfile, FitReport, list[Observation]]:
     """Set up one training process (world size 1) for ``config``, time :func:`calibration_design`, fit a profile.
 
     ``config``: anything :func:`slime_ext.train_config.load_train_config` takes (its model dims and optimizer
     are what is timed; the parallel layout is forced to one process, the schedule to the rollout-side path).
+    ``pipeline``: also fit ``backward_forward_ratio`` and measure ``p2p_s`` (module docstring).
     """
+    import dataclasses
+
     observations, meta = measure(config, max_tokens=max_tokens, repeats=repeats, min_length=min_length, timer=timer,
                                  autocast=autocast, master_port=master_port, progress=progress, seed=seed,
-                                 statistic=statistic)
+                                 statistic=statistic, forward_only=pipeline)
+    forward = meta.pop("forward_only_seconds", None)
     profile, report = fit_profile(observations, meta=meta)
+    if pipeline:
+        ratio = fit_backward_forward_ratio([o.seconds for o in observations], forward, profile.step_overhead_s)
+        dtype = "bfloat16" if autocast is not None else "float32"
+        p2p, how = measure_p2p(meta["model"]["hidden_size"], max_tokens, dtype=dtype)
+        if progress:
+            progress(f"backward/forward = {ratio:.3f}; p2p {p2p * 1e3:.3f} ms ({how})")
+        profile = dataclasses.replace(profile, backward_forward_ratio=ratio, p2p_s=p2p,
+                                      meta={**profile.meta, "pipeline": {
+                                          "backward_forward_ratio": f"fitted on {len(forward)} forward-only steps",
+                                          "p2p_s": how}})
     return profile, report, observations
 
 
 def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int = 32, timer: str | None = None,
             autocast: Callable[[], Any] | None = None, master_port: int | None = None,
             progress: Callable[[str], None] | None = None, seed: int | Sequence[int] = 0,
-            statistic: str = "median") -> tuple[list[Observation], dict]:
-    """The timing half of :func:`calibrate`: ``(observations, meta)``. Several processes may measure at once (with
+            statistic: str = "median", forward_only: bool = False) -> tuple[list[Observation], dict]:
+    """The timing half of :func:`calibrate`: ``(observations, meta)``; with ``forward_only``, ``meta`` also holds
+    each step's forward-only seconds (``forward_only_seconds``, :func:`time_forward_only`). Several processes may measure at once (with
     different ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run; or one
     process may time several draws of the design (``seed`` a sequence), interleaved in one :func:`time_steps`."""
     import socket
@@ -209,6 +334,8 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
     try:
         observations = time_steps(worker, steps, repeats=repeats, timer=timer, autocast=autocast, progress=progress,
                                   statistic=statistic)
+        forward = time_forward_only(worker, steps, repeats=repeats, timer=timer, autocast=autocast,
+                                    statistic=statistic) if forward_only else None
     finally:
         worker.shutdown()
     meta = {
@@ -224,4 +351,6 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
         "statistic": statistic,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    if forward is not None:
+        meta["forward_only_seconds"] = forward
     return observations, meta

@@ -41,6 +41,11 @@ def test_calibrate_cli_writes_a_profile_the_planner_takes(tmp_path):
     assert all(getattr(prof, t) >= 0 for t in TERM_NAMES)
     # a longer micro-batch is predicted to take longer: the fit priced tokens or attention
     assert prof.microbatch_time([256]) > prof.microbatch_time([32])
+    # what the pipeline model reads: a fitted backward/forward ratio (training costs a few forwards) and a measured
+    # two-process send/recv of one capped micro-batch's activation over gloo
+    assert 0.5 < prof.backward_forward_ratio < 8 and prof.backward_forward_ratio != 2.0
+    assert prof.p2p_s > 0 and prof.meta["pipeline"]["p2p_s"].startswith("gloo: 256 x 64 float32")
+    assert "pipeline: backward/forward = " in res.stdout
     lengths = tmp_path / "lengths.npy"
     import numpy as np
 
