@@ -307,6 +307,23 @@ def describe(config: RunConfig) -> str:
             f"hidden={t.model.hidden_size} vocab={t.model.vocab_size} seq={t.model.seq_length}")
 
 
+def finish_rollout(config, rollout_id: int, plan, ranks: list, emit: Callable[[str], None],
+                   generate_seconds: float, t0: float) -> "RolloutResult":
+    """What every launcher does once a rollout trained: check the ledger (``verify_ledger``), print its step rows,
+    and return its :class:`RolloutResult` (``t0``: when the rollout started)."""
+    ranks = sorted(ranks, key=lambda r: r.rank)
+    if config.options["verify_ledger"]:
+        problems = check_ledger(plan, ranks)
+        if problems:
+            raise LedgerError(f"rollout {rollout_id}: the trained samples do not match the plan:\n  "
+                              + "\n  ".join(problems))
+    rows = step_rows(config, plan, ranks)
+    for row in rows:
+        emit(format_row(row))
+    return RolloutResult(rollout_id=rollout_id, plan=plan, ranks=ranks, rows=rows,
+                         generate_seconds=generate_seconds, seconds=time.perf_counter() - t0)
+
+
 def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[str], None] | None = print,
         extra_pythonpath: Sequence[str] = ()) -> RunResult:
     """Run ``config``: ``num_rollout`` rollouts, each trained to the end; see the module docstring.
@@ -352,19 +369,8 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
             plan = gen["plan"]
             if plan.dropped:
                 emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
-            ranks = sorted(group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"]),
-                           key=lambda r: r.rank)
-            if opts["verify_ledger"]:
-                problems = check_ledger(plan, ranks)
-                if problems:
-                    raise LedgerError(f"rollout {rollout_id}: the trained samples do not match the plan:\n  "
-                                      + "\n  ".join(problems))
-            rows = step_rows(config, plan, ranks)
-            for row in rows:
-                emit(format_row(row))
-            result.rollouts.append(RolloutResult(rollout_id=rollout_id, plan=plan, ranks=ranks, rows=rows,
-                                                 generate_seconds=gen["seconds"],
-                                                 seconds=time.perf_counter() - t0))
+            ranks = group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"])
+            result.rollouts.append(finish_rollout(config, rollout_id, plan, ranks, emit, gen["seconds"], t0))
         result.seconds = time.perf_counter() - start
         return result
     except BaseException:

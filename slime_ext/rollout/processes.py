@@ -29,7 +29,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .actors import RolloutManager, TrainActor
 from .config import RunConfig
-from .ledger import check_ledger
 
 #: how often a wait looks at the processes' liveness
 _POLL_S = 0.2
@@ -213,7 +212,7 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
     ``on_ready(group)`` runs once the ranks are set up, ``on_done(group)`` after the last rollout, before the
     processes are shut down (e.g. to fetch parameters with ``group.call("param_snapshot", ...)``). Returns
     :class:`~.driver.RunResult`."""
-    from .driver import LedgerError, RolloutResult, RunResult, HEADER, describe, format_row, step_rows
+    from .driver import HEADER, RunResult, describe, finish_rollout
 
     emit = out or (lambda line: None)
     opts = config.options
@@ -239,18 +238,8 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
                 generate_seconds = time.perf_counter() - t0
             if plan.dropped:
                 emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
-            ranks = sorted(group.train(rollout_id, payloads, opts["train_timeout_seconds"]), key=lambda r: r.rank)
-            if opts["verify_ledger"]:
-                problems = check_ledger(plan, ranks)
-                if problems:
-                    raise LedgerError(f"rollout {rollout_id}: the trained samples do not match the plan:\n  "
-                                      + "\n  ".join(problems))
-            rows = step_rows(config, plan, ranks)
-            for row in rows:
-                emit(format_row(row))
-            result.rollouts.append(RolloutResult(rollout_id=rollout_id, plan=plan, ranks=ranks, rows=rows,
-                                                 generate_seconds=generate_seconds,
-                                                 seconds=time.perf_counter() - t0))
+            ranks = group.train(rollout_id, payloads, opts["train_timeout_seconds"])
+            result.rollouts.append(finish_rollout(config, rollout_id, plan, ranks, emit, generate_seconds, t0))
         if on_done is not None:
             on_done(group)
         result.seconds = time.perf_counter() - start

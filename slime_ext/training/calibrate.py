@@ -144,27 +144,37 @@ def time_steps(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int
     data-parallel group (world size 1, or the caller times one rank while the others wait). ``autocast`` wraps
     each step (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``).
     """
+    vocab = worker.config.model.vocab_size
+    payloads = [synthetic_step(s, vocab_size=vocab, seed=i) for i, s in enumerate(steps)]
+    biggest = max(range(len(steps)), key=lambda i: sum(map(sum, steps[i])))
+    seconds = _time_interleaved(worker.train_rollout, payloads, [payloads[biggest]] * warmup, repeats=repeats,
+                                timer=timer, autocast=autocast, statistic=statistic, progress=progress)
+    return [Observation(tuple(tuple(int(x) for x in mb) for mb in s), t) for s, t in zip(steps, seconds)]
+
+
+def _time_interleaved(run: Callable[[Any], Any], payloads: list, warmup: list, *, repeats: int, timer: str | None,
+                      autocast: Callable[[], Any] | None, statistic: str,
+                      progress: Callable[[str], None] | None = None) -> list[float]:
+    """``run`` each payload ``repeats`` times, forward then backward order in turn (slow drift hits every payload
+    alike), after the ``warmup`` payloads (allocator and first-call costs stay out); busy seconds per payload,
+    ``statistic`` of its repeats."""
     if statistic not in STATISTICS:
         raise ValueError(f"statistic={statistic!r} must be one of {sorted(STATISTICS)}")
     reduce = STATISTICS[statistic]
     clock = make_clock(timer or default_timer())
     ctx = autocast or _no_context
-    vocab = worker.config.model.vocab_size
-    payloads = [synthetic_step(s, vocab_size=vocab, seed=i) for i, s in enumerate(steps)]
-    biggest = max(range(len(steps)), key=lambda i: sum(map(sum, steps[i])))
-    for _ in range(warmup):  # allocator and first-call costs stay out of the fit
+    for payload in warmup:
         with ctx():
-            worker.train_rollout(payloads[biggest])
-    samples: list[list[float]] = [[] for _ in steps]
+            run(payload)
+    samples: list[list[float]] = [[] for _ in payloads]
     for rep in range(repeats):
-        for i in (range(len(steps)) if rep % 2 == 0 else reversed(range(len(steps)))):
+        for i in (range(len(payloads)) if rep % 2 == 0 else reversed(range(len(payloads)))):
             with ctx():
-                _, busy, _ = clock(lambda: worker.train_rollout(payloads[i]))
+                _, busy, _ = clock(lambda: run(payloads[i]))
             samples[i].append(busy)
         if progress:
-            progress(f"repeat {rep + 1}/{repeats}: {len(steps)} steps timed")
-    return [Observation(tuple(tuple(int(x) for x in mb) for mb in s), reduce(t))
-            for s, t in zip(steps, samples)]
+            progress(f"repeat {rep + 1}/{repeats}: {len(payloads)} steps timed")
+    return [reduce(t) for t in samples]
 
 
 def time_forward_only(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int = 3,
@@ -172,19 +182,9 @@ def time_forward_only(worker, steps: Sequence[Sequence[Sequence[int]]], *, repea
                       statistic: str = "median") -> list[float]:
     """Busy seconds of each step's forward-only pass (megatron-core's schedule with ``forward_only=True``, no
     optimizer), ``statistic`` of ``repeats`` interleaved runs, on the same kind of payloads as :func:`time_steps`."""
-    reduce = STATISTICS[statistic]
-    clock = make_clock(timer or default_timer())
-    ctx = autocast or _no_context
     payloads = [synthetic_step(s, vocab_size=worker.config.model.vocab_size, seed=i) for i, s in enumerate(steps)]
-    with ctx():
-        worker.forward_only(payloads[0])  # first-call costs stay out
-    samples: list[list[float]] = [[] for _ in steps]
-    for rep in range(repeats):
-        for i in (range(len(steps)) if rep % 2 == 0 else reversed(range(len(steps)))):
-            with ctx():
-                _, busy, _ = clock(lambda: worker.forward_only(payloads[i]))
-            samples[i].append(busy)
-    return [reduce(t) for t in samples]
+    return _time_interleaved(worker.forward_only, payloads, payloads[:1], repeats=repeats, timer=timer,
+                             autocast=autocast, statistic=statistic)
 
 
 def fit_backward_forward_ratio(train_seconds: Sequence[float], forward_seconds: Sequence[float],
