@@ -25,9 +25,9 @@ def _assert_pipeline_ledger(result, dp: int, pp: int) -> None:
     assert {l["backend"] for l in result.layouts} == {"nccl" if result.config.options["device"] == "cuda" else "gloo"}
     for rollout in result.rollouts:
         assert check_ledger(rollout.plan, rollout.ranks) == []
-        schedule = rollout.plan["schedule"]  # planned for the pipeline: the model's prediction for every step
-        assert schedule["parallel"]["pp_size"] == pp
-        assert all(st["predicted_makespan"] > 0 and 0 <= st["bubble_fraction"] < 1 for st in schedule["stats"])
+        schedule = rollout.plan.schedule  # planned for the pipeline: the model's prediction for every step
+        assert schedule.parallel.pp_size == pp
+        assert all(st.predicted_makespan > 0 and 0 <= st.bubble_fraction < 1 for st in schedule.stats)
         by_dp: dict = {}
         for rank in rollout.ranks:  # the stages of a replica really consumed the same micro-batches
             by_dp.setdefault(rank.dp_rank, []).append([rec.ledger for rec in rank.records])

@@ -339,6 +339,21 @@ def test_bubble_fraction_is_idle_share_of_a_stage():
     np.testing.assert_allclose(rows, [1 - 24 / 33, 1 - 24 / 33])
 
 
+def pg_collection(**groups):
+    """megatron-core's ``ProcessGroupCollection`` with these groups (0.19 accepts nothing else; its fields are set
+    after construction), or a namespace where the class does not exist."""
+    from types import SimpleNamespace
+
+    try:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+    except ImportError:
+        return SimpleNamespace(**groups)
+    collection = ProcessGroupCollection()
+    for name, group in groups.items():
+        setattr(collection, name, group)
+    return collection
+
+
 def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
     """Every rank's operations as megatron-core's own schedule function issues them: its forward/backward and p2p
     calls are recorded (compute replaced by tags, the communicator by a recorder that keeps megatron-core's public
@@ -402,7 +417,8 @@ def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
             out = SimpleNamespace(tag=(current_microbatch, chunk))  # as megatron-core's: a list in, a list out
             return [out] if isinstance(input_tensor, list) else out, torch.zeros([], dtype=torch.int)
 
-        def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+        def backward_step(input_tensor, output_tensor, output_tensor_grad, *model_type_and_config):
+            # 0.16: (..., model_type, config); 0.19: (..., config)
             ops.append(("C", "B") + (output_tensor[0] if isinstance(output_tensor, list) else output_tensor).tag)
             return [torch.zeros(1)] if isinstance(input_tensor, list) else torch.zeros(1)
 
@@ -412,8 +428,8 @@ def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
             chunk.config, chunk.model_type = config, ModelType.encoder_or_decoder
             chunk.set_input_tensor = lambda tensor: None
             chunks.append(chunk)
-        groups = SimpleNamespace(tp=Group(1), cp=Group(1), embd=None, pos_embd=None, pp=Group(pp, rank),
-                                 dp_cp=Group(1))
+        groups = pg_collection(tp=Group(1), cp=Group(1), embd=None, pos_embd=None, pp=Group(pp, rank),
+                               dp_cp=Group(1))
         run = (schedules.forward_backward_pipelining_with_interleaving if vpp > 1
                else schedules.forward_backward_pipelining_without_interleaving)
         with pytest.MonkeyPatch.context() as mp, cpu_device_context():
