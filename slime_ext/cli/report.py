@@ -115,7 +115,7 @@ def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup, piped: bool = 
         "-" if None in caps else "/".join(map(str, sorted(caps))),
         fmt_cost(fmax, setup.cost_model is None), fmt_cost(fmean, setup.cost_model is None), f"{fmax / fmean if fmean else 1.0:.3f}",
         f"{max(s.balance_lower_bound for s in stats):.3f}",
-        *([fmt_float(sum(s.predicted_makespan for s in stats)), ""] if piped else []),
+        *([fmt_float(sum(s.predicted_makespan for s in stats)), "-"] if piped else []),
         fmt_float(_total_time(stats, setup)),
     ]
 
