@@ -11,24 +11,18 @@ import pytest
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.pipeline_plan import pipeline_pricing, predicted_makespans
 
-from test_cli import MODEL_FLAGS, run_main
+from test_cli import MODEL_FLAGS, parse_table, run_main
 
 SPEC = "lognormal:n=256,mu=7.5,sigma=1.0,prompt=100-1500,cap=16000,seed=3"
 FLAGS = ["--synthetic", SPEC, "--dp-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
          "--global-batch-size", "64", "--balance-data", "--no-legend", "-q", *MODEL_FLAGS]
 
 
-def _table_rows(stdout: str) -> list[list[str]]:
-    lines = stdout.splitlines()
-    head = next(i for i, l in enumerate(lines) if l.lstrip().startswith("step"))
-    return [l.split() for l in lines[head + 2:] if re.match(r"\s+\d+\s", l)]
-
-
 def test_pipelined_plan_prints_each_steps_predicted_makespan_and_bubble():
     out = run_main("plan", *FLAGS, "--pipeline-model-parallel-size", "4").stdout
     assert "pp_size=4" in out and "makespan" in out and "bubble" in out
     assert "no pipeline bubble" not in out  # the time estimate is the pipeline's makespan
-    rows = _table_rows(out)
+    rows, total = parse_table(out)
     assert rows, out
     # the same plan, made here: the printed makespan is the schedule's own prediction, the bubble in (0, 100%)
     from slime_ext.cli.inputs import load_samples
@@ -38,11 +32,10 @@ def test_pipelined_plan_prints_each_steps_predicted_makespan_and_bubble():
     schedule = plan_schedule(lengths, ParallelConfig(dp_size=2, pp_size=4),
                              BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=16384,
                                          balance_data=True), cost_model=model)
-    header = out.splitlines()[next(i for i, l in enumerate(out.splitlines()) if l.lstrip().startswith("step"))]
-    cols = header.split()
+    assert len(rows) == schedule.num_steps
     for row, stats in zip(rows, schedule.stats):
-        assert float(row[cols.index("makespan")]) == pytest.approx(stats.predicted_makespan, rel=5e-3)
-        bubble = float(row[cols.index("bubble")].rstrip("%")) / 100
+        assert float(row["makespan"]) == pytest.approx(stats.predicted_makespan, rel=5e-3)
+        bubble = float(row["bubble"].rstrip("%")) / 100
         assert 0 < bubble < 1 and bubble == pytest.approx(stats.bubble_fraction, abs=1e-3)
         # the recorded makespan is the slowest replica's, as the model prices the planned order
         assert stats.predicted_makespan == pytest.approx(float(predicted_makespans(schedule, stats.step).max()))
