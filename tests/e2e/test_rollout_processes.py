@@ -51,19 +51,13 @@ def test_processes_launcher_trains_with_a_verified_ledger():
     _no_rank_processes_left()
 
 
-def test_processes_launcher_rank_raises():
-    cfg = config(BASE, launcher="processes", train_worker_class="rollout_harness.RaisingTrainWorker",
-                 dist_timeout_seconds=SLOW_PG)
-    with timer() as elapsed, pytest.raises(RankError, match="injected train failure on rank 1 at rollout 1"):
+@pytest.mark.parametrize("worker_class, error, message, what", [
+    ("rollout_harness.RaisingTrainWorker", RankError, "injected train failure on rank 1 at rollout 1", "rank failure"),
+    ("rollout_harness.DyingTrainWorker", RankDied, "train rank 1 .* exited with code 17", "dead rank"),
+], ids=["rank_raises", "rank_process_dies"])
+def test_processes_launcher_surfaces_a_failed_rank(worker_class, error, message, what):
+    cfg = config(BASE, launcher="processes", train_worker_class=worker_class, dist_timeout_seconds=SLOW_PG)
+    with timer() as elapsed, pytest.raises(error, match=message):
         run(cfg, out=None)
-    assert elapsed() < 90 < SLOW_PG, f"the rank failure took {elapsed():.1f}s to surface"
-    _no_rank_processes_left()
-
-
-def test_processes_launcher_rank_process_dies():
-    cfg = config(BASE, launcher="processes", train_worker_class="rollout_harness.DyingTrainWorker",
-                 dist_timeout_seconds=SLOW_PG)
-    with timer() as elapsed, pytest.raises(RankDied, match="train rank 1 .* exited with code 17"):
-        run(cfg, out=None)
-    assert elapsed() < 90 < SLOW_PG, f"the dead rank took {elapsed():.1f}s to surface"
+    assert elapsed() < 90 < SLOW_PG, f"the {what} took {elapsed():.1f}s to surface"
     _no_rank_processes_left()
