@@ -7,16 +7,17 @@ the parallel config once and returns one schedule with one signature. Callers ne
     scheme = get_dp_schedule(args.dp_schedule)
     plan = scheme.plan(train_data, args, train_parallel_config, rollout_id=r)     # rollout side: payloads
     scheme.dry_run(lengths, rollout_ids, args, parallel, batch)                    # run-config pre-check
-    iterators, num_microbatches = scheme.iterators(args, model, payload)           # training side
+    steps = scheme.iterators(args, model, payload)          # training side: RankSteps (iterators, counts)
     scheduler.step(increment=scheme.lr_increment(args, payload, step))
-    record = scheme.step_record(...)                                               # what a step returns
+    record = scheme.record(steps, payload, **measured)      # what a step returns: the scheme's StepRecord
 
 Layout (one concern per module):
 
 * :mod:`.base` -- the interfaces: :class:`Scheme` (a scheme a job runs) and :class:`Baseline` (a scheme the
   benchmark and ``plan --compare`` measure ours against: :meth:`Baseline.schedule`), and what planning returns
-  (:class:`RolloutPlan`, :class:`SchemeSchedule`);
-* :mod:`.records` -- the typed return path: :class:`StepRecord`, :class:`RankResult`, :class:`PlanInfo`;
+  (:class:`RolloutPlan`, :class:`SchemeSchedule`), and what the training side runs (:class:`RankSteps`);
+* :mod:`.records` -- the typed return path: :class:`StepRecord` (:class:`RolloutStepRecord`,
+  :class:`LegacyStepRecord`), :class:`RankResult`, :class:`PlanInfo`, :class:`ForwardResult`;
 * :mod:`.rollout` -- :class:`RolloutSchedule`, ``dp_schedule: rollout`` (ours, the default);
 * :mod:`.legacy` -- :class:`LegacySchedule`, ``dp_schedule: legacy``: upstream's training-side scheme in our own
   code (also a baseline);
@@ -35,9 +36,10 @@ from typing import Any
 
 from slime_ext.schedule import ScheduleError
 
-from .base import Baseline, NotComparable, RolloutPlan, SameInput, Scheme, SchemeSchedule
-from .legacy import LegacyPlanError, LegacySchedule
-from .records import PlanInfo, RankResult, RecordError, StepRecord
+from .base import Baseline, NotComparable, RankSteps, RolloutPlan, SameInput, Scheme, SchemeSchedule
+from .legacy import LegacyPlanError, LegacySchedule, LegacySteps
+from .records import (ForwardResult, LegacyStepRecord, PlanInfo, RankResult, RecordError, RolloutStepRecord,
+                      StepRecord)
 from .reference import ReferenceSchedule
 from .rollout import RolloutSchedule
 from .upstream import UpstreamUnavailable
@@ -62,6 +64,7 @@ def get_dp_schedule(name: Any = None) -> Scheme:
     return scheme
 
 
-__all__ = ["BASELINES", "Baseline", "DEFAULT", "DP_SCHEDULES", "LegacyPlanError", "LegacySchedule", "NotComparable",
-           "PlanInfo", "RankResult", "RecordError", "ReferenceSchedule", "RolloutPlan", "RolloutSchedule", "SCHEMES",
-           "SameInput", "Scheme", "SchemeSchedule", "StepRecord", "UpstreamUnavailable", "get_dp_schedule"]
+__all__ = ["BASELINES", "Baseline", "DEFAULT", "DP_SCHEDULES", "ForwardResult", "LegacyPlanError", "LegacySchedule",
+           "LegacyStepRecord", "LegacySteps", "NotComparable", "PlanInfo", "RankResult", "RankSteps", "RecordError",
+           "ReferenceSchedule", "RolloutPlan", "RolloutSchedule", "RolloutStepRecord", "SCHEMES", "SameInput",
+           "Scheme", "SchemeSchedule", "StepRecord", "UpstreamUnavailable", "get_dp_schedule"]

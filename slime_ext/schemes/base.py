@@ -2,9 +2,9 @@
 
 * :class:`Scheme` -- a ``dp_schedule`` a job can run. One signature for every scheme, as megatron-core's
   ``get_forward_backward_func()`` returns schedules that all take the same arguments: the rollout side calls
-  :meth:`Scheme.plan`, the run-config check :meth:`Scheme.dry_run`, the training side :meth:`Scheme.iterators` and
-  :meth:`Scheme.lr_increment`, and records each step as :attr:`Scheme.step_record`. Callers never branch on the
-  scheme's name again.
+  :meth:`Scheme.plan`, the run-config check :meth:`Scheme.dry_run`, the training side :meth:`Scheme.iterators`
+  (a :class:`RankSteps`), :meth:`Scheme.lr_increment` and :meth:`Scheme.record` (the scheme's own
+  :class:`~slime_ext.schemes.StepRecord` subclass). Callers never branch on the scheme's name again.
 * :class:`Baseline` -- a scheme the benchmark and ``slime-ext plan --compare`` measure ours against:
   :meth:`Baseline.schedule` plans one rollout's lengths in the shape of our ``DPSchedule``, and
   :meth:`Baseline.same_input` says what it plans when it is given the rollout one of our schedules planned.
@@ -62,6 +62,17 @@ class SchemeSchedule:
     timings: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class RankSteps:
+    """One rank's steps of one rollout, as a scheme's training side hands them to megatron-core: one
+    ``DataIterator`` per virtual pipeline stage (``get_forward_backward_func()``'s ``data_iterator``) and the
+    micro-batches of each step (its ``num_microbatches``), the same on every rank. A scheme that decides more on the
+    rank subclasses it to keep what its step records report (:class:`~slime_ext.schemes.legacy.LegacySteps`)."""
+
+    iterators: list["DataIterator"]
+    num_microbatches: list[int]
+
+
 class NotComparable(ValueError):
     """A baseline cannot plan the input ours planned (its flags mean something else there); the message says why."""
 
@@ -85,8 +96,8 @@ class Scheme(ABC):
     batch_unit: ClassVar[str]
     #: how messages name what plans on this scheme ("refused by the planner")
     title: ClassVar[str]
-    #: the record :func:`slime_ext.training.train_step.train_one_step` returns per step
-    step_record: ClassVar[type[StepRecord]] = StepRecord
+    #: the record :func:`slime_ext.training.train_step.train_one_step` returns per step (:meth:`record`)
+    step_record: ClassVar[type[StepRecord]]
 
     # ------------------------------------------------------------------ rollout side (pure)
     @abstractmethod
@@ -111,14 +122,18 @@ class Scheme(ABC):
 
     # ------------------------------------------------------------------ training side (imports torch when called)
     @abstractmethod
-    def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None
-                  ) -> tuple[list["DataIterator"], list[int]]:
-        """``(one DataIterator per virtual pipeline stage, num_microbatches per step)`` of this rank's payload, as
-        ``get_forward_backward_func()`` takes them. ``vpp`` overrides Megatron's VPP size (tests without Megatron)."""
+    def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None) -> RankSteps:
+        """This rank's payload as ``get_forward_backward_func()`` takes it (:class:`RankSteps`). ``vpp`` overrides
+        Megatron's VPP size (tests without Megatron)."""
 
     @abstractmethod
     def lr_increment(self, args: Any, payload: RankPayload, step: int) -> int:
         """What the LR scheduler is advanced by after step ``step`` (``scheduler.step(increment=...)``)."""
+
+    @abstractmethod
+    def record(self, steps: RankSteps, payload: RankPayload, **measured: Any) -> StepRecord:
+        """One step's :attr:`step_record`: the ``measured`` fields every scheme records (``StepRecord``'s, the step
+        index ``step`` among them), and what this scheme adds for that step from its ``steps`` and ``payload``."""
 
 
 class Baseline(ABC):

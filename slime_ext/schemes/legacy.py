@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConfig, RankPayload, SampleBatch,
                                 ScheduleError)
 from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 
-from .base import Baseline, NotComparable, RolloutPlan, SameInput, Scheme, SchemeSchedule
+from .base import Baseline, NotComparable, RankSteps, RolloutPlan, SameInput, Scheme, SchemeSchedule
+from .records import LegacyStepRecord
 
 
 class LegacyPlanError(ScheduleError):
@@ -166,13 +167,20 @@ class LegacyRank:
         return out
 
     def plan(self, lengths: Sequence[int], reduce_max: Callable[[list[int]], list[int]]
-             ) -> tuple[list[list[int]], list[int]]:
-        """``(micro_batch_indices, num_microbatches)`` of one rank; ``reduce_max`` is the DP group's
-        ``all_reduce(MAX)`` of the per-step counts (dynamic batches only: static counts are the same everywhere)."""
-        counts = self.counts(lengths)
-        if self.cap is not None:
-            counts = self.agree(reduce_max(counts))
-        return self.micro_batches(lengths, counts), counts
+             ) -> tuple[list[list[int]], list[int], list[int]]:
+        """``(micro_batch_indices, num_microbatches, local counts)`` of one rank; ``reduce_max`` is the DP group's
+        ``all_reduce(MAX)`` of the per-step counts (dynamic batches only: static counts are the same everywhere);
+        the local counts are this rank's own (:meth:`counts`), before the ranks agree."""
+        local = self.counts(lengths)
+        counts = self.agree(reduce_max(local)) if self.cap is not None else list(local)
+        return self.micro_batches(lengths, counts), counts, local
+
+
+@dataclass
+class LegacySteps(RankSteps):
+    """:class:`RankSteps` of the legacy path, with each step's count before the DP group's ``all_reduce(MAX)``."""
+
+    local_microbatches: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------- the scheme
@@ -182,6 +190,7 @@ class LegacySchedule(Scheme, Baseline):
     name = "legacy"
     batch_unit = "samples"
     title = "the legacy path"
+    step_record = LegacyStepRecord
     time_note = "ranks in parallel: split + slowest rank's count + slowest rank's partition"
 
     # ------------------------------------------------------------------ rollout side
@@ -322,13 +331,20 @@ class LegacySchedule(Scheme, Baseline):
         rank = LegacyRank(global_batch_size=payload.global_batch_size, dp_size=dp_size,
                           cap=args.max_tokens_per_gpu * cp_size if dynamic else None,
                           micro_batch_size=None if dynamic else args.micro_batch_size, vpp_size=vpp_size, group=group)
-        micro_batch_indices, num_microbatches = rank.plan(payload.samples.total_lengths,
-                                                          lambda counts: data.all_reduce_max(counts, dp_group))
+        micro_batch_indices, num_microbatches, local = rank.plan(payload.samples.total_lengths,
+                                                                 lambda counts: data.all_reduce_max(counts, dp_group))
         stages = vpp_size if vpp is None else vpp
-        return [data.DataIterator(payload, micro_batch_indices) for _ in range(stages)], num_microbatches
+        return LegacySteps([data.DataIterator(payload, micro_batch_indices) for _ in range(stages)], num_microbatches,
+                           local_microbatches=local)
 
     def lr_increment(self, args: Any, payload: RankPayload, step: int) -> int:
         """upstream: ``opt_param_scheduler.step(increment=args.global_batch_size)``, whatever the step held. The
         payload carries that figure: ``--global-batch-size``, or with ``use_dynamic_global_batch_size`` the step
         size the rollout side chose (``args.global_batch_size`` is then unset)."""
         return payload.global_batch_size
+
+    def record(self, steps: RankSteps, payload: RankPayload, **measured: Any) -> LegacyStepRecord:
+        """The measured step and the count this rank's samples needed before the DP group agreed."""
+        if not isinstance(steps, LegacySteps):
+            raise TypeError(f"dp_schedule=legacy records steps from its own iterators(), got {type(steps).__name__}")
+        return LegacyStepRecord(**measured, local_microbatches=int(steps.local_microbatches[measured["step"]]))

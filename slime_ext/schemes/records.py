@@ -2,7 +2,10 @@
 
 The way out (rollout side -> training side) is :class:`slime_ext.schedule.RankPayload`; these are the way back:
 
-* :class:`StepRecord` -- one optimizer step of one rank (``train_one_step``);
+* :class:`StepRecord` -- one optimizer step of one rank (``train_one_step``), as each scheme records it:
+  :class:`RolloutStepRecord` adds the rollouts the planned step trains on, :class:`LegacyStepRecord` the
+  micro-batches this rank's own samples needed before the DP group agreed on a count;
+* :class:`ForwardResult` -- one rank's per-token log-probs of a rollout (``forward_only``);
 * :class:`RankResult` -- one rank's steps of one rollout (``TrainActor.train_rollout``);
 * :class:`PlanInfo` -- what the rollout side planned for one rollout (``RolloutManager.generate``), which the
   driver prints and the ledger checker (:mod:`slime_ext.rollout.ledger`) holds the ranks' results against.
@@ -78,6 +81,56 @@ class StepRecord:
         _id_lists(name, "ledger", self.ledger, "micro-batches")
         if not isinstance(self.update_successful, bool):
             _fail(name, "update_successful", self.update_successful, "must be True or False")
+
+
+@dataclass(frozen=True)
+class RolloutStepRecord(StepRecord):
+    """A step of ``dp_schedule: rollout``: the planned step, run unchanged. ``rollouts`` is the number of whole
+    rollouts it trains on over all ranks (the planner groups steps by rollout; ``samples`` may vary with it)."""
+
+    rollouts: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int(type(self).__name__, "rollouts", self.rollouts, 1)
+        if self.rollouts > self.samples:
+            _fail(type(self).__name__, "rollouts", self.rollouts,
+                  f"must be at most samples={self.samples}: a rollout trains on at least one sample")
+
+
+@dataclass(frozen=True)
+class LegacyStepRecord(StepRecord):
+    """A step of ``dp_schedule: legacy``, planned on the rank. ``local_microbatches`` is what this rank's own
+    samples needed (first-fit bins under the cap, or samples / micro_batch_size) before the DP group's
+    ``all_reduce(MAX)``; ``num_microbatches - local_microbatches`` micro-batches were split off to keep the ranks in
+    lockstep."""
+
+    local_microbatches: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _int(type(self).__name__, "local_microbatches", self.local_microbatches, 1)
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    """One rank's ``forward_only`` over its payload: ``sample_indices`` the global sample ids in payload order;
+    ``log_probs[k]`` the per-token log-probs of sample ``k``'s response tokens on the last pipeline stage (where the
+    logits are), ``None`` on every other stage."""
+
+    sample_indices: list[int]
+    log_probs: list[list[float]] | None
+
+    def __post_init__(self) -> None:
+        _id_lists("ForwardResult", "sample_indices", [self.sample_indices], "ids")
+        if self.log_probs is None:
+            return
+        if not isinstance(self.log_probs, list) or len(self.log_probs) != len(self.sample_indices):
+            _fail("ForwardResult", "log_probs", self.log_probs,
+                  f"give one list per sample ({len(self.sample_indices)}), or None off the last pipeline stage")
+        for k, lp in enumerate(self.log_probs):
+            if not isinstance(lp, list) or not all(isinstance(x, float) for x in lp):
+                _fail("ForwardResult", f"log_probs[{k}]", lp, "must be a list of floats (tensor.tolist())")
 
 
 @dataclass(frozen=True)

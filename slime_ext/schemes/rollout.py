@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, build_dp_schedule, plan_schedule
 
-from .base import RolloutPlan, Scheme
+from .base import RankSteps, RolloutPlan, Scheme
+from .records import RolloutStepRecord
 
 
 class RolloutSchedule(Scheme):
@@ -21,6 +22,7 @@ class RolloutSchedule(Scheme):
     name = "rollout"
     batch_unit = "rollouts"
     title = "the planner"
+    step_record = RolloutStepRecord
 
     def plan(self, train_data: SampleBatch, args: Any, train_parallel_config: Mapping[str, int], *,
              rollout_id: int = 0) -> RolloutPlan:
@@ -45,15 +47,19 @@ class RolloutSchedule(Scheme):
                 batch: BatchConfig) -> None:
         plan_schedule(lengths, parallel, batch, rollout_ids=rollout_ids)
 
-    def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None):
+    def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None) -> RankSteps:
         """The payload's schedule slice, one iterator per VPP stage over the same micro-batches."""
         from slime_ext.training import data
 
         payload = data.check_payload(payload, planned=True)
         stages = data.vpp_size() if vpp is None else vpp
-        return ([data.DataIterator(payload, payload.micro_batch_indices) for _ in range(stages)],
-                list(payload.num_microbatches))
+        return RankSteps([data.DataIterator(payload, payload.micro_batch_indices) for _ in range(stages)],
+                         list(payload.num_microbatches))
 
     def lr_increment(self, args: Any, payload: RankPayload, step: int) -> int:
         """The samples step ``step`` really trains on (varies with multi-sample rollouts and dynamic sizes)."""
         return payload.samples_per_step[step]
+
+    def record(self, steps: RankSteps, payload: RankPayload, **measured: Any) -> RolloutStepRecord:
+        """The measured step and the rollouts the planner gave it."""
+        return RolloutStepRecord(**measured, rollouts=int(payload.rollouts_per_step[measured["step"]]))

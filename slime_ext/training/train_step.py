@@ -3,13 +3,13 @@
 Per rollout::
 
     scheme = state.scheme                                        # the dp_schedule, looked up when configured
-    iterators, num_microbatches = scheme.iterators(args, model, payload)   # one iterator per VPP stage
+    steps = scheme.iterators(args, model, payload)       # RankSteps: one iterator per VPP stage, counts per step
     check that every rank runs the same steps and micro-batches; count each step's loss tokens
-    for s, n in enumerate(num_microbatches):
+    for s, n in enumerate(steps.num_microbatches):
         zero grads; forward_backward_func(n micro-batches)  # DDP reduces grads after the last one
         optimizer.step()                                     # Megatron optimizer, clips by clip_grad
         scheduler.step(increment=scheme.lr_increment(args, payload, s))
-        scheme.step_record(...)                              # what the step returns
+        scheme.record(steps, payload, step=s, ...)           # what the step returns: the scheme's StepRecord
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from slime_ext.schedule import RankPayload
-from slime_ext.schemes import Scheme, StepRecord
+from slime_ext.schemes import ForwardResult, RankSteps, Scheme, StepRecord
 
 from .batch import BATCH_KEYS, pack_micro_batch
 from slime_ext.train_config import Layout, TrainConfig
@@ -133,22 +133,23 @@ def train_rollout(state: TrainState, payload: RankPayload) -> list[StepRecord]:
     """Train on one rollout; returns one record per step (see :func:`train_one_step`)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    local_error, iterators, num_microbatches, local_tokens = None, [], [], []
+    local_error, steps, local_tokens = None, RankSteps([], []), []
     try:
-        iterators, num_microbatches = state.scheme.iterators(state.args, state.model, payload)
-        local_tokens = _local_step_tokens(iterators, num_microbatches, payload)
+        steps = state.scheme.iterators(state.args, state.model, payload)
+        local_tokens = _local_step_tokens(steps.iterators, steps.num_microbatches, payload)
     except ValueError as exc:  # RolloutDataError, ScheduleError: tell the other ranks before failing
-        local_error, num_microbatches, local_tokens = exc, [], []
-    step_tokens = _agree(state, local_error, num_microbatches, local_tokens, payload)
+        local_error, steps, local_tokens = exc, RankSteps([], []), []
+    step_tokens = _agree(state, local_error, steps.num_microbatches, local_tokens, payload)
     forward_backward = get_forward_backward_func()
-    return [train_one_step(state, forward_backward, iterators, payload, s, n, step_tokens[s])
-            for s, n in enumerate(num_microbatches)]
+    return [train_one_step(state, forward_backward, steps, payload, s, step_tokens[s])
+            for s in range(len(steps.num_microbatches))]
 
 
-def train_one_step(state: TrainState, forward_backward, iterators: list, payload: RankPayload,
-                   step_id: int, num_microbatches: int, step_loss_tokens: int) -> StepRecord:
-    """One optimizer step over ``num_microbatches`` micro-batches per rank; returns the scheme's
-    :class:`~slime_ext.schemes.StepRecord` (its fields say what each number is)."""
+def train_one_step(state: TrainState, forward_backward, steps: RankSteps, payload: RankPayload,
+                   step_id: int, step_loss_tokens: int) -> StepRecord:
+    """Step ``step_id`` of ``steps`` (its ``num_microbatches[step_id]`` micro-batches per rank); returns the
+    scheme's :class:`~slime_ext.schemes.StepRecord` subclass (its fields say what each number is)."""
+    num_microbatches = steps.num_microbatches[step_id]
     start = time.perf_counter()
     model = state.model
     for chunk in model:
@@ -160,7 +161,7 @@ def train_one_step(state: TrainState, forward_backward, iterators: list, payload
     step_func = partial(_forward_step, state, ledger, partial(train_loss_func, scale=scale))
     losses = forward_backward(
         forward_step_func=step_func,
-        data_iterator=iterators,
+        data_iterator=steps.iterators,
         model=model,
         num_microbatches=num_microbatches,
         seq_length=state.config.model.seq_length,  # ignored with variable_seq_lengths; shapes travel with the tensors
@@ -178,7 +179,8 @@ def train_one_step(state: TrainState, forward_backward, iterators: list, payload
     dist.all_reduce(loss_t)
     micro_batches = ledger.micro_batches()
     samples = payload.samples_per_step
-    return state.scheme.step_record(
+    return state.scheme.record(
+        steps, payload,
         step=step_id,
         loss=float(loss_t.item()) / step_loss_tokens if step_loss_tokens else 0.0,
         lr=lr,
@@ -203,15 +205,13 @@ def _dp_sum(value: int) -> int:
 
 
 @torch.no_grad()
-def forward_only(state: TrainState, payload: RankPayload) -> dict:
-    """Per-token log-probs of every response token, over the same iterators as training.
-
-    Returns ``{"sample_indices": [...], "log_probs": [[...] per sample] or None}`` in payload order;
-    ``log_probs`` is filled on the last pipeline stage (where the logits are) and ``None`` elsewhere.
-    """
+def forward_only(state: TrainState, payload: RankPayload) -> ForwardResult:
+    """Per-token log-probs of every response token, over the same iterators as training: a
+    :class:`~slime_ext.schemes.ForwardResult` in payload order, ``log_probs`` filled on the last pipeline stage
+    (where the logits are) and ``None`` elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    iterators, num_microbatches = state.scheme.iterators(state.args, state.model, payload)
+    steps = state.scheme.iterators(state.args, state.model, payload)
     ids = list(payload.partition)
     forward_backward = get_forward_backward_func()
     for chunk in state.model:
@@ -219,20 +219,19 @@ def forward_only(state: TrainState, payload: RankPayload) -> dict:
     ledger = _Ledger(len(state.model))
     outputs: list[dict] = []
     try:
-        for n in num_microbatches:
+        for n in steps.num_microbatches:
             outputs += forward_backward(
                 forward_step_func=partial(_forward_step, state, ledger, log_prob_func),
-                data_iterator=iterators, model=state.model, num_microbatches=n,
+                data_iterator=steps.iterators, model=state.model, num_microbatches=n,
                 seq_length=state.config.model.seq_length, micro_batch_size=1, forward_only=True)
     finally:
         for chunk in state.model:
             chunk.train()
-    result = {"sample_indices": ids, "log_probs": None}
-    if state.layout.is_last_stage:
-        position = {sid: k for k, sid in enumerate(ids)}
-        log_probs: list[list[float] | None] = [None] * len(ids)
-        for mb_ids, out in zip(ledger.micro_batches(), outputs):
-            for sid, lp in zip(mb_ids, torch.split(out["log_probs"], out["response_lengths"])):
-                log_probs[position[sid]] = lp.tolist()
-        result["log_probs"] = log_probs
-    return result
+    if not state.layout.is_last_stage:
+        return ForwardResult(sample_indices=ids, log_probs=None)
+    position = {sid: k for k, sid in enumerate(ids)}
+    log_probs: list[list[float] | None] = [None] * len(ids)
+    for mb_ids, out in zip(ledger.micro_batches(), outputs):
+        for sid, lp in zip(mb_ids, torch.split(out["log_probs"], out["response_lengths"])):
+            log_probs[position[sid]] = lp.tolist()
+    return ForwardResult(sample_indices=ids, log_probs=log_probs)

@@ -25,7 +25,7 @@ import torch
 
 from slime_ext.patches import megatron_cpu
 from slime_ext.schedule import RankPayload
-from slime_ext.schemes import StepRecord, get_dp_schedule
+from slime_ext.schemes import ForwardResult, StepRecord, get_dp_schedule
 
 from slime_ext.train_config import RESETTABLE_KEYS, TrainConfig, TrainConfigError, load_train_config
 
@@ -106,7 +106,7 @@ class TrainWorker:
 
         return train_rollout(self._require_setup(), payload)
 
-    def forward_only(self, payload: RankPayload) -> dict:
+    def forward_only(self, payload: RankPayload) -> ForwardResult:
         """Per-token log-probs of the response tokens (filled on the last pipeline stage)."""
         from .train_step import forward_only
 

@@ -22,6 +22,8 @@ import pytest
 from train_harness import (CAP, MODEL, OPTIM, assert_params_match, free_port, group_job, launch, legacy_payloads,
                            legacy_step_samples, make_samples, merged_params, plan, reference_job, rollout_payloads)
 
+from slime_ext.schemes import ForwardResult, LegacyStepRecord, RolloutStepRecord
+
 pytestmark = pytest.mark.e2e
 
 REFERENCE_CONFIG = {**MODEL, **OPTIM}
@@ -87,6 +89,8 @@ def check_ledger(group, sc: Scenario) -> None:
             dp_rank = rank_result["layout"]["dp_rank"]
             records = rank_result["scenarios"][sc.name]["records"][r_idx]
             assert [rec.num_microbatches for rec in records] == schedule.num_microbatches, sc.name
+            assert all(type(rec) is RolloutStepRecord for rec in records), sc.name
+            assert [rec.rollouts for rec in records] == schedule.rollouts_per_step, sc.name
             per_rank.setdefault(dp_rank, [rec.ledger for rec in records])
             assert per_rank[dp_rank] == [rec.ledger for rec in records], f"{sc.name}: PP stages disagree"
         for dp_rank, ledgers in per_rank.items():
@@ -105,9 +109,10 @@ def check_forward_only(group, reference, sc: Scenario) -> None:
     seen = 0
     for rank_result in group:
         out = rank_result["scenarios"][sc.name]["forward_only"]
-        if out["log_probs"] is None:
+        assert type(out) is ForwardResult, type(out)
+        if out.log_probs is None:
             continue
-        for sid, lp in zip(out["sample_indices"], out["log_probs"]):
+        for sid, lp in zip(out.sample_indices, out.log_probs):
             np.testing.assert_allclose(lp, ref[sid], rtol=1e-5, atol=1e-5, err_msg=f"{sc.name}: sample {sid}")
             seen += 1
     assert seen == len(ref), f"{sc.name}: forward-only returned {seen} of {len(ref)} samples"
@@ -197,6 +202,9 @@ def check_legacy_ledger(group, sc: Scenario) -> None:
         assert consumed == sorted(ids), f"{sc.name}: legacy step {s}"
         counts = {records[s].num_microbatches for records in by_dp.values()}
         assert len(counts) == 1, f"{sc.name}: legacy ranks disagree on num_microbatches {counts}"
+        assert all(type(records[s]) is LegacyStepRecord for records in by_dp.values()), sc.name
+        # the agreed count is the DP group's MAX of the local ones (under VPP rounded down to a whole group)
+        assert counts.pop() <= max(records[s].local_microbatches for records in by_dp.values()), sc.name
 
 
 def _pipeline_scenarios(parallel: dict, world_size: int, dp: int) -> list[Scenario]:

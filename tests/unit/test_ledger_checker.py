@@ -17,12 +17,20 @@ from slime_ext.rollout.train_data import flatten_samples, samples_to_train_data
 from slime_ext.schemes import PlanInfo, RankResult, RecordError, StepRecord
 
 
-def _plan(dp_schedule="rollout") -> PlanInfo:
-    args = SimpleNamespace(**SYNTHETIC_DEFAULTS, rollout_batch_size=6, n_samples_per_prompt=2, rollout_seed=1,
+def _args(dp_schedule="rollout") -> SimpleNamespace:
+    return SimpleNamespace(**SYNTHETIC_DEFAULTS, rollout_batch_size=6, n_samples_per_prompt=2, rollout_seed=1,
                            global_batch_size=6, use_dynamic_batch_size=True,
                            max_tokens_per_gpu=96, micro_batch_size=1, balance_data=True, dp_schedule=dp_schedule,
                            num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=128, seq_length=128)
-    data = samples_to_train_data(flatten_samples(generate_rollout(args, 0)))
+
+
+def _train_data():
+    return samples_to_train_data(flatten_samples(generate_rollout(_args(), 0)))
+
+
+def _plan(dp_schedule="rollout") -> PlanInfo:
+    args = _args(dp_schedule)
+    data = _train_data()
     plan = plan_rollout(data, args, {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                      "microbatch_group_size_per_vp_stage": 1})
     return PlanInfo(dp_schedule=plan.dp_schedule, rollout_id=0, num_samples=plan.num_samples,
@@ -152,3 +160,36 @@ def test_malformed_rank_results_and_plans_fail_where_they_are_made():
         replace(plan, dropped=[0])
     with pytest.raises(RecordError, match="PlanInfo.schedule='dict': must be a DPSchedule or None"):
         replace(plan, schedule={})
+
+
+def test_the_rollout_scheme_records_the_rollouts_each_planned_step_trains_on():
+    from slime_ext.schemes import SCHEMES, RolloutStepRecord, get_dp_schedule
+
+    plan = _plan("rollout")
+    scheme = get_dp_schedule("rollout")
+    assert len({s.step_record for s in SCHEMES.values()}) == len(SCHEMES)  # one record class per scheme
+    payload = plan.schedule.rank_payload(0, _train_data())
+    steps = scheme.iterators(None, None, payload, vpp=1)
+    for s, n in enumerate(steps.num_microbatches):
+        base = _record(s, n, [[0]], payload.samples_per_step[s])
+        rec = scheme.record(steps, payload, **{f: getattr(base, f) for f in base.__dataclass_fields__})
+        assert type(rec) is RolloutStepRecord and rec.rollouts == plan.schedule.rollouts_per_step[s]
+        assert isinstance(rec, StepRecord) and rec.samples == base.samples
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    with pytest.raises(RecordError, match="RolloutStepRecord.rollouts=0: must be an integer >= 1"):
+        RolloutStepRecord(**fields, rollouts=0)
+    with pytest.raises(RecordError, match=rf"RolloutStepRecord.rollouts={base.samples + 1}: must be at most samples"):
+        RolloutStepRecord(**fields, rollouts=base.samples + 1)
+
+
+def test_a_forward_result_is_one_list_of_floats_per_sample_or_none():
+    from slime_ext.schemes import ForwardResult
+
+    assert ForwardResult(sample_indices=[3, 1], log_probs=[[-0.5], [-1.0, -2.0]]).log_probs[1] == [-1.0, -2.0]
+    assert ForwardResult(sample_indices=[3, 1], log_probs=None).log_probs is None  # not the last stage
+    with pytest.raises(RecordError, match=r"ForwardResult.log_probs=\[\[-0.5\]\]: give one list per sample \(2\)"):
+        ForwardResult(sample_indices=[3, 1], log_probs=[[-0.5]])
+    with pytest.raises(RecordError, match=r"ForwardResult.log_probs\[1\]=.*must be a list of floats"):
+        ForwardResult(sample_indices=[3, 1], log_probs=[[-0.5], [1]])
+    with pytest.raises(RecordError, match="ForwardResult.sample_indices"):
+        ForwardResult(sample_indices=[-1], log_probs=None)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch
-from slime_ext.schemes import LegacyPlanError, get_dp_schedule
+from slime_ext.schemes import LegacyPlanError, LegacyStepRecord, RankSteps, RecordError, get_dp_schedule
 from slime_ext.schemes.legacy import LegacyRank, split_over_ranks
 from slime_ext.training import data
 from slime_ext.training.data import RolloutDataError
@@ -47,14 +47,14 @@ DYNAMIC = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=True, max_
 def test_dynamic_counts_take_the_dp_max_and_the_deal_fills_them_without_a_cap(fake_parallel):
     lengths = [40, 30, 20, 10, 45, 5, 5, 5]  # steps of 4 local samples: first fit needs 2 and 2 bins
     fake_parallel.peer_counts = [3, 1]  # the other rank needs 3 in step 0
-    iterators, nmb = LEGACY.iterators(DYNAMIC, None, _payload(lengths))
-    assert nmb == [3, 2]
-    mbs = iterators[0].micro_batch_indices
+    steps = LEGACY.iterators(DYNAMIC, None, _payload(lengths))
+    assert steps.num_microbatches == [3, 2] and steps.local_microbatches == [2, 2]
+    mbs = steps.iterators[0].micro_batch_indices
     assert len(mbs) == 5 and sorted(i for mb in mbs[:3] for i in mb) == [0, 1, 2, 3]
     assert sorted(i for mb in mbs[3:] for i in mb) == [4, 5, 6, 7]
     fake_parallel.peer_counts = [1, 1]
-    _, nmb = LEGACY.iterators(DYNAMIC, None, _payload([30, 30, 30, 30, 2, 2, 2, 2]))
-    assert nmb == [4, 1]  # no two 30-token samples share a 50-token bin
+    steps = LEGACY.iterators(DYNAMIC, None, _payload([30, 30, 30, 30, 2, 2, 2, 2]))
+    assert steps.num_microbatches == [4, 1]  # no two 30-token samples share a 50-token bin
 
 
 def test_runtime_is_the_benchmarks_legacy_schedule(fake_parallel):
@@ -83,8 +83,9 @@ def test_runtime_is_the_benchmarks_legacy_schedule(fake_parallel):
                     LEGACY.iterators(DYNAMIC, None, payload)
                 refused += 1
                 continue
-            iterators, nmb = LEGACY.iterators(DYNAMIC, None, payload)
-            assert nmb == sched.num_microbatches and len(iterators) == vpp
+            steps = LEGACY.iterators(DYNAMIC, None, payload)
+            iterators, nmb = steps.iterators, steps.num_microbatches
+            assert nmb == sched.num_microbatches and len(iterators) == vpp and steps.local_microbatches == counts[r]
             assert [[part[i] for i in mb] for mb in iterators[0].micro_batch_indices] == \
                 [[sched.partitions[r][i] for i in mb] for mb in sched.micro_batch_indices[r]]
     assert 0 < refused < 60  # both outcomes were met
@@ -94,8 +95,9 @@ def test_vpp_rounds_down_as_upstream_and_refuses_below_one_group(fake_parallel):
     fake_parallel.vpp, fake_parallel.group = 2, 2
     args = SimpleNamespace(**{**vars(DYNAMIC), "max_tokens_per_gpu": 35})
     fake_parallel.peer_counts = [3]
-    iterators, nmb = LEGACY.iterators(args, None, _payload([10, 20, 30, 15]))
-    assert nmb == [2] and len(iterators) == 2  # 3 bins by first fit, rounded down to the group of 2
+    steps = LEGACY.iterators(args, None, _payload([10, 20, 30, 15]))
+    # 3 bins by first fit, rounded down to the group of 2
+    assert steps.num_microbatches == [2] and len(steps.iterators) == 2 and steps.local_microbatches == [3]
     fake_parallel.peer_counts = [1]
     with pytest.raises(LegacyPlanError, match="below one microbatch_group_size_per_vp_stage=2"):
         LEGACY.iterators(SimpleNamespace(**{**vars(DYNAMIC), "max_tokens_per_gpu": 100}), None,
@@ -105,8 +107,9 @@ def test_vpp_rounds_down_as_upstream_and_refuses_below_one_group(fake_parallel):
 def test_static_counts_and_loud_errors(fake_parallel):
     args = SimpleNamespace(global_batch_size=8, use_dynamic_batch_size=False, micro_batch_size=2,
                            max_tokens_per_gpu=None)
-    iterators, nmb = LEGACY.iterators(args, None, _payload([5] * 8))
-    assert nmb == [2, 2] and iterators[0].micro_batch_indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    steps = LEGACY.iterators(args, None, _payload([5] * 8))
+    assert steps.num_microbatches == [2, 2] == steps.local_microbatches
+    assert steps.iterators[0].micro_batch_indices == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(LegacyPlanError, match="would drop 1 samples"):
         LEGACY.iterators(args, None, _payload([5] * 9))
     with pytest.raises(LegacyPlanError, match="multiple of dp_size=2"):
@@ -132,5 +135,22 @@ def test_static_counts_must_fill_whole_vpp_groups(fake_parallel):
     with pytest.raises(LegacyPlanError, match="3 micro-batches per rank and step is not a multiple of "
                                               "microbatch_group_size_per_vp_stage=2"):
         LEGACY.iterators(args, None, _payload([5] * 3, gbs=6))
-    _, nmb = LEGACY.iterators(args, None, _payload([5] * 4, gbs=8))
-    assert nmb == [4]
+    assert LEGACY.iterators(args, None, _payload([5] * 4, gbs=8)).num_microbatches == [4]
+
+
+def test_each_step_records_the_count_this_rank_needed_before_the_ranks_agreed(fake_parallel):
+    fake_parallel.peer_counts = [3, 1]
+    payload = _payload([40, 30, 20, 10, 45, 5, 5, 5])
+    steps = LEGACY.iterators(DYNAMIC, None, payload)
+    measured = dict(loss=0.5, lr=1e-3, samples=8, seconds=0.1, ledger=[[0]], loss_tokens=4, grad_norm=None,
+                    lr_increment=8, scheduler_samples=8, update_successful=True)
+    records = [LEGACY.record(steps, payload, step=s, num_microbatches=n, **measured)
+               for s, n in enumerate(steps.num_microbatches)]
+    assert all(type(r) is LEGACY.step_record is LegacyStepRecord for r in records)
+    # step 0: 2 first-fit bins here, 3 on the peer: one micro-batch split off to keep the ranks in lockstep
+    assert [(r.num_microbatches, r.local_microbatches) for r in records] == [(3, 2), (2, 2)]
+    with pytest.raises(RecordError, match="LegacyStepRecord.local_microbatches=0: must be an integer >= 1"):
+        LegacyStepRecord(step=0, num_microbatches=1, local_microbatches=0, **measured)
+    with pytest.raises(TypeError, match="records steps from its own iterators"):
+        LEGACY.record(RankSteps(steps.iterators, steps.num_microbatches), payload, step=0, num_microbatches=3,
+                      **measured)

@@ -53,7 +53,8 @@ def test_rollout_scheme_one_iterator_per_vpp_stage_over_a_real_schedule():
         part = schedule.partitions[rank]
         payload = pickle.loads(pickle.dumps(schedule.rank_payload(rank, rollout, rollout_id=4)))  # as through Ray
         assert payload.partition == part and payload.samples.total_lengths == [lengths[i] for i in part]
-        iterators, nmb = ROLLOUT.iterators(None, None, payload, vpp=2)
+        steps = ROLLOUT.iterators(None, None, payload, vpp=2)
+        iterators, nmb = steps.iterators, steps.num_microbatches
         assert nmb == schedule.num_microbatches and len(iterators) == 2 and iterators[0] is not iterators[1]
         for it in iterators:  # every VPP stage walks the same micro-batches
             got = [it.get_next(["sample_indices"])["sample_indices"] for _ in range(sum(nmb))]
