@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from slime_ext.patches import PatchError
 from slime_ext.patches import slime_host
-from slime_ext.schemes import DP_SCHEDULES
+from slime_ext.schemes import DEFAULT, DP_SCHEDULES, get_dp_schedule
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
@@ -50,8 +50,9 @@ THD_LAYER_SPEC = ("slime_ext.training.thd_attention", "slime_layer_spec")
 
 
 def enabled(args: Any) -> bool:
-    """Whether slime-ext plans for this job (``--dp-schedule rollout``, the default once switched on)."""
-    return getattr(args, "dp_schedule", "rollout") == "rollout"
+    """Whether slime-ext plans for this job: the default scheme (``--dp-schedule rollout``); ``legacy`` leaves slime's
+    own path untouched."""
+    return get_dp_schedule(getattr(args, "dp_schedule", None)) is get_dp_schedule()
 
 
 def add_arguments(parser: Any) -> Any:
@@ -59,7 +60,7 @@ def add_arguments(parser: Any) -> Any:
     have = set(getattr(parser, "_option_string_actions", {}))
     group = parser.add_argument_group(title="slime-ext")
     if "--dp-schedule" not in have:
-        group.add_argument("--dp-schedule", choices=DP_SCHEDULES, default="rollout",
+        group.add_argument("--dp-schedule", choices=DP_SCHEDULES, default=DEFAULT,
                            help="rollout: slime-ext plans micro-batches for every DP rank once per rollout "
                                 "(default); legacy: slime's own path, untouched")
     if "--use-dynamic-global-batch-size" not in have:
