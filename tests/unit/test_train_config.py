@@ -64,7 +64,7 @@ def test_layout_follows_megatron_order_dp_fastest():
                                                                                          (1, 1)]
     assert cfg.train_parallel_config(4) == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                             "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
-                                            "overlap_p2p_comm": False}
+                                            "overlap_p2p_comm": False, "tp_size": 1}
     assert cfg.parallel.schedule_config(4).align == 2
     assert data_parallel_size(6, 3) == 2
 
