@@ -21,7 +21,7 @@ def _no_device_override(monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_configs_are_valid(path):
     cfg = load_run_config(path)
-    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size()
+    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size
     if cfg.options["data_parallel_size"] is not None:
         assert cfg.options["data_parallel_size"] == cfg.dp_size
 
