@@ -1,19 +1,22 @@
 """The training job's config, nested as torchtitan nests its ``JobConfig``::
 
-    TrainConfig(batch=BatchConfig(...), parallel=Parallelism(...), model=ModelConfig(...), optim=OptimConfig(...),
-                dp_schedule="rollout", seed=1234, ...)
+    TrainConfig(batch=BatchConfig(...), parallel=ParallelConfig(dp_size=None, ...), model=ModelConfig(...),
+                optim=OptimConfig(...), dp_schedule="rollout", seed=1234, ...)
 
 Users keep slime's / Megatron's flat names (``lr:``, ``max_tokens_per_gpu:``, ``--pipeline-model-parallel-size``):
 :meth:`TrainConfig.from_mapping` / :meth:`TrainConfig.from_args` route each flat key to its section, and
-:meth:`TrainConfig.to_args` flattens back for slime-shaped code. ``batch`` is the planning layer's own
-:class:`~slime_ext.schedule.BatchConfig`, validated there only. Pure Python (no torch): the rollout side validates
-run configs with it without importing the training layer.
+:meth:`TrainConfig.to_args` flattens back for slime-shaped code. ``batch`` and ``parallel`` are the planning layer's
+own :class:`~slime_ext.schedule.BatchConfig` and :class:`~slime_ext.schedule.ParallelConfig`, validated there; the
+parallel layout's data-parallel size is left to the world size (:meth:`TrainConfig.dp_size`), and only the limits of
+this trainer are checked here. Pure Python (no torch): the rollout side validates run configs with it without
+importing the training layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +24,7 @@ from typing import Any, Mapping
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, ScheduleError
 from slime_ext.schemes import DP_SCHEDULES
-from slime_ext.schedule.config import BATCH_FLAGS, megatron_mb_group_size
+from slime_ext.schedule.config import BATCH_FLAGS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
@@ -41,15 +44,6 @@ def _check_positive_int(obj: Any, *keys: str) -> None:
             _fail(key, v, "must be a positive integer")
 
 
-def data_parallel_size(world_size: int, model_parallel_size: int) -> int:
-    """``world_size / (tp * cp * pp)``: the one place a world size becomes a data-parallel size."""
-    mp = model_parallel_size
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 or world_size % mp:
-        raise TrainConfigError(f"world_size={world_size!r} is not a multiple of tp*cp*pp = {mp}; start dp * {mp} "
-                               f"train processes (one per rank of dp x pp)")
-    return world_size // mp
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where one global rank sits (Megatron's default order ``tp-cp-ep-dp-pp`` with tp = cp = 1)."""
@@ -66,74 +60,60 @@ class Layout:
         return self.pp_rank == self.pp_size - 1
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """Megatron's model-parallel sizes; data parallelism is whatever the world size leaves (:meth:`dp_size`)."""
-
-    tensor_model_parallel_size: int = 1  # must be 1: this adapter has no tensor parallelism
-    pipeline_model_parallel_size: int = 1
+#: the training config's flat (Megatron) name of each :class:`ParallelConfig` field it sets (``dp_size`` is the
+#: world size's business, ``overlap_p2p_comm`` stays False: this trainer keeps megatron-core's batched p2p)
+PARALLEL_FLAT_KEYS = {
+    "tensor_model_parallel_size": "tp_size",  # must be 1: this adapter has no tensor parallelism
+    "pipeline_model_parallel_size": "pp_size",
     #: model chunks per pipeline rank (Megatron's interleaved schedule); None or 1: no interleaving
-    virtual_pipeline_model_parallel_size: int | None = None
+    "virtual_pipeline_model_parallel_size": "vpp_size",
     #: micro-batches a stage runs per model chunk before switching chunk; None: the pipeline size (Megatron's)
-    microbatch_group_size_per_vp_stage: int | None = None
-    context_parallel_size: int = 1  # must be 1: this adapter has no context parallelism
+    "microbatch_group_size_per_vp_stage": "microbatch_group_size_per_vp_stage",
+    "context_parallel_size": "cp_size",  # must be 1: this adapter has no context parallelism
+}
+#: ParallelConfig's field names that are not the flat keys: its messages are reworded with the flat ones
+_FLAT_NAME = {field: key for key, field in PARALLEL_FLAT_KEYS.items() if field != key}
+_FIELD_NAME = re.compile(r"\b(" + "|".join(_FLAT_NAME) + r")\b")
 
-    def __post_init__(self) -> None:
-        if self.tensor_model_parallel_size != 1:
-            _fail("tensor_model_parallel_size", self.tensor_model_parallel_size,
-                  "this adapter supports tensor parallelism 1 only")
-        if self.context_parallel_size != 1:
-            _fail("context_parallel_size", self.context_parallel_size,
-                  "this adapter supports context parallelism 1 only")
-        _check_positive_int(self, "pipeline_model_parallel_size")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            _check_positive_int(self, "virtual_pipeline_model_parallel_size")
-            if vpp > 1 and self.pipeline_model_parallel_size == 1:
-                _fail("virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
-        group = self.microbatch_group_size_per_vp_stage
-        if group is not None:
-            _check_positive_int(self, "microbatch_group_size_per_vp_stage")
-            if self.vpp_size > 1 and group < self.pipeline_model_parallel_size:
-                _fail("microbatch_group_size_per_vp_stage", group,
-                      f"Megatron's interleaved schedule needs it >= pipeline_model_parallel_size "
-                      f"= {self.pipeline_model_parallel_size}")
 
-    @property
-    def vpp_size(self) -> int:
-        return self.virtual_pipeline_model_parallel_size or 1
+def _parallel_from_flat(values: Mapping[str, Any]) -> ParallelConfig:
+    """The ``parallel`` section from the flat keys; ParallelConfig's refusals as :class:`TrainConfigError`, under the
+    keys' flat names."""
+    # this trainer's limits first: vpp > 1 without pp is refused as such, not as a missing group size
+    _check_parallel_limits(**{k: values[k] for k in PARALLEL_FLAT_KEYS if k in values})
+    kwargs = {field: values[key] for key, field in PARALLEL_FLAT_KEYS.items() if key in values}
+    if kwargs.get("vpp_size", 1) is None:  # Megatron's "off"
+        del kwargs["vpp_size"]
+    try:
+        return ParallelConfig(dp_size=None, **kwargs)
+    except ScheduleError as exc:  # one error type for callers, naming the keys as the user wrote them
+        raise TrainConfigError(_FIELD_NAME.sub(lambda m: _FLAT_NAME[m.group(1)], str(exc))) from None
 
-    @property
-    def mb_group_size(self) -> int:
-        """``microbatch_group_size_per_vp_stage`` as Megatron resolves it (:func:`megatron_mb_group_size`)."""
-        return megatron_mb_group_size(self.microbatch_group_size_per_vp_stage, self.pipeline_model_parallel_size)
 
-    def model_parallel_size(self) -> int:
-        return self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+def _flat_parallel(parallel: ParallelConfig) -> dict:
+    """``parallel`` under the flat keys: the resolved group size, and no virtual pipeline size (None) at 1."""
+    flat = {key: getattr(parallel, field) for key, field in PARALLEL_FLAT_KEYS.items()}
+    if parallel.vpp_size == 1:
+        flat["virtual_pipeline_model_parallel_size"] = None
+    return flat
 
-    def dp_size(self, world_size: int) -> int:
-        return data_parallel_size(world_size, self.model_parallel_size())
 
-    def layout(self, rank: int, world_size: int) -> Layout:
-        """Megatron's placement of ``rank`` (order ``tp-cp-ep-dp-pp``: DP ranks vary fastest)."""
-        dp = self.dp_size(world_size)
-        if not 0 <= rank < world_size:
-            raise TrainConfigError(f"rank={rank} is outside [0, world_size={world_size})")
-        return Layout(rank=rank, world_size=world_size, dp_rank=rank % dp, dp_size=dp,
-                      pp_rank=rank // dp, pp_size=self.pipeline_model_parallel_size)
+def _check_parallel_limits(tensor_model_parallel_size: Any = 1, context_parallel_size: Any = 1,
+                           pipeline_model_parallel_size: Any = 1, virtual_pipeline_model_parallel_size: Any = None,
+                           **_: Any) -> None:
+    """What this trainer supports of the layouts ParallelConfig accepts (values that are not integers are left to
+    ParallelConfig's checks)."""
+    def size(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
 
-    def train_parallel_config(self, world_size: int) -> dict:
-        """slime's ``train_parallel_config`` dict, the planner's input on the rollout side."""
-        return self.schedule_config(world_size).to_dict()
-
-    def schedule_config(self, world_size: int) -> ParallelConfig:
-        """The planner's :class:`~slime_ext.schedule.ParallelConfig` for ``world_size`` processes."""
-        return ParallelConfig.from_megatron(
-            self.dp_size(world_size), context_parallel_size=self.context_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-            overlap_p2p_comm=False)  # this repo's trainer keeps megatron-core's default: batched p2p
+    if size(tensor_model_parallel_size) not in (None, 1):
+        _fail("tensor_model_parallel_size", tensor_model_parallel_size,
+              "this adapter supports tensor parallelism 1 only")
+    if size(context_parallel_size) not in (None, 1):
+        _fail("context_parallel_size", context_parallel_size, "this adapter supports context parallelism 1 only")
+    vpp, pp = size(virtual_pipeline_model_parallel_size), size(pipeline_model_parallel_size)
+    if vpp is not None and vpp > 1 and pp == 1:
+        _fail("virtual_pipeline_model_parallel_size", vpp, "needs pipeline_model_parallel_size > 1")
 
 
 @dataclass(frozen=True)
@@ -229,7 +209,8 @@ class TrainConfig:
 
     #: slime's batch flags; None when none is set: such a process trains the plans it is sent and plans nothing
     batch: BatchConfig | None = None
-    parallel: Parallelism = field(default_factory=Parallelism)
+    #: the parallel layout; its dp_size is None: whatever the world size leaves (:meth:`dp_size`)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(dp_size=None))
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     #: who plans the micro-batches: "rollout" (our planner, before Ray) or "legacy" (upstream's, on each rank)
@@ -240,7 +221,7 @@ class TrainConfig:
     dist_timeout_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        for name, kind in (("batch", BatchConfig), ("parallel", Parallelism), ("model", ModelConfig),
+        for name, kind in (("batch", BatchConfig), ("parallel", ParallelConfig), ("model", ModelConfig),
                            ("optim", OptimConfig)):
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "batch" and value is None):
@@ -249,7 +230,16 @@ class TrainConfig:
         if self.dp_schedule not in DP_SCHEDULES:
             _fail("dp_schedule", self.dp_schedule, f"must be one of {DP_SCHEDULES} (--dp-schedule "
                                                    f"{'|'.join(DP_SCHEDULES)})")
-        chunks = self.parallel.pipeline_model_parallel_size * self.parallel.vpp_size
+        par = self.parallel
+        if par.dp_size is not None:
+            _fail("parallel.dp_size", par.dp_size, "the training config leaves the data-parallel size to the world "
+                                                   "size (TrainConfig.dp_size(world_size)); pass "
+                                                   "ParallelConfig(dp_size=None, ...)")
+        if par.overlap_p2p_comm:
+            _fail("parallel.overlap_p2p_comm", True, "this trainer keeps megatron-core's default, batched p2p (not a "
+                                                     "training key); pass False")
+        _check_parallel_limits(**_flat_parallel(par))
+        chunks = par.pp_size * par.vpp_size
         if self.model.num_layers % chunks:
             _fail("num_layers", self.model.num_layers,
                   f"must be a multiple of pipeline_model_parallel_size * vpp = {chunks}")
@@ -259,14 +249,27 @@ class TrainConfig:
             _fail("dist_timeout_seconds", self.dist_timeout_seconds, "must be > 0 (seconds)")
 
     # ------------------------------------------------------------------ shortcuts used by every layer
+    def parallel_for_world(self, world_size: int) -> ParallelConfig:
+        """The planner's :class:`~slime_ext.schedule.ParallelConfig` for ``world_size`` processes (dp resolved)."""
+        try:
+            return self.parallel.for_world(world_size)
+        except ScheduleError as exc:
+            raise TrainConfigError(str(exc)) from None
+
     def dp_size(self, world_size: int) -> int:
-        return self.parallel.dp_size(world_size)
+        return self.parallel_for_world(world_size).dp_size
 
     def layout(self, rank: int, world_size: int) -> Layout:
-        return self.parallel.layout(rank, world_size)
+        """Megatron's placement of ``rank`` (order ``tp-cp-ep-dp-pp``: DP ranks vary fastest)."""
+        dp = self.dp_size(world_size)
+        if not 0 <= rank < world_size:
+            raise TrainConfigError(f"rank={rank} is outside [0, world_size={world_size})")
+        return Layout(rank=rank, world_size=world_size, dp_rank=rank % dp, dp_size=dp,
+                      pp_rank=rank // dp, pp_size=self.parallel.pp_size)
 
     def train_parallel_config(self, world_size: int) -> dict:
-        return self.parallel.train_parallel_config(world_size)
+        """slime's ``train_parallel_config`` dict, the planner's input on the rollout side."""
+        return self.parallel_for_world(world_size).to_dict()
 
     # ------------------------------------------------------------------ flat (slime / Megatron) names
     def to_dict(self) -> dict:
@@ -274,6 +277,7 @@ class TrainConfig:
         flat = dict(_BATCH_DEFAULTS)
         if self.batch is not None:
             flat.update((k, v) for k, v in self.batch.to_dict().items() if k in _BATCH_DEFAULTS)
+        flat.update(_flat_parallel(self.parallel))
         for section in _SECTIONS:
             flat.update(dataclasses.asdict(getattr(self, section)))
         flat.update({k: getattr(self, k) for k in _TOP})
@@ -313,9 +317,10 @@ class TrainConfig:
                 batch = BatchConfig(**batch_keys)
             except ScheduleError as exc:  # BatchConfig validates the batch flags; one error type for callers
                 raise TrainConfigError(str(exc)) from None
+        parallel = _parallel_from_flat(values)
         sections = {name: kind(**{k: values[k] for k in _SECTIONS[name][1] if k in values})
                     for name, kind in ((n, s[0]) for n, s in _SECTIONS.items())}
-        return cls(batch=batch, **sections, **{k: values[k] for k in _TOP if k in values})
+        return cls(batch=batch, parallel=parallel, **sections, **{k: values[k] for k in _TOP if k in values})
 
     @classmethod
     def from_args(cls, args: Any) -> "TrainConfig":
@@ -329,14 +334,14 @@ def _names(kind: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(kind))
 
 
-#: section name -> (its dataclass, its flat keys)
-_SECTIONS = {"parallel": (Parallelism, _names(Parallelism)), "model": (ModelConfig, _names(ModelConfig)),
-             "optim": (OptimConfig, _names(OptimConfig))}
+#: section name -> (its dataclass, its flat keys); ``batch`` and ``parallel`` are the planning layer's, routed apart
+_SECTIONS = {"model": (ModelConfig, _names(ModelConfig)), "optim": (OptimConfig, _names(OptimConfig))}
 _TOP = ("dp_schedule", "seed", "dist_backend", "dist_timeout_seconds")
 #: slime's batch flags (BatchConfig's other fields, set by host adapters, are not training-config keys)
 _BATCH_DEFAULTS = {f.name: f.default for f in fields(BatchConfig) if f.name in BATCH_FLAGS}
 #: every flat key a training config accepts
-KEYS = frozenset(BATCH_FLAGS) | frozenset(_TOP) | frozenset(k for _, names in _SECTIONS.values() for k in names)
+KEYS = frozenset(BATCH_FLAGS) | frozenset(PARALLEL_FLAT_KEYS) | frozenset(_TOP) | \
+    frozenset(k for _, names in _SECTIONS.values() for k in names)
 #: keys that ``TrainWorker.reset`` may change (the rest are fixed by the process groups and the model)
 RESETTABLE_KEYS = frozenset(BATCH_FLAGS) | {"dp_schedule"} | frozenset(_names(OptimConfig))
 _FLOATS = frozenset(f.name for kind in (ModelConfig, OptimConfig, TrainConfig) for f in fields(kind)

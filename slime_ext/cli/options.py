@@ -23,7 +23,6 @@ from ..schedule.cost import REQUIRED_DIMS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from ..schemes import DEFAULT as DEFAULT_DP_SCHEDULE
 from ..schemes import DP_SCHEDULES, get_dp_schedule
-from ..train_config import TrainConfigError, data_parallel_size
 from .errors import CLIError
 
 #: Achieved bf16 TFLOP/s per GPU assumed by the step-time estimate: ~40% MFU of an H100's 989 dense TFLOP/s.
@@ -67,7 +66,8 @@ WORLD = [
     Key("actor_num_nodes", "int", "slime: training nodes (num_gpus = nodes * GPUs per node)"),
     Key("actor_num_gpus_per_node", "int", "slime: training GPUs per node"),
     Key("tensor_model_parallel_size", "int", "TP size (default 1): for dp_size and the step-time estimate"),
-    Key("pipeline_model_parallel_size", "int", "PP size (default 1): for dp_size and the step-time estimate"),
+    Key("pipeline_model_parallel_size", "int", "PP size (default 1): the pipeline objective, dp_size and the "
+                                             "step-time estimate"),
     Key("data_parallel_size", "int", "Megatron's name for --dp-size"),
     Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
     Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
@@ -85,10 +85,11 @@ GROUPS = [("batch flags (slime)", BATCH), ("parallel layout", PARALLEL), ("world
 KEYS: dict[str, Key] = {k.name: k for _, group in GROUPS for k in group}
 assert set(BATCH_FLAGS) | {"dp_schedule"} == {k.name for k in BATCH}
 assert set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
-#: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is)
+#: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is; the saved
+#: schedule's own pp_size, for one, is what its makespans were planned for)
 PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {"cost_profile",
     "num_gpus", "actor_num_nodes", "actor_num_gpus_per_node", "data_parallel_size", "context_parallel_size",
-    "virtual_pipeline_model_parallel_size"}
+    "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"}
 
 #: Keys of a run config that do not change the plan; ``slime-ext plan`` accepts and ignores them. They cover
 #: the run configs of this repository (``configs/*.yaml``: ``slime_ext.train_config.TrainConfig``'s fields and
@@ -217,12 +218,10 @@ def load_config(path: str) -> dict[str, Any]:
 class Setup:
     """Everything the planner and the report need, resolved from the flags and the config."""
 
-    parallel: ParallelConfig
+    parallel: ParallelConfig  # with tp_size, which only the step-time estimate reads
     batch: BatchConfig
     cost_model: CostModel | CostProfile | None
     tflops: float
-    tensor_model_parallel_size: int
-    pipeline_model_parallel_size: int
     #: the training job's path (``rollout`` or ``legacy``); planning always shows the rollout-side schedule
     dp_schedule: str = DEFAULT_DP_SCHEDULE
     #: the FLOPs model from the model dims even when a measured profile is the cost (upstream's reference needs them)
@@ -231,7 +230,7 @@ class Setup:
     @property
     def gpus_per_replica(self) -> int:
         """GPUs of one DP rank's model replica: ``tp * pp * cp``."""
-        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.parallel.cp_size
+        return self.parallel.model_parallel_size
 
     def step_seconds(self, rank_cost_max: float) -> float | None:
         """The slowest rank's step time from its cost (``StepStats.rank_cost_max``): a profile's cost is already
@@ -250,7 +249,7 @@ class Setup:
             return None
         if isinstance(self.cost_model, CostProfile):
             return predicted_makespan
-        return predicted_makespan / (self.tflops * 1e12 * self.tensor_model_parallel_size * self.parallel.cp_size)
+        return predicted_makespan / (self.tflops * 1e12 * self.parallel.tp_size * self.parallel.cp_size)
 
 
 def given_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -319,8 +318,8 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     replica = tp * pp * cp
     if world is not None:
         try:
-            world_dp = data_parallel_size(world, replica)
-        except TrainConfigError:
+            world_dp = ParallelConfig(dp_size=None, tp_size=tp, cp_size=cp, pp_size=pp).for_world(world).dp_size
+        except ScheduleError:
             raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
                            f"{replica} GPUs; fix num_gpus or the parallel sizes") from None
         if dp is not None and dp != world_dp:
@@ -347,7 +346,8 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     try:
         parallel = ParallelConfig.from_megatron(dp or 1, context_parallel_size=cp, pipeline_model_parallel_size=pp,
                                                 virtual_pipeline_model_parallel_size=vpp,
-                                                microbatch_group_size_per_vp_stage=mb_group)
+                                                microbatch_group_size_per_vp_stage=mb_group,
+                                                tensor_model_parallel_size=tp)
         dp_schedule = get_dp_schedule(values.get("dp_schedule")).name
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
@@ -358,15 +358,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     except ScheduleError as e:
         raise CLIError(str(e)) from None
     return Setup(parallel=parallel, batch=batch, cost_model=cost_model, tflops=float(tflops),
-                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, dp_schedule=dp_schedule,
-                 flops_model=flops_model)
+                 dp_schedule=dp_schedule, flops_model=flops_model)
 
 
 def replay_setup(cli: Mapping[str, Any], schedule) -> Setup:
-    """A saved schedule's own configs, plus the step-time keys (tp, pp, tflops) from the command line."""
+    """A saved schedule's own configs, plus the step-time keys from the command line: --tflops, and
+    --tensor-model-parallel-size over the recorded tp_size (1 in schedules saved before it was recorded)."""
     source = {k: "--" + k.replace("_", "-") for k in KEYS}
     tflops = _tflops(cli, "--tflops")
-    return Setup(parallel=schedule.parallel, batch=schedule.batch, cost_model=schedule.cost_model,
-                 tflops=float(tflops),
-                 tensor_model_parallel_size=_positive(cli, source, "tensor_model_parallel_size", 1),
-                 pipeline_model_parallel_size=_positive(cli, source, "pipeline_model_parallel_size", 1))
+    tp = _positive(cli, source, "tensor_model_parallel_size", schedule.parallel.tp_size)
+    return Setup(parallel=dataclasses.replace(schedule.parallel, tp_size=tp), batch=schedule.batch,
+                 cost_model=schedule.cost_model, tflops=float(tflops))

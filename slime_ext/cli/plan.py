@@ -130,7 +130,7 @@ def _replay(args) -> int:
         raise CLIError("--compare runs the baselines on the input lengths: use it when planning, not with --from-json")
     if args.config is not None:
         raise CLIError("--from-json replays a saved schedule with its own config; drop --config (pass "
-                       "--tensor-model-parallel-size/--pipeline-model-parallel-size/--tflops for the step time)")
+                       "--tensor-model-parallel-size/--tflops for the step time)")
     data = inputs.load_schedule_json(args.from_json)
     try:
         schedule = DPSchedule.from_dict(data)

@@ -169,11 +169,11 @@ def _check_types(options: Mapping[str, Any], problems: list[str]) -> None:
 def _check_layout(train: TrainConfig, options: Mapping[str, Any], problems: list[str]) -> None:
     world = _world_size(options)
     par = train.parallel
-    sizes = (f"pipeline_model_parallel_size={par.pipeline_model_parallel_size} x tensor_model_parallel_size="
-             f"{par.tensor_model_parallel_size} x context_parallel_size={par.context_parallel_size}")
-    mp = par.model_parallel_size()
+    sizes = (f"pipeline_model_parallel_size={par.pp_size} x tensor_model_parallel_size={par.tp_size} x "
+             f"context_parallel_size={par.cp_size}")
+    mp = par.model_parallel_size
     try:
-        dp = par.dp_size(world)
+        dp = train.dp_size(world)
     except TrainConfigError:
         problems.append(f"actor_num_nodes x actor_num_gpus_per_node = {world} train processes is not a multiple of "
                         f"{sizes} = {mp}: data_parallel_size would not be whole; set actor_num_gpus_per_node to a "
@@ -204,7 +204,7 @@ def _check_sample_lengths(train: TrainConfig, options: Mapping[str, Any], bounds
     if not p_min <= p_max < seq_length:
         problems.append(f"synthetic_prompt_length_min={p_min}, synthetic_prompt_length_max={p_max}: need min <= "
                         f"max < seq_length={seq_length} (every sample needs a response token)")
-    if batch.max_tokens_per_gpu is not None and batch.max_tokens_per_gpu * train.parallel.context_parallel_size \
+    if batch.max_tokens_per_gpu is not None and batch.max_tokens_per_gpu * train.parallel.cp_size \
             < bounds["min_total_length"]:
         problems.append(
             f"max_tokens_per_gpu={batch.max_tokens_per_gpu} is below every sample: the shortest sample the "
@@ -256,7 +256,7 @@ def _dry_run(train: TrainConfig, options: Mapping[str, Any], problems: list[str]
     if synthetic:
         _check_sample_lengths(train, options, bounds, problems)
     scheme = get_dp_schedule(train.dp_schedule)
-    parallel = train.parallel.schedule_config(_world_size(options))
+    parallel = train.parallel_for_world(_world_size(options))
     for what, lengths, ids, fix in _extreme_rollouts(train, options, bounds, scheme):
         try:
             scheme.dry_run(lengths, ids, args, parallel, train.batch)

@@ -301,7 +301,7 @@ def describe(config: RunConfig) -> str:
     batch = (f"dynamic max_tokens_per_gpu={b.max_tokens_per_gpu}" if b.use_dynamic_batch_size
              else f"static micro_batch_size={b.micro_batch_size}")
     gbs = "dynamic" if b.use_dynamic_global_batch_size else str(b.global_batch_size)
-    return (f"world={config.world_size} dp={config.dp_size} pp={t.parallel.pipeline_model_parallel_size} "
+    return (f"world={config.world_size} dp={config.dp_size} pp={t.parallel.pp_size} "
             f"vpp={t.parallel.vpp_size} backend={t.dist_backend} | dp_schedule={t.dp_schedule} batch={batch} "
             f"global_batch_size={gbs} balance_data={b.balance_data} | model layers={t.model.num_layers} "
             f"hidden={t.model.hidden_size} vocab={t.model.vocab_size} seq={t.model.seq_length}")

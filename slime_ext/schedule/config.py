@@ -15,9 +15,9 @@ from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, ch
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-#: ... and the pipeline size and p2p mode, which slime's dict may lack (then 1 and False);
-#: ``ParallelConfig.from_megatron`` reads them from Megatron's args
-FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm")
+#: ... and the pipeline size, the p2p mode and the tensor-parallel size, which slime's dict may lack (then 1, False
+#: and 1); ``ParallelConfig.from_megatron`` reads them from Megatron's args
+FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm", "tp_size")
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = (
     "global_batch_size",
@@ -45,21 +45,30 @@ def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
 def megatron_mb_group_size(microbatch_group_size_per_vp_stage: int | None,
                            pipeline_model_parallel_size: int | None) -> int | None:
     """Megatron's ``microbatch_group_size_per_vp_stage`` when it is not given: the pipeline-parallel size (1 when
-    that is not given either). The one place this default is written; the training config resolves it here too."""
+    that is not given either). The one place this default is written (:class:`ParallelConfig` applies it)."""
     if microbatch_group_size_per_vp_stage is not None:
         return microbatch_group_size_per_vp_stage
     return 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size
 
 
+#: what a planner entry says when it is handed a layout whose data-parallel size is not known yet
+DP_SIZE_UNRESOLVED = "parallel.dp_size is None: resolve it with ParallelConfig.for_world(world_size)"
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The training job's parallel layout, as far as scheduling cares (slime's ``train_parallel_config``)."""
+    """The training job's parallel layout (slime's ``train_parallel_config``, plus the pipeline and tensor-parallel
+    sizes): the one class for it, used by the planner, the training config and the CLI alike."""
 
-    dp_size: int = 1  # data-parallel ranks: each gets the same number of micro-batches per step
+    #: data-parallel ranks: each gets the same number of micro-batches per step. ``None``: whatever the world size
+    #: leaves (the training config does not know its world size); :meth:`for_world` resolves it, and the planner
+    #: refuses a layout without it
+    dp_size: int | None = 1
     cp_size: int = 1  # context-parallel size: a micro-batch may hold max_tokens_per_gpu * cp_size tokens
     vpp_size: int = 1  # virtual pipeline stages per rank (Megatron's interleaved schedule)
-    #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; required then
-    #: (Megatron defaults it to the pipeline size, which this config does not know), unused (1) without VPP
+    #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; None there is
+    #: Megatron's default, the pipeline size (:func:`megatron_mb_group_size`; required when pp_size is 1, as
+    #: slime's dict has no pipeline size); unused (1) without VPP
     microbatch_group_size_per_vp_stage: int | None = None
     #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
     #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline); 1 plans exactly as before
@@ -68,29 +77,64 @@ class ParallelConfig:
     #: blocking batch per iteration (the pipeline model follows the mode); False without VPP (megatron-core refuses
     #: it there), so configs that plan alike compare equal
     overlap_p2p_comm: bool = False
+    #: tensor-parallel size: the planner ignores it; the world-size arithmetic (:meth:`for_world`) and the CLI's
+    #: step-time estimate use it
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
+        if self.dp_size is not None:  # None: resolved later by for_world
+            _positive_int(self, "dp_size", MAX_PARALLEL_SIZE, "pass the data-parallel world size (>= 1)")
         _positive_int(self, "cp_size", MAX_PARALLEL_SIZE, "pass the context-parallel size (>= 1)")
         _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
+        _positive_int(self, "tp_size", MAX_PARALLEL_SIZE, "pass 1 without tensor parallelism")
         if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
-            if self.vpp_size > 1:
+            if self.vpp_size == 1:
+                object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
+            elif self.pp_size > 1:  # Megatron's default, the pipeline size, is known
+                object.__setattr__(self, "microbatch_group_size_per_vp_stage",
+                                   megatron_mb_group_size(None, self.pp_size))
+            else:
                 raise ScheduleError(
                     f"microbatch_group_size_per_vp_stage is None but vpp_size = {self.vpp_size}; pass it (Megatron "
-                    f"defaults it to the pipeline-parallel size)"
+                    f"defaults it to the pipeline-parallel size, and pp_size is 1 here)"
                 )
-            object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
-        _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
-                      "Megatron defaults it to the pipeline-parallel size: pass that")
+        group = _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
+                              "Megatron defaults it to the pipeline-parallel size: pass that")
+        if self.vpp_size > 1 and self.pp_size > 1 and group < self.pp_size:
+            raise ScheduleError(
+                f"microbatch_group_size_per_vp_stage={group}: Megatron's interleaved schedule needs it >= pp_size "
+                f"= {self.pp_size}; pass a group size >= {self.pp_size}, or leave it unset for Megatron's default "
+                f"(the pipeline size)"
+            )
         overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
         object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
+
+    def require_dp_size(self) -> int:
+        """``dp_size``, or the :class:`ScheduleError` every planner entry raises for a layout that has none yet."""
+        if self.dp_size is None:
+            raise ScheduleError(DP_SIZE_UNRESOLVED)
+        return self.dp_size
 
     @property
     def align(self) -> int:
         """Every step's total micro-batch count is a multiple of this."""
         group = self.microbatch_group_size_per_vp_stage if self.vpp_size > 1 else 1
-        return self.dp_size * group
+        return self.require_dp_size() * group
+
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs of one data-parallel replica: ``tp * cp * pp``."""
+        return self.tp_size * self.cp_size * self.pp_size
+
+    def for_world(self, world_size: int) -> "ParallelConfig":
+        """A copy with ``dp_size = world_size / (tp * cp * pp)``: the one place a world size becomes a
+        data-parallel size."""
+        mp = self.model_parallel_size
+        if not is_int(world_size) or world_size < 1 or world_size % mp:
+            raise ScheduleError(f"world_size={world_size!r} is not a multiple of tp*cp*pp = {mp}; start dp * {mp} "
+                                f"train processes (one per rank of dp x pp)")
+        return dataclasses.replace(self, dp_size=int(world_size) // mp)
 
     @classmethod
     def from_dict(cls, train_parallel_config: Mapping[str, Any]) -> "ParallelConfig":
@@ -117,13 +161,15 @@ class ParallelConfig:
 
     @classmethod
     def from_megatron(
-        cls, dp_size: int, *, context_parallel_size: int | None = 1, pipeline_model_parallel_size: int | None = 1,
-        virtual_pipeline_model_parallel_size: int | None = None, microbatch_group_size_per_vp_stage: int | None = None,
-        overlap_p2p_comm: bool | None = None,
+        cls, dp_size: int | None, *, context_parallel_size: int | None = 1,
+        pipeline_model_parallel_size: int | None = 1, virtual_pipeline_model_parallel_size: int | None = None,
+        microbatch_group_size_per_vp_stage: int | None = None, overlap_p2p_comm: bool | None = None,
+        tensor_model_parallel_size: int | None = 1,
     ) -> "ParallelConfig":
         """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
-        pipeline size. It only counts with virtual pipelining; without, it is 1, so configs that plan alike compare
-        equal. ``overlap_p2p_comm=None`` is Megatron-LM training's default: on with VPP."""
+        pipeline size (:func:`megatron_mb_group_size`, 1 without one). It only counts with virtual pipelining;
+        without, it is 1, so configs that plan alike compare equal. ``overlap_p2p_comm=None`` is Megatron-LM
+        training's default: on with VPP."""
         def given(size: int | None, default: int | None) -> int | None:
             return default if size is None else size
 
@@ -132,7 +178,8 @@ class ParallelConfig:
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
                    microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
                    pp_size=given(pipeline_model_parallel_size, 1),
-                   overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1))
+                   overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1),
+                   tp_size=given(tensor_model_parallel_size, 1))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

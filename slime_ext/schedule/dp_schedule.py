@@ -267,6 +267,8 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
     if not isinstance(stats, list):
         raise ScheduleError(f"stats must be a list, got {show(stats)}")
     cost_model = d.get("cost_model")
+    parallel = ParallelConfig(**check_mapping("parallel", d["parallel"], _names(ParallelConfig)))
+    parallel.require_dp_size()  # a schedule was planned for a data-parallel size
     return dict(
         partitions=nested_int_lists("partitions", d["partitions"], 1, **n_max),
         micro_batch_indices=nested_int_lists("micro_batch_indices", d["micro_batch_indices"], 2, **n_max),
@@ -275,7 +277,7 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
         rollouts_per_step=int_list("rollouts_per_step", d["rollouts_per_step"], **n_max),
         dropped=int_list("dropped", d["dropped"], **n_max),
         stats=[_step_stats(i, s) for i, s in enumerate(stats)],
-        parallel=ParallelConfig(**check_mapping("parallel", d["parallel"], _names(ParallelConfig))),
+        parallel=parallel,
         batch=BatchConfig(**check_mapping("batch", d["batch"], _names(BatchConfig))),
         total_lengths=lengths.tolist(),
         rollout_ids=None if ids is None else ids.tolist(),

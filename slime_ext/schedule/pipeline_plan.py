@@ -95,16 +95,14 @@ class PipelinePricing:
 
 def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None,
                      cap: int | None) -> PipelinePricing | None:
-    """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``)."""
+    """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
+    (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)"""
+    parallel.require_dp_size()
     pp = parallel.pp_size
     if pp == 1:
         return None
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
-    if vpp > 1 and group < pp:  # type: ignore[operator]
-        raise ScheduleError(
-            f"microbatch_group_size_per_vp_stage = {group} < pp_size = {pp}: megatron-core's interleaved schedule "
-            f"refuses it; pass a group size >= {pp} (Megatron's default is the pipeline size)")
     if isinstance(cost_model, CostProfile):
         ratio = cost_model.backward_forward_ratio
         spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm)

@@ -346,6 +346,7 @@ def plan_schedule(
     if not isinstance(parallel, ParallelConfig):
         raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}; "
                             f"use ParallelConfig.from_dict(train_parallel_config)")
+    parallel.require_dp_size()
     if not isinstance(batch, BatchConfig):
         raise ScheduleError(f"batch must be a BatchConfig, got {type(batch).__name__}; use BatchConfig.from_args(args)")
     if cost_model is not None and not isinstance(cost_model, (CostModel, CostProfile)):

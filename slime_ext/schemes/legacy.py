@@ -270,7 +270,7 @@ class LegacySchedule(Scheme, Baseline):
 
     def dry_run(self, lengths: Sequence[int], rollout_ids: Sequence[int], args: Any, parallel: ParallelConfig,
                 batch: BatchConfig) -> None:
-        gbs, _, partitions = self.split(list(lengths), args, parallel.dp_size)
+        gbs, _, partitions = self.split(list(lengths), args, parallel.require_dp_size())
         self._ranks([[lengths[i] for i in p] for p in partitions], self._rank(gbs, parallel, batch))
 
     def schedule(self, lengths: Sequence[int], parallel: ParallelConfig, batch: BatchConfig, *,
@@ -281,7 +281,7 @@ class LegacySchedule(Scheme, Baseline):
         in parallel, so ``wall`` is ``split + slowest count + slowest partition`` (the all-reduce sits between)."""
         lengths = [int(x) for x in lengths]
         t0 = time.perf_counter()
-        rank_samples = split_over_ranks(lengths, parallel.dp_size, batch.balance_data)
+        rank_samples = split_over_ranks(lengths, parallel.require_dp_size(), batch.balance_data)
         t_split = time.perf_counter() - t0
         local_mbs, counts, timings = self._ranks([[lengths[i] for i in p] for p in rank_samples],
                                                  self._rank(global_batch_size, parallel, batch))

@@ -77,6 +77,7 @@ class ReferenceSchedule(Baseline):
     def schedule(self, lengths: Sequence[int], parallel: ParallelConfig, batch: BatchConfig, *,
                  global_batch_size: int, rollout_ids: Sequence[int] | None = None,
                  cost_model: CostModel | None = None) -> SchemeSchedule:
+        parallel.require_dp_size()
         build = upstream.load().dp_schedule.build_dp_schedule
         if cost_model is None and (batch.balance_data or batch.balance_by_flops):
             raise ValueError(_NEEDS_DIMS)

@@ -39,9 +39,9 @@ def transformer_config(config: TrainConfig):
         attention_dropout=config.model.attention_dropout,
         tensor_model_parallel_size=1,
         context_parallel_size=1,
-        pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
+        pipeline_model_parallel_size=config.parallel.pp_size,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        microbatch_group_size_per_vp_stage=config.parallel.mb_group_size if vpp > 1 else None,
+        microbatch_group_size_per_vp_stage=config.parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
         # micro-batches are packed to their own length; under PP the stages exchange shapes first
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # the allgather default refuses variable_seq_lengths (no MoE here)

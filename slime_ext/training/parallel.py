@@ -43,9 +43,8 @@ def init_parallel(config: TrainConfig, rank: int, world_size: int, master_addr: 
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=config.parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=config.parallel.virtual_pipeline_model_parallel_size
-        if config.parallel.vpp_size > 1 else None,
+        pipeline_model_parallel_size=config.parallel.pp_size,
+        virtual_pipeline_model_parallel_size=config.parallel.vpp_size if config.parallel.vpp_size > 1 else None,
         context_parallel_size=1,
         # typed int, but only fed to timedelta(minutes=...): a fraction gives every group the exact bound
         distributed_timeout_minutes=config.dist_timeout_seconds / 60.0,

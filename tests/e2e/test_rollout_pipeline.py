@@ -44,7 +44,7 @@ def test_ledger_pp2_vpp2(session):
     result = run(cfg, out=None)
     _assert_pipeline_ledger(result, dp=1, pp=2)
     counts = [n for r in result.rollouts for n in r.plan.num_microbatches]
-    assert all(n % cfg.train.parallel.mb_group_size == 0 for n in counts)
+    assert all(n % cfg.train.parallel.microbatch_group_size_per_vp_stage == 0 for n in counts)
     # a step with as many micro-batches as stages (all in warmup on stage 0) once deadlocked gloo p2p; the
     # pipeline-aware planner gives this config's steps more micro-batches than that, so the case is now covered by
     # tests/e2e/test_train_invariance.py (static_few_microbatches, pp2_vpp2)

@@ -207,11 +207,19 @@ def test_config_yaml_with_training_keys_and_overrides(rollout_jsonl, tmp_path):
     out = run("plan", path, "--config", cfg, "--max-tokens-per-gpu", 4096, "--no-balance-data",
               "--json", tmp_path / "s.json")
     schedule = DPSchedule.from_dict(json.loads((tmp_path / "s.json").read_text()))
-    assert schedule.parallel == ParallelConfig(dp_size=2, pp_size=2)  # the planner minimises the pipeline makespan
+    # the planner minimises the pipeline makespan; tp is recorded for the step-time estimate only
+    assert schedule.parallel == ParallelConfig(dp_size=2, pp_size=2, tp_size=2)
     assert schedule.batch == BatchConfig(use_dynamic_batch_size=True, max_tokens_per_gpu=4096, global_batch_size=4,
                                          balance_data=False)
     assert schedule.cost_model == CostModel(hidden_size=256, num_layers=4, num_attention_heads=8)
     assert "x 2 GPUs per stage = tp*cp" in out.stdout  # pp = 2: the step time is the pipeline makespan, per stage
+    # a replay reads tp and pp from the schedule (tp may be overridden for the estimate; pp was planned for)
+    replay = run_main("plan", "--from-json", tmp_path / "s.json")
+    assert "x 2 GPUs per stage = tp*cp" in replay.stdout
+    assert "x 4 GPUs per stage = tp*cp" in run_main("plan", "--from-json", tmp_path / "s.json",
+                                                    "--tensor-model-parallel-size", 4).stdout
+    refused = run_main("plan", "--from-json", tmp_path / "s.json", "--pipeline-model-parallel-size", 2, expect=2)
+    assert "--pipeline-model-parallel-size cannot change it" in refused.stderr
 
 
 RUN_CONFIGS = sorted((REPO / "configs").rglob("*.yaml")) if (REPO / "configs").is_dir() else []

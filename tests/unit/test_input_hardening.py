@@ -542,6 +542,6 @@ def test_from_dict_refuses_non_mappings_and_unknown_keys(saved):
     with pytest.raises(ScheduleError, match="use_dynamic_batch_size must be a bool"):
         DPSchedule.from_dict(d)
     d = saved.to_dict()
-    d["parallel"]["tp_size"] = 2
-    with pytest.raises(ScheduleError, match=r"parallel has unknown keys \['tp_size'\]"):
+    d["parallel"]["ep_size"] = 2
+    with pytest.raises(ScheduleError, match=r"parallel has unknown keys \['ep_size'\]"):
         DPSchedule.from_dict(d)

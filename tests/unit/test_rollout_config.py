@@ -21,7 +21,7 @@ def _no_device_override(monkeypatch):
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_shipped_configs_are_valid(path):
     cfg = load_run_config(path)
-    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size()
+    assert cfg.world_size == cfg.dp_size * cfg.train.parallel.model_parallel_size
     if cfg.options["data_parallel_size"] is not None:
         assert cfg.options["data_parallel_size"] == cfg.dp_size
 
@@ -31,7 +31,7 @@ def test_defaults_and_derived_sizes():
     assert cfg.dp_size == 2 and cfg.world_size == 4
     assert cfg.train_parallel_config() == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                            "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
-                                           "overlap_p2p_comm": False}
+                                           "overlap_p2p_comm": False, "tp_size": 1}
     assert cfg.train.dist_backend == "gloo"
     assert {k: cfg.options[k] for k in RUN_DEFAULTS if k not in GOOD} == \
         {k: v for k, v in RUN_DEFAULTS.items() if k not in GOOD}
