@@ -8,6 +8,7 @@ zip: only ``slime_ext`` is a top-level package (the patches live in ``slime_ext.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,12 +18,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+#: what the wheel is built from (ci/build_wheelhouse copies the same)
+SOURCES = ("pyproject.toml", "README.md", "slime_ext")
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    # built from a private copy of what the wheel is made of (as ci/build_wheelhouse does): setuptools writes build/
+    # and *.egg-info into the source folder, which a concurrent build of the checkout would share
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                            "--disable-pip-version-check", "-q", "-w", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the build itself must not print setuptools' deprecation walls (e.g. a table-form license)
