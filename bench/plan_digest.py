@@ -11,7 +11,9 @@ when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, e
 
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
 and ``RANDOM_CASES`` small seeded rollouts over parallel layouts, static/dynamic batches, rollout groups, loss
-tokens and cost models, half of them through ``build_dp_schedule`` (slime's entry). A case's digest is the SHA-256
+tokens and cost models, half of them through ``build_dp_schedule`` (slime's entry); and ``PIPELINE_CASES`` seeded
+rollouts under pipeline parallelism (pp 2 and 4, with and without VPP, priced by tokens, FLOPs or a profile), whose
+order and count the pipeline model chooses. A case's digest is the SHA-256
 of the schedule's decisions (``SCHEDULE_FIELDS`` of ``to_dict()``); a refused case records the exception type and
 message, so a refusal that changes is reported too.
 """
@@ -27,11 +29,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, build_dp_schedule, plan_schedule
+from slime_ext.schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, build_dp_schedule, plan_schedule
 
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, make_lengths
 
 RANDOM_CASES = 400
+PIPELINE_CASES = 60
 _MODELS = [
     None,
     dict(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=500),
@@ -114,12 +117,53 @@ def random_case(seed: int):
                                         loss_tokens=loss, cost_model=None if model is None else CostModel(**model))
 
 
+#: a measured-looking profile for the pipeline cases (seconds; the planner prices micro-batches with it)
+_PROFILE = CostProfile(step_overhead_s=0.05, microbatch_overhead_s=0.004, per_token_s=2e-6,
+                       per_sample_quadratic_s=1e-10, backward_forward_ratio=2.1, p2p_s=0.002)
+
+
+def pipeline_case(seed: int):
+    """``(label, thunk)`` of one seeded small workload under pipeline parallelism (the planner's stage 5: order,
+    DP assignment and count chosen by the pipeline model), priced by tokens, a FLOPs model or a profile."""
+    rng = np.random.default_rng(10_000 + seed)
+    n = int(rng.integers(8, 200))
+    if seed % 2:
+        lengths = 1 + np.minimum(rng.lognormal(rng.uniform(4, 7), rng.uniform(0.3, 1.2), n), 12000).astype(int)
+    else:
+        lengths = np.where(rng.random(n) < 0.2, rng.integers(2000, 6000, n), rng.integers(50, 600, n))
+    lengths = [int(x) for x in lengths]
+    dynamic = bool(rng.random() < 0.8)
+    ids = rng.integers(0, max(1, n // 2), n).tolist() if dynamic and rng.random() < 0.5 else None
+    rollouts = n if ids is None else len(set(ids))
+    pp = int(rng.choice([2, 4]))
+    vpp = int(rng.choice([1, 1, 2]))
+    dp = int(rng.choice([1, 2, 4]))
+    group = pp if vpp > 1 else None
+    align = dp * (group or 1)
+    mbs = None if dynamic else int(rng.integers(1, 3))
+    if dynamic:  # whole steps of at least one sample per micro-batch slot, mostly
+        gbs = int(rng.integers(max(1, rollouts // 4), rollouts + 1))
+    else:  # samples per step a multiple of the micro-batch slots
+        gbs = mbs * align * int(rng.integers(1, max(1, n // (mbs * align)) + 1))
+    batch = BatchConfig(global_batch_size=gbs, use_dynamic_batch_size=dynamic,
+                        max_tokens_per_gpu=int(rng.choice([4096, 8192])) if dynamic else None, micro_batch_size=mbs,
+                        balance_data=bool(rng.random() < 0.6), balance_by_flops=dynamic and bool(rng.random() < 0.3))
+    parallel = ParallelConfig(dp_size=dp, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=group,
+                              overlap_p2p_comm=bool(rng.random() < 0.5))
+    cost = [None, CostModel(**_MODELS[1]), _PROFILE][seed % 3]
+    label = f"pipeline/{seed}/n={n},dp={dp},pp={pp},vpp={vpp},dyn={int(dynamic)},cost={type(cost).__name__}"
+    return label, lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=cost)
+
+
 def all_cases(quick: bool = False):
-    """``(label, thunk)`` of every pinned case: the benchmark cases (unless ``quick``), then the random ones."""
+    """``(label, thunk)`` of every pinned case: the benchmark cases (unless ``quick``), then the random ones, then
+    the pipeline ones."""
     if not quick:
         yield from bench_cases()
     for seed in range(RANDOM_CASES):
         yield random_case(seed)
+    for seed in range(PIPELINE_CASES):
+        yield pipeline_case(seed)
 
 
 def outcomes(quick: bool = False):
