@@ -5,9 +5,11 @@ exactly as before").
     python -m bench.plan_digest --check before.json    # on the new code: exit 1 and list every schedule that moved
 
 ``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening), re-recorded
-when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, each to a lower slowest rank):
-``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules a later change moved, and
-``python -m bench.plan_quality`` whether the moved ones got better or worse.
+when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, each to a lower slowest rank), when
+use_dynamic_global_batch_size began counting samples (issue 16: 64 such cases moved) and when the pipeline cases were
+added (no other digest moved). ``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules
+a later change moved, and ``python -m bench.plan_quality`` whether the moved ones got better or worse;
+``tests/unit/test_plan_digests.py`` runs the check in CI.
 
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
 and ``RANDOM_CASES`` small seeded rollouts over parallel layouts, static/dynamic batches, rollout groups, loss

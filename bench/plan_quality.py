@@ -6,8 +6,10 @@ needs (issue 10).
 
 For every case of :mod:`bench.plan_digest`, step by step: the micro-batch count (fewer is better), then at an equal
 count the slowest rank's cost (``StepStats.rank_cost_max``: FLOPs, or tokens without a cost model; lower is
-better). A case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` when both, and a refusal
-must stay the same refusal.
+better). Under pipeline parallelism the planner's objective is the slowest replica's predicted makespan
+(``StepStats.predicted_makespan``), for which it may choose more micro-batches: those steps compare by it alone. A
+case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` when both, and a refusal must stay the
+same refusal.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ def summary(outcome) -> dict:
     """A case's outcome (:func:`bench.plan_digest.outcomes`): its refusal, or per step count, max and mean cost."""
     if isinstance(outcome, str):
         return {"refused": outcome}
-    return {"steps": [[s.total_microbatches, s.rank_cost_max, s.rank_cost_mean] for s in outcome.stats]}
+    return {"steps": [[s.total_microbatches, s.rank_cost_max, s.rank_cost_mean, s.predicted_makespan]
+                      for s in outcome.stats]}
+
+
+def _moved(before: float, after: float) -> str | None:
+    return None if abs(after - before) <= REL_TOL * abs(before) else "better" if after < before else "worse"
 
 
 def verdict(before: dict, after: dict) -> str:
@@ -35,16 +42,26 @@ def verdict(before: dict, after: dict) -> str:
     if len(before["steps"]) != len(after["steps"]):
         return "worse"  # steps come from rollouts alone; a packer change must not move them
     moves = set()
-    for (count_b, max_b, _), (count_a, max_a, _) in zip(before["steps"], after["steps"]):
-        if count_a != count_b:
-            moves.add("better" if count_a < count_b else "worse")
-        elif abs(max_a - max_b) > REL_TOL * abs(max_b):
-            moves.add("better" if max_a < max_b else "worse")
+    for (count_b, max_b, _, span_b, *_), (count_a, max_a, _, span_a, *_) in \
+            zip((s + [None] for s in before["steps"]), (s + [None] for s in after["steps"])):
+        if span_b is not None and span_a is not None:  # pp > 1: the predicted makespan is the objective
+            move = _moved(span_b, span_a)
+        elif count_a != count_b:
+            move = "better" if count_a < count_b else "worse"
+        else:
+            move = _moved(max_b, max_a)
+        if move:
+            moves.add(move)
     return "equal" if not moves else moves.pop() if len(moves) == 1 else "mixed"
 
 
 def _worst(steps: list) -> float:
-    return max(m / mean if mean > 0 else 1.0 for _, m, mean in steps)
+    return max(m / mean if mean > 0 else 1.0 for _, m, mean, *_ in steps)
+
+
+def _spans(steps: list) -> float | None:
+    spans = [s[3] if len(s) > 3 else None for s in steps]
+    return None if None in spans else sum(spans)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             b, a = before[label], now[label]
             detail = (f"refused {b.get('refused')!r} -> {a.get('refused')!r}" if "refused" in b or "refused" in a else
                       f"micro-batches {sum(s[0] for s in b['steps'])} -> {sum(s[0] for s in a['steps'])}, "
-                      f"worst step max/mean {_worst(b['steps']):.5f} -> {_worst(a['steps']):.5f}")
+                      f"worst step max/mean {_worst(b['steps']):.5f} -> {_worst(a['steps']):.5f}"
+                      + (f", predicted makespans (sum) {_spans(b['steps']):.6g} -> {_spans(a['steps']):.6g}"
+                         if _spans(b["steps"]) is not None and _spans(a["steps"]) is not None else ""))
             print(f"{v.upper():6s} {label}: {detail}")
     print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(before.keys() & now.keys())} cases compared)")
     return 1 if counts["worse"] or counts["mixed"] else 0
