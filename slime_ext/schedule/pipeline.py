@@ -160,6 +160,21 @@ class _Program:
         if hs:
             self.ops.append(("W", hs))
 
+    def overlapped(self, run, pending: list[int], skip_wait: bool, sending: int | None, send: str, recv: str,
+                   **flags: bool) -> int | None:
+        """One half of an interleaved 1F1B iteration with ``overlap_p2p_comm`` (forward: ``send="send_next"``,
+        ``recv="recv_prev"``; backward: ``"send_prev"``, ``"recv_next"``): wait for the oldest ``pending`` receive
+        (unless ``skip_wait``), ``run`` the compute, post the transfers, wait for the previous send (``sending``);
+        the new receive joins ``pending``. Returns the new send's handle."""
+        if not skip_wait and pending:
+            self.wait(pending.pop(0))
+        run()
+        h = self.comm(blocking=False, **flags)
+        self.wait(sending)
+        if recv in h:
+            pending.append(h[recv])
+        return h.get(send)
+
 
 def one_f_one_b_programs(pp: int, m: int) -> list[list[tuple]]:
     """The non-interleaved schedule's programs, rank by rank (``forward_backward_pipelining_without_interleaving``)."""
@@ -286,22 +301,12 @@ def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool) -
             recv_prev = receives(fk, True) and k != remaining - 1
             recv_next = receives(k, False)
             if overlap:
-                if not (first and chunk(fk, True) == 0) and recv_prev_handles:
-                    p.wait(recv_prev_handles.pop(0))
-                F(fk)
-                h = p.comm(send_next=sends_output(fk), recv_prev=recv_prev, blocking=False)
-                p.wait(send_next_handle)
-                send_next_handle = h.get("send_next")
-                if "recv_prev" in h:
-                    recv_prev_handles.append(h["recv_prev"])
-                if not (last and chunk(k, False) == vpp - 1) and recv_next_handles:
-                    p.wait(recv_next_handles.pop(0))
-                B(k)
-                h = p.comm(send_prev=sends_grad(k), recv_next=recv_next, blocking=False)
-                p.wait(send_prev_handle)
-                send_prev_handle = h.get("send_prev")
-                if "recv_next" in h:
-                    recv_next_handles.append(h["recv_next"])
+                send_next_handle = p.overlapped(
+                    lambda: F(fk), recv_prev_handles, first and chunk(fk, True) == 0, send_next_handle,
+                    "send_next", "recv_prev", send_next=sends_output(fk), recv_prev=recv_prev)
+                send_prev_handle = p.overlapped(
+                    lambda: B(k), recv_next_handles, last and chunk(k, False) == vpp - 1, send_prev_handle,
+                    "send_prev", "recv_next", send_prev=sends_grad(k), recv_next=recv_next)
             else:
                 F(fk)
                 B(k)
