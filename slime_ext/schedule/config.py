@@ -107,6 +107,10 @@ class ParallelConfig:
                 f"= {self.pp_size}; pass a group size >= {self.pp_size}, or leave it unset for Megatron's default "
                 f"(the pipeline size)"
             )
+        # without VPP neither the group nor the p2p mode changes a plan: 1 and False, so configs that plan alike
+        # compare equal (slime's dict and Megatron's args give the pipeline size as the group even without VPP)
+        if self.vpp_size == 1:
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)
         overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
         object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
 
@@ -176,7 +180,7 @@ class ParallelConfig:
         vpp = given(virtual_pipeline_model_parallel_size, 1)
         group = megatron_mb_group_size(microbatch_group_size_per_vp_stage, pipeline_model_parallel_size)
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
-                   microbatch_group_size_per_vp_stage=group if is_int(vpp) and vpp > 1 else 1,
+                   microbatch_group_size_per_vp_stage=group,
                    pp_size=given(pipeline_model_parallel_size, 1),
                    overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1),
                    tp_size=given(tensor_model_parallel_size, 1))

@@ -88,9 +88,14 @@ def test_the_group_size_follows_megatrons_rule():
     with pytest.raises(ScheduleError, match=r"microbatch_group_size_per_vp_stage=3: Megatron's interleaved schedule "
                                             r"needs it >= pp_size = 4; pass a group size >= 4"):
         ParallelConfig(dp_size=2, pp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=3)
-    # without VPP the group is unused: None is 1, a given one is kept (it plans alike)
+    # without VPP the group is unused: 1 whatever is given (slime's dict and Megatron give the pipeline size), so
+    # configs that plan alike compare equal, built directly, from slime's dict or from Megatron's sizes
     assert ParallelConfig(pp_size=4).microbatch_group_size_per_vp_stage == 1
-    assert ParallelConfig(pp_size=4, microbatch_group_size_per_vp_stage=2).align == 1
+    assert ParallelConfig(pp_size=4, microbatch_group_size_per_vp_stage=2) == ParallelConfig(pp_size=4)
+    assert ParallelConfig.from_dict({"dp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 4,
+                                     "pp_size": 4}) == ParallelConfig.from_megatron(1, pipeline_model_parallel_size=4)
+    with pytest.raises(ScheduleError, match="microbatch_group_size_per_vp_stage must be a positive integer"):
+        ParallelConfig(microbatch_group_size_per_vp_stage=0)  # checked even where it is unused
     # from_megatron resolves as before: without a pipeline size the default group is 1
     assert ParallelConfig.from_megatron(2, virtual_pipeline_model_parallel_size=2).microbatch_group_size_per_vp_stage \
         == 1
