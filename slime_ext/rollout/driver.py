@@ -103,8 +103,18 @@ def start_ray(config: RunConfig, *, extra_pythonpath: Sequence[str] = ()) -> boo
     return True
 
 
+#: after a call fails, how long the other calls get to show that a process died, which is then raised instead
+DEAD_PEER_GRACE_S = 2.0
+
+
 def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[Any]:
-    """Results of ``calls`` (``(name, ObjectRef)``) in order; the first failure or the timeout raises at once."""
+    """Results of ``calls`` (``(name, ObjectRef)``) in order; the first failure or the timeout raises at once.
+
+    One exception: when a rank's process dies, its peers' collectives fail too ("connection reset by peer"), and
+    one of those may arrive first. A failure that is not a dead actor therefore waits up to
+    :data:`DEAD_PEER_GRACE_S` for another call to report a dead process, and raises that one (the cause), with the
+    first as a note.
+    """
     import ray
 
     names = {ref: name for name, ref in calls}
@@ -121,10 +131,41 @@ def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[
             try:
                 results[ref] = ray.get(ref)
             except Exception as exc:
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"slime-ext: raised by {names[ref]} during {what}")
+                dead = None if isinstance(exc, ray.exceptions.RayActorError) else _dead_peer(pending)
+                if dead is not None:
+                    dead_ref, dead_exc = dead
+                    _note(dead_exc, f"slime-ext: raised by {names[dead_ref]} during {what}; {names[ref]} failed "
+                                    f"too, as its peer died: {type(exc).__name__}: {str(exc).splitlines()[-1][:300]}")
+                    raise dead_exc from None
+                _note(exc, f"slime-ext: raised by {names[ref]} during {what}")
                 raise
     return [results[ref] for _, ref in calls]
+
+
+def _dead_peer(pending: list) -> tuple[Any, Exception] | None:
+    """``(ref, error)`` of the first of ``pending`` to fail because its actor's process died, within
+    :data:`DEAD_PEER_GRACE_S`; ``None`` if none does."""
+    import ray
+
+    deadline = time.monotonic() + DEAD_PEER_GRACE_S
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                return ref, exc
+            except Exception:  # another symptom: keep looking for the cause
+                pass
+    return None
+
+
+def _note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 def _kill(actors: Sequence[Any]) -> None:

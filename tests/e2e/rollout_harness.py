@@ -92,6 +92,19 @@ class HangingTrainWorker(TrainWorker):
         return super().train_rollout(rollout_data)
 
 
+class FaultyPeer:
+    """A Ray actor (``ray.remote(num_cpus=0)(FaultyPeer)``) whose ``run`` fails after ``delay`` seconds: ``"raise"``
+    like a peer whose collective lost its partner, ``"die"`` like a crashed process, ``"ok"`` returns."""
+
+    def run(self, mode: str, delay: float) -> str:
+        time.sleep(delay)
+        if mode == "raise":
+            raise RuntimeError("gloo: Connection reset by peer (injected)")
+        if mode == "die":
+            os._exit(17)
+        return mode
+
+
 class DyingTrainWorker(TrainWorker):
     """Rank 1's process exits on rollout 1 (a crash: no exception, no clean-up)."""
 
