@@ -102,8 +102,8 @@ class RolloutStepRecord(StepRecord):
 class LegacyStepRecord(StepRecord):
     """A step of ``dp_schedule: legacy``, planned on the rank. ``local_microbatches`` is what this rank's own
     samples needed (first-fit bins under the cap, or samples / micro_batch_size) before the DP group's
-    ``all_reduce(MAX)``; ``num_microbatches - local_microbatches`` micro-batches were split off to keep the ranks in
-    lockstep."""
+    ``all_reduce(MAX)``. Without VPP, ``num_microbatches - local_microbatches`` micro-batches were split off to keep
+    the ranks in lockstep; with VPP the agreed count is rounded down to a whole group, so it may also be lower."""
 
     local_microbatches: int
 
