@@ -32,6 +32,11 @@ def summary(outcome) -> dict:
                       for s in outcome.stats]}
 
 
+def _span(step: list) -> float | None:
+    """A summary step's predicted makespan (pp > 1), or ``None`` (pp = 1, or a file written before it was kept)."""
+    return step[3] if len(step) > 3 else None
+
+
 def _moved(before: float, after: float) -> str | None:
     return None if abs(after - before) <= REL_TOL * abs(before) else "better" if after < before else "worse"
 
@@ -42,8 +47,8 @@ def verdict(before: dict, after: dict) -> str:
     if len(before["steps"]) != len(after["steps"]):
         return "worse"  # steps come from rollouts alone; a packer change must not move them
     moves = set()
-    for (count_b, max_b, _, span_b, *_), (count_a, max_a, _, span_a, *_) in \
-            zip((s + [None] for s in before["steps"]), (s + [None] for s in after["steps"])):
+    for (count_b, max_b, *_), (count_a, max_a, *_), span_b, span_a in zip(
+            before["steps"], after["steps"], map(_span, before["steps"]), map(_span, after["steps"])):
         if span_b is not None and span_a is not None:  # pp > 1: the predicted makespan is the objective
             move = _moved(span_b, span_a)
         elif count_a != count_b:
@@ -60,7 +65,7 @@ def _worst(steps: list) -> float:
 
 
 def _spans(steps: list) -> float | None:
-    spans = [s[3] if len(s) > 3 else None for s in steps]
+    spans = [_span(s) for s in steps]
     return None if None in spans else sum(spans)
 
 

@@ -315,10 +315,11 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
                            f"{from_nodes}; give one of them")
         world = from_nodes
     dp = _one_of(values, source, "dp_size", "data_parallel_size")
-    replica = tp * pp * cp
+    replica_layout = ParallelConfig(dp_size=None, tp_size=tp, cp_size=cp, pp_size=pp)
+    replica = replica_layout.model_parallel_size
     if world is not None:
         try:
-            world_dp = ParallelConfig(dp_size=None, tp_size=tp, cp_size=cp, pp_size=pp).for_world(world).dp_size
+            world_dp = replica_layout.for_world(world).dp_size
         except ScheduleError:
             raise CLIError(f"{world} GPUs do not divide into model replicas of tp*pp*cp = {tp}*{pp}*{cp} = "
                            f"{replica} GPUs; fix num_gpus or the parallel sizes") from None

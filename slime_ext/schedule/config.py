@@ -88,17 +88,13 @@ class ParallelConfig:
         _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
         _positive_int(self, "tp_size", MAX_PARALLEL_SIZE, "pass 1 without tensor parallelism")
-        if self.microbatch_group_size_per_vp_stage is None:  # never a silent 1 where it matters: as the CLI does
-            if self.vpp_size == 1:
-                object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)  # unused without VPP
-            elif self.pp_size > 1:  # Megatron's default, the pipeline size, is known
-                object.__setattr__(self, "microbatch_group_size_per_vp_stage",
-                                   megatron_mb_group_size(None, self.pp_size))
-            else:
+        if self.microbatch_group_size_per_vp_stage is None:  # Megatron's default, the pipeline size
+            if self.vpp_size > 1 and self.pp_size == 1:  # never a silent 1 where it matters: as the CLI does
                 raise ScheduleError(
                     f"microbatch_group_size_per_vp_stage is None but vpp_size = {self.vpp_size}; pass it (Megatron "
                     f"defaults it to the pipeline-parallel size, and pp_size is 1 here)"
                 )
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", megatron_mb_group_size(None, self.pp_size))
         group = _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
                               "Megatron defaults it to the pipeline-parallel size: pass that")
         if self.vpp_size > 1 and self.pp_size > 1 and group < self.pp_size:
