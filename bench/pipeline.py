@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
 from bench.workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
@@ -58,8 +59,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the e2e harness: process launcher
 
 DP_SIZE = 8
-#: backward / forward time of a micro-batch (the issue's cost assumption)
-BACKWARD_FORWARD_RATIO = 2.0
 #: fixed cost of one micro-batch, as a share of a full one (one sample of the cap)
 MICROBATCH_OVERHEAD_SHARE = 0.02
 #: two measured makespans closer than this (relative) are "equal": the spread of repeats of one run on a loaded
@@ -123,16 +122,6 @@ def bench_profile():
                        per_token_s=linear / full, per_sample_quadratic_s=quadratic / full,
                        backward_forward_ratio=BACKWARD_FORWARD_RATIO, p2p_s=0.0,
                        meta={"source": "bench.pipeline: Qwen3-8B-like FLOPs, 1 = one full micro-batch"})
-
-
-def stage_costs(profile, micro_batches: list[list[int]], parallel) -> tuple[np.ndarray, np.ndarray]:
-    """Per-stage forward and backward of each micro-batch (lists of sample lengths), in run order, priced as the
-    planner prices them (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: the profile's seconds split
-    ``1 : backward_forward_ratio`` and over the ``pp`` stages)."""
-    from slime_ext.schedule.pipeline_plan import pipeline_pricing
-
-    pricing = pipeline_pricing(parallel, profile, None)
-    return pricing.stage_costs(np.array([profile.microbatch_time(mb) for mb in micro_batches]))
 
 
 # ---------------------------------------------------------------------------------------------------- plans

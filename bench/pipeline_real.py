@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.pipeline import BACKWARD_FORWARD_RATIO, stage_costs
+from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.train_step import MODEL, OPTIM, Workload, make_samples, workload_lengths
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ wraps in an actor) and answers method calls in order.
 
 Failure handling matches :mod:`.driver`: every wait goes through :meth:`ProcessTrainGroup.gather`, which raises
 :class:`RankError` with the rank's traceback as soon as a call fails, :class:`RankDied` when a process exits
-without answering (a crash, a kill, CUDA aborting), or :class:`~.driver.StepTimeout` naming the ranks still busy;
+without answering (a crash, a kill, CUDA aborting), or :class:`~.harness.StepTimeout` naming the ranks still busy;
 the processes are killed in ``finally``.
 """
 
@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .actors import RolloutManager, TrainActor
 from .config import RunConfig
+from .harness import HEADER, RunResult, StepTimeout, describe, finish_rollout, worker_env
 
 #: how often a wait looks at the processes' liveness
 _POLL_S = 0.2
@@ -92,8 +93,6 @@ class ProcessTrainGroup:
     def __init__(self, config: RunConfig):
         import torch.multiprocessing as mp
 
-        from .driver import worker_env
-
         self.config = config
         self.layouts: list[dict] = []
         self._ctx = mp.get_context("spawn")  # fork would inherit a CUDA context and the driver's threads
@@ -122,8 +121,6 @@ class ProcessTrainGroup:
         return self.gather(call_id, timeout, what)
 
     def gather(self, call_id: int, timeout: float, what: str) -> list[Any]:
-        from .driver import StepTimeout
-
         world = len(self.procs)
         got: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
@@ -211,9 +208,7 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
 
     ``on_ready(group)`` runs once the ranks are set up, ``on_done(group)`` after the last rollout, before the
     processes are shut down (e.g. to fetch parameters with ``group.call("param_snapshot", ...)``). Returns
-    :class:`~.driver.RunResult`."""
-    from .driver import HEADER, RunResult, describe, finish_rollout
-
+    :class:`~.harness.RunResult`."""
     emit = out or (lambda line: None)
     opts = config.options
     start = time.perf_counter()

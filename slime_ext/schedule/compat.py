@@ -1,13 +1,98 @@
-"""slime-compatible entry point: a drop-in for upstream ``slime.utils.dp_schedule.build_dp_schedule``."""
+"""slime's flags -> the planner's inputs, and the slime-compatible entry point built on them.
+
+One reading of slime's ``args`` for every caller: :func:`build_dp_schedule` here (the library's drop-in for upstream's
+``slime.utils.dp_schedule.build_dp_schedule``) and the slime integration (:mod:`slime_ext.integrations.slime.planner`)
+both take the planner's inputs from :func:`planner_inputs`, so they plan alike:
+
+* the layout (:func:`parallel_from_args`): slime's ``train_parallel_config`` dict, which has no pipeline size or
+  p2p mode, completed from Megatron's args (:data:`LAYOUT_ARGS`). **The rule**: a field the dict lacks (or gives
+  as ``None``) is read off ``args``; a field both give must agree, else :class:`ScheduleError` names both values
+  (never one silently winning); under VPP a p2p mode neither gives is Megatron-LM's default, on. The dict's VPP
+  and group sizes are used as they are (slime fills them from Megatron's model config);
+* the batch flags (:meth:`BatchConfig.from_args`);
+* the cost (:func:`cost_from_args`): the measured profile at ``args.cost_profile``, else FLOPs from the model dims.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .config import BatchConfig, ParallelConfig
-from .profile import cost_from_args
+from .cost import CostModel
 from .dp_schedule import DPSchedule
+from .errors import ScheduleError
 from .planner import plan_schedule
+from .profile import CostProfile
+from .validate import is_int
+
+#: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from
+LAYOUT_ARGS = {"pp_size": "pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm"}
+
+
+def _arg(args: Any, name: str) -> Any:
+    """``args.name`` of an attribute object or a mapping; ``None`` when absent."""
+    return args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+
+
+def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig) -> ParallelConfig:
+    """The layout: slime's ``train_parallel_config`` (or a :class:`ParallelConfig`) with the pipeline size and p2p
+    mode from Megatron's ``args`` (the module docstring's rule; a conflict raises :class:`ScheduleError`)."""
+    given = train_parallel_config
+    if isinstance(given, ParallelConfig):
+        given = given.to_dict()
+    elif not isinstance(given, Mapping):
+        return ParallelConfig.from_dict(given)  # refuses it, naming what it takes
+    vpp = given.get("vpp_size") or 1
+    interleaved = not is_int(vpp) or vpp > 1  # a bad vpp_size is left to ParallelConfig's message
+    extra = {}
+    for key, flag in LAYOUT_ARGS.items():
+        ours, theirs = given.get(key), _arg(args, flag)
+        if key == "overlap_p2p_comm" and not interleaved:
+            continue  # without VPP there is no p2p mode to choose (ParallelConfig keeps False)
+        if ours is None and theirs is not None:
+            extra[key] = theirs
+        elif ours is not None and theirs is not None and ours != theirs:
+            raise ScheduleError(
+                f"the parallel layout says {key}={ours!r} but args.{flag}={theirs!r}; they must agree (slime's "
+                f"train_parallel_config has no {key}: leave it out and the planner reads args.{flag}, or pass the "
+                f"same value in both)"
+            )
+    if interleaved and given.get("overlap_p2p_comm") is None and "overlap_p2p_comm" not in extra:
+        extra["overlap_p2p_comm"] = True  # Megatron-LM training's default with VPP
+    if isinstance(train_parallel_config, ParallelConfig) and not extra:
+        return train_parallel_config
+    return ParallelConfig.from_dict({**given, **extra})
+
+
+def cost_from_args(args: Any) -> CostModel | CostProfile | None:
+    """The planner's cost from slime-style ``args`` (an attribute object or a mapping): the measured profile at
+    ``args.cost_profile`` (a path) when set, else :meth:`CostModel.from_args` (FLOPs from the model dims; ``None``
+    without them: tokens)."""
+    path = _arg(args, "cost_profile")
+    if path:
+        if not isinstance(path, str):
+            raise ScheduleError(f"cost_profile = {path!r} must be the path of a JSON file from `slime-ext calibrate`")
+        return CostProfile.load(path)
+    return CostModel.from_args(args)
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """What :func:`plan_schedule` takes besides the samples, read off slime's ``args``."""
+
+    parallel: ParallelConfig
+    batch: BatchConfig
+    cost_model: CostModel | CostProfile | None
+
+
+def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig, *,
+                   global_batch_size: int | None = None) -> PlannerInputs:
+    """The layout (:func:`parallel_from_args`), the batch flags (``global_batch_size`` overrides
+    ``args.global_batch_size``) and the cost (:func:`cost_from_args`): the one reading of slime's flags."""
+    return PlannerInputs(parallel=parallel_from_args(args, train_parallel_config),
+                         batch=BatchConfig.from_args(args, global_batch_size=global_batch_size),
+                         cost_model=cost_from_args(args))
 
 
 def build_dp_schedule(
@@ -19,21 +104,19 @@ def build_dp_schedule(
     rollout_indices: Sequence[int] | None = None,
     loss_tokens: Sequence[int] | None = None,
 ) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (any attribute object).
+    """Plan with slime's flags read off ``args`` (any attribute object), as the slime integration does
+    (:func:`planner_inputs`).
 
     ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
-    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``). Model dims on ``args``
-    (``hidden_size``, ``num_layers``, ...) feed the FLOPs model; without them balancing is by tokens.
-    ``args.cost_profile`` (a JSON file from ``slime-ext calibrate``) replaces the FLOPs model with measured seconds.
+    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``). ``args.pipeline_model_parallel_size``
+    (and, under VPP, ``args.overlap_p2p_comm``) complete slime's parallel dict, which lacks them; a value the dict
+    also gives must agree. Model dims on ``args`` (``hidden_size``, ``num_layers``, ...) feed the FLOPs model;
+    without them balancing is by tokens. ``args.cost_profile`` (a JSON file from ``slime-ext calibrate``) replaces
+    the FLOPs model with measured seconds.
 
     The result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``
     and is also the full :class:`DPSchedule`.
     """
-    return plan_schedule(
-        total_lengths,
-        ParallelConfig.from_dict(train_parallel_config),
-        BatchConfig.from_args(args, global_batch_size=global_batch_size),
-        rollout_ids=rollout_indices,
-        loss_tokens=loss_tokens,
-        cost_model=cost_from_args(args),  # args.cost_profile (a measured profile), else FLOPs from the model dims
-    )
+    inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
+    return plan_schedule(total_lengths, inputs.parallel, inputs.batch, rollout_ids=rollout_indices,
+                         loss_tokens=loss_tokens, cost_model=inputs.cost_model)

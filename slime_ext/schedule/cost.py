@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .errors import ScheduleError
+from .profile import CostProfile
 from .validate import check_coefficients, check_cost_model_fields
 
-if TYPE_CHECKING:  # profile.py imports this module (in cost_from_args)
-    from .profile import CostProfile
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
     """A model dim: its default, its one-line help (``slime-ext plan --help`` shows it) and its value kind for the

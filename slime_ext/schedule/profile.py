@@ -175,20 +175,6 @@ class CostProfile:
         return cls.from_dict(d, source=f"cost profile {path!r}")
 
 
-def cost_from_args(args: Any):
-    """The planner's cost from slime-style ``args``: the measured profile at ``args.cost_profile`` (a path) when
-    set, else :meth:`CostModel.from_args` (FLOPs from the model dims; ``None`` without them: tokens)."""
-    from .cost import CostModel
-
-    get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
-    path = get("cost_profile")
-    if path:
-        if not isinstance(path, str):
-            raise ScheduleError(f"cost_profile = {path!r} must be the path of a JSON file from `slime-ext calibrate`")
-        return CostProfile.load(path)
-    return CostModel.from_args(args)
-
-
 def is_profile_dict(d: Any) -> bool:
     """Whether a serialized cost model (e.g. ``DPSchedule.to_dict()["cost_model"]``) is a profile."""
     return isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND
@@ -342,5 +328,5 @@ def fit_summary(profile: CostProfile, report: FitReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["CostProfile", "FitReport", "Observation", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES", "cost_from_args",
+__all__ = ["CostProfile", "FitReport", "Observation", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES",
            "design_row", "fit_profile", "fit_summary", "is_profile_dict"]

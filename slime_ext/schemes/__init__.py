@@ -16,6 +16,9 @@ Layout (one concern per module):
 * :mod:`.base` -- the interfaces: :class:`Scheme` (a scheme a job runs) and :class:`Baseline` (a scheme the
   benchmark and ``plan --compare`` measure ours against: :meth:`Baseline.schedule`), and what planning returns
   (:class:`RolloutPlan`, :class:`SchemeSchedule`), and what the training side runs (:class:`RankSteps`);
+* :mod:`.data` -- **where the schedule is consumed**: :class:`~.data.DataIterator` over a ``RankPayload`` (one per
+  VPP stage), the payload check, and the Megatron sizes and all-reduce a scheme's training half uses; the training
+  adapter uses it too;
 * :mod:`.records` -- the typed return path: :class:`StepRecord` (:class:`RolloutStepRecord`,
   :class:`LegacyStepRecord`), :class:`RankResult`, :class:`PlanInfo`, :class:`ForwardResult`;
 * :mod:`.rollout` -- :class:`RolloutSchedule`, ``dp_schedule: rollout`` (ours, the default);
@@ -25,8 +28,9 @@ Layout (one concern per module):
   time by :mod:`.upstream` (a baseline only).
 
 Each scheme is one module, planning half and training half together. The planning half is pure (stdlib + numpy,
-like :mod:`slime_ext.schedule`); the training half imports torch and :mod:`slime_ext.training` inside its methods,
-so the rollout process, the CLI and the benchmark import every scheme without torch, Ray or Megatron. Adding a
+like :mod:`slime_ext.schedule`); the training half imports torch and Megatron inside its methods (:mod:`.data`) and never imports
+:mod:`slime_ext.training`, which sits above it (the training adapter imports the schemes and their records), so the
+rollout process, the CLI and the benchmark import every scheme without torch, Ray or Megatron. Adding a
 scheme is adding one class and naming it in :data:`SCHEMES` (or :data:`BASELINES`).
 """
 

@@ -9,22 +9,20 @@
   :meth:`Baseline.schedule` plans one rollout's lengths in the shape of our ``DPSchedule``, and
   :meth:`Baseline.same_input` says what it plans when it is given the rollout one of our schedules planned.
 
-Planning is pure (stdlib + numpy); the training-side methods import torch and Megatron when they are called, so a
-scheme is importable in the rollout process, the CLI and the benchmark without them.
+Planning is pure (stdlib + numpy); the training-side methods import torch and Megatron when they are called (through
+:mod:`.data`), so a scheme is importable in the rollout process, the CLI and the benchmark without them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 from slime_ext.schedule import BatchConfig, CostModel, DPSchedule, ParallelConfig, RankPayload, SampleBatch
 
+from .data import DataIterator
 from .records import StepRecord
-
-if TYPE_CHECKING:  # the training side's types; never imported at run time here
-    from slime_ext.training.data import DataIterator
 
 
 @dataclass
@@ -69,7 +67,7 @@ class RankSteps:
     micro-batches of each step (its ``num_microbatches``), the same on every rank. A scheme that decides more on the
     rank subclasses it to keep what its step records report (:class:`~slime_ext.schemes.legacy.LegacySteps`)."""
 
-    iterators: list["DataIterator"]
+    iterators: list[DataIterator]
     num_microbatches: list[int]
 
 

@@ -37,6 +37,7 @@ from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConf
                                 ScheduleError)
 from slime_ext.schedule.steps import compute_dynamic_global_batch_size
 
+from . import data
 from .base import Baseline, NotComparable, RankSteps, RolloutPlan, SameInput, Scheme, SchemeSchedule
 from .records import LegacyStepRecord
 
@@ -323,8 +324,6 @@ class LegacySchedule(Scheme, Baseline):
     # ------------------------------------------------------------------ training side
     def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None):
         """Plan this rank's payload here: Megatron's sizes, the real ``all_reduce(MAX)`` over the DP group."""
-        from slime_ext.training import data
-
         payload = data.check_payload(payload, planned=False)
         dp_size, dp_group, vpp_size, group, cp_size = data.parallel_sizes(model)
         dynamic = bool(args.use_dynamic_batch_size)

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, build_dp_schedule, plan_schedule
 
+from . import data
 from .base import RankSteps, RolloutPlan, Scheme
 from .records import RolloutStepRecord
 
@@ -49,8 +50,6 @@ class RolloutSchedule(Scheme):
 
     def iterators(self, args: Any, model: Any, payload: RankPayload, *, vpp: int | None = None) -> RankSteps:
         """The payload's schedule slice, one iterator per VPP stage over the same micro-batches."""
-        from slime_ext.training import data
-
         payload = data.check_payload(payload, planned=True)
         stages = data.vpp_size() if vpp is None else vpp
         return RankSteps([data.DataIterator(payload, payload.micro_batch_indices) for _ in range(stages)],

@@ -9,9 +9,9 @@ One concern per module, in the order a step touches them:
 * :mod:`.thd_attention` -- core attention over THD packed sequences without TransformerEngine, its layer spec
   and slime's ``--spec`` callable;
 * :mod:`.optimizer` -- Megatron optimizer;  :mod:`.lr` -- the LR scheduler and **where it is stepped**;
-* :mod:`.data` -- **where the schedule is consumed**: ``DataIterator`` over a ``RankPayload``, built by the
-  ``dp_schedule`` scheme's ``iterators`` (:mod:`slime_ext.schemes`: ``rollout`` runs the payload's schedule slice,
-  ``legacy`` plans per rank as upstream);
+* the schedule is consumed by the ``dp_schedule`` scheme's ``iterators`` (:mod:`slime_ext.schemes`: ``rollout``
+  runs the payload's schedule slice, ``legacy`` plans per rank as upstream), over :mod:`slime_ext.schemes.data`'s
+  ``DataIterator``: it lives with the schemes, below this package, as both use it;
 * :mod:`.batch` -- a micro-batch packed into tensors (THD);  :mod:`.loss` -- the per-token policy loss and its scaling;
 * :mod:`.thd_attention` -- core attention over THD packed sequences without TransformerEngine, its layer spec and
   slime's ``--spec`` callable;
@@ -20,9 +20,8 @@ One concern per module, in the order a step touches them:
 """
 
 from slime_ext.train_config import TrainConfig, TrainConfigError, load_train_config
-from .data import DataIterator, RolloutDataError
 
-__all__ = ["DataIterator", "RolloutDataError", "TrainConfig", "TrainConfigError", "TrainWorker", "load_train_config"]
+__all__ = ["TrainConfig", "TrainConfigError", "TrainWorker", "load_train_config"]
 
 
 def __getattr__(name):  # TrainWorker pulls in megatron-core; import it on first use

@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from slime_ext.schedule import RankPayload
 from slime_ext.schemes import ForwardResult, RankSteps, Scheme, StepRecord
+from slime_ext.schemes.data import RolloutDataError
 
 from .batch import BATCH_KEYS, pack_micro_batch
 from slime_ext.train_config import Layout, TrainConfig
-from .data import RolloutDataError
 from .loss import log_prob_func, loss_scale, train_loss_func
 from .model import unwrap
 from .optimizer import current_lr

@@ -12,8 +12,8 @@ import torch
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch
 from slime_ext.schemes import LegacyPlanError, LegacyStepRecord, RankSteps, RecordError, get_dp_schedule
 from slime_ext.schemes.legacy import LegacyRank, split_over_ranks
-from slime_ext.training import data
-from slime_ext.training.data import RolloutDataError
+from slime_ext.schemes import data
+from slime_ext.schemes.data import RolloutDataError
 
 LEGACY = get_dp_schedule("legacy")
 

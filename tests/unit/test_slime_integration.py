@@ -13,7 +13,8 @@ import pytest
 from slime_ext.integrations import slime as integration
 from slime_ext.integrations.slime import planner, trainer
 from slime_ext.patches import PatchError, slime_host
-from slime_ext.schedule import ScheduleError
+from slime_ext.schedule import ParallelConfig, ScheduleError
+from slime_ext.schedule.compat import parallel_from_args
 
 
 def slime_args(**overrides):
@@ -152,13 +153,16 @@ def test_the_pipeline_size_and_p2p_mode_come_from_megatrons_args():
                          rollout_indices=list(range(12)))
     assert sched.parallel.pp_size == 4 and sched.stats[0].predicted_makespan is not None
     vpp = {**PARALLEL, "vpp_size": 2, "microbatch_group_size_per_vp_stage": 2}
-    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=2), vpp) == {
-        **vpp, "pp_size": 2, "overlap_p2p_comm": True}
-    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=2, overlap_p2p_comm=False), vpp)[
-        "overlap_p2p_comm"] is False
-    assert planner.with_pipeline(slime_args(), PARALLEL) == PARALLEL  # no pipeline args: as before
-    assert planner.with_pipeline(slime_args(pipeline_model_parallel_size=4), {**PARALLEL, "pp_size": 1}) == \
-        {**PARALLEL, "pp_size": 1}  # the dict wins where it says
+    assert parallel_from_args(slime_args(pipeline_model_parallel_size=2), vpp) == ParallelConfig(
+        **vpp, pp_size=2, overlap_p2p_comm=True)
+    assert parallel_from_args(slime_args(pipeline_model_parallel_size=2, overlap_p2p_comm=False),
+                              vpp).overlap_p2p_comm is False
+    assert parallel_from_args(slime_args(), PARALLEL) == ParallelConfig(**PARALLEL)  # no pipeline args: as before
+    # a size both give must agree (tests/unit/test_build_dp_schedule_entry.py: the refusal's message)
+    assert parallel_from_args(slime_args(pipeline_model_parallel_size=4), {**PARALLEL, "pp_size": 4}).pp_size == 4
+    with pytest.raises(ScheduleError, match="pp_size=1 but args.pipeline_model_parallel_size=4"):
+        planner.plan(slime_args(pipeline_model_parallel_size=4), {**PARALLEL, "pp_size": 1}, lengths,
+                     global_batch_size=12, rollout_indices=list(range(12)))
 
 
 def test_build_dp_schedule_refuses_like_slime():

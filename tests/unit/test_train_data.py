@@ -11,7 +11,7 @@ import torch
 from slime_ext.schedule import BatchConfig, ParallelConfig, RankPayload, SampleBatch, ScheduleError, plan_schedule
 from slime_ext.schemes import get_dp_schedule
 from slime_ext.training.batch import pack_micro_batch
-from slime_ext.training.data import DataIterator, RolloutDataError
+from slime_ext.schemes.data import DataIterator, RolloutDataError
 from slime_ext.training.loss import loss_scale, policy_loss_sum, token_log_probs
 
 ROLLOUT = get_dp_schedule("rollout")

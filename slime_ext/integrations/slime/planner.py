@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from slime_ext.schedule import BatchConfig, DPSchedule, ParallelConfig, ScheduleError, plan_schedule
-from slime_ext.schedule.profile import cost_from_args
+from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError, plan_schedule
+from slime_ext.schedule.compat import planner_inputs
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
@@ -90,7 +90,9 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
          global_batch_size: int | None, rollout_indices: Sequence[Any], loss_tokens: Sequence[int] | None = None,
          dynamic_rounds_samples: bool = False) -> DPSchedule:
     """slime-ext's schedule for one rollout, read off slime's ``args`` (``--balance-data``,
-    ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, ...).
+    ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, the pipeline
+    size, ...) exactly as the library's :func:`slime_ext.schedule.build_dp_schedule` reads them
+    (:func:`slime_ext.schedule.compat.planner_inputs`).
 
     ``dynamic_rounds_samples``: ``--use-dynamic-global-batch-size`` follows slime v0.2.4's rule for it (the sample
     count rounded down to a multiple of dp_size, whole rollouts inside it; see
@@ -98,34 +100,18 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     global last_report
     gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
     ids = _dense_ids(rollout_indices)
-    train_parallel_config = with_pipeline(args, train_parallel_config)
     try:
-        batch = BatchConfig.from_args(args, global_batch_size=gbs)
+        inputs = planner_inputs(args, train_parallel_config, global_batch_size=gbs)
+        batch = inputs.batch
         if dynamic_rounds_samples and batch.use_dynamic_global_batch_size:
             batch = dataclasses.replace(batch, dynamic_global_batch_rounds_samples=True)
-        schedule = plan_schedule(list(total_lengths), ParallelConfig.from_dict(train_parallel_config), batch,
-                                 rollout_ids=ids, loss_tokens=loss_tokens, cost_model=cost_from_args(args))
+        schedule = plan_schedule(list(total_lengths), inputs.parallel, batch, rollout_ids=ids,
+                                 loss_tokens=loss_tokens, cost_model=inputs.cost_model)
     except ScheduleError as exc:
         raise SlimePlanError(str(exc)) from None
     last_report = _report(schedule, ids)
     _log(last_report, dynamic=schedule.batch.use_dynamic_global_batch_size)
     return schedule
-
-
-def with_pipeline(args: Any, train_parallel_config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """slime's parallel dict has no pipeline size or p2p mode; the planner's pipeline objective reads them from
-    Megatron's args (``--pipeline-model-parallel-size``, ``overlap_p2p_comm``) where the dict lacks them."""
-    if not isinstance(train_parallel_config, Mapping):
-        return train_parallel_config
-    extra = {}
-    pp = getattr(args, "pipeline_model_parallel_size", None)
-    if "pp_size" not in train_parallel_config and pp is not None:
-        extra["pp_size"] = pp
-    vpp = train_parallel_config.get("vpp_size") or 1
-    if "overlap_p2p_comm" not in train_parallel_config and isinstance(vpp, int) and vpp > 1:
-        overlap = getattr(args, "overlap_p2p_comm", None)
-        extra["overlap_p2p_comm"] = True if overlap is None else overlap  # Megatron-LM's default with VPP
-    return {**train_parallel_config, **extra} if extra else train_parallel_config
 
 
 def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,

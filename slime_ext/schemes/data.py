@@ -1,9 +1,11 @@
 """Where the schedule is consumed: a :class:`RankPayload` -> one :class:`DataIterator` per virtual pipeline stage.
 
-Who plans the micro-batches is a value, ``config.dp_schedule``: its scheme (:mod:`slime_ext.schemes`) builds the
-iterators with :meth:`~slime_ext.schemes.Scheme.iterators` from what is here -- the iterator, the payload check,
-and the few Megatron facts and collectives a training-side scheme needs (:func:`parallel_sizes`,
-:func:`all_reduce_max`).
+Who plans the micro-batches is a value, ``config.dp_schedule``: its scheme builds the iterators with
+:meth:`~slime_ext.schemes.Scheme.iterators` from what is here -- the iterator, the payload check, and the few
+Megatron facts and collectives a training-side scheme needs (:func:`vpp_size`, :func:`parallel_sizes`,
+:func:`all_reduce_max`). The schemes and the training adapter (:mod:`slime_ext.training`) both use it, so it lives
+here, below the training layer; importing it imports no torch or Megatron (those functions import them when
+called).
 """
 
 from __future__ import annotations
