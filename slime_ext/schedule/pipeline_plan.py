@@ -41,6 +41,7 @@ from .config import ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
 from .pipeline import PipelineSpec, pipeline_makespan
+from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
 from .profile import CostProfile
 
 if TYPE_CHECKING:
@@ -65,6 +66,9 @@ MAX_EXTRA_COUNT_ROUNDS = 8
 EXTRA_COUNT_PATIENCE = 2
 #: candidates improved by swaps before the final choice: the pp-unaware count's best and the best recounted ones
 FINALISTS = 3
+#: steps of at most this many micro-batches (all replicas) also try the reordered, rebalanced and recounted
+#: candidates of the pp-unaware bins; larger ones keep the shaped plan (or the pp-unaware bins reordered)
+FULL_SEARCH_MICROBATCHES = 256
 
 
 @dataclass(frozen=True)
@@ -339,6 +343,226 @@ def polish(pricing: PipelinePricing, step: PipelineStep, bin_costs: np.ndarray, 
                         pricing.bubble(bin_costs[by_rank[slowest]]), how)
 
 
+@dataclass(frozen=True)
+class ShapeSamples:
+    """What shaping a step's micro-batches needs (dynamic batches only): the step's sample ``lengths`` and
+    ``costs`` (the planner's), the token ``cap``, a measured ``profile`` (micro-batches priced whole) or ``None``
+    (FLOPs: a micro-batch costs the sum of its samples), and ``step``: the per-replica count moves by multiples of
+    it (``microbatch_group_size_per_vp_stage`` under VPP, else 1)."""
+
+    lengths: np.ndarray
+    costs: np.ndarray
+    cap: int
+    profile: CostProfile | None
+    step: int
+
+    def bin_rows(self, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
+        """``(R, k)`` micro-batch costs of packed rows (:func:`shape_pack`'s ``bin_of`` over ``members``)."""
+        rows = members.shape[0]
+        valid = members >= 0
+        flat = (np.arange(rows)[:, None] * k + bin_of)[valid]
+        ids = members[valid]
+        if self.profile is None:
+            return np.bincount(flat, weights=self.costs[ids], minlength=rows * k).reshape(rows, k)
+        p, L = self.profile, self.lengths[ids].astype(np.float64)
+        tokens = np.bincount(flat, weights=L, minlength=rows * k)
+        squares = np.bincount(flat, weights=L * L, minlength=rows * k)
+        return (p.microbatch_overhead_s + p.per_token_s * tokens + p.per_sample_quadratic_s * squares
+                + p.packed_quadratic_s * tokens * tokens).reshape(rows, k)
+
+
+#: replicas the count is chosen on (the heaviest by cost and by largest sample); all replicas choose their shape
+SCAN_REPLICAS = 8
+#: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
+#: step more than the previous (capped by the samples of the smallest replica)
+COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
+#: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
+#: are rebalanced, and the fastest after rebalancing wins
+SHAPED_COMBOS = 4
+REBALANCED_COUNTS = 2
+#: sample moves off the slowest shaped replica; the shares of its cost a move tries
+MAX_SHED_MOVES = 12
+SHED_SHARES = (0.02, 0.06, 0.15, 0.35, 0.8)
+#: rebalancing stops when the best move lowers the slowest replica's makespan by less than this share
+MIN_SHED_GAIN = 1e-3
+#: a sample holding this share of its replica's cost is "dominant": the replica may keep it with only tiny ones
+STRIP_SHARE = 0.25
+
+
+def _shape_counts(k0: int, step: int, most: int, spec: PipelineSpec) -> list[int]:
+    out = []
+    for i, f in enumerate(COUNT_FACTORS):  # at least i steps more than k0: small counts reach far enough
+        k = max(-(-int(round(k0 * f)) // step), -(-k0 // step) + i) * step
+        if k > most:
+            break
+        try:
+            spec.check_microbatches(k)
+        except ScheduleError:
+            continue
+        if k not in out:
+            out.append(k)
+    return out
+
+
+def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndarray,
+               combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of ``members`` packed for every ``(count, shape)`` of ``combos`` in one call: ``(spans (C, R),
+    bin_of (C, R, n))``; a packing that does not fit is ``inf``."""
+    r, c = len(members), len(combos)
+    width = max(k for k, _ in combos)
+    w = np.full((c, width), -1.0)
+    for i, (k, shape) in enumerate(combos):
+        w[i, :k] = shape.weights(k)
+    rows = np.tile(members, (c, 1))
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, rows, np.repeat(w, r, axis=0), samples.cap)
+    for i, (k, shape) in enumerate(combos):  # run orders other than the shape's own: relabel the bins
+        if shape.order != "target":
+            part = slice(i * r, (i + 1) * r)
+            order = shape.run_order(samples.bin_rows(rows[part], bin_of[part], k))
+            rank = np.argsort(order, axis=1)  # bin -> its position in the run
+            labels = bin_of[part]
+            bin_of[part] = np.where(labels >= 0, np.take_along_axis(rank, np.maximum(labels, 0), axis=1), -1)
+    spans = np.full(c * r, np.inf)
+    for k in sorted({k for k, _ in combos}):
+        sel = np.repeat([kk == k for kk, _ in combos], r) & ok
+        if sel.any():
+            spans[sel] = pricing.makespans(samples.bin_rows(rows[sel], bin_of[sel], k))
+    return spans.reshape(c, r), bin_of.reshape(c, r, -1)
+
+
+def _pad(groups: list[np.ndarray], costs: np.ndarray) -> np.ndarray:
+    """Rows of sample ids by decreasing cost (ties by id), padded with -1."""
+    n = max(len(g) for g in groups)
+    out = np.full((len(groups), n), -1, dtype=np.int64)
+    for i, g in enumerate(groups):
+        out[i, :len(g)] = g[np.lexsort((g, -costs[g]))]
+    return out
+
+
+def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+                     shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], list[Shape], np.ndarray]:
+    """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
+    makespan: a share (:data:`SHED_SHARES`) of the cost of its samples but the ``k - 1`` cheapest and the
+    costliest, cheapest first, dealt over the :data:`BALANCE_PARTNERS` fastest, each replica re-packed in its own
+    shape; at most :data:`MAX_SHED_MOVES` moves, while a move gains :data:`MIN_SHED_GAIN`. A replica holding a
+    sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
+    replica keeps at least ``k`` samples."""
+    groups, shapes, spans = list(groups), list(shapes), spans.copy()
+    costs = samples.costs
+    for _ in range(MAX_SHED_MOVES):
+        s = int(np.argmax(spans))
+        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:BALANCE_PARTNERS]
+        mine = groups[s][np.lexsort((groups[s], costs[groups[s]]))]  # cheapest first
+        # the k - 1 cheapest stay (they fill the ramps cheaply), and so does the costliest; the next cheapest move
+        keep, movable = mine[:k - 1], mine[k - 1:-1]
+        if not partners or not len(movable):
+            break
+        cum = np.cumsum(costs[movable])
+        moves = sorted({int(np.clip(np.searchsorted(cum, share * cum[-1], side="right"), 1, len(movable)))
+                        for share in SHED_SHARES})
+        cands = []
+        for m in moves:
+            stay = np.concatenate((keep, movable[m:], mine[-1:]))
+            cands.append({s: stay, **{t: np.concatenate((groups[t], movable[:m][i::len(partners)]))
+                                      for i, t in enumerate(partners)}})
+        if costs[mine[-1]] >= STRIP_SHARE * costs[mine].sum():
+            # a dominant sample: keep it alone with the k - 1 cheapest samples of the partners, give them the rest
+            theirs = np.concatenate([groups[t] for t in partners])
+            tiny = theirs[np.lexsort((theirs, costs[theirs]))[:k - 1]]
+            rest = mine[:-1]
+            cands.append({s: np.concatenate((tiny, mine[-1:])),
+                          **{t: np.concatenate((np.setdiff1d(groups[t], tiny), rest[i::len(partners)]))
+                             for i, t in enumerate(partners)}})
+        rows, owners = [], []
+        for c, change in enumerate(cands):
+            for t, row in change.items():
+                if len(row) < k:
+                    break
+            else:
+                for t, row in change.items():
+                    rows.append(row)
+                    owners.append((c, t))
+        if not rows:
+            break
+        moves = cands
+        # one packing call: each row in its replica's shape (rows of one shape together)
+        got = np.full(len(rows), np.inf)
+        for shape in set(shapes[t] for _, t in owners):
+            sel = [i for i, (_, t) in enumerate(owners) if shapes[t] == shape]
+            got[sel] = _pack_many(pricing, samples, _pad([rows[i] for i in sel], costs), [(k, shape)])[0][0]
+        worst = np.full(len(moves), -np.inf)
+        np.maximum.at(worst, [c for c, _ in owners], got)
+        worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
+        c = int(np.argmin(worst))
+        if not worst[c] < spans[s] * (1 - MIN_SHED_GAIN):
+            break  # the slowest replica gains (almost) nothing
+        for (ci, t), v, row in zip(owners, got, rows):
+            if ci == c:
+                groups[t], spans[t] = row, v
+    return groups, shapes, spans
+
+
+def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.ndarray, k0: int,
+                dp: int) -> PipelineStep | None:
+    """The best shaped plan (:mod:`.pipeline_shape`) of the step's samples, starting from each replica's samples
+    (``replica_of``).
+
+    1. Every count of :data:`COUNT_FACTORS` and shape of :data:`SHAPES` on the :data:`SCAN_REPLICAS` replicas
+       most likely to be slowest (the heaviest, those holding the costliest samples), in one packing call.
+    2. Every replica in the :data:`SHAPED_COMBOS` best ``(count, shape)`` combinations; per count each replica
+       keeps its fastest shape, and the count with the fastest slowest replica wins.
+    3. Samples moved off the slowest replica (:func:`rebalance_shaped`).
+
+    ``None`` when no count fits (too few samples, the cap)."""
+    members = replica_members(replica_of, samples.costs, dp)
+    n_min = int((members >= 0).sum(axis=1).min())
+    counts = _shape_counts(k0, samples.step, n_min, pricing.spec)
+    if not counts:
+        return None
+    total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
+    largest = samples.costs[np.maximum(members[:, 0], 0)]
+    pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:SCAN_REPLICAS // 2],
+                                              np.argsort(-largest, kind="stable")[:SCAN_REPLICAS]))))
+    sub = members[np.asarray(pick[:SCAN_REPLICAS])] if dp > SCAN_REPLICAS else members
+    combos = [(k, shape) for k in counts for shape in SHAPES]
+    scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
+    ranked = [combos[i] for i in np.argsort(scan, kind="stable")[:SHAPED_COMBOS] if np.isfinite(scan[i])]
+    if not ranked:
+        return None
+    spans, bin_of = _pack_many(pricing, samples, members, ranked)
+    best = None
+    for k in list(dict.fromkeys(k for k, _ in ranked))[:REBALANCED_COUNTS]:
+        idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
+        choice = np.asarray(idx)[spans[idx].argmin(axis=0)]
+        got = spans[choice, np.arange(dp)]
+        if not np.isfinite(got).all():
+            continue
+        groups, shapes = [row[row >= 0] for row in members], [ranked[i][1] for i in choice]
+        if dp > 1:
+            groups, shapes, got = rebalance_shaped(pricing, samples, groups, k, shapes, got)
+        if best is None or got.max() < best[1].max():
+            best = (k, got, shapes, groups)
+    if best is None:
+        return None
+    k, spans, shapes, groups = best
+    # the final packing, each replica in its shape
+    members = _pad(groups, samples.costs)
+    bin_of = np.empty_like(members)
+    spans = np.empty(dp)
+    for shape in set(shapes):
+        sel = np.asarray([i for i in range(dp) if shapes[i] == shape])
+        got, b = _pack_many(pricing, samples, members[sel], [(k, shape)])
+        spans[sel], bin_of[sel] = got[0], b[0]
+    step_bin = np.full(len(replica_of), -1, dtype=np.int64)
+    valid = members >= 0
+    step_bin[members[valid]] = (np.arange(dp)[:, None] * k + bin_of)[valid]
+    count = k * dp
+    slowest = int(np.argmax(spans))
+    row = samples.bin_rows(members[slowest:slowest + 1], bin_of[slowest:slowest + 1], k)[0]
+    return PipelineStep(step_bin, np.arange(count) // k, count, np.arange(count), spans, pricing.bubble(row),
+                        f"shape+{count - k0 * dp}")
+
+
 def plan_pipeline_step(
     pricing: PipelinePricing,
     bin_of: np.ndarray,
@@ -351,6 +575,7 @@ def plan_pipeline_step(
     recount: Callable[[int], tuple[np.ndarray, np.ndarray] | None] | None,
     align: int,
     heaviest: np.ndarray | None = None,
+    samples: "ShapeSamples | None" = None,
 ) -> PipelineStep:
     """The best arrangement of one step by the model, never slower than the pp-unaware plan of the step.
 
@@ -367,6 +592,11 @@ def plan_pipeline_step(
     costs = bin_costs_of(bin_of, count)
     unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
     same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
+    # dynamic batches: the micro-batches composed for the pipeline (shaped_step); on large steps that is the whole
+    # search (the reordered, rebalanced and recounted candidates below cost ~10x more there and gain little)
+    shaped = None if samples is None else shaped_step(pricing, samples, rank_of_bin[bin_of], count // dp, dp)
+    if shaped is not None and count > FULL_SEARCH_MICROBATCHES:
+        return min((unaware, same, shaped), key=lambda c: c.slowest)  # ties: the earlier
     if balance and dp > 1:
         rebalanced = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, balance=True, how="balance")
         if rebalanced.slowest < same.slowest * (1 - 1e-9):
@@ -396,6 +626,8 @@ def plan_pipeline_step(
         cand = polish(pricing, cand, cand_costs, dp)
         if cand.slowest < chosen.slowest * (1 - 1e-9):
             chosen = cand
+    if shaped is not None and shaped.slowest < chosen.slowest * (1 - 1e-9):
+        chosen = shaped
     return chosen
 
 

@@ -67,7 +67,7 @@ from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, grow_to_count, lpt_pack
-from .pipeline_plan import PipelinePricing, PipelineStep, pipeline_pricing, plan_pipeline_step
+from .pipeline_plan import PipelinePricing, PipelineStep, ShapeSamples, pipeline_pricing, plan_pipeline_step
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
 
@@ -280,9 +280,11 @@ def _plan_for_pipeline(
                 return b_of, refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
             return b_of, serpentine(bin_costs, dp)
 
+    samples = None if cap is None else ShapeSamples(lengths, costs, cap, profile, align // dp)
     return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
                               balance=batch.balance_data and cap is not None, recount=recount, align=align,
-                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count))  # as emitted
+                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted
+                              samples=samples)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

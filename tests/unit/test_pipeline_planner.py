@@ -188,7 +188,7 @@ def test_more_smaller_microbatches_when_filling_the_pipeline_pays():
     flat = plan_schedule(lengths.tolist(), ParallelConfig(dp_size=4), batch, cost_model=CostModel(**DIMS))
     assert check_schedule(sched) == []
     assert sched.num_microbatches[0] > flat.num_microbatches[0]
-    assert "count+" in sched.stats[0].strategy
+    assert "count+" in sched.stats[0].strategy or "shape+" in sched.stats[0].strategy
     assert (sched.num_microbatches[0] - flat.num_microbatches[0]) * 4 % parallel.align == 0
 
 

@@ -1,0 +1,138 @@
+"""Micro-batches composed for the pipeline: each replica's samples packed into a *shape* of micro-batch sizes.
+
+Under megatron-core's 1F1B schedule a replica's step waits ``pp - 1`` stage-forwards of its first micro-batch
+before the last stage starts, and ``pp - 1`` stage-backwards of its last one after the last stage ends; in between,
+a stage idles whenever a micro-batch is much cheaper than the one the stage ran before it in the other direction. So
+the fastest plans (a long search under the model: ``bench/pipeline_search.py``) start with small micro-batches,
+rise to the largest within a few micro-batches, step down slowly and end with a ramp of small ones; and they use
+more micro-batches than the fewest the cap allows (each extra one costs its overhead but shortens fill and drain).
+
+This module builds such plans, vectorised over replicas and candidate shapes:
+
+* :func:`ramp_weights`: the target share of each of ``k`` micro-batches: ``up`` micro-batches rising linearly
+  from ``low`` of the plateau, the plateau, ``down`` micro-batches falling linearly to ``low``;
+* :func:`shape_pack`: every row's samples (largest cost first) each into the micro-batch with the most room left
+  below its target that still holds it under the token cap; the largest samples land on the first plateau
+  micro-batches (the peak), the smallest fill the ramps. Micro-batches run in target order.
+
+The planner (:func:`slime_ext.schedule.pipeline_plan.plan_pipeline_step`) prices the candidates with the pipeline
+model and keeps a shaped plan only where it predicts the slowest replica faster. Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Shape", "ramp_weights", "replica_members", "shape_pack", "SHAPES", "RISING"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A target shape of one replica's micro-batch sizes (see :func:`ramp_weights`)."""
+
+    up: int  # micro-batches rising to the plateau
+    down: int  # micro-batches falling from it at the end
+    low: float  # the first (last) micro-batch's target, as a share of the plateau's
+    #: the run order: "target" (as shaped), or "rising": cheapest first up to the costliest, which runs second
+    #: to last (the interleaved schedule's best plans of evenly loaded micro-batches)
+    order: str = "target"
+
+    def weights(self, k: int) -> np.ndarray:
+        return ramp_weights(k, self.up, self.down, self.low)
+
+    def run_order(self, bin_costs: np.ndarray) -> np.ndarray:
+        """``(R, k)`` the order each row's micro-batches run in (indices into its bins)."""
+        r, k = bin_costs.shape
+        if self.order == "target":
+            return np.broadcast_to(np.arange(k), (r, k))
+        asc = np.argsort(bin_costs, axis=1, kind="stable")
+        if k >= 2:
+            asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
+        return asc
+
+
+#: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
+RISING = 1 << 20
+SHAPES = (Shape(0, 0, 1.0), Shape(1, 4, 0.3), Shape(2, 4, 0.3), Shape(2, 6, 0.5), Shape(3, 6, 0.3),
+          Shape(3, 8, 0.3), Shape(4, 8, 0.3), Shape(2, 2, 0.5), Shape(RISING, 1, 0.5), Shape(RISING, 2, 0.6),
+          Shape(0, 0, 1.0, "rising"))
+
+
+def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
+    """``(k,)`` target shares summing to 1: ``up`` rising from ``low`` (share of the plateau) towards 1, the
+    plateau, ``down`` falling towards ``low``. Ramps are shortened (the plateau kept >= 1) when ``k`` is small."""
+    w = np.ones(k)
+    up, down = min(up, k - 1), min(down, k - 1)
+    while up + down >= k and (up or down):  # keep at least one plateau micro-batch
+        if down >= up:
+            down -= 1
+        else:
+            up -= 1
+    if up:
+        w[:up] = np.linspace(low, 1.0, up + 1)[:-1]
+    if down:
+        w[k - down:] = np.linspace(1.0, low, down + 1)[1:]
+    return w / w.sum()
+
+
+def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
+    """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1."""
+    order = np.lexsort((np.arange(len(costs)), -costs, replica_of))
+    counts = np.bincount(replica_of, minlength=dp)
+    n_max = int(counts.max()) if len(counts) else 0
+    out = np.full((dp, n_max), -1, dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    col = np.arange(len(order)) - np.repeat(starts, counts)
+    out[replica_of[order], col] = order
+    return out
+
+
+def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weights: np.ndarray,
+               cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack each row's samples into ``k`` micro-batches shaped by ``weights``.
+
+    ``members``: ``(R, n)`` sample ids by decreasing cost, padded with -1; ``weights``: ``(R, k)`` target shares
+    per row (each row's non-negative entries sum to 1; row ``r``'s targets are ``weights[r] * its total cost``); a
+    negative weight marks a micro-batch the row does not have (rows of fewer micro-batches in one call). Returns
+    ``bin_of`` ``(R, n)`` (the micro-batch of each member, -1 for padding) and ``ok`` ``(R,)``: the row holds the
+    cap (a sample over the cap sits alone) and leaves none of its micro-batches empty.
+    """
+    rows, n = members.shape
+    k = weights.shape[1]
+    valid = members >= 0
+    safe = np.where(valid, members, 0)
+    lens = np.where(valid, lengths[safe], 0)
+    cst = np.where(valid, costs[safe], 0.0)
+    unused = weights < 0
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))  # target cost left per micro-batch
+    tok = np.zeros((rows, k), dtype=np.int64)
+    cnt = np.zeros((rows, k), dtype=np.int64)
+    ok = np.ones(rows, dtype=bool)
+    bin_of = np.full((rows, n), -1, dtype=np.int64)
+    r_idx = np.arange(rows)
+    neg = -np.inf
+    left = valid.sum(axis=1)  # samples still to place
+    empty = (~unused).sum(axis=1)  # micro-batches still empty
+    for j in range(n):
+        v = valid[:, j]
+        if not v.any():
+            break
+        lj = lens[:, j]
+        fits = (tok == 0) | (tok + lj[:, None] <= cap)
+        # as many samples left as empty micro-batches: each of them must take one
+        fits &= ~((left <= empty)[:, None] & (cnt > 0))
+        score = np.where(fits, room, neg)
+        b = score.argmax(axis=1)
+        ok &= ~v | fits[r_idx, b]
+        b = np.where(v, b, 0)
+        add = v.astype(np.int64)
+        room[r_idx, b] -= cst[:, j]
+        tok[r_idx, b] += lj
+        empty -= add * (cnt[r_idx, b] == 0)
+        cnt[r_idx, b] += add
+        left -= add
+        bin_of[:, j] = np.where(v, b, -1)
+    ok &= ((cnt > 0) | unused).all(axis=1)
+    return bin_of, ok
