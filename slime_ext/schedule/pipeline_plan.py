@@ -30,6 +30,7 @@ Pure: standard library and numpy.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Callable
 
@@ -376,15 +377,22 @@ SCAN_REPLICAS = 8
 #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
 #: step more than the previous (capped by the samples of the smallest replica)
 COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
+#: the shapes every count is scanned with (then every shape of SHAPES at the best counts)
+SCAN_SHAPES = (SHAPES[0], SHAPES[4], SHAPES[-1])
 #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
 #: are rebalanced, and the fastest after rebalancing wins
-SHAPED_COMBOS = 4
+SHAPED_COMBOS = 3
 REBALANCED_COUNTS = 2
 #: sample moves off the slowest shaped replica; the shares of its cost a move tries
 MAX_SHED_MOVES = 12
 SHED_SHARES = (0.02, 0.06, 0.15, 0.35, 0.8)
 #: rebalancing stops when the best move lowers the slowest replica's makespan by less than this share
 MIN_SHED_GAIN = 1e-3
+#: with more replicas than this, rebalancing starts with WATER_ROUNDS global rounds (:func:`water_fill`)
+WATER_FILL_REPLICAS = 16
+WATER_ROUNDS = 2
+#: sample moves off the slowest replica after water_fill
+SHED_MOVES_AFTER_WATER = 2
 #: a sample holding this share of its replica's cost is "dominant": the replica may keep it with only tiny ones
 STRIP_SHARE = 0.25
 
@@ -439,6 +447,70 @@ def _pad(groups: list[np.ndarray], costs: np.ndarray) -> np.ndarray:
     return out
 
 
+def _repack(pricing: PipelinePricing, samples: ShapeSamples, rows: list[np.ndarray], k: int,
+            shapes: list[Shape]) -> np.ndarray:
+    """Makespans of ``rows`` (sample ids), each packed in its own shape (one packing call per distinct shape)."""
+    got = np.full(len(rows), np.inf)
+    for shape in set(shapes):
+        sel = [i for i, sh in enumerate(shapes) if sh == shape]
+        got[sel] = _pack_many(pricing, samples, _pad([rows[i] for i in sel], samples.costs), [(k, shape)])[0][0]
+    return got
+
+
+def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+               shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Level the replicas' makespans in a few global rounds (:data:`WATER_ROUNDS`), for many replicas at once.
+
+    A replica's makespan moves by ``slope = (1 + backward/forward) * scale`` per unit of cost it gains or loses at
+    its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
+    ``T`` at which the replicas' costs would sum to the step's, and every replica above it hands its cheapest
+    samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; the changed
+    replicas are re-packed once, and the round is kept only if the slowest makespan drops."""
+    costs = samples.costs
+    slope = (1.0 + pricing.backward_forward_ratio) * pricing.scale
+    groups = list(groups)
+    for _ in range(WATER_ROUNDS):
+        work = np.asarray([costs[g].sum() for g in groups])
+        own = spans - slope * work
+        level = (slope * work.sum() + own.sum()) / len(groups)
+        excess = work - (level - own) / slope
+        deficit = [(float(e), t) for t, e in enumerate(excess) if e < 0]
+        if not deficit:
+            break
+        heapq.heapify(deficit)  # most negative first: the replica furthest below the level
+        gained: dict[int, list[int]] = {}  # receiver -> samples it takes
+        shed: dict[int, list[int]] = {}  # donor -> samples it gives
+        for d in np.argsort(-excess, kind="stable"):
+            if excess[d] <= 0 or spans[d] <= level * (1 + MIN_SHED_GAIN) or not deficit:
+                break
+            mine = groups[d][np.lexsort((groups[d], costs[groups[d]]))]
+            left = float(excess[d])
+            for i in mine[k - 1:-1]:  # the k - 1 cheapest and the costliest stay
+                c = float(costs[i])
+                if c > left or not deficit:
+                    break
+                need, t = heapq.heappop(deficit)
+                gained.setdefault(t, []).append(int(i))
+                shed.setdefault(int(d), []).append(int(i))
+                left -= c
+                if need + c < 0:
+                    heapq.heappush(deficit, (need + c, t))
+        if not shed:
+            break
+        changed = sorted(set(gained) | set(shed))
+        rows = [np.setdiff1d(groups[t], shed[t]) if t in shed else np.concatenate((groups[t], gained[t]))
+                for t in changed]
+        got = _repack(pricing, samples, rows, k, [shapes[t] for t in changed])
+        trial = spans.copy()
+        trial[changed] = got
+        if not trial.max() < spans.max() * (1 - 1e-9):
+            break
+        for t, row in zip(changed, rows):
+            groups[t] = row
+        spans = trial
+    return groups, spans
+
+
 def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                      shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], list[Shape], np.ndarray]:
     """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
@@ -449,7 +521,9 @@ def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: li
     replica keeps at least ``k`` samples."""
     groups, shapes, spans = list(groups), list(shapes), spans.copy()
     costs = samples.costs
-    for _ in range(MAX_SHED_MOVES):
+    if len(groups) > WATER_FILL_REPLICAS:
+        groups, spans = water_fill(pricing, samples, groups, k, shapes, spans)
+    for _ in range(MAX_SHED_MOVES if len(groups) <= WATER_FILL_REPLICAS else SHED_MOVES_AFTER_WATER):
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:BALANCE_PARTNERS]
         mine = groups[s][np.lexsort((groups[s], costs[groups[s]]))]  # cheapest first
@@ -524,14 +598,20 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
     pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:SCAN_REPLICAS // 2],
                                               np.argsort(-largest, kind="stable")[:SCAN_REPLICAS]))))
     sub = members[np.asarray(pick[:SCAN_REPLICAS])] if dp > SCAN_REPLICAS else members
-    combos = [(k, shape) for k in counts for shape in SHAPES]
+    # the counts with a few shapes, then every shape at the best counts
+    combos = [(k, shape) for k in counts for shape in SCAN_SHAPES]
+    scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
+    best_counts = list(dict.fromkeys(combos[i][0] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])))
+    combos = [(k, shape) for k in best_counts[:REBALANCED_COUNTS] for shape in SHAPES]
     scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
     ranked = [combos[i] for i in np.argsort(scan, kind="stable")[:SHAPED_COMBOS] if np.isfinite(scan[i])]
     if not ranked:
         return None
     spans, bin_of = _pack_many(pricing, samples, members, ranked)
     best = None
-    for k in list(dict.fromkeys(k for k, _ in ranked))[:REBALANCED_COUNTS]:
+    # many replicas: rebalancing (water_fill) is the costly part, and the best count before it stays the best
+    rebalanced = REBALANCED_COUNTS if dp <= WATER_FILL_REPLICAS else 1
+    for k in list(dict.fromkeys(k for k, _ in ranked))[:rebalanced]:
         idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
         choice = np.asarray(idx)[spans[idx].argmin(axis=0)]
         got = spans[choice, np.arange(dp)]

@@ -106,33 +106,33 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     lens = np.where(valid, lengths[safe], 0)
     cst = np.where(valid, costs[safe], 0.0)
     unused = weights < 0
-    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))  # target cost left per micro-batch
-    tok = np.zeros((rows, k), dtype=np.int64)
-    cnt = np.zeros((rows, k), dtype=np.int64)
-    ok = np.ones(rows, dtype=bool)
-    bin_of = np.full((rows, n), -1, dtype=np.int64)
-    r_idx = np.arange(rows)
-    neg = -np.inf
+    # target cost left per micro-batch; a micro-batch the row lacks never has room
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True)).ravel()
+    tok = np.where(unused, cap + 1, 0).astype(np.int64).ravel()  # tokens; a lacking micro-batch is "full"
+    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
+    # the cap; padding (L = 0) fits anywhere and changes nothing
+    limit = np.where(lens > cap, 0, cap - lens)
+    base = np.arange(rows) * k
+    bin_of = np.empty((rows, n), dtype=np.int64)
     left = valid.sum(axis=1)  # samples still to place
     empty = (~unused).sum(axis=1)  # micro-batches still empty
+    neg = -np.inf
     for j in range(n):
-        v = valid[:, j]
-        if not v.any():
-            break
-        lj = lens[:, j]
-        fits = (tok == 0) | (tok + lj[:, None] <= cap)
-        # as many samples left as empty micro-batches: each of them must take one
-        fits &= ~((left <= empty)[:, None] & (cnt > 0))
-        score = np.where(fits, room, neg)
-        b = score.argmax(axis=1)
-        ok &= ~v | fits[r_idx, b]
-        b = np.where(v, b, 0)
-        add = v.astype(np.int64)
-        room[r_idx, b] -= cst[:, j]
-        tok[r_idx, b] += lj
-        empty -= add * (cnt[r_idx, b] == 0)
-        cnt[r_idx, b] += add
-        left -= add
-        bin_of[:, j] = np.where(v, b, -1)
-    ok &= ((cnt > 0) | unused).all(axis=1)
+        fits = tok.reshape(rows, k) <= limit[:, j, None]
+        force = left <= empty  # as many samples left as empty micro-batches: each of them must take one
+        if force.any():
+            fits &= ~(force[:, None] & (tok.reshape(rows, k) > 0))
+        flat = base + np.where(fits, room.reshape(rows, k), neg).argmax(axis=1)
+        empty -= (tok[flat] == 0) & valid[:, j]
+        room[flat] -= cst[:, j]
+        tok[flat] += lens[:, j]
+        left -= valid[:, j]
+        bin_of[:, j] = flat - base
+    bin_of[~valid] = -1
+    # a sample that fitted nowhere went to a micro-batch over the cap: the row fails; so does an empty micro-batch
+    tok = tok.reshape(rows, k)
+    counts = np.zeros(rows * k, dtype=np.int64)
+    np.add.at(counts, (base[:, None] + bin_of)[valid], 1)
+    counts = counts.reshape(rows, k)
+    ok = ((counts > 0) | unused).all(axis=1) & ((tok <= cap) | (counts == 1) | unused).all(axis=1)
     return bin_of, ok

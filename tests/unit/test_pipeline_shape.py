@@ -98,16 +98,21 @@ def test_shape_pack_targets_put_the_largest_samples_on_the_peak() -> None:
 
 @pytest.mark.parametrize("pp,vpp", [(4, 1), (2, 2)])
 @pytest.mark.parametrize("cost", ["flops", "tokens"])
-def test_planner_with_shapes_keeps_every_invariant_and_beats_the_unaware_plan(pp: int, vpp: int, cost: str) -> None:
+@pytest.mark.parametrize("dp,tail", [(4, False), (32, False), (32, True)])  # dp 32: water_fill rebalances
+def test_planner_with_shapes_keeps_every_invariant_and_beats_the_unaware_plan(pp: int, vpp: int, cost: str, dp: int,
+                                                                              tail: bool) -> None:
     rng = np.random.default_rng(pp * 10 + vpp)
-    lengths = (rng.integers(100, 1500, size=400) + np.minimum(rng.lognormal(7.0, 1.0, size=400), 9000)).astype(int)
+    n = 100 * dp
+    response = 300 * rng.pareto(1.2, size=n) if tail else rng.lognormal(7.0, 1.0, size=n)
+    lengths = (rng.integers(100, 1500, size=n) + np.minimum(response, 20000)).astype(int)
     model = CostModel(**DIMS) if cost == "flops" else None
-    batch = BatchConfig(global_batch_size=200, use_dynamic_batch_size=True, max_tokens_per_gpu=8192, balance_data=True)
-    parallel = ParallelConfig(dp_size=4, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=pp if vpp > 1
+    batch = BatchConfig(global_batch_size=n // 2, use_dynamic_batch_size=True, max_tokens_per_gpu=8192,
+                        balance_data=True)
+    parallel = ParallelConfig(dp_size=dp, pp_size=pp, vpp_size=vpp, microbatch_group_size_per_vp_stage=pp if vpp > 1
                               else None)
     sched = plan_schedule(lengths.tolist(), parallel, batch, cost_model=model)
-    check_schedule(sched)
-    unaware = plan_schedule(lengths.tolist(), ParallelConfig(dp_size=4, vpp_size=vpp,
+    assert check_schedule(sched) == []
+    unaware = plan_schedule(lengths.tolist(), ParallelConfig(dp_size=dp, vpp_size=vpp,
                                                              microbatch_group_size_per_vp_stage=pp if vpp > 1
                                                              else None), batch, cost_model=model)
     pricing = pipeline_pricing(parallel, model, 8192)
