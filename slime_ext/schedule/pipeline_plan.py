@@ -31,6 +31,7 @@ Pure: standard library and numpy.
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -393,6 +394,8 @@ WATER_FILL_REPLICAS = 16
 WATER_ROUNDS = 2
 #: sample moves off the slowest replica after water_fill
 SHED_MOVES_AFTER_WATER = 2
+#: water_fill gives a replica samples only up to this share of its micro-batches' token room (k * cap)
+TOKEN_FILL = 0.9
 #: a sample holding this share of its replica's cost is "dominant": the replica may keep it with only tiny ones
 STRIP_SHARE = 0.25
 
@@ -464,9 +467,11 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
     A replica's makespan moves by ``slope = (1 + backward/forward) * scale`` per unit of cost it gains or loses at
     its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
     ``T`` at which the replicas' costs would sum to the step's, and every replica above it hands its cheapest
-    samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; the changed
-    replicas are re-packed once, and the round is kept only if the slowest makespan drops."""
-    costs = samples.costs
+    samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
+    whose costliest sample is dominant (:data:`STRIP_SHARE` of its cost) and whose level lies below what it would
+    keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
+    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops."""
+    costs, lengths = samples.costs, samples.lengths
     slope = (1.0 + pricing.backward_forward_ratio) * pricing.scale
     groups = list(groups)
     for _ in range(WATER_ROUNDS):
@@ -478,27 +483,68 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
         if not deficit:
             break
         heapq.heapify(deficit)  # most negative first: the replica furthest below the level
-        gained: dict[int, list[int]] = {}  # receiver -> samples it takes
-        shed: dict[int, list[int]] = {}  # donor -> samples it gives
+        add: dict[int, list[int]] = {}  # replica -> samples it takes
+        drop: dict[int, list[int]] = {}  # replica -> samples it gives
+        # the cheapest samples of the replicas below the level, for a replica stripped down to a dominant sample
+        below = [t for _, t in deficit]
+        pool = np.concatenate([groups[t] for t in below])
+        owner = np.repeat(below, [len(groups[t]) for t in below])
+        by_cost = np.argsort(costs[pool], kind="stable")
+        taken = 0
+
+        spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
+        tokens = {t: int(lengths[groups[t]].sum()) for t in below}
+        room = TOKEN_FILL * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
+
+        def give(d: int, i: int) -> bool:
+            length = int(lengths[i])
+            t = None
+            while deficit:
+                need, u = heapq.heappop(deficit)
+                if tokens[u] + length <= room:
+                    t = u
+                    if need + costs[i] < 0:
+                        heapq.heappush(deficit, (need + float(costs[i]), u))
+                    break
+            if t is None:
+                for u in itertools.islice(spill, len(below)):
+                    if tokens[u] + length <= room:
+                        t = u
+                        break
+                else:
+                    return False  # no replica below the level has room: the sample stays
+            tokens[t] += length
+            add.setdefault(t, []).append(int(i))
+            drop.setdefault(d, []).append(int(i))
+            return True
+
         for d in np.argsort(-excess, kind="stable"):
-            if excess[d] <= 0 or spans[d] <= level * (1 + MIN_SHED_GAIN) or not deficit:
+            d = int(d)
+            if excess[d] <= 0 or spans[d] <= level * (1 + MIN_SHED_GAIN) or not below:
                 break
             mine = groups[d][np.lexsort((groups[d], costs[groups[d]]))]
+            top = float(costs[mine[-1]])
+            if top >= STRIP_SHARE * work[d] and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
+                    and taken + k - 1 <= len(pool):
+                # a dominant sample: keep it with the k - 1 cheapest samples of the step's light replicas, give
+                # every other sample away
+                for i in mine[:-1]:
+                    give(d, i)
+                for j in by_cost[taken:taken + k - 1]:
+                    add.setdefault(d, []).append(int(pool[j]))
+                    drop.setdefault(int(owner[j]), []).append(int(pool[j]))
+                taken += k - 1
+                continue
             left = float(excess[d])
-            for i in mine[k - 1:-1]:  # the k - 1 cheapest and the costliest stay
-                c = float(costs[i])
-                if c > left or not deficit:
+            for i in mine[k - 1:-1] if deficit else ():  # the k - 1 cheapest and the costliest stay
+                if costs[i] > left or not deficit:
                     break
-                need, t = heapq.heappop(deficit)
-                gained.setdefault(t, []).append(int(i))
-                shed.setdefault(int(d), []).append(int(i))
-                left -= c
-                if need + c < 0:
-                    heapq.heappush(deficit, (need + c, t))
-        if not shed:
+                if give(d, i):
+                    left -= float(costs[i])
+        if not drop:
             break
-        changed = sorted(set(gained) | set(shed))
-        rows = [np.setdiff1d(groups[t], shed[t]) if t in shed else np.concatenate((groups[t], gained[t]))
+        changed = sorted(set(add) | set(drop))
+        rows = [np.concatenate((np.setdiff1d(groups[t], drop.get(t, [])), np.asarray(add.get(t, []), dtype=np.int64)))
                 for t in changed]
         got = _repack(pricing, samples, rows, k, [shapes[t] for t in changed])
         trial = spans.copy()
@@ -609,9 +655,7 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
         return None
     spans, bin_of = _pack_many(pricing, samples, members, ranked)
     best = None
-    # many replicas: rebalancing (water_fill) is the costly part, and the best count before it stays the best
-    rebalanced = REBALANCED_COUNTS if dp <= WATER_FILL_REPLICAS else 1
-    for k in list(dict.fromkeys(k for k, _ in ranked))[:rebalanced]:
+    for k in list(dict.fromkeys(k for k, _ in ranked))[:REBALANCED_COUNTS]:
         idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
         choice = np.asarray(idx)[spans[idx].argmin(axis=0)]
         got = spans[choice, np.arange(dp)]
