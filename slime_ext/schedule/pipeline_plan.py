@@ -1,17 +1,27 @@
 """The planner's objective with pipeline parallelism (``pp_size > 1``): the slowest replica's predicted makespan.
 
 A pipelined replica's step time is the makespan of megatron-core's schedule over its micro-batches
-(:mod:`slime_ext.schedule.pipeline`), which depends on their order and count, not only on their sum. This module
-prices micro-batches for that model and improves one planned step by comparing candidates with it:
+(:mod:`slime_ext.schedule.pipeline`), which depends on which samples share a micro-batch, how many micro-batches
+there are and their order, not only on their sum. This module prices micro-batches for that model and plans one
+step by comparing candidates with it:
 
-* **order** of each rank's micro-batches (free: the gradient is a sum): heaviest first (the pp-unaware order),
-  ascending, cheapest at both ends with the largest in the middle, the cheapest two at the ends with the rest
-  descending; the best per rank, then improved by swapping pairs while the model says it gets faster;
-* **DP assignment** (with ``balance_data``): bins move between the slowest replica and the fastest ones while that
-  lowers the slowest replica's makespan, so the rank holding the largest micro-batch (the longest fill and drain)
-  gets less of the rest;
-* **count**: more, smaller micro-batches (``align`` more at a time, equal on every rank, under the cap), kept only
-  when the slowest replica gets faster.
+* **shaped micro-batches** (dynamic batches; :func:`shaped_step`, :mod:`.pipeline_shape`): each replica's samples
+  re-packed into a shape of micro-batch sizes (small first, rising to the largest, a slow descent, small last),
+  the count and the shape chosen by the model (counts scanned on the replicas most likely to be slowest, every
+  shape at the best counts on every replica), then samples moved off the slowest replicas
+  (:func:`water_fill` for many replicas, :func:`rebalance_shaped`): a replica holding a dominant sample keeps it
+  with only the step's cheapest samples;
+* **order** of the pp-unaware plan's micro-batches per rank (free: the gradient is a sum): heaviest first (the
+  pp-unaware order), ascending, cheapest at both ends with the largest in the middle, the cheapest two at the ends
+  with the rest descending;
+* on steps of at most :data:`FULL_SEARCH_MICROBATCHES` micro-batches also the older, costlier candidates of the
+  pp-unaware bins: pair swaps of the order, bins moved between replicas (:func:`balance_makespans`), and more,
+  smaller micro-batches re-packed by the planner's stage 2 (``align`` more at a time), the best few polished by
+  swaps.
+
+The fastest candidate by the slowest replica's predicted makespan wins, the pp-unaware plan included, so a step
+is never predicted slower than it. ``bench/pipeline_search.py`` is the yardstick: a long local search under the
+same model, and the planner's gap to it per case.
 
 **Pricing.** A micro-batch's cost ``c`` is the planner's own: forward FLOPs from the ``CostModel`` (tokens without
 one), or seconds of forward + backward from a ``CostProfile`` (which prices the micro-batch whole, its overhead
@@ -379,7 +389,7 @@ SCAN_REPLICAS = 8
 #: step more than the previous (capped by the samples of the smallest replica)
 COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
 #: the shapes every count is scanned with (then every shape of SHAPES at the best counts)
-SCAN_SHAPES = (SHAPES[0], SHAPES[4], SHAPES[-1])
+SCAN_SHAPES = (Shape(0, 0, 1.0), Shape(3, 6, 0.3), Shape(0, 0, 1.0, "rising"))
 #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
 #: are rebalanced, and the fastest after rebalancing wins
 SHAPED_COMBOS = 3

@@ -57,7 +57,7 @@ class Shape:
 RISING = 1 << 20
 SHAPES = (Shape(0, 0, 1.0), Shape(1, 4, 0.3), Shape(2, 4, 0.3), Shape(2, 6, 0.5), Shape(3, 6, 0.3),
           Shape(3, 8, 0.3), Shape(4, 8, 0.3), Shape(2, 2, 0.5), Shape(RISING, 1, 0.5), Shape(RISING, 2, 0.6),
-          Shape(0, 0, 1.0, "rising"))
+          Shape(0, 0, 1.0, "rising"), Shape(3, 8, 0.6), Shape(5, 10, 0.5), Shape(4, 12, 0.4))
 
 
 def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:

@@ -31,12 +31,14 @@ Strategy (one call plans a whole rollout):
      forward = the micro-batch's cost / pp, backward = ``backward_forward_ratio`` x forward), no first/last-stage
      extras, nothing outside the pipeline (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
      seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
-     charged 2% of a full one. Candidates compared by that model, none by a fixed rule: each rank's micro-batch
-     order (heaviest first, ascending, cheapest at both ends, ..., then pair swaps; the gradient is a sum, so any
-     order trains the same), with ``balance_data`` the DP assignment (bins move off the slowest replica while its
-     makespan drops: the rank holding the largest micro-batch gets less of the rest), and with dynamic batches
-     more, smaller micro-batches (``align`` more at a time, re-packed under the cap). The pp-unaware plan of stages
-     1-4, heaviest first, is always a candidate, so a step is never predicted slower than it. Each step records its
+     charged 2% of a full one. Candidates compared by that model, none by a fixed rule: with dynamic batches
+     each replica's samples re-packed into micro-batches *shaped* for the pipeline (small ones first, rising to
+     the largest, a slow descent, small ones last), their count and shape chosen by the model, and samples moved
+     off the slowest replicas (a replica with a dominant sample keeps it with only the step's cheapest); each
+     rank's order of the pp-unaware micro-batches (heaviest first, ascending, cheapest at both ends, ...; the
+     gradient is a sum, so any order trains the same); and on small steps also the older candidates (pair swaps,
+     bins moved between ranks, more micro-batches re-packed). The pp-unaware plan of stages 1-4, heaviest first,
+     is always a candidate, so a step is never predicted slower than it. Each step records its
      ``predicted_makespan`` and ``bubble_fraction``.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
