@@ -108,6 +108,7 @@ class ParallelConfig:
         _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
         _positive_int(self, "tp_size", MAX_PARALLEL_SIZE, "pass 1 without tensor parallelism")
+        self._check_layout_flags()  # before the group size: a layout string is what sets vpp_size
         if self.microbatch_group_size_per_vp_stage is None:  # Megatron's default, the pipeline size
             if self.vpp_size > 1 and self.pp_size == 1:  # never a silent 1 where it matters: as the CLI does
                 raise ScheduleError(
@@ -129,7 +130,6 @@ class ParallelConfig:
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)
         overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
         object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
-        self._check_layout_flags()
 
     def _check_layout_flags(self) -> None:
         for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):

@@ -119,6 +119,11 @@ def check_layout_flags(*, pp_size: int, vpp_size: int, decoder_first_pipeline_nu
                 f"pipeline_model_parallel_layout = {layout!r} cannot be combined with decoder_first/last_pipeline_"
                 f"num_layers ({first}, {last}) or account_for_embedding/loss_in_pipeline_split (Megatron refuses "
                 f"it); the layout already places every layer: drop the others")
+        stages = len(parse_layout(layout))
+        if pp_size == 1 and stages > 1:
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {stages} stages but pp_size = 1 "
+                                f"(Megatron's interleaved schedule needs pipeline parallelism); pass the pipeline-"
+                                f"parallel size, or a layout of one stage")
         implied = layout_vpp_size(layout, pp_size)
         if implied != vpp_size:
             raise ScheduleError(

@@ -96,13 +96,15 @@ def test_the_split_and_its_refusals_are_megatron_cores():
             refused += theirs is None
     for text, n, pp in (("Ett|(tt|)*2,tL", 7, 2), ("Ett|(tt|)*2,tL", 7, 4), ("Ett|(tt|)*2,tL", 8, 4),
                         ("E|t*3|t|*2tL", 6, 5), ("Et*3|(tt|)*6,ttL", 17, 4), ("Ettt|ttmL", 5, 2),
-                        ("Etttt|tL", 5, 1), ("Ettt|tL|t|t", 6, 2)):
+                        ("Etttt|tL", 5, 2), ("Ettt|tL|t|t", 6, 2)):
         vpp = len(parse_layout(text)) // pp if len(parse_layout(text)) % pp == 0 else 1
         theirs = megatron_split(n, pp, vpp, pipeline_model_parallel_layout=text)
         assert ours(n, pp, vpp, pipeline_model_parallel_layout=text) == theirs, (text, n, pp)
         cases += 1
         refused += theirs is None
     assert 0 < refused < cases  # both kinds of case are covered
+    # (a layout of several stages at pp 1 passes megatron-core's TransformerConfig but not Megatron-LM's argument
+    # checks, which refuse the interleaved schedule without pipelining: refused here, see the next tests)
 
 
 def test_refusals_name_the_flags_and_the_fix():
@@ -136,6 +138,9 @@ def test_parallel_config_holds_the_layout_flags():
                                         pipeline_model_parallel_layout="Et|(tt|)*6,tL")
     assert (laid.vpp_size, laid.microbatch_group_size_per_vp_stage, laid.overlap_p2p_comm) == (2, 4, True)
     assert laid.stage_layers(14).decoder == (1, 2, 2, 2, 2, 2, 2, 1)
+    with pytest.raises(ScheduleError, match="has 2 stages but pp_size = 1"):
+        ParallelConfig.from_megatron(4, pipeline_model_parallel_layout="Et|tL")  # no pipeline size given
+    assert ParallelConfig.from_megatron(4, pipeline_model_parallel_layout="EttL").vpp_size == 1
     # without pipelining the account flags change nothing: configs that plan alike compare equal
     assert ParallelConfig(dp_size=2, account_for_loss_in_pipeline_split=True) == ParallelConfig(dp_size=2)
 
@@ -152,6 +157,7 @@ def test_parallel_config_holds_the_layout_flags():
     (dict(pp_size=4, decoder_first_pipeline_num_layers=2, account_for_embedding_in_pipeline_split=True),
      "cannot be combined"),
     (dict(pp_size=1, decoder_last_pipeline_num_layers=2), "needs pipeline parallelism"),
+    (dict(pp_size=1, vpp_size=2, pipeline_model_parallel_layout="Et|tL"), "has 2 stages but pp_size = 1"),
 ])
 def test_parallel_config_refuses_bad_layout_flags(kwargs, match):
     with pytest.raises(ScheduleError, match=match):
