@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, WORKLOADS, _parallel, bench_profile,
-                            calibration_run, fit_p2p, plan_ours, spec_for, stage_costs)
+                            calibration_run, fit_p2p, plan_ours, spec_for)
+from bench.pipeline_costs import stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
 from bench.workloads import MODEL_DIMS, make_lengths
 
