@@ -26,10 +26,12 @@ stage; the embedding (a lookup) and the loss (a softmax over the vocabulary: a f
 the output layer at ``h = 4096``) count as none. An MTP layer (``m`` in a layout) counts as one decoder layer (MoE
 when the model has experts), its input projection ``2 (2h) h`` and its own output layer.
 
-**A profile** measures the whole model in seconds; it is split by the FLOPs shares of the model dims it records
-(``meta["model"]``, written by ``slime-ext calibrate``: the linear term by the linear FLOPs' share, the quadratic
-term by the attention's), or, without those dims, by each stage's share of the decoder layers (the embedding and
-the output layer then count as nothing). **Without a model** (cost = tokens) the split is by decoder layers too.
+**A profile** measures the whole model in seconds; it is split by the piece shares ``slime-ext calibrate``
+measured (``meta["piece_shares"]``: the embedding's, one decoder layer's and the output layer's share of the
+forward time; the linear term by them, the quadratic term by decoder layers), else by the FLOPs shares of the
+model dims it records (``meta["model"]``: the linear term by the linear FLOPs' share, the quadratic term by the
+attention's), or, without those either, by each stage's share of the decoder layers (the embedding and the output
+layer then count as nothing). **Without a model** (cost = tokens) the split is by decoder layers too.
 Where the layer count is unknown (no model dims, no layout string, no ``num_layers``), the layers are assumed
 split evenly over the ranks. A profile's per-micro-batch and per-step overheads are not split here: the planner
 decides where they go.
@@ -133,7 +135,11 @@ class StageCosts:
         if hasattr(cost_model, "per_token_s"):  # a CostProfile (profile.py is not imported here: it imports cost)
             linear, quadratic = cost_model.coefficients()
             dims = _profile_dims(cost_model)
-            if dims is not None:
+            measured = _measured_shares(cost_model, parallel, dims.num_layers if dims is not None else num_layers)
+            if measured is not None:
+                lin_share, quad_share = measured
+                basis = "profile seconds split by its measured piece shares (embedding, layers, output layer)"
+            elif dims is not None:
                 flops = _from_dims(dims, parallel)
                 lin_share = _share(np.asarray(flops.virtual_linear))
                 quad_share = _share(np.asarray(flops.virtual_quadratic))
@@ -177,6 +183,32 @@ def _profile_dims(profile) -> CostModel | None:
         return CostModel(**{k: v for k, v in dims.items() if k in MODEL_DIMS and v is not None})
     except (ScheduleError, TypeError):
         return None
+
+
+def _measured_shares(profile, parallel: ParallelConfig, num_layers: int | None):
+    """Per virtual stage ``(linear share, quadratic share)`` from the piece shares ``slime-ext calibrate`` measured
+    (``meta["piece_shares"]``: the embedding, one decoder layer, the final norm and output layer, of the forward
+    time), or ``None`` without them or without a layer count. An MTP layer counts as a layer and an output layer;
+    the quadratic term (attention) is split by decoder layers."""
+    pieces = (profile.meta or {}).get("piece_shares")
+    if not isinstance(pieces, dict):
+        return None
+    try:
+        emb, layer, head = (float(pieces[k]) for k in ("embedding", "layer", "head"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not all(np.isfinite([emb, layer, head])) or min(emb, layer, head) < 0:
+        return None
+    if num_layers is None and parallel.pipeline_model_parallel_layout is not None:
+        num_layers = sum(stage.count("t") for stage in parse_layout(parallel.pipeline_model_parallel_layout))
+    if num_layers is None:
+        return None
+    layers = parallel.stage_layers(num_layers)
+    decoder, mtp = np.asarray(layers.decoder, dtype=np.float64), np.asarray(layers.mtp, dtype=np.float64)
+    linear = layer * (decoder + mtp) + head * mtp
+    linear[0] += emb
+    linear[-1] += head
+    return _share(linear), _share(decoder + mtp)
 
 
 def _layer_share(parallel: ParallelConfig, num_layers: int | None) -> tuple[np.ndarray, str]:

@@ -282,3 +282,22 @@ def test_forward_feeds_the_pipeline_model():
     assert exact > spread  # here the heavy last chunk lengthens the critical path by several percent
     with pytest.raises(ScheduleError, match="cost_model must be"):
         StageCosts.from_model("dims", ParallelConfig(dp_size=1, pp_size=4))
+
+
+def test_a_profile_with_measured_piece_shares_splits_by_them():
+    parallel = ParallelConfig(dp_size=1, pp_size=4, decoder_first_pipeline_num_layers=1,
+                              decoder_last_pipeline_num_layers=1)
+    # what calibrate records: the embedding 2%, each of 8 layers 10%, the final norm and output layer 18%
+    meta = {"model": {"num_layers": 8, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 1000},
+            "piece_shares": {"embedding": 0.02, "layer": 0.10, "head": 0.18, "how": "forward hooks"}}
+    profile = CostProfile(step_overhead_s=0.0, microbatch_overhead_s=0.0, per_token_s=1e-5,
+                          per_sample_quadratic_s=1e-9, meta=meta)
+    costs = StageCosts.from_model(profile, parallel)
+    np.testing.assert_allclose(costs.linear_share, [0.02 + 0.10, 0.30, 0.30, 0.10 + 0.18], rtol=1e-12)
+    np.testing.assert_allclose(costs.quadratic_share, [1 / 8, 3 / 8, 3 / 8, 1 / 8], rtol=1e-12)
+    check_invariants(costs, 1e-5, 1e-9)
+    assert "measured piece shares" in costs.basis
+    # unreadable piece shares fall back to the FLOPs shares of the model dims
+    broken = CostProfile(step_overhead_s=0.0, microbatch_overhead_s=0.0, per_token_s=1e-5,
+                         per_sample_quadratic_s=1e-9, meta={**meta, "piece_shares": {"embedding": "x"}})
+    assert "FLOPs shares" in StageCosts.from_model(broken, parallel).basis
