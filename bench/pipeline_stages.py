@@ -1,7 +1,7 @@
 """Uneven pipeline stages: the pipeline model's per-stage costs against megatron-core's own schedule (issue 22.3).
 
     python -m bench.pipeline_stages            # pp 4 (even, first 1.3x, last 1.3x / 1.6x, both, Qwen3-8B split)
-                                               # and pp 2 x vpp 2 (overlapped p2p, per virtual stage); ~3 min
+                                               # and pp 2 x vpp 2 (overlapped p2p, per virtual stage); ~2 min
     python -m bench.pipeline_stages --quick    # smoke run: pp 2, two cases, one repeat (CI)
 
 **Runs.** One rollout of rl-like samples (:mod:`bench.workloads`, 256 samples, ``dp = 8``, cap 16384,
@@ -18,6 +18,10 @@ heavier pieces on the first and last chunk.
 that the shortest sleep lasts ``--min-op-ms`` (unless the longest run would pass ``--max-run-s``). Every run is
 repeated until its two fastest calls agree within 0.5% (at most 4x ``--repeats``); the measured makespan is the
 fastest call.
+
+**Reordered**: each uneven case also replays the same micro-batches in an order chosen for its stage costs
+(:func:`order_for_stages`: from the plan's order -- chosen for even stages -- the best swap of two micro-batches by
+the per-stage model, until none improves it), what a planner given per-stage costs could gain by the order alone.
 
 **Prediction**: :func:`slime_ext.schedule.pipeline.pipeline_makespan` on the per-stage costs ``(1, stages, M)``, with
 ``p2p_s`` fitted once per layout on a uniform run (as ``bench.pipeline``); ``as even`` is the same model told every
@@ -54,6 +58,10 @@ class Case:
     predicted: float = float("nan")
     predicted_p2p0: float = float("nan")
     predicted_even: float = float("nan")
+    #: the same micro-batches in an order chosen for these stage costs (:func:`order_for_stages`)
+    reordered: ReplayRun | None = None
+    reordered_measured: list[float] = field(default_factory=list)
+    reordered_predicted: float = float("nan")
 
     @property
     def best(self) -> float:
@@ -108,6 +116,29 @@ def slowest_replica(setup: Setup, n: int) -> tuple[np.ndarray, np.ndarray]:
     return f[r], b[r]
 
 
+def order_for_stages(fw: np.ndarray, bw: np.ndarray, spec, max_rounds: int = 100) -> np.ndarray:
+    """A run order of the micro-batches for per-stage costs ``(stages, M)``: from the given order, the best swap of
+    two micro-batches by the pipeline model (every swap priced in one vectorised call) until none improves it."""
+    from slime_ext.schedule.pipeline import pipeline_makespan
+
+    m = fw.shape[1]
+    order = np.arange(m)
+    pairs = np.array([(i, j) for i in range(m) for j in range(i + 1, m)])
+    best = float(pipeline_makespan(fw[None], bw[None], spec)[0])
+    for _ in range(max_rounds):
+        if not len(pairs):
+            break
+        cand = np.repeat(order[None], len(pairs), axis=0)
+        rows = np.arange(len(pairs))
+        cand[rows, pairs[:, 0]], cand[rows, pairs[:, 1]] = order[pairs[:, 1]], order[pairs[:, 0]]
+        spans = pipeline_makespan(fw[:, cand].transpose(1, 0, 2), bw[:, cand].transpose(1, 0, 2), spec)
+        k = int(np.argmin(spans))
+        if spans[k] >= best * (1 - 1e-9):
+            break
+        best, order = float(spans[k]), cand[k]
+    return order
+
+
 def build_runs(setup: Setup, cases: list[Case], f: np.ndarray, b: np.ndarray, min_op_s: float,
                max_run_s: float) -> float:
     """Fill each case's run (seconds); returns the scale (seconds per unit)."""
@@ -126,6 +157,11 @@ def build_runs(setup: Setup, cases: list[Case], f: np.ndarray, b: np.ndarray, mi
     for c in cases:
         fw, bw = c.weights[:, None] * f[None] * scale, c.weights[:, None] * b[None] * scale
         c.run = ReplayRun(f"{setup.name}/{c.label}", fw, bw, setup.overlap_p2p_comm)
+        if np.ptp(c.weights) > 0:
+            order = order_for_stages(fw, bw, spec_for(setup))
+            if (order != np.arange(len(order))).any():
+                c.reordered = ReplayRun(f"{setup.name}/{c.label}/reordered", fw[:, order], bw[:, order],
+                                        setup.overlap_p2p_comm)
     return scale
 
 
@@ -145,11 +181,15 @@ def measure(setup: Setup, cases: list[Case], repeats: int, min_op_s: float) -> f
     from slime_ext.schedule.pipeline import pipeline_makespan
 
     calib = calibration_run(setup, min_op_s)
-    runs = [calib] + [c.run for c in cases]
+    reordered = [c for c in cases if c.reordered is not None]
+    runs = [calib] + [c.run for c in cases] + [c.reordered for c in reordered]
     budget = sum(float(np.max(pipeline_makespan(*r.model_costs(), spec_for(setup)))) for r in runs)
     t0 = time.perf_counter()
     spans = replay(setup, runs, repeats, timeout=120 + 3 * (MAX_REPEATS_FACTOR * repeats + 1) * budget)
     p2p = fit_p2p(calib.fwd, calib.bwd, lambda x: spec_for(setup, x), min(spans[0]))
+    for c, s in zip(reordered, spans[1 + len(cases):]):
+        c.reordered_measured = s
+        c.reordered_predicted = float(pipeline_makespan(*c.reordered.model_costs(), spec_for(setup, p2p))[0])
     for c, s in zip(cases, spans[1:]):
         c.measured = s
         fw, bw = c.run.model_costs()
@@ -167,12 +207,19 @@ def measure(setup: Setup, cases: list[Case], repeats: int, min_op_s: float) -> f
 
 def table(setup: Setup, cases: list[Case], num_microbatches: int) -> list[str]:
     out = ["| layout | case | stage weights | #mb | predicted s | p2p=0 s | as even s | measured s | calls "
-           "| model err | as-even err |", "|" + "---|" * 11]
+           "| model err | as-even err | reordered: predicted s | measured s | model err | gain |", "|" + "---|" * 15]
     for c in cases:
         weights = " ".join(f"{x:.2f}" for x in c.weights)
-        out.append(f"| {setup.name} | {c.label} | {weights} | {num_microbatches} | {c.predicted:.3f} | "
-                   f"{c.predicted_p2p0:.3f} | {c.predicted_even:.3f} | {c.best:.3f} | {len(c.measured)} | "
-                   f"{c.error:+.1%} | {c.predicted_even / c.best - 1:+.1%} |")
+        line = (f"| {setup.name} | {c.label} | {weights} | {num_microbatches} | {c.predicted:.3f} | "
+                f"{c.predicted_p2p0:.3f} | {c.predicted_even:.3f} | {c.best:.3f} | {len(c.measured)} | "
+                f"{c.error:+.1%} | {c.predicted_even / c.best - 1:+.1%} |")
+        if c.reordered_measured:
+            r = min(c.reordered_measured)
+            line += (f" {c.reordered_predicted:.3f} | {r:.3f} | {c.reordered_predicted / r - 1:+.1%} | "
+                     f"{1 - r / c.best:+.1%} |")
+        else:
+            line += " | | | |"
+        out.append(line)
     return out
 
 
@@ -202,12 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         measure(setup, cases, repeats, min_op_s)
         lines += table(setup, cases, len(f))[0 if not lines else 2:]
         worst += [abs(c.error) for c in cases if c.label != "even"]
+        worst += [abs(c.reordered_predicted / min(c.reordered_measured) - 1) for c in cases if c.reordered_measured]
     print()
     print("\n".join(lines))
     print()
     print("columns: predicted = pipeline_makespan of the per-stage costs, p2p_s fitted per layout on a uniform run;"
           "\n  p2p=0 = without p2p cost; as even = the same model with every stage at the stages' mean cost;"
-          "\n  measured = the fastest call's slowest-stage wall time of megatron-core's forward_backward_func.")
+          "\n  measured = the fastest call's slowest-stage wall time of megatron-core's forward_backward_func;"
+          "\n  reordered = the same micro-batches in an order chosen for these stage costs (best swaps by the"
+          "\n  per-stage model, from the plan's order); gain = 1 - reordered measured / measured.")
     ok = max(worst) <= TARGET
     print(f"\ntargets:\n  {'PASS' if ok else 'FAIL'}  model within {TARGET:.0%} of the replay on uneven stages: "
           f"worst {max(worst):.1%} over {len(worst)} cases")
