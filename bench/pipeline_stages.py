@@ -207,7 +207,7 @@ def measure(setup: Setup, cases: list[Case], repeats: int, min_op_s: float) -> f
 
 def table(setup: Setup, cases: list[Case], num_microbatches: int) -> list[str]:
     out = ["| layout | case | stage weights | #mb | predicted s | p2p=0 s | as even s | measured s | calls "
-           "| model err | as-even err | reordered: predicted s | measured s | model err | gain |", "|" + "---|" * 15]
+           "| model err | as-even err | reordered predicted s | reordered measured s | reordered err | gain |", "|" + "---|" * 15]
     for c in cases:
         weights = " ".join(f"{x:.2f}" for x in c.weights)
         line = (f"| {setup.name} | {c.label} | {weights} | {num_microbatches} | {c.predicted:.3f} | "
