@@ -17,8 +17,10 @@ seconds for a ``CostProfile``, tokens for ``None``. Invariants (``tests/unit/tes
    prices a micro-batch as a whole multiplies its cost by them.
 3. The split is megatron-core's (:mod:`slime_ext.schedule.pipeline_layout`): ``num_layers`` decoder layers over the
    virtual stages by the layout flags, the embedding on virtual stage 0, the output layer and the loss on the last.
-4. ``pipeline_makespan(*stage_costs(...), spec)`` takes :meth:`StageCosts.forward`'s ``(R, pp, M)`` (or, per
-   virtual stage, ``(R, pp * vpp, M)``) times the backward ratio: :mod:`slime_ext.schedule.pipeline`.
+4. :meth:`StageCosts.forward` of ``(R, M)`` micro-batch tokens and ``sum(L**2)`` is ``(R, pp, M)`` (``virtual=True``:
+   ``(R, pp * vpp, M)``, one model chunk each): the per-stage forward costs
+   :func:`slime_ext.schedule.pipeline.pipeline_makespan` takes; the backward is the planner's
+   ``backward_forward_ratio`` times them.
 
 **What is counted.** With a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq`` and its
 layer number; :meth:`CostModel.layer_terms`), the output layer's ``2 h vocab`` per token on the last virtual
