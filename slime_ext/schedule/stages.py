@@ -44,7 +44,6 @@ Pure: standard library and numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -52,9 +51,7 @@ from .config import ParallelConfig
 from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS
 from .errors import ScheduleError
 from .pipeline_layout import StageLayers, parse_layout
-
-if TYPE_CHECKING:
-    from .profile import CostProfile
+from .profile import CostProfile
 
 __all__ = ["StageCosts"]
 
@@ -123,7 +120,7 @@ class StageCosts:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_model(cls, cost_model: "CostModel | CostProfile | None", parallel: ParallelConfig,
+    def from_model(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig,
                    num_layers: int | None = None) -> "StageCosts":
         """The split of ``cost_model``'s cost over ``parallel``'s pipeline (module docstring). ``num_layers``: the
         decoder layers, where ``cost_model`` does not say (a profile without model dims, or ``None``)."""
@@ -134,7 +131,7 @@ class StageCosts:
             return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), "tokens", basis)
         if isinstance(cost_model, CostModel):
             return _from_dims(cost_model, parallel)
-        if hasattr(cost_model, "per_token_s"):  # a CostProfile (profile.py is not imported here: it imports cost)
+        if isinstance(cost_model, CostProfile):
             linear, quadratic = cost_model.coefficients()
             dims = _profile_dims(cost_model)
             measured = _measured_shares(cost_model, parallel, dims.num_layers if dims is not None else num_layers)
@@ -176,7 +173,7 @@ def _from_dims(model: CostModel, parallel: ParallelConfig) -> StageCosts:
                       "FLOPs of the model dims per stage")
 
 
-def _profile_dims(profile) -> CostModel | None:
+def _profile_dims(profile: CostProfile) -> CostModel | None:
     """The model dims a profile records (``meta["model"]``), or ``None`` where they are missing or invalid."""
     dims = (profile.meta or {}).get("model")
     if not isinstance(dims, dict) or any(dims.get(k) is None for k in REQUIRED_DIMS):
@@ -187,7 +184,7 @@ def _profile_dims(profile) -> CostModel | None:
         return None
 
 
-def _measured_shares(profile, parallel: ParallelConfig, num_layers: int | None):
+def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers: int | None):
     """Per virtual stage ``(linear share, quadratic share)`` from the piece shares ``slime-ext calibrate`` measured
     (``meta["piece_shares"]``: the embedding, one decoder layer, the final norm and output layer, of the forward
     time), or ``None`` without them or without a layer count. An MTP layer counts as a layer and an output layer;
