@@ -7,9 +7,10 @@ forward time and whose backward sleeps its per-chunk backward time. Megatron han
 the micro-batch id and the chunk looks its times up. Sleeps cost no CPU, so 8 stages fit on 2 cores; what remains
 is the schedule's own work (p2p over gloo, Python), which is what a model of the schedule leaves out.
 
-Costs are **per stage**: ``fwd[m]`` is the forward time of micro-batch ``m`` on one pipeline stage (all of that
-stage's chunks together); under VPP each chunk sleeps ``fwd[m] / vpp`` (layers split evenly), as
-``slime_ext.schedule.pipeline`` models it.
+Costs are **per stage**, in the shapes ``slime_ext.schedule.pipeline`` takes: ``fwd[m]`` is the forward time of
+micro-batch ``m`` on every pipeline stage alike (all of that stage's chunks together; under VPP each chunk sleeps
+``fwd[m] / vpp``), or ``fwd[s][m]`` one row per stage (uneven stages: the embedding on the first, the output layer
+and the loss on the last), or one row per virtual stage ``chunk * pp + s`` (each chunk sleeps its own row).
 
 A run's makespan is the wall time of ``forward_backward_func`` on the slowest stage, measured after a barrier; the
 first call of every launch is a warm-up (p2p shapes, first-call imports) and is not reported.
@@ -22,20 +23,52 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ReplayRun:
     """One replay: per-stage forward/backward seconds of each micro-batch, in run order, and the p2p mode."""
 
     label: str
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
+    #: per micro-batch (every stage alike), or per stage / per virtual stage: a tuple of rows, one per micro-batch
+    fwd: tuple[float, ...] | tuple[tuple[float, ...], ...]
+    bwd: tuple[float, ...] | tuple[tuple[float, ...], ...]
     overlap_p2p_comm: bool = False
 
     def __post_init__(self) -> None:
-        if len(self.fwd) != len(self.bwd) or not self.fwd:
-            raise ValueError(f"{self.label}: fwd and bwd need one entry per micro-batch, got {len(self.fwd)} and "
-                             f"{len(self.bwd)}")
+        f, b = np.asarray(self.fwd, dtype=float), np.asarray(self.bwd, dtype=float)
+        if f.shape != b.shape or f.ndim not in (1, 2) or not f.size:
+            raise ValueError(f"{self.label}: fwd and bwd need one entry per micro-batch (or one row per stage), got "
+                             f"shapes {f.shape} and {b.shape}")
+        object.__setattr__(self, "fwd", tuple(f.tolist()) if f.ndim == 1 else tuple(map(tuple, f.tolist())))
+        object.__setattr__(self, "bwd", tuple(b.tolist()) if b.ndim == 1 else tuple(map(tuple, b.tolist())))
+
+    @property
+    def num_microbatches(self) -> int:
+        return np.shape(self.fwd)[-1]
+
+    @property
+    def per_stage(self) -> bool:
+        return np.ndim(self.fwd) == 2
+
+    def chunk_times(self, rank: int, chunk: int, layout: "Layout") -> tuple[list[float], list[float]]:
+        """What model chunk ``chunk`` of pipeline rank ``rank`` sleeps per micro-batch: ``(fwd, bwd)``."""
+        f, b = np.asarray(self.fwd), np.asarray(self.bwd)
+        if f.ndim == 1:
+            return list(f / layout.vpp), list(b / layout.vpp)
+        if len(f) == layout.pp:
+            return list(f[rank] / layout.vpp), list(b[rank] / layout.vpp)
+        if len(f) == layout.pp * layout.vpp:
+            k = chunk * layout.pp + rank
+            return list(f[k]), list(b[k])
+        raise ValueError(f"{self.label}: {len(f)} rows of costs, but the layout has {layout.pp} stages x "
+                         f"{layout.vpp} chunks; give one row per stage or per virtual stage")
+
+    def model_costs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The same costs in the pipeline model's shapes: ``(M,)`` or ``(1, stages, M)``."""
+        f, b = np.asarray(self.fwd), np.asarray(self.bwd)
+        return (f, b) if f.ndim == 1 else (f[None], b[None])
 
 
 @dataclass(frozen=True)
@@ -86,7 +119,8 @@ def _build_chunks(config, vpp: int):
     sleep = _sleep_function()
 
     class Chunk(torch.nn.Module):
-        """One model chunk (virtual stage ``vp_stage``): ``times`` is set per run to ``(fwd, bwd)`` per micro-batch."""
+        """One model chunk (virtual stage ``vp_stage``): ``times`` is set per run to its ``(fwd, bwd)`` seconds per
+        micro-batch."""
 
         def __init__(self, vp_stage: int):
             super().__init__()
@@ -104,8 +138,8 @@ def _build_chunks(config, vpp: int):
             x = self.input_tensor
             if x is None:  # first stage: the "embedding" makes the activation
                 x = torch.zeros((1, 1, config.hidden_size), dtype=torch.float32)
-            fwd, bwd = self.times
-            return sleep.apply(x, self.weight, fwd[micro_batch] / vpp, bwd[micro_batch] / vpp)
+            fwd, bwd = self.times  # this chunk's own seconds (ReplayRun.chunk_times)
+            return sleep.apply(x, self.weight, fwd[micro_batch], bwd[micro_batch])
 
     return [Chunk(v) for v in range(vpp)]
 
@@ -161,17 +195,17 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
         for run in runs:
             config.overlap_p2p_comm = run.overlap_p2p_comm
             config.batch_p2p_comm = not run.overlap_p2p_comm
-            for chunk in chunks:
-                chunk.times = (run.fwd, run.bwd)
+            for v, chunk in enumerate(chunks):
+                chunk.times = run.chunk_times(rank, v, layout)
             result = ReplayResult(run.label)
             while not settled(result.makespans, min_repeats, max_repeats, tolerance):
-                iterators = [iter(range(len(run.fwd))) for _ in chunks]
+                iterators = [iter(range(run.num_microbatches)) for _ in chunks]
                 dist.barrier()
                 start = time.perf_counter()
                 forward_backward(forward_step_func=_forward_step,
                                  data_iterator=iterators if layout.vpp > 1 else iterators[0],
                                  model=chunks if layout.vpp > 1 else chunks[0],
-                                 num_microbatches=len(run.fwd), seq_length=1, micro_batch_size=1,
+                                 num_microbatches=run.num_microbatches, seq_length=1, micro_batch_size=1,
                                  forward_only=False)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

@@ -21,6 +21,7 @@ import argparse
 import sys
 
 from .errors import CLIError
+from .options import LAYOUT
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,8 +51,57 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="skip what the pipeline model reads (pp > 1): the backward/forward ratio, fitted on "
                         "forward-only passes of the same steps, and p2p_s, one activation send/recv between two "
                         "processes")
+    stages = p.add_argument_group(
+        "pipeline stages (optional)",
+        "the training job's pipeline layout: checked against --config's num_layers as Megatron checks it, and each "
+        "stage's share of the profile's cost is printed and recorded in the profile (meta.stages)")
+    stages.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="N")
+    stages.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None, metavar="N")
+    for key in LAYOUT:
+        flag = "--" + key.name.replace("_", "-")
+        if key.kind == "bool":
+            stages.add_argument(flag, dest=key.name, action="store_true", default=False, help=key.help)
+        else:
+            stages.add_argument(flag, dest=key.name, type=int if key.kind == "int" else str, default=None,
+                                metavar="N" if key.kind == "int" else "TEXT", help=key.help)
     p.set_defaults(func=run)
     return p
+
+
+def pipeline_layout(args, num_layers: int):
+    """The job's pipeline layout from the flags (``None`` without a pipeline size), checked against the model's
+    ``num_layers`` as Megatron checks it; :class:`CLIError` naming the flag otherwise."""
+    from ..schedule import ParallelConfig, ScheduleError
+
+    given = [k.name for k in LAYOUT if getattr(args, k.name) not in (None, False)]
+    pp = args.pipeline_model_parallel_size
+    if pp is None:
+        if given or args.virtual_pipeline_model_parallel_size is not None:
+            raise CLIError(f"--{given[0].replace('_', '-') if given else 'virtual-pipeline-model-parallel-size'} "
+                           f"needs --pipeline-model-parallel-size N (the job's pipeline size)")
+        return None
+    try:
+        parallel = ParallelConfig.from_megatron(
+            1, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            **{k.name: getattr(args, k.name) for k in LAYOUT})
+        parallel.stage_layers(num_layers)
+    except ScheduleError as e:
+        raise CLIError(f"{e} (--config has num_layers = {num_layers})") from None
+    return parallel
+
+
+def stage_meta(profile, parallel) -> dict:
+    """What the profile records of the job's pipeline stages: the layout and each rank's share of its cost."""
+    from ..schedule.config import LAYOUT_FLAGS
+    from ..schedule.stages import StageCosts
+
+    costs = StageCosts.from_model(profile, parallel)
+    return {"pp_size": parallel.pp_size, "vpp_size": parallel.vpp_size,
+            **{k: getattr(parallel, k) for k in LAYOUT_FLAGS},
+            "linear_share": [round(float(x), 6) for x in costs.linear_share],
+            "quadratic_share": [round(float(x), 6) for x in costs.quadratic_share],
+            "basis": costs.basis}
 
 
 def run(args) -> int:
@@ -77,6 +127,7 @@ def run(args) -> int:
         config = load_train_config(args.config, ignore_unknown=True)
     except (OSError, TrainConfigError) as e:
         raise CLIError(f"--config {args.config}: {e}") from None
+    parallel = pipeline_layout(args, config.model.num_layers)  # before minutes of timing
     autocast = None
     if args.bf16:
         if not torch.cuda.is_available():
@@ -90,6 +141,13 @@ def run(args) -> int:
                                        progress=progress, pipeline=not args.no_pipeline)
     except ScheduleError as e:
         raise CLIError(f"the timings do not support a fit: {e}") from None
+    if parallel is not None:
+        import dataclasses
+
+        stages = stage_meta(profile, parallel)
+        profile = dataclasses.replace(profile, meta={**profile.meta, "stages": stages})
+        print(f"stages: share of the cost per pipeline stage {' '.join(f'{x:.3f}' for x in stages['linear_share'])} "
+              f"({stages['basis']})")
     print(fit_summary(profile, report))
     if not args.no_pipeline:
         print(f"pipeline: backward/forward = {profile.backward_forward_ratio:.3f}, p2p_s = {profile.p2p_s:.3g} "

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError
-from ..schedule.config import BATCH_FLAGS, PARALLEL_KEYS
+from ..schedule.config import BATCH_FLAGS, LAYOUT_FLAGS, PARALLEL_KEYS
+from ..schedule.pipeline_layout import layout_vpp_size
 from ..schedule.cost import REQUIRED_DIMS
 from ..schedule.validate import MAX_PARALLEL_SIZE, limit_name, show
 from ..schemes import DEFAULT as DEFAULT_DP_SCHEDULE
@@ -34,7 +35,7 @@ FWD_BWD_FACTOR = 3.0
 @dataclass(frozen=True)
 class Key:
     name: str
-    kind: str  # "int" | "bool" | "float" | "freq" | "choice" | "path"
+    kind: str  # "int" | "bool" | "float" | "freq" | "choice" | "path" | "str"
     help: str
 
 
@@ -72,6 +73,15 @@ WORLD = [
     Key("context_parallel_size", "int", "Megatron's name for --cp-size"),
     Key("virtual_pipeline_model_parallel_size", "int", "Megatron's name for --vpp-size"),
 ]
+#: Megatron's flags that place layers on pipeline stages (ParallelConfig's layout fields): the per-stage costs
+LAYOUT = [
+    Key("decoder_first_pipeline_num_layers", "int", "decoder layers on the first pipeline stage (default: even split)"),
+    Key("decoder_last_pipeline_num_layers", "int", "decoder layers on the last pipeline stage (default: even split)"),
+    Key("pipeline_model_parallel_layout", "str", "Megatron's layout string, e.g. 'Ett|(tt|)*6,tL' (E embedding, t "
+                                                 "decoder layer, m MTP, L loss; | between stages; sets the VPP size)"),
+    Key("account_for_embedding_in_pipeline_split", "bool", "the embedding counts as a layer in the even split"),
+    Key("account_for_loss_in_pipeline_split", "bool", "the loss counts as a layer in the even split"),
+]
 #: the model dims, as CostModel declares them (name, kind, help): one declaration, see slime_ext.schedule.cost
 MODEL = [Key(f.name, f.metadata["kind"], f.metadata["help"]) for f in dataclasses.fields(CostModel)]
 ESTIMATE = [
@@ -81,13 +91,14 @@ ESTIMATE = [
                            f"~40%% MFU of an H100 in bf16)"),
 ]
 GROUPS = [("batch flags (slime)", BATCH), ("parallel layout", PARALLEL), ("world (derives dp_size)", WORLD),
-          ("model dims (FLOPs model; without them the cost is tokens)", MODEL), ("step-time estimate", ESTIMATE)]
+          ("pipeline stages (Megatron's layout flags)", LAYOUT), ("model dims (FLOPs model; without them the cost is tokens)", MODEL), ("step-time estimate", ESTIMATE)]
 KEYS: dict[str, Key] = {k.name: k for _, group in GROUPS for k in group}
 assert set(BATCH_FLAGS) | {"dp_schedule"} == {k.name for k in BATCH}
 assert set(PARALLEL_KEYS) == {k.name for k in PARALLEL}
+assert set(LAYOUT_FLAGS) == {k.name for k in LAYOUT}
 #: keys that change the plan (not allowed with --from-json, which replays a saved schedule as it is; the saved
 #: schedule's own pp_size, for one, is what its makespans were planned for)
-PLAN_KEYS = {k.name for k in BATCH + PARALLEL + MODEL} | {"cost_profile",
+PLAN_KEYS = {k.name for k in BATCH + PARALLEL + LAYOUT + MODEL} | {"cost_profile",
     "num_gpus", "actor_num_nodes", "actor_num_gpus_per_node", "data_parallel_size", "context_parallel_size",
     "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_size"}
 
@@ -146,9 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, dest=key.name, choices=CHOICES[key.name], default=None,
                                    help=key.help or None)
             else:
-                kind = {"int": _int_arg, "float": float, "freq": _freq_arg, "path": str}[key.kind]
+                kind = {"int": _int_arg, "float": float, "freq": _freq_arg, "path": str, "str": str}[key.kind]
                 group.add_argument(flag, dest=key.name, type=kind, default=None,
-                                   metavar="FILE" if key.kind == "path" else "N",
+                                   metavar={"path": "FILE", "str": "TEXT"}.get(key.kind, "N"),
                                    help=key.help or None)
 
 
@@ -161,11 +172,13 @@ def _check_type(where: str, key: Key, value: Any) -> Any:
         "freq": type(value) is int or (isinstance(value, list) and all(type(v) is int for v in value)),
         "choice": value in CHOICES.get(key.name, ()),
         "path": isinstance(value, str) and bool(value),
+        "str": isinstance(value, str) and bool(value),
     }[key.kind]
     if not ok:
         want = {"int": "an integer", "bool": "true or false", "float": "a number",
                 "freq": "an integer or a list of 0/1 integers",
-                "choice": " or ".join(CHOICES.get(key.name, ())), "path": "a file path"}[key.kind]
+                "choice": " or ".join(CHOICES.get(key.name, ())), "path": "a file path",
+                "str": "a non-empty string"}[key.kind]
         raise CLIError(f"{where}: key '{key.name}' is {value!r}; it must be {want}")
     return value
 
@@ -301,7 +314,14 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
     tp = _positive(values, source, "tensor_model_parallel_size", 1)
     pp = _positive(values, source, "pipeline_model_parallel_size", 1)
     cp = _one_of(values, source, "cp_size", "context_parallel_size") or 1
-    vpp = _one_of(values, source, "vpp_size", "virtual_pipeline_model_parallel_size") or 1
+    vpp = _one_of(values, source, "vpp_size", "virtual_pipeline_model_parallel_size")
+    layout = values.get("pipeline_model_parallel_layout")
+    if vpp is None and isinstance(layout, str):  # Megatron derives the VPP size from the layout string
+        try:
+            vpp = layout_vpp_size(layout, pp)
+        except ScheduleError as e:
+            raise CLIError(f"{source['pipeline_model_parallel_layout']}: {e}") from None
+    vpp = vpp or 1
     world = _positive(values, source, "num_gpus", None)
     gpus_per_node = _positive(values, source, "actor_num_gpus_per_node", None)
     nodes = _positive(values, source, "actor_num_nodes", None)
@@ -348,11 +368,13 @@ def resolve(cli: Mapping[str, Any], config: Mapping[str, Any], config_path: str 
         parallel = ParallelConfig.from_megatron(dp or 1, context_parallel_size=cp, pipeline_model_parallel_size=pp,
                                                 virtual_pipeline_model_parallel_size=vpp,
                                                 microbatch_group_size_per_vp_stage=mb_group,
-                                                tensor_model_parallel_size=tp)
+                                                tensor_model_parallel_size=tp,
+                                                **{k: values[k] for k in LAYOUT_FLAGS if k in values})
         dp_schedule = get_dp_schedule(values.get("dp_schedule")).name
         cost_model = CostModel.from_args(model)
         if cost_model is not None:
             cost_model.coefficients()  # validates moe_layer_freq against num_layers
+            parallel.stage_layers(cost_model.num_layers)  # the layout flags against num_layers, as Megatron
         flops_model = cost_model
         if values.get("cost_profile"):  # measured seconds replace the FLOPs estimate
             cost_model = CostProfile.load(values["cost_profile"])

@@ -11,6 +11,8 @@ from typing import Sequence
 
 from ..schedule import CostProfile, DPSchedule
 from ..schedule.dp_schedule import StepStats
+from ..schedule.config import LAYOUT_FLAGS
+from ..schedule.stages import StageCosts
 from .options import FWD_BWD_FACTOR, Setup
 
 
@@ -193,7 +195,19 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
                                          f" p2p)" if p.vpp_size > 1 else "")
         lines.append(f"pipeline: {spec}; micro-batch order and count chosen by the predicted makespan of the "
                      f"slowest replica (megatron-core's {'interleaved' if p.vpp_size > 1 else '1F1B'} schedule)")
+        lines.append(stages_line(schedule))
     return "\n".join(lines)
+
+
+def stages_line(schedule: DPSchedule) -> str:
+    """Each pipeline stage's share of a micro-batch's forward cost (per token), from the layout flags and the cost
+    model (:class:`slime_ext.schedule.stages.StageCosts`)."""
+    p = schedule.parallel
+    costs = StageCosts.from_model(schedule.cost_model, p)
+    flags = [f"{k}={getattr(p, k)}" for k in LAYOUT_FLAGS if getattr(p, k) not in (None, False)]
+    shares = " ".join(f"{x:.3f}" for x in costs.linear_share)
+    return (f"stages: forward cost share per pipeline stage {shares} ({costs.basis}"
+            + (f"; {' '.join(flags)}" if flags else "; layers split evenly") + ")")
 
 
 def step_table(schedule: DPSchedule, setup: Setup) -> str:

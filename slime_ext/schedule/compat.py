@@ -4,8 +4,10 @@ One reading of slime's ``args`` for every caller: :func:`build_dp_schedule` here
 ``slime.utils.dp_schedule.build_dp_schedule``) and the slime integration (:mod:`slime_ext.integrations.slime.planner`)
 both take the planner's inputs from :func:`planner_inputs`, so they plan alike:
 
-* the layout (:func:`parallel_from_args`): slime's ``train_parallel_config`` dict, which has no pipeline size or
-  p2p mode, completed from Megatron's args (:data:`LAYOUT_ARGS`). **The rule**: a field the dict lacks (or gives
+* the layout (:func:`parallel_from_args`): slime's ``train_parallel_config`` dict, which has no pipeline size,
+  p2p mode or layout flags (``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout``,
+  ``--account-for-embedding/loss-in-pipeline-split``), completed from Megatron's args (:data:`LAYOUT_ARGS`), and
+  checked against ``args.num_layers`` as Megatron checks it. **The rule**: a field the dict lacks (or gives
   as ``None``) is read off ``args``; a field both give must agree, else :class:`ScheduleError` names both values
   (never one silently winning); under VPP a p2p mode neither gives is Megatron-LM's default, on. The dict's VPP
   and group sizes are used as they are (slime fills them from Megatron's model config);
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from .config import BatchConfig, ParallelConfig
+from .config import LAYOUT_FLAGS, BatchConfig, ParallelConfig
 from .cost import CostModel
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
@@ -26,8 +28,10 @@ from .planner import plan_schedule
 from .profile import CostProfile
 from .validate import is_int
 
-#: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from
-LAYOUT_ARGS = {"pp_size": "pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm"}
+#: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from:
+#: the pipeline size, the p2p mode and the flags that place layers on pipeline stages (same names)
+LAYOUT_ARGS = {"pp_size": "pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm",
+               **{flag: flag for flag in LAYOUT_FLAGS}}
 
 
 def _arg(args: Any, name: str) -> Any:
@@ -45,11 +49,15 @@ def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | Par
         return ParallelConfig.from_dict(given)  # refuses it, naming what it takes
     vpp = given.get("vpp_size") or 1
     interleaved = not is_int(vpp) or vpp > 1  # a bad vpp_size is left to ParallelConfig's message
+    pp = given.get("pp_size") if given.get("pp_size") is not None else _arg(args, "pipeline_model_parallel_size")
+    pipelined = not is_int(pp) or pp > 1
     extra = {}
     for key, flag in LAYOUT_ARGS.items():
         ours, theirs = given.get(key), _arg(args, flag)
         if key == "overlap_p2p_comm" and not interleaved:
             continue  # without VPP there is no p2p mode to choose (ParallelConfig keeps False)
+        if key.startswith("account_for_") and not pipelined:
+            continue  # with one stage there is nothing to split (ParallelConfig keeps False)
         if ours is None and theirs is not None:
             extra[key] = theirs
         elif ours is not None and theirs is not None and ours != theirs:
@@ -90,7 +98,11 @@ def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | Paralle
                    global_batch_size: int | None = None) -> PlannerInputs:
     """The layout (:func:`parallel_from_args`), the batch flags (``global_batch_size`` overrides
     ``args.global_batch_size``) and the cost (:func:`cost_from_args`): the one reading of slime's flags."""
-    return PlannerInputs(parallel=parallel_from_args(args, train_parallel_config),
+    parallel = parallel_from_args(args, train_parallel_config)
+    num_layers = _arg(args, "num_layers")
+    if parallel.pp_size > 1 and num_layers is not None:
+        parallel.stage_layers(num_layers)  # the layout flags against the model, refused where Megatron refuses
+    return PlannerInputs(parallel=parallel,
                          batch=BatchConfig.from_args(args, global_batch_size=global_batch_size),
                          cost_model=cost_from_args(args))
 

@@ -11,13 +11,20 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ScheduleError
-from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, check_int, is_int, show
+from .pipeline_layout import StageLayers, check_layout_flags, layout_vpp_size, split_layers
+from .validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, check_int, is_int, show
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
 #: ... and the pipeline size, the p2p mode and the tensor-parallel size, which slime's dict may lack (then 1, False
 #: and 1); ``ParallelConfig.from_megatron`` reads them from Megatron's args
 FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm", "tp_size")
+#: Megatron's flags that place layers on pipeline stages (argparse dests; :mod:`slime_ext.schedule.pipeline_layout`):
+#: the per-stage costs (:mod:`slime_ext.schedule.stages`) follow them
+LAYOUT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split")
+FROM_DICT_KEYS += LAYOUT_FLAGS
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = (
     "global_batch_size",
@@ -80,6 +87,19 @@ class ParallelConfig:
     #: tensor-parallel size: the planner ignores it; the world-size arithmetic (:meth:`for_world`) and the CLI's
     #: step-time estimate use it
     tp_size: int = 1
+    #: Megatron's ``--decoder-first-pipeline-num-layers``: decoder layers on the first pipeline rank (the other
+    #: ranks split the rest evenly); None: the even split
+    decoder_first_pipeline_num_layers: int | None = None
+    #: Megatron's ``--decoder-last-pipeline-num-layers``: decoder layers on the last pipeline rank; None: even
+    decoder_last_pipeline_num_layers: int | None = None
+    #: Megatron's ``--pipeline-model-parallel-layout``, e.g. ``"Ett|(tt|)*6,tL"``: the layers of every virtual
+    #: stage (it fixes vpp_size: its stage count / pp_size); excludes the four other layout flags
+    pipeline_model_parallel_layout: str | None = None
+    #: megatron-core's ``account_for_embedding_in_pipeline_split`` / ``..._loss_...``: the embedding (loss) counts
+    #: as one layer in the even split, so the first (last) model chunk holds one decoder layer fewer; False without
+    #: pipelining, where they change nothing
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
 
     def __post_init__(self) -> None:
         if self.dp_size is not None:  # None: resolved later by for_world
@@ -88,6 +108,7 @@ class ParallelConfig:
         _positive_int(self, "pp_size", MAX_PARALLEL_SIZE, "pass 1 without pipeline parallelism")
         _positive_int(self, "vpp_size", MAX_PARALLEL_SIZE, "pass 1 without virtual pipeline parallelism")
         _positive_int(self, "tp_size", MAX_PARALLEL_SIZE, "pass 1 without tensor parallelism")
+        self._check_layout_flags()  # before the group size: a layout string is what sets vpp_size
         if self.microbatch_group_size_per_vp_stage is None:  # Megatron's default, the pipeline size
             if self.vpp_size > 1 and self.pp_size == 1:  # never a silent 1 where it matters: as the CLI does
                 raise ScheduleError(
@@ -109,6 +130,28 @@ class ParallelConfig:
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)
         overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
         object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
+
+    def _check_layout_flags(self) -> None:
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name, MAX_MODEL_DIM,
+                              f"pass the decoder layers of that pipeline rank (>= 1), or omit it for the even split")
+        for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+            # with one stage there is nothing to split: False, so configs that plan alike compare equal
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)) and self.pp_size > 1)
+        layout = self.pipeline_model_parallel_layout
+        if layout is not None and not isinstance(layout, str):
+            raise ScheduleError(f"pipeline_model_parallel_layout = {show(layout)} must be a string such as "
+                                f"'Ett|(tt|)*6,tL', or None")
+        check_layout_flags(pp_size=self.pp_size, vpp_size=self.vpp_size,
+                           **{name: getattr(self, name) for name in LAYOUT_FLAGS})
+
+    def stage_layers(self, num_layers: int) -> StageLayers:
+        """Megatron's split of ``num_layers`` decoder layers over this layout's virtual stages (the layout flags;
+        :func:`slime_ext.schedule.pipeline_layout.split_layers`); raises :class:`ScheduleError` where Megatron
+        would refuse the combination."""
+        return split_layers(num_layers, pp_size=self.pp_size, vpp_size=self.vpp_size,
+                            **{name: getattr(self, name) for name in LAYOUT_FLAGS})
 
     def require_dp_size(self) -> int:
         """``dp_size``, or the :class:`ScheduleError` every planner entry raises for a layout that has none yet."""
@@ -164,22 +207,35 @@ class ParallelConfig:
         cls, dp_size: int | None, *, context_parallel_size: int | None = 1,
         pipeline_model_parallel_size: int | None = 1, virtual_pipeline_model_parallel_size: int | None = None,
         microbatch_group_size_per_vp_stage: int | None = None, overlap_p2p_comm: bool | None = None,
-        tensor_model_parallel_size: int | None = 1,
+        tensor_model_parallel_size: int | None = 1, decoder_first_pipeline_num_layers: int | None = None,
+        decoder_last_pipeline_num_layers: int | None = None, pipeline_model_parallel_layout: str | None = None,
+        account_for_embedding_in_pipeline_split: bool | None = False,
+        account_for_loss_in_pipeline_split: bool | None = False,
     ) -> "ParallelConfig":
         """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
         pipeline size (:func:`megatron_mb_group_size`, 1 without one). It only counts with virtual pipelining;
         without, it is 1, so configs that plan alike compare equal. ``overlap_p2p_comm=None`` is Megatron-LM
-        training's default: on with VPP."""
+        training's default: on with VPP. Without a virtual pipeline size, a layout string gives it (its stage count
+        / the pipeline size, as Megatron-LM derives it); the layout flags are :data:`LAYOUT_FLAGS`."""
         def given(size: int | None, default: int | None) -> int | None:
             return default if size is None else size
 
-        vpp = given(virtual_pipeline_model_parallel_size, 1)
+        vpp = virtual_pipeline_model_parallel_size
+        if vpp is None and pipeline_model_parallel_layout is not None and is_int(pipeline_model_parallel_size) \
+                and pipeline_model_parallel_size >= 1:
+            vpp = layout_vpp_size(pipeline_model_parallel_layout, pipeline_model_parallel_size)
+        vpp = given(vpp, 1)
         group = megatron_mb_group_size(microbatch_group_size_per_vp_stage, pipeline_model_parallel_size)
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
                    microbatch_group_size_per_vp_stage=group,
                    pp_size=given(pipeline_model_parallel_size, 1),
                    overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1),
-                   tp_size=given(tensor_model_parallel_size, 1))
+                   tp_size=given(tensor_model_parallel_size, 1),
+                   decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
+                   decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers,
+                   pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+                   account_for_embedding_in_pipeline_split=given(account_for_embedding_in_pipeline_split, False),
+                   account_for_loss_in_pipeline_split=given(account_for_loss_in_pipeline_split, False))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

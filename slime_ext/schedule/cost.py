@@ -63,11 +63,7 @@ class CostModel:
         """(dense layers, MoE layers). A per-layer ``moe_layer_freq`` has ``num_layers`` entries (validated)."""
         if not self.num_experts:
             return self.num_layers, 0
-        freq = self.moe_layer_freq
-        if isinstance(freq, tuple):
-            moe = sum(1 for f in freq if f)
-        else:
-            moe = -(-self.num_layers // int(freq))  # layers 0, freq, 2 freq, ...: closed form (num_layers may be huge)
+        moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
         return self.num_layers - moe, moe
 
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:
@@ -77,6 +73,18 @@ class CostModel:
         projection ``2 h (heads // groups) kv`` and output projection ``2 h h``; "exact" counts a GQA K+V projection
         as ``2 h 2 groups kv`` and the output as ``2 heads kv h``.
         """
+        dense_layer, moe_layer, layer_quadratic, head = self.layer_terms(formula)
+        dense, moe = self._layer_counts()
+        linear = dense * dense_layer + head
+        if moe:
+            linear += moe * moe_layer
+        return float(linear), float(self.num_layers * layer_quadratic)
+
+    def layer_terms(self, formula: str = "exact") -> tuple[int, int, int, int]:
+        """Forward FLOPs per token of the model's pieces, exact integers: ``(dense layer, MoE layer, one layer's
+        attention per token of the sample's length, output layer)``; a layer of a sample of ``L`` tokens costs
+        ``(dense or MoE) * L + attention * L**2``, the output layer ``2 h vocab * L`` (the embedding, a lookup,
+        costs none). :meth:`coefficients` sums them over the layers; :mod:`slime_ext.schedule.stages` per stage."""
         h = self.hidden_size
         heads = self.num_attention_heads
         groups = self.num_query_groups or heads
@@ -89,15 +97,22 @@ class CostModel:
             attn_proj = 2 * h * heads * kv + 2 * h * (heads // groups) * kv + 2 * h * h
         else:
             raise ScheduleError(f"formula={formula!r} must be 'exact' or 'upstream'")
-        dense_layer = attn_proj + 2 * h * ffn * mlp_mats
-        dense, moe = self._layer_counts()
-        linear = dense * dense_layer + 2 * h * self.vocab_size
-        if moe:
-            moe_ffn = (self.moe_ffn_hidden_size or ffn) * self.moe_router_topk
-            moe_ffn += self.moe_shared_expert_intermediate_size or 0
-            linear += moe * (attn_proj + 2 * h * moe_ffn * mlp_mats)
-        quadratic = self.num_layers * 2 * heads * kv  # causal QK^T + AV: 2 * (2 * heads * kv * L^2 / 2)
-        return float(linear), float(quadratic)
+        moe_ffn = (self.moe_ffn_hidden_size or ffn) * self.moe_router_topk
+        moe_ffn += self.moe_shared_expert_intermediate_size or 0
+        # causal QK^T + AV: 2 * (2 * heads * kv * L^2 / 2)
+        return (attn_proj + 2 * h * ffn * mlp_mats, attn_proj + 2 * h * moe_ffn * mlp_mats, 2 * heads * kv,
+                2 * h * self.vocab_size)
+
+    def moe_layers_in(self, start: int, stop: int) -> int:
+        """How many of the layers ``start .. stop - 1`` are MoE layers (``moe_layer_freq`` as Megatron reads it:
+        an int ``k`` makes layers ``0, k, 2k, ...`` MoE, a list marks each layer)."""
+        if not self.num_experts or stop <= start:
+            return 0
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return sum(1 for f in freq[start:stop] if f)
+        k = int(freq)
+        return -(-stop // k) - (-(-start // k))
 
     def flops(self, lengths: Sequence[int] | np.ndarray, formula: str = "exact") -> np.ndarray:
         """Forward FLOPs per sample, vectorised (float64); ``formula`` as in :meth:`coefficients`."""

@@ -30,9 +30,16 @@ it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` i
 
 **Assumptions.**
 
-* Layers are split evenly: one stage's forward of micro-batch ``m`` takes ``fwd[m]`` on every stage (its
-  backward ``bwd[m]``); under VPP one model chunk takes ``fwd[m] / vpp_size``. No first/last-stage extras
-  (embedding, loss): fold them into the costs if a profile measures them.
+* Costs come in one of two forms (:func:`pipeline_makespan`):
+
+  - **every stage alike**, ``(M,)`` or ``(R, M)``: one stage's forward of micro-batch ``m`` takes ``fwd[m]`` on
+    every stage (its backward ``bwd[m]``), as when layers are split evenly and the embedding, output layer and
+    loss are neglected or folded in; under VPP one model chunk takes ``fwd[m] / vpp_size``;
+  - **per stage**, ``(R, pp, M)``: stage ``s``'s forward of micro-batch ``m`` takes ``fwd[r, s, m]`` (all of its
+    model chunks together; under VPP each chunk ``fwd[r, s, m] / vpp_size``), or ``(R, pp * vpp, M)``: virtual
+    stage ``k = chunk * pp + s`` (megatron-core's numbering: chunk ``c`` of rank ``pp - 1`` feeds chunk ``c + 1``
+    of rank 0) takes ``fwd[r, k, m]``. :mod:`slime_ext.schedule.stages` derives them from the model dims and
+    Megatron's layout flags (the embedding on the first stage, the output layer and the loss on the last).
 * ``p2p_s`` is the same for every micro-batch and boundary (megatron-core sends tensors of one fixed shape per
   step; a profile measures it once).
 * The makespan is when the last forward or backward of any stage ends (a transfer always ends before the compute
@@ -336,10 +343,11 @@ def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple
 @dataclass(frozen=True)
 class _Dag:
     """A program set compiled to a DAG of its computes: a compute ends at ``max over its predecessors q of
-    (end(q) + hops(q) * p2p_s)`` plus its duration (column ``mb`` for a forward, ``M + mb`` for a backward; the
-    predecessor ``num_nodes`` is time 0). ``levels`` groups the computes whose predecessors all lie in earlier
-    levels. ``computes`` / ``compute_nodes`` list each stage's ``(kind, mb, chunk)`` and their nodes in program
-    order.
+    (end(q) + hops(q) * p2p_s)`` plus its duration (column ``mb`` for a forward, ``M + mb`` for a backward when
+    every stage costs alike; with per-stage costs column ``k M + mb`` for a forward on virtual stage ``k``,
+    ``V M + k M + mb`` for a backward, ``V = pp * vpp``; the predecessor ``num_nodes`` is time 0). ``levels``
+    groups the computes whose predecessors all lie in earlier levels. ``computes`` / ``compute_nodes`` list each
+    stage's ``(kind, mb, chunk)`` and their nodes in program order.
     """
 
     num_nodes: int  # computes only
@@ -347,6 +355,10 @@ class _Dag:
     levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
     computes: tuple[tuple[tuple[str, int, int], ...], ...]  # per stage: (kind, mb, chunk) in program order
     compute_nodes: tuple[np.ndarray, ...]  # per stage: node ids of those computes
+    #: per level, the nodes' rows in a per-virtual-stage cost table (``(kind, chunk * pp + s, mb)``, see above)
+    virtual_stage_cols: tuple[np.ndarray, ...] = ()
+    #: ... and in a per-rank one (``(kind, s, mb)``: every chunk of a rank reads the same row, its cost / vpp)
+    rank_cols: tuple[np.ndarray, ...] = ()
 
 
 def _compile(programs: list[list[tuple]], m: int) -> _Dag:
@@ -453,8 +465,18 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
             preds[row, :len(preds_of[i])] = preds_of[i]
             hops[row, :len(hops_of[i])] = hops_of[i]
         levels.append((nodes, preds, hops[:, :, None], cols[nodes]))
-    return _Dag(c_count, tuple(levels), tuple(computes),
-                tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes))
+    node_ids = tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes)
+    pp, virtual = len(programs), 1 + max((c for comp in computes for _, _, c in comp), default=0)
+    virtual *= pp
+    virtual_col = np.zeros(c_count, dtype=np.int64)
+    rank_col = np.zeros(c_count, dtype=np.int64)
+    for s, (comp, ids) in enumerate(zip(computes, node_ids)):
+        for (kind, mb, chunk), i in zip(comp, ids):
+            virtual_col[i] = (virtual * m if kind == "B" else 0) + (chunk * pp + s) * m + mb
+            rank_col[i] = (pp * m if kind == "B" else 0) + s * m + mb
+    return _Dag(c_count, tuple(levels), tuple(computes), node_ids,
+                tuple(virtual_col[nodes] for nodes, _, _, _ in levels),
+                tuple(rank_col[nodes] for nodes, _, _, _ in levels))
 
 
 def _dag(spec: PipelineSpec, m: int) -> _Dag:
@@ -475,6 +497,9 @@ MAX_TABLE_ENTRIES = 1 << 23
 
 
 def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(f, b, one)``: the costs as float arrays ``(R, M)`` (every stage alike) or ``(R, S, M)`` (per stage), and
+    whether the input was one replica's ``(M,)``. The stage count ``S`` is checked against a spec by
+    :func:`_per_virtual_stage`."""
     try:
         f = np.asarray(fwd, dtype=np.float64)
         b = np.asarray(bwd, dtype=np.float64)
@@ -482,11 +507,14 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
         raise ScheduleError(f"fwd and bwd must be arrays of numbers (per-stage seconds or FLOPs per micro-batch), "
                             f"got {show(fwd)} and {show(bwd)} ({e})") from None
     one = f.ndim == 1
-    if f.ndim not in (1, 2) or f.shape != b.shape:
-        raise ScheduleError(f"fwd and bwd must have the same shape, (M,) or (replicas, M); got {f.shape} and "
-                            f"{b.shape}; pass one cost per micro-batch in run order")
+    if f.ndim not in (1, 2, 3) or f.shape != b.shape:
+        raise ScheduleError(f"fwd and bwd must have the same shape, (M,) or (replicas, M) with every stage alike, "
+                            f"or (replicas, pp, M) per stage; got {f.shape} and {b.shape}; pass one cost per "
+                            f"micro-batch in run order")
     if f.shape[-1] == 0:
         raise ScheduleError("fwd has no micro-batches; a pipelined step needs at least one")
+    if f.ndim == 3 and f.shape[1] == 0:
+        raise ScheduleError(f"fwd has shape {f.shape}: no stages; pass (replicas, pp, M) per-stage costs")
     for name, a in (("fwd", f), ("bwd", b)):
         if not np.isfinite(a).all() or (a < 0).any():
             raise ScheduleError(f"{name} holds a negative or non-finite cost ({show(a.min())}); pass per-stage "
@@ -496,23 +524,55 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
     return f, b, one
 
 
-def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
-    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+def _check_spec(spec) -> None:
     if not isinstance(spec, PipelineSpec):
         raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
-    r, m = f.shape
+
+
+def _per_virtual_stage(a: np.ndarray, spec: PipelineSpec) -> np.ndarray:
+    """Per-stage costs ``(R, pp, M)`` or ``(R, pp * vpp, M)`` as ``(R, V, M)``: what one model chunk of virtual
+    stage ``k = chunk * pp + s`` takes (a stage's cost split evenly over its chunks)."""
+    pp, v = spec.pp_size, spec.chunks
+    stages = a.shape[1]
+    if stages == pp * v:
+        return a
+    if stages != pp:
+        raise ScheduleError(f"per-stage costs have {stages} stages (shape {a.shape}) but the layout has pp_size = "
+                            f"{pp}" + (f" and vpp_size = {v}" if v > 1 else "") + f"; pass (replicas, {pp}, M) per "
+                            f"stage" + (f" or (replicas, {pp * v}, M) per virtual stage" if v > 1 else ""))
+    return np.tile(a / v, (1, v, 1))
+
+
+def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
+    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+    _check_spec(spec)
+    r, m = f.shape[0], f.shape[-1]
     dag = _dag(spec, m)
-    v = spec.chunks
-    dur = np.empty((r, 2 * m + 2))
-    dur[:, :m] = f / v
-    dur[:, m:2 * m] = b / v
-    dur[:, 2 * m] = spec.p2p_s
-    dur[:, 2 * m + 1] = 0.0
+    if f.ndim == 3:  # per stage: one row per (kind, virtual stage, micro-batch), written in place (no copies)
+        _per_virtual_stage(f[:1, :, :1], spec)  # checks the stage count
+        v, sm = spec.chunks, f.shape[1] * m
+        dur_t = np.empty((2 * sm, r))
+        dur_t[:sm] = f.transpose(1, 2, 0).reshape(sm, r)  # (stage, micro-batch) x replicas
+        dur_t[sm:] = b.transpose(1, 2, 0).reshape(sm, r)
+        if f.shape[1] == spec.pp_size:
+            if v > 1:  # one row per rank: each of its chunks takes 1 / vpp
+                dur_t /= v
+            columns = dag.rank_cols
+        else:
+            columns = dag.virtual_stage_cols
+    else:
+        v = spec.chunks
+        dur = np.empty((r, 2 * m + 2))
+        dur[:, :m] = f / v
+        dur[:, m:2 * m] = b / v
+        dur[:, 2 * m] = spec.p2p_s
+        dur[:, 2 * m + 1] = 0.0
+        dur_t = np.ascontiguousarray(dur.T)
+        columns = tuple(cols for _, _, _, cols in dag.levels)
     # nodes x replicas: gathering whole rows is contiguous
     end_t = np.zeros((dag.num_nodes + 1, r))
-    dur_t = np.ascontiguousarray(dur.T)
     p2p = spec.p2p_s
-    for nodes, preds, hops, cols in dag.levels:
+    for (nodes, preds, hops, _), cols in zip(dag.levels, columns):
         before = end_t[preds]
         if p2p:
             before += hops * p2p
@@ -523,15 +583,21 @@ def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.nda
 def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     """Makespan of one step of Megatron's schedule per replica.
 
-    ``fwd``, ``bwd``: ``(R, M)`` or ``(M,)`` per-stage seconds (or FLOP units) of each micro-batch in the order the
-    micro-batches run (one stage's forward/backward of micro-batch ``m``; layers split evenly). Returns ``(R,)``
-    makespans, or a float for 1-D input: the time the last operation of any stage ends.
+    ``fwd``, ``bwd``: the costs of each micro-batch in the order the micro-batches run, in seconds (or FLOP
+    units), in one of three shapes:
+
+    * ``(M,)`` or ``(R, M)``: one stage's forward/backward of micro-batch ``m``, the same on every stage;
+    * ``(R, pp, M)``: stage ``s``'s forward/backward of micro-batch ``m`` (all its model chunks together; under VPP
+      each chunk takes ``1 / vpp`` of it);
+    * ``(R, pp * vpp, M)``: virtual stage ``k = chunk * pp + s``'s (one model chunk's) forward/backward.
+
+    Returns ``(R,)`` makespans, or a float for 1-D input: the time the last operation of any stage ends. Per-stage
+    costs that are equal on every stage give the same makespans as the 2-D form (to rounding).
     """
     f, b, one = _as_costs(fwd, bwd)
-    if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
+    _check_spec(spec)
     # replicas in blocks, so that the node-by-replica table stays under MAX_TABLE_ENTRIES (memory, not speed)
-    nodes = 2 * f.shape[1] * spec.chunks * spec.pp_size
+    nodes = 2 * f.shape[-1] * spec.chunks * spec.pp_size
     block = max(1, MAX_TABLE_ENTRIES // nodes)
     out = np.concatenate([_node_ends(f[i:i + block], b[i:i + block], spec)[0].max(axis=1)
                           for i in range(0, max(len(f), 1), block)]) if len(f) else np.zeros(0)
@@ -539,26 +605,44 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
 
 
 def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
-    """One replica's timeline: per stage, ``(kind, mb, chunk, start, end)`` of each forward/backward in run order."""
+    """One replica's timeline: per stage, ``(kind, mb, chunk, start, end)`` of each forward/backward in run order.
+
+    Costs ``(M,)`` (or ``(1, M)``) every stage alike, or ``(1, pp, M)`` / ``(1, pp * vpp, M)`` per stage."""
     f, b, _ = _as_costs(fwd, bwd)
     if f.shape[0] != 1:
-        raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,); got {f.shape}")
+        raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,) or (1, pp, M); got {f.shape}")
     end, dag = _node_ends(f, b, spec)
+    if f.ndim == 3:
+        fv, bv = _per_virtual_stage(f, spec)[0], _per_virtual_stage(b, spec)[0]
+        pp = spec.pp_size
+
+        def durations(s: int, comp) -> np.ndarray:
+            return np.array([(fv if k == "F" else bv)[c * pp + s, mb] for k, mb, c in comp])
+    else:
+        def durations(s: int, comp) -> np.ndarray:
+            return np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
+                            b[0, [mb for _, mb, _ in comp]]) / spec.chunks
     out = []
-    for comp, nodes in zip(dag.computes, dag.compute_nodes):
+    for s, (comp, nodes) in enumerate(zip(dag.computes, dag.compute_nodes)):
         e = end[0, nodes]
-        d = np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
-                     b[0, [mb for _, mb, _ in comp]]) / spec.chunks if len(comp) else np.zeros(0)
+        d = durations(s, comp) if len(comp) else np.zeros(0)
         out.append([(k, mb, c, float(ei - di), float(ei)) for (k, mb, c), ei, di in zip(comp, e, d)])
     return out
 
 
+def _stage_work(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> np.ndarray:
+    """Busy time of each pipeline rank, ``(R, pp)``, from per-stage costs ``(R, S, M)``."""
+    fv, bv = _per_virtual_stage(f, spec), _per_virtual_stage(b, spec)
+    r, virtual, _ = fv.shape
+    return (fv + bv).sum(axis=2).reshape(r, virtual // spec.pp_size, spec.pp_size).sum(axis=1)
+
+
 def bubble_fraction(fwd, bwd, spec: PipelineSpec):
-    """``1 - (one stage's work) / makespan``: the share of the step a stage idles (all stages do the same work,
-    ``sum(fwd) + sum(bwd)``, since layers are split evenly). Shapes as :func:`pipeline_makespan`."""
+    """``1 - (a stage's mean work) / makespan``: the share of the step the stages idle, on average (with every
+    stage alike each does ``sum(fwd) + sum(bwd)``). Shapes as :func:`pipeline_makespan`."""
     f, b, one = _as_costs(fwd, bwd)
     span = np.atleast_1d(pipeline_makespan(f, b, spec))
-    work = f.sum(axis=1) + b.sum(axis=1)
+    work = _stage_work(f, b, spec).mean(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
     out = np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0)
     return float(out[0]) if one else out
 
@@ -566,12 +650,16 @@ def bubble_fraction(fwd, bwd, spec: PipelineSpec):
 def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     """A makespan no order of these micro-batches can beat, in this model or any schedule of the same work.
 
-    With ``W = sum_m (f_m + b_m)`` (one stage's work), ``V = vpp * pp`` virtual stages, ``c = p2p_s`` and, for
-    ``pp > 1``::
+    Write ``f[k, m]``, ``b[k, m]`` for one model chunk's forward and backward of micro-batch ``m`` on virtual
+    stage ``k = chunk * pp + s`` (``V = vpp * pp`` of them; with every stage alike ``f[k, m] = f_m / vpp``),
+    ``W_s`` for rank ``s``'s work (its chunks' forwards and backwards of every micro-batch), ``c = p2p_s``, and
+    ``F_s(m) = sum_{k < s} f[k, m]``, ``B_s(m) = sum_{k < s} b[k, m]`` (chunk 0 of ranks ``0 .. s - 1``). Then::
 
-        bound = max( max_m pp (f_m + b_m) + 2 (V - 1) c,                                   # (1) the largest trip
-                     W + (pp - 1) (min_m f_m + min_m b_m) / vpp + 2 (pp - 1) c )            # (2) the last stage
+        bound = max( max_m sum_k (f[k, m] + b[k, m]) + 2 (V - 1) c,                     # (1) the largest trip
+                     max_s  min_m F_s(m) + s c + W_s + min_m B_s(m) + s c )            # (2) each rank's work
 
+    With every stage alike this is, for ``pp > 1``, ``max(max_m pp (f_m + b_m) + 2 (V - 1) c,
+    W + (pp - 1) (min_m f_m + min_m b_m) / vpp + 2 (pp - 1) c)`` (rank ``pp - 1`` gives the largest (2)),
     and ``W`` for ``pp = 1``.
 
     *Proof.* Every schedule obeys two kinds of constraint that the model also imposes (it adds more: program order,
@@ -581,28 +669,39 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     virtual stage, its own forward there) ended and the gradient crossed back. Virtual stages ``k`` and ``k + 1`` lie
     on different ranks when ``pp > 1``, so every boundary costs ``c``.
 
-    (1) Micro-batch ``m``'s operations form one chain: ``V`` forwards of ``f_m / vpp``, ``V`` backwards of
-    ``b_m / vpp`` and ``2 (V - 1)`` transfers, each starting after the previous one ended. The chain alone lasts
-    ``pp (f_m + b_m) + 2 (V - 1) c``, and it starts at time ``>= 0``.
+    (1) Micro-batch ``m``'s operations form one chain: ``V`` forwards, ``V`` backwards and ``2 (V - 1)``
+    transfers, each starting after the previous one ended. The chain alone lasts ``sum_k (f[k, m] + b[k, m]) +
+    2 (V - 1) c``, and it starts at time ``>= 0``.
 
-    (2) Take the last rank, ``pp - 1``. Its first operation is a forward of some ``(m, chunk)``; that chunk's
-    forwards on ranks ``0 .. pp - 2`` and their ``pp - 1`` transfers precede it: it cannot start before
-    ``(pp - 1) (f_m / vpp + c) >= (pp - 1) (min f / vpp + c)``. From then on the rank runs its whole work ``W``
-    one operation at a time, so its last operation ends no earlier than that plus ``W``. That last operation is a
-    backward of some ``(m', chunk')`` (a rank's forward of a chunk precedes the same chunk's backward on it), and
-    the backwards of ``chunk'`` on ranks ``pp - 2 .. 0``, with ``pp - 1`` transfers, still follow it:
-    ``>= (pp - 1) (min b / vpp + c)``. Adding the three parts gives (2). Both hold for every order, so their
-    maximum does. ∎
+    (2) Take any rank ``s``. Its first operation is a forward of some ``(m, chunk)`` on virtual stage
+    ``k = chunk * pp + s >= s`` (a backward on a rank follows the same chunk's forward there); that micro-batch's
+    forwards on virtual stages ``0 .. k - 1``, among them ``0 .. s - 1``, and at least ``s`` transfers precede it:
+    it cannot start before ``min_m F_s(m) + s c`` (costs are >= 0). From then on the rank runs its whole work
+    ``W_s`` one operation at a time. Its last operation is a backward of some ``(m', chunk')`` on virtual stage
+    ``k' >= s``, and the backwards on virtual stages ``k' - 1 .. 0``, among them ``s - 1 .. 0``, with at least
+    ``s`` transfers, still follow it: ``>= min_m B_s(m) + s c``. Adding the three parts gives (2) for ``s``. Both
+    hold for every order, so their maximum does. With every stage alike, ``F_s``, ``B_s`` and ``s c`` grow with
+    ``s`` while ``W_s = W``, so ``s = pp - 1`` gives the largest (2). ∎
 
     Shapes as :func:`pipeline_makespan`. ``tests/unit/test_pipeline_model.py`` checks it against the best
-    makespan over all orders of small cases.
+    makespan over all orders of small cases, with every stage alike and with uneven stages.
     """
     f, b, one = _as_costs(fwd, bwd)
-    if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
-    spec.check_microbatches(f.shape[1])
-    work = f.sum(axis=1) + b.sum(axis=1)
+    _check_spec(spec)
+    spec.check_microbatches(f.shape[-1])
     pp, v, c = spec.pp_size, spec.chunks, spec.p2p_s
+    if f.ndim == 3:
+        fv, bv = _per_virtual_stage(f, spec), _per_virtual_stage(b, spec)
+        trip = (fv + bv).sum(axis=1).max(axis=1) + 2 * (v * pp - 1) * c
+        work = _stage_work(f, b, spec)  # (R, pp)
+        # F_s(m), B_s(m): sums over virtual stages 0 .. s - 1 (chunk 0 of ranks before s); 0 for s = 0
+        zeros = np.zeros((len(fv), 1, fv.shape[2]))
+        head = np.concatenate([zeros, np.cumsum(fv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
+        tail = np.concatenate([zeros, np.cumsum(bv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
+        per_rank = head + work + tail + 2 * c * np.arange(pp)
+        out = np.maximum(trip, per_rank.max(axis=1))
+        return float(out[0]) if one else out
+    work = f.sum(axis=1) + b.sum(axis=1)
     if pp == 1:
         out = work
     else:

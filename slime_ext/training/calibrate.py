@@ -20,8 +20,10 @@ quadratic terms), micro-batches packing 2-6 samples of mixed lengths (separating
 attention over the packed row) and 1-3 micro-batches per step (separating the per-step from the per-micro-batch
 overhead).
 
-For the pipeline model (``pp_size > 1``) calibration also fits what a profile's ``backward_forward_ratio`` and
-``p2p_s`` say: the same design steps are timed forward only (:func:`time_forward_only`, megatron-core's schedule
+For the pipeline model (``pp_size > 1``) calibration also measures each piece's share of the forward time (the
+embedding, one decoder layer, the final norm and output layer: :func:`time_piece_shares`, recorded in
+``meta["piece_shares"]``; the per-stage costs split a profile by them) and fits what a profile's
+``backward_forward_ratio`` and ``p2p_s`` say: the same design steps are timed forward only (:func:`time_forward_only`, megatron-core's schedule
 with ``forward_only=True``), and the ratio is :func:`fit_backward_forward_ratio`; ``p2p_s`` is the time of one
 send/recv of one capped micro-batch's activation between two processes on the job's backend
 (:func:`measure_p2p`: gloo on CPU; NCCL needs two GPUs, else it is left 0 and the profile's meta says why).
@@ -187,6 +189,62 @@ def time_forward_only(worker, steps: Sequence[Sequence[Sequence[int]]], *, repea
                              autocast=autocast, statistic=statistic)
 
 
+def time_piece_shares(worker, steps: Sequence[Sequence[Sequence[int]]], *, repeats: int = 3,
+                      timer: str | None = None, autocast: Callable[[], Any] | None = None) -> dict:
+    """Each piece's share of the model's forward time, measured on the same payloads as :func:`time_steps`:
+    ``{"embedding": e, "layer": l, "head": h}`` with ``e + num_layers * l + h = 1`` (``layer``: one decoder layer,
+    the mean of all; ``head``: the final norm and the output layer). Forward hooks on the ``GPTModel``'s modules
+    read ``timer``'s clock before and after each piece (with ``cuda``, after a synchronize), over ``repeats``
+    forward-only passes of every step. What the pipeline stages' per-stage costs are split by
+    (:class:`slime_ext.schedule.stages.StageCosts`); the loss, computed outside the model, is not counted."""
+    import torch
+
+    from .model import unwrap
+
+    timer = timer or default_timer()
+    if timer not in TIMERS:
+        raise ValueError(f"timer={timer!r} must be one of {TIMERS}")
+    cpu = {"thread": time.thread_time, "process": time.process_time}.get(timer)
+
+    def now() -> float:
+        if timer == "cuda":
+            torch.cuda.synchronize()
+        return cpu() if cpu else time.perf_counter()
+
+    model = unwrap(worker.state.model[0])
+    layers = list(model.decoder.layers)
+    pieces = {"embedding": [model.embedding], "layer": layers,
+              "head": [m for m in (getattr(model.decoder, "final_layernorm", None), model.output_layer)
+                       if m is not None]}
+    totals = dict.fromkeys(pieces, 0.0)
+    handles, started = [], {}
+    for name, modules in pieces.items():
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(
+                lambda mod, args, key=id(module): started.__setitem__(key, now())))
+            handles.append(module.register_forward_hook(
+                lambda mod, args, out, key=id(module), name=name: totals.__setitem__(
+                    name, totals[name] + now() - started.pop(key))))
+    payloads = [synthetic_step(s, vocab_size=worker.config.model.vocab_size, seed=i) for i, s in enumerate(steps)]
+    ctx = autocast or _no_context
+    try:
+        with ctx():
+            worker.forward_only(payloads[0])  # warm-up, not counted
+        totals = dict.fromkeys(pieces, 0.0)
+        for _ in range(repeats):
+            for payload in payloads:
+                with ctx():
+                    worker.forward_only(payload)
+    finally:
+        for h in handles:
+            h.remove()
+    whole = sum(totals.values())
+    if not whole > 0:
+        raise ValueError("the forward hooks measured no time; is the model on this process?")
+    return {"embedding": totals["embedding"] / whole, "layer": totals["layer"] / whole / len(layers),
+            "head": totals["head"] / whole}
+
+
 def fit_backward_forward_ratio(train_seconds: Sequence[float], forward_seconds: Sequence[float],
                                step_overhead_s: float) -> float:
     """``r`` in ``train = step_overhead + (1 + r) * forward``, fitted over the design's steps (least squares through
@@ -336,6 +394,8 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
                                   statistic=statistic)
         forward = time_forward_only(worker, steps, repeats=repeats, timer=timer, autocast=autocast,
                                     statistic=statistic) if forward_only else None
+        pieces = time_piece_shares(worker, steps, repeats=repeats, timer=timer,
+                                   autocast=autocast) if forward_only else None
     finally:
         worker.shutdown()
     meta = {
@@ -353,4 +413,7 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
     }
     if forward is not None:
         meta["forward_only_seconds"] = forward
+    if pieces is not None:
+        meta["piece_shares"] = {**{k: round(v, 6) for k, v in pieces.items()},
+                                "how": f"forward hooks on the GPTModel's modules, {timer} timer, the design's steps"}
     return observations, meta

@@ -76,3 +76,67 @@ def test_heaviest_first_reorders_micro_batches_and_keeps_the_samples():
     times = [profile.microbatch_time([lengths[g] for g in mb]) for mb in groups(out)]
     assert times == sorted(times, reverse=True)
     assert [out.samples.total_lengths[k] for k in range(len(out.partition))] == [lengths[g] for g in out.partition]
+
+
+def test_replay_runs_take_per_stage_and_per_virtual_stage_costs():
+    from bench.pipeline_replay import Layout, ReplayRun
+
+    even = ReplayRun("even", [1.0, 2.0], [2.0, 4.0])
+    assert even.chunk_times(1, 1, Layout(2, 2)) == ([0.5, 1.0], [1.0, 2.0])  # each chunk 1 / vpp of the stage
+    assert not even.per_stage and even.num_microbatches == 2
+    stages = ReplayRun("stages", [[1.0, 2.0], [3.0, 4.0]], [[2.0, 4.0], [6.0, 8.0]])
+    assert stages.per_stage and stages.num_microbatches == 2
+    assert stages.chunk_times(1, 0, Layout(2)) == ([3.0, 4.0], [6.0, 8.0])
+    assert stages.chunk_times(1, 1, Layout(2, 2)) == ([1.5, 2.0], [3.0, 4.0])
+    rows = [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5], [4.0, 4.5]]
+    virtual = ReplayRun("virtual", rows, rows)
+    assert virtual.chunk_times(0, 1, Layout(2, 2)) == ([3.0, 3.5], [3.0, 3.5])  # chunk 1 of rank 0: stage 2
+    f, b = virtual.model_costs()
+    assert f.shape == (1, 4, 2) and pipeline_makespan(f, b, PipelineSpec(2, 2)).shape == (1,)
+    with pytest.raises(ValueError, match="4 rows of costs, but the layout has 3 stages x 2 chunks"):
+        virtual.chunk_times(0, 0, Layout(3, 2))
+    with pytest.raises(ValueError, match="one row per stage"):
+        ReplayRun("bad", [[1.0, 2.0]], [[1.0]])
+
+
+def test_uneven_stage_cases_scale_every_sleep_above_the_floor():
+    from bench.pipeline_replay import Layout
+    from bench.pipeline_stages import build_runs, cases_for, qwen3_weights
+
+    setup = Setup(Layout(4), False, ("rl-like",))
+    f = np.array([0.5, 1.0, 2.0])
+    cases = cases_for(setup.layout, quick=False)
+    scale = build_runs(setup, cases, f, 2 * f, min_op_s=0.02, max_run_s=100.0)
+    lightest = min(c.weights.min() for c in cases)
+    assert scale == pytest.approx(0.02 / (0.5 * lightest))  # the lightest stage's smallest forward sleeps 20 ms
+    for c in cases:
+        fw, bw = c.run.model_costs()
+        assert fw.shape == (1, 4, 3) and fw.min() >= 0.02 - 1e-12
+        np.testing.assert_allclose(fw[0], c.weights[:, None] * f[None] * scale)
+    w = qwen3_weights(setup.layout)  # Qwen3-8B-like: the output layer makes the last stage heavier
+    assert w.mean() == pytest.approx(1.0) and w[-1] > 1.3 * w[0] and np.ptp(w[:3]) == 0
+
+
+def test_order_for_stages_is_a_permutation_the_model_prices_no_slower():
+    from bench.pipeline_stages import order_for_stages
+
+    rng = np.random.default_rng(11)
+    gains = 0
+    for weights in ([1.3, 1, 1, 1], [1, 1, 1, 1.6], [1.3, 1, 1, 1.5]):
+        w = np.array(weights)
+        f = np.sort(rng.lognormal(0, 0.6, 9))[::-1]  # heaviest first, as a pp-unaware plan runs them
+        fw, bw = w[:, None] * f[None], 2 * w[:, None] * f[None]
+        order = order_for_stages(fw, bw, PipelineSpec(4))
+        assert sorted(order) == list(range(9))
+        before = pipeline_makespan(fw[None], bw[None], PipelineSpec(4))[0]
+        after = pipeline_makespan(fw[None][:, :, order], bw[None][:, :, order], PipelineSpec(4))[0]
+        assert after <= before * (1 + 1e-12)
+        gains += after < before * (1 - 1e-3)
+        # a local optimum: no single swap improves it further
+        for i in range(9):
+            for j in range(i + 1, 9):
+                o = order.copy()
+                o[i], o[j] = o[j], o[i]
+                assert pipeline_makespan(fw[None][:, :, o], bw[None][:, :, o], PipelineSpec(4))[0] >= \
+                    after * (1 - 1e-9)
+    assert gains  # heaviest first is not the best order for these stages

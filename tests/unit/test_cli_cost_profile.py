@@ -81,3 +81,41 @@ def test_calibrate_rejects_bad_flags(tmp_path):
     res = run_main("calibrate", "--config", cfg, "--max-tokens", 512, "--repeats", 0, "--out", tmp_path / "p.json",
                    expect=2)
     assert "--repeats 0" in res.stderr
+
+
+def test_calibrate_takes_the_pipeline_layout_flags(tmp_path):
+    """Checked before any timing, against the config's num_layers as Megatron checks them; a profile records each
+    stage's share of its cost (meta.stages)."""
+    import argparse
+
+    from slime_ext.cli.calibrate import add_parser, pipeline_layout, stage_meta
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("num_layers: 8\nhidden_size: 64\nnum_attention_heads: 4\nvocab_size: 1000\n")
+    base = ["calibrate", "--config", cfg, "--max-tokens", 512, "--out", tmp_path / "p.json"]
+    res = run_main(*base, "--pipeline-model-parallel-size", 4, "--decoder-first-pipeline-num-layers", 3, expect=2)
+    assert "leave 5 layers for 3 middle ranks" in res.stderr and "num_layers = 8" in res.stderr
+    res = run_main(*base, "--decoder-last-pipeline-num-layers", 2, expect=2)
+    assert "--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size" in res.stderr
+    res = run_main(*base, "--pipeline-model-parallel-size", 4, "--pipeline-model-parallel-layout", "Et|tt|tt|tL",
+                   "--account-for-loss-in-pipeline-split", expect=2)
+    assert "cannot be combined" in res.stderr
+    assert not (tmp_path / "p.json").exists()
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = add_parser(sub)
+    args = parser.parse_args(["--config", "x", "--max-tokens", "512", "--out", "p.json",
+                              "--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout",
+                              "Et|ttt|ttt|tL"])
+    parallel = pipeline_layout(args, 8)
+    assert parallel.stage_layers(8).decoder == (1, 3, 3, 1)
+    import dataclasses
+
+    profile = dataclasses.replace(PROFILE, meta={"model": {"num_layers": 8, "hidden_size": 64,
+                                                           "num_attention_heads": 4, "vocab_size": 1000}})
+    meta = stage_meta(profile, parallel)
+    assert meta["pipeline_model_parallel_layout"] == "Et|ttt|ttt|tL" and meta["pp_size"] == 4
+    assert sum(meta["linear_share"]) == pytest.approx(1.0, abs=1e-5)
+    assert meta["quadratic_share"] == pytest.approx([1 / 8, 3 / 8, 3 / 8, 1 / 8], abs=1e-6)
+    assert meta["linear_share"][3] > meta["linear_share"][0]  # the output layer
+    assert pipeline_layout(parser.parse_args(["--config", "x", "--max-tokens", "512", "--out", "p.json"]), 8) is None

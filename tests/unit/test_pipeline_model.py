@@ -107,8 +107,17 @@ def event_simulation(programs, fwd, bwd, p2p, chunks):
     """A straightforward discrete-event reference: every stage executes its program one operation at a time; a
     transfer completes ``p2p`` after both its sender and its receiver posted it (the k-th send on a link pairs with
     the k-th receive); a blocking call or a wait lets its stage go on only when its transfers completed. Returns
-    the makespan and, per stage, ``(kind, mb, chunk, start, end)``."""
+    the makespan and, per stage, ``(kind, mb, chunk, start, end)``. Costs ``(M,)`` (every stage alike), ``(pp, M)``
+    per stage or ``(pp * chunks, M)`` per virtual stage ``chunk * pp + stage``."""
     pp = len(programs)
+    fwd, bwd = np.asarray(fwd, dtype=float), np.asarray(bwd, dtype=float)
+
+    def cost(a, s, mb, chunk):
+        if a.ndim == 1:
+            return a[mb] / chunks
+        if len(a) == pp:
+            return a[s, mb] / chunks
+        return a[chunk * pp + s, mb]
     pc = [0] * pp
     clock = [0.0] * pp
     posted = [False] * pp  # whether the call at pc has posted its transfers
@@ -132,7 +141,7 @@ def event_simulation(programs, fwd, bwd, p2p, chunks):
                 op = programs[s][pc[s]]
                 if op[0] == "C":
                     _, kind, mb, chunk = op
-                    d = (fwd[mb] if kind == "F" else bwd[mb]) / chunks
+                    d = cost(fwd if kind == "F" else bwd, s, mb, chunk)
                     timeline[s].append((kind, mb, chunk, clock[s], clock[s] + d))
                     clock[s] += d
                 elif op[0] == "X":
@@ -481,3 +490,126 @@ def test_p2p_calls_are_megatron_cores(pp, vpp, group, m, overlap):
     ours = normalise(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), pp)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a == b, f"rank {rank}"
+
+
+# ---------------------------------------------------------------------------------------------------- uneven stages
+def random_stage_costs(rng, spec, m, per_virtual=False):
+    """Per-stage costs ``(pp, M)`` (or ``(pp * vpp, M)``): a micro-batch's costs times a factor per stage, as
+    Megatron's first stage (embedding) and last (output layer, loss) are heavier, plus some noise."""
+    f, b = random_costs(rng, m)
+    stages = spec.pp_size * (spec.chunks if per_virtual else 1)
+    weight = rng.uniform(0.6, 1.8, stages)[:, None] * rng.uniform(0.9, 1.1, (stages, m))
+    return f * weight, b * weight * rng.uniform(0.8, 1.2, (stages, 1))
+
+
+def test_per_stage_costs_equal_the_event_simulation_on_random_cases():
+    from slime_ext.schedule.pipeline import stage_programs
+    rng = np.random.default_rng(22)
+    seen = set()
+    for i in range(200):
+        spec, m = random_spec(rng)
+        per_virtual = bool(i % 2) and spec.chunks > 1
+        seen.add((spec.pp_size > 1, spec.vpp_size > 1, spec.overlap_p2p_comm, per_virtual))
+        f, b = random_stage_costs(rng, spec, m, per_virtual)
+        ref, ref_tl = event_simulation(stage_programs(spec, m), f, b, spec.p2p_s, spec.chunks)
+        assert pipeline_makespan(f[None], b[None], spec)[0] == pytest.approx(ref, rel=1e-12), (spec, m)
+        tl = pipeline_timeline(f[None], b[None], spec)
+        for stage, ref_stage in zip(tl, ref_tl):
+            assert [op[:3] for op in stage] == [op[:3] for op in ref_stage]
+            np.testing.assert_allclose([op[3:] for op in stage], [op[3:] for op in ref_stage], rtol=1e-12)
+    assert {(True, False, False, False), (True, True, False, False), (True, True, True, True),
+            (True, True, False, True)} <= seen
+
+
+def test_per_stage_costs_alike_on_every_stage_give_todays_makespan():
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        spec, m = random_spec(rng)
+        f = rng.lognormal(0, 0.6, (3, m))
+        b = f * rng.uniform(1.5, 3.0, (3, m))
+        stages = lambda a: np.repeat(a[:, None, :], spec.pp_size, axis=1)  # noqa: E731
+        virtual = lambda a: np.repeat(a[:, None, :] / spec.chunks, spec.pp_size * spec.chunks, axis=1)  # noqa: E731
+        for fn in (pipeline_makespan, pipeline_lower_bound, bubble_fraction):
+            np.testing.assert_allclose(fn(stages(f), stages(b), spec), fn(f, b, spec), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(fn(virtual(f), virtual(b), spec), fn(f, b, spec), rtol=1e-12, atol=1e-12)
+
+
+def test_two_uneven_stages_by_hand():
+    # stage 0 forwards 1, 2 and backwards 2, 4; stage 1 (last, the heavier) forwards 3, 3 and backwards 4, 4.
+    # stage 1: F0 [1, 4], B0 [4, 8], F1 [8, 11] (its input was ready at 3), B1 [11, 15];
+    # stage 0: F0 [0, 1], F1 [1, 3], B0 [8, 10], B1 [15, 19]
+    f = np.array([[[1.0, 2.0], [3.0, 3.0]]])
+    b = np.array([[[2.0, 4.0], [4.0, 4.0]]])
+    tl = pipeline_timeline(f, b, PipelineSpec(2))
+    assert tl[0] == [("F", 0, 0, 0, 1), ("F", 1, 0, 1, 3), ("B", 0, 0, 8, 10), ("B", 1, 0, 15, 19)]
+    assert tl[1] == [("F", 0, 0, 1, 4), ("B", 0, 0, 4, 8), ("F", 1, 0, 8, 11), ("B", 1, 0, 11, 15)]
+    assert pipeline_makespan(f, b, PipelineSpec(2)) == pytest.approx([19.0])
+    # stage 0 works 9 and stage 1 14 of the 19: on average (23 / 2) / 19 busy
+    assert bubble_fraction(f, b, PipelineSpec(2)) == pytest.approx([1 - 11.5 / 19])
+    # (2) for stage 1: F_1 = min(1, 2) + its work 14 + B_1 = min(2, 4) = 17; the trip of mb 1: 2 + 3 + 4 + 4 = 13
+    assert pipeline_lower_bound(f, b, PipelineSpec(2)) == pytest.approx([17.0])
+
+
+def test_a_heavier_first_or_last_stage_by_hand():
+    """Eight equal micro-batches on pp = 4 (forward 1, backward 2 per stage, free p2p), one stage 1.5x heavier.
+
+    Last stage heavy: it never idles after its first forward (its inputs come from lighter stages), so the step is
+    the fill (3 forwards of 1), its work (8 x 4.5) and the drain (3 backwards of 2): 45, the lower bound's (2).
+    First stage heavy: it runs its 3 warm-up forwards and F3 (4 x 1.5 = 6), then waits for B0's gradient: F0
+    ended at 1.5, crosses 3 stages forward (3) and back (6), so B0 starts at 10.5 and the stage never idles again:
+    10.5 + 8 x 4.5 - 6 = 40.5."""
+    m, pp, x = 8, 4, 1.5
+    # the bound: heavy last, rank 3's (2) is the makespan; heavy first, rank 0's work alone (36) beats rank 3's
+    # 3.5 + 24 + 7
+    for heavy, expect, bound in ((pp - 1, 45.0, 45.0), (0, 40.5, 36.0)):
+        w = np.ones(pp)
+        w[heavy] = x
+        f = w[None, :, None] * np.ones((1, pp, m))
+        assert pipeline_makespan(f, 2 * f, PipelineSpec(pp)) == pytest.approx([expect])
+        assert pipeline_lower_bound(f, 2 * f, PipelineSpec(pp)) == pytest.approx([bound])
+
+
+def test_per_stage_costs_are_checked():
+    with pytest.raises(ScheduleError, match="3 stages .* pp_size = 4"):
+        pipeline_makespan(np.ones((1, 3, 5)), np.ones((1, 3, 5)), PipelineSpec(4))
+    with pytest.raises(ScheduleError, match=r"\(replicas, 8, M\) per virtual stage"):
+        pipeline_makespan(np.ones((1, 6, 8)), np.ones((1, 6, 8)), PipelineSpec(4, 2))
+    with pytest.raises(ScheduleError, match="no stages"):
+        pipeline_makespan(np.ones((1, 0, 5)), np.ones((1, 0, 5)), PipelineSpec(4))
+    with pytest.raises(ScheduleError, match="same shape"):
+        pipeline_makespan(np.ones((1, 4, 5)), np.ones((1, 4, 4)), PipelineSpec(4))
+    with pytest.raises(ScheduleError, match="one replica"):
+        pipeline_timeline(np.ones((2, 4, 5)), np.ones((2, 4, 5)), PipelineSpec(4))
+    with pytest.raises(ScheduleError, match="bwd holds a negative"):
+        pipeline_lower_bound(np.ones((1, 4, 5)), -np.ones((1, 4, 5)), PipelineSpec(4))
+
+
+def test_lower_bound_with_uneven_stages_never_exceeds_the_best_order_brute_force():
+    from itertools import permutations
+    rng = np.random.default_rng(33)
+    tight, kinds = 0, set()
+    for i in range(200):
+        spec, m = random_spec(rng)
+        if m > 6:
+            continue
+        per_virtual = bool(i % 2) and spec.chunks > 1
+        kinds.add((spec.pp_size > 1, spec.vpp_size > 1, spec.p2p_s > 0))
+        f, b = random_stage_costs(rng, spec, m, per_virtual)
+        orders = np.array(list(permutations(range(m))))
+        best = pipeline_makespan(f[:, orders].transpose(1, 0, 2), b[:, orders].transpose(1, 0, 2), spec).min()
+        bound = pipeline_lower_bound(f[None], b[None], spec)[0]
+        assert bound <= best * (1 + 1e-12), (spec, m, bound, best)
+        assert pipeline_lower_bound(f[None, :, ::-1], b[None, :, ::-1], spec)[0] == pytest.approx(bound)
+        tight += bound >= best * (1 - 1e-9)
+    assert tight
+    assert {(True, False, True), (True, True, True), (True, True, False), (True, False, False)} <= kinds
+
+
+def test_lower_bound_sees_a_heavy_middle_stage():
+    # with even stages the last rank's work is the binding one; a middle stage twice as heavy binds instead
+    spec = PipelineSpec(4)
+    f = np.ones((1, 4, 8))
+    f[0, 1] *= 2
+    bound = pipeline_lower_bound(f, 2 * f, spec)[0]
+    assert bound == pytest.approx(1 + 2 * 24 + 2)  # F_1 = 1, W_1 = 48, B_1 = 2
+    assert bound <= pipeline_makespan(f, 2 * f, spec)[0]

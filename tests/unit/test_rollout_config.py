@@ -31,7 +31,12 @@ def test_defaults_and_derived_sizes():
     assert cfg.dp_size == 2 and cfg.world_size == 4
     assert cfg.train_parallel_config() == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                            "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
-                                           "overlap_p2p_comm": False, "tp_size": 1}
+                                           "overlap_p2p_comm": False, "tp_size": 1,
+                                           "decoder_first_pipeline_num_layers": None,
+                                           "decoder_last_pipeline_num_layers": None,
+                                           "pipeline_model_parallel_layout": None,
+                                           "account_for_embedding_in_pipeline_split": False,
+                                           "account_for_loss_in_pipeline_split": False}
     assert cfg.train.dist_backend == "gloo"
     assert {k: cfg.options[k] for k in RUN_DEFAULTS if k not in GOOD} == \
         {k: v for k, v in RUN_DEFAULTS.items() if k not in GOOD}

@@ -65,7 +65,12 @@ def test_layout_follows_megatron_order_dp_fastest():
                                                                                          (1, 1)]
     assert cfg.train_parallel_config(4) == {"dp_size": 2, "cp_size": 1, "vpp_size": 1,
                                             "microbatch_group_size_per_vp_stage": 1, "pp_size": 2,
-                                            "overlap_p2p_comm": False, "tp_size": 1}
+                                            "overlap_p2p_comm": False, "tp_size": 1,
+                                            "decoder_first_pipeline_num_layers": None,
+                                            "decoder_last_pipeline_num_layers": None,
+                                            "pipeline_model_parallel_layout": None,
+                                            "account_for_embedding_in_pipeline_split": False,
+                                            "account_for_loss_in_pipeline_split": False}
     assert ParallelConfig.from_dict(cfg.train_parallel_config(4)) == cfg.parallel.for_world(4)
     assert cfg.parallel.for_world(4).align == 2 and cfg.dp_size(6) == 3 and cfg.parallel.dp_size is None
 

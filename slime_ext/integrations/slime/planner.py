@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError, plan_schedule
 from slime_ext.schedule.compat import planner_inputs
+from slime_ext.schedule.config import LAYOUT_FLAGS
 
 logger = logging.getLogger("slime_ext.integrations.slime")
 
@@ -239,4 +240,5 @@ def v024_parallel_config(args: Any, dp_size: int) -> dict[str, int]:
         pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
-        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", None)).to_dict()
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", None),
+        **{k: getattr(args, k) for k in LAYOUT_FLAGS if getattr(args, k, None) is not None}).to_dict()

@@ -1,0 +1,247 @@
+"""Which layers each pipeline stage holds, from Megatron's layout flags: the facts the per-stage costs are built on.
+
+megatron-core places a GPT model's pieces on the ``V = pp * vpp`` virtual stages (virtual stage ``k = chunk * pp +
+rank``, in the order the activations flow) by one of three rules, chosen by flags that are mutually exclusive:
+
+1. ``--pipeline-model-parallel-layout`` (``pipeline_model_parallel_layout``): a string that lists each virtual
+   stage's layers, e.g. ``"Ett|(tt|)*6mL"`` (see :func:`parse_layout`); it fixes ``vpp`` (its stage count / pp).
+2. ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``: the first (last) rank holds
+   that many decoder layers, the other ranks split the rest evenly; under VPP each rank's layers split evenly over
+   its chunks.
+3. Otherwise ``num_layers`` (plus one for the embedding with ``account_for_embedding_in_pipeline_split``, plus
+   one for the loss with ``account_for_loss_in_pipeline_split``) split evenly over the ranks and then over each
+   rank's chunks; virtual stage 0 builds one decoder layer fewer for the embedding, virtual stage ``V - 1`` one
+   fewer for the loss.
+
+Decoder layers are numbered in virtual-stage order. The embedding always sits on virtual stage 0 and the output
+layer and the loss on virtual stage ``V - 1`` (megatron-core's ``pre_process`` / ``post_process``; a layout must
+start with ``E`` and end with ``L``).
+
+Read from megatron-core 0.16's ``PipelineParallelLayerLayout``, ``get_num_layers_to_build`` and
+``TransformerConfig.__post_init__`` and Megatron-LM's argument checks, written here in our own words; the refusals
+are theirs (``tests/unit/test_stages.py`` checks them and the layer counts against an installed megatron-core).
+Pure: standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ScheduleError
+
+__all__ = ["LAYER_CHARS", "StageLayers", "check_layout_flags", "layout_vpp_size", "parse_layout", "split_layers"]
+
+#: the layout string's layer letters (megatron-core's): embedding, decoder ("transformer") layer, MTP layer, loss
+LAYER_CHARS = {"E": "embedding", "t": "decoder", "m": "mtp", "L": "loss"}
+_REPEAT = re.compile(r"\*(\d+)")
+
+
+def parse_layout(layout: str) -> tuple[tuple[str, ...], ...]:
+    """A layout string as one tuple of layer letters per virtual stage (``k = chunk * pp + rank``).
+
+    Syntax: virtual stages are separated by ``|``; ``x*n`` repeats the letter (or ``|``) ``x`` ``n`` times;
+    ``(...)*n`` repeats a group (no nesting) ``n`` times; commas are cosmetic. ``"Ett|(tt|)*2,tL"`` is
+    ``[E t t] [t t] [t t] [t L]``. An empty stage (``"E||tL"``) holds nothing.
+    """
+    if not isinstance(layout, str) or not layout:
+        raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} must be a non-empty string such as "
+                            f"'Ett|(tt|)*6,tL' (E embedding, t decoder layer, m MTP layer, L loss, | between stages)")
+    text = layout.replace(",", "")
+    out: list[str] = []
+    i = 0
+
+    def fail(why: str) -> ScheduleError:
+        return ScheduleError(f"pipeline_model_parallel_layout = {layout!r}: {why}; use letters "
+                             f"{'/'.join(LAYER_CHARS)} and '|', 'x*n' and '(...)*n' (no nesting)")
+
+    def count_at(j: int) -> tuple[int, int]:
+        match = _REPEAT.match(text, j)
+        return (int(match.group(1)), match.end()) if match else (1, j)
+
+    while i < len(text):
+        c = text[i]
+        if c == "(":
+            close = text.find(")", i)
+            if close < 0:
+                raise fail(f"'(' at {i} is never closed")
+            body = text[i + 1:close]
+            if not body or "(" in body:
+                raise fail("a group must hold letters and no other group")
+            n, j = count_at(close + 1)
+            if j == close + 1:
+                raise fail(f"the group '({body})' needs a count, '({body})*n'")
+            out.append(_expand(body, fail) * n)
+            i = j
+        elif c in LAYER_CHARS or c == "|":
+            n, i = count_at(i + 1)
+            out.append(c * n)
+        else:
+            raise fail(f"{c!r} at {i} is not a layer letter")
+        if i < len(text) and text[i] == "*":
+            raise fail(f"'*' at {i} repeats nothing")
+    return tuple(tuple(stage) for stage in "".join(out).split("|"))
+
+
+def _expand(body: str, fail) -> str:
+    out, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c not in LAYER_CHARS and c != "|":
+            raise fail(f"{c!r} in the group '({body})' is not a layer letter")
+        match = _REPEAT.match(body, i + 1)
+        out.append(c * (int(match.group(1)) if match else 1))
+        i = match.end() if match else i + 1
+    return "".join(out)
+
+
+def layout_vpp_size(layout: str, pp_size: int) -> int:
+    """The virtual pipeline size a layout implies (its stage count / ``pp_size``), as Megatron derives it; raises
+    where the count is not a multiple of ``pp_size``."""
+    stages = len(parse_layout(layout))
+    if stages % pp_size:
+        raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {stages} stages, not a multiple of "
+                            f"pp_size = {pp_size} (Megatron refuses it); give pp * vpp stages separated by '|'")
+    return stages // pp_size
+
+
+def check_layout_flags(*, pp_size: int, vpp_size: int, decoder_first_pipeline_num_layers: int | None,
+                       decoder_last_pipeline_num_layers: int | None, pipeline_model_parallel_layout: str | None,
+                       account_for_embedding_in_pipeline_split: bool,
+                       account_for_loss_in_pipeline_split: bool) -> None:
+    """Refuse what Megatron refuses without knowing ``num_layers`` (:func:`split_layers` checks the rest)."""
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    accounts = account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split
+    layout = pipeline_model_parallel_layout
+    if layout is not None:
+        if first is not None or last is not None or accounts:
+            raise ScheduleError(
+                f"pipeline_model_parallel_layout = {layout!r} cannot be combined with decoder_first/last_pipeline_"
+                f"num_layers ({first}, {last}) or account_for_embedding/loss_in_pipeline_split (Megatron refuses "
+                f"it); the layout already places every layer: drop the others")
+        stages = len(parse_layout(layout))
+        if pp_size == 1 and stages > 1:
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {stages} stages but pp_size = 1 "
+                                f"(Megatron's interleaved schedule needs pipeline parallelism); pass the pipeline-"
+                                f"parallel size, or a layout of one stage")
+        implied = layout_vpp_size(layout, pp_size)
+        if implied != vpp_size:
+            raise ScheduleError(
+                f"pipeline_model_parallel_layout = {layout!r} has {implied * pp_size} stages = pp_size {pp_size} x "
+                f"vpp {implied}, but vpp_size = {vpp_size}; pass vpp_size = {implied} (Megatron derives it from "
+                f"the layout)")
+        stages = parse_layout(layout)
+        flat = [c for stage in stages for c in stage]
+        if flat.count("E") != 1 or flat[0] != "E":
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} must start with the embedding 'E' and "
+                                f"hold it once (Megatron requires it)")
+        if flat.count("L") != 1 or flat[-1] != "L":
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} must end with the loss 'L' and hold "
+                                f"it once (Megatron requires it)")
+        if "m" in flat and "t" in flat[flat.index("m"):]:
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r}: decoder layers 't' must come before "
+                                f"the MTP layers 'm' (Megatron requires it)")
+        mtp_stages = [k for k, stage in enumerate(stages) if "m" in stage]
+        if len(mtp_stages) > 1 or any(k < (vpp_size - 1) * pp_size for k in mtp_stages):
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r}: all MTP layers 'm' must sit in one "
+                                f"virtual stage, the last model chunk of its rank (Megatron requires it)")
+        return
+    if (first is not None or last is not None) and accounts:
+        raise ScheduleError(
+            f"decoder_first/last_pipeline_num_layers ({first}, {last}) cannot be combined with account_for_embedding/"
+            f"loss_in_pipeline_split (Megatron refuses it); move layers with one or the other")
+    for name, value in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+        if value is None:
+            continue
+        if pp_size == 1:
+            raise ScheduleError(f"{name} = {value} needs pipeline parallelism (pp_size = 1 has one stage, which "
+                                f"holds every layer); drop it or pass the pipeline-parallel size")
+        if value % vpp_size:
+            raise ScheduleError(f"{name} = {value} must be a multiple of vpp_size = {vpp_size} (Megatron splits a "
+                                f"rank's layers evenly over its model chunks); pass a multiple of {vpp_size}")
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """What each virtual stage ``k = chunk * pp + rank`` holds: decoder layers (numbered in virtual-stage order),
+    MTP layers; the embedding is on virtual stage 0, the output layer and the loss on the last."""
+
+    pp_size: int
+    vpp_size: int
+    decoder: tuple[int, ...]  # decoder layers per virtual stage
+    mtp: tuple[int, ...]  # MTP layers per virtual stage (only from a layout)
+
+    @property
+    def first_layer(self) -> tuple[int, ...]:
+        """Id of each virtual stage's first decoder layer (layers are numbered in virtual-stage order)."""
+        out, n = [], 0
+        for count in self.decoder:
+            out.append(n)
+            n += count
+        return tuple(out)
+
+    def rank_decoder_layers(self) -> tuple[int, ...]:
+        """Decoder layers per pipeline rank (all its chunks)."""
+        return tuple(sum(self.decoder[c * self.pp_size + s] for c in range(self.vpp_size))
+                     for s in range(self.pp_size))
+
+
+def split_layers(num_layers: int, *, pp_size: int, vpp_size: int = 1,
+                 decoder_first_pipeline_num_layers: int | None = None,
+                 decoder_last_pipeline_num_layers: int | None = None,
+                 pipeline_model_parallel_layout: str | None = None,
+                 account_for_embedding_in_pipeline_split: bool = False,
+                 account_for_loss_in_pipeline_split: bool = False) -> StageLayers:
+    """Megatron's split of ``num_layers`` decoder layers over the virtual stages (module docstring), refusing what
+    Megatron refuses with a :class:`ScheduleError` that names the flags and the fix."""
+    check_layout_flags(pp_size=pp_size, vpp_size=vpp_size,
+                       decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
+                       decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers,
+                       pipeline_model_parallel_layout=pipeline_model_parallel_layout,
+                       account_for_embedding_in_pipeline_split=account_for_embedding_in_pipeline_split,
+                       account_for_loss_in_pipeline_split=account_for_loss_in_pipeline_split)
+    pp, vpp = pp_size, vpp_size
+    if pipeline_model_parallel_layout is not None:
+        stages = parse_layout(pipeline_model_parallel_layout)
+        decoder = tuple(stage.count("t") for stage in stages)
+        if sum(decoder) != num_layers:
+            raise ScheduleError(f"pipeline_model_parallel_layout = {pipeline_model_parallel_layout!r} holds "
+                                f"{sum(decoder)} decoder layers 't' but num_layers = {num_layers}; make them agree")
+        return StageLayers(pp, vpp, decoder, tuple(stage.count("m") for stage in stages))
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        middle_layers, middle_ranks = num_layers, pp
+        for value in (first, last):
+            if value is not None:
+                middle_layers -= value
+                middle_ranks -= 1
+        given = f"decoder_first/last_pipeline_num_layers = {first}/{last} with num_layers = {num_layers}"
+        if middle_layers < 0 or bool(middle_layers) != bool(middle_ranks):
+            raise ScheduleError(f"{given} leave {middle_layers} layers for {middle_ranks} middle pipeline ranks "
+                                f"(Megatron refuses it); the first, last and middle layers must add up to num_layers")
+        if middle_ranks and middle_layers % (middle_ranks * vpp):
+            raise ScheduleError(f"{given} leave {middle_layers} layers for {middle_ranks} middle ranks x {vpp} "
+                                f"chunks, not an even split (Megatron refuses it); adjust the first/last counts")
+        per_rank = [middle_layers // middle_ranks if middle_ranks else 0] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        decoder = tuple(per_rank[k % pp] // vpp for k in range(pp * vpp))
+        return StageLayers(pp, vpp, decoder, (0,) * (pp * vpp))
+    total = num_layers + account_for_embedding_in_pipeline_split + account_for_loss_in_pipeline_split
+    if total % (pp * vpp):
+        counted = "" if total == num_layers else f" (num_layers {num_layers} plus the embedding and/or loss)"
+        raise ScheduleError(f"{total} layers{counted} do not split evenly over pp_size {pp} x vpp_size {vpp} = "
+                            f"{pp * vpp} model chunks (Megatron refuses it); move layers with "
+                            f"decoder_first/last_pipeline_num_layers or pipeline_model_parallel_layout")
+    decoder = [total // (pp * vpp)] * (pp * vpp)
+    if account_for_embedding_in_pipeline_split:
+        decoder[0] -= 1
+    if account_for_loss_in_pipeline_split:
+        decoder[-1] -= 1
+    if min(decoder) < 0:
+        raise ScheduleError(f"account_for_embedding/loss_in_pipeline_split with {num_layers} layers over {pp * vpp} "
+                            f"model chunks leaves a chunk without room for the embedding or the loss (Megatron "
+                            f"refuses it); use fewer chunks")
+    return StageLayers(pp, vpp, tuple(decoder), (0,) * (pp * vpp))

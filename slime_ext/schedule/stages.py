@@ -1,0 +1,223 @@
+"""Per-stage costs: what one micro-batch costs on each pipeline stage, from the model dims and Megatron's layout.
+
+**Contract.** ``StageCosts.from_model(cost_model, parallel)`` takes what the planner prices with (a
+:class:`~slime_ext.schedule.cost.CostModel`, a :class:`~slime_ext.schedule.profile.CostProfile` or ``None``) and
+the :class:`~slime_ext.schedule.config.ParallelConfig` (its pipeline size, VPP size and layout flags) and gives,
+per pipeline rank ``s`` (and per virtual stage ``k = chunk * pp + s``), coefficients such that
+
+    stage s's forward of a micro-batch = linear[s] * tokens + quadratic[s] * sum(L**2)
+
+(``tokens`` its tokens, ``L`` its samples' lengths), in the units of the cost model: FLOPs for a ``CostModel``,
+seconds for a ``CostProfile``, tokens for ``None``. Invariants (``tests/unit/test_stages.py``):
+
+1. Summed over the stages they are the whole model's: ``linear.sum(), quadratic.sum() == CostModel.coefficients()``
+   (a profile's ``per_token_s`` and ``per_sample_quadratic_s + packed_quadratic_s``; ``1, 0`` for tokens), except
+   that MTP layers of a layout string add their own cost, which ``CostModel`` does not count.
+2. ``linear_share`` and ``quadratic_share`` are the per-rank shares of those totals (each sums to 1): a planner that
+   prices a micro-batch as a whole multiplies its cost by them.
+3. The split is megatron-core's (:mod:`slime_ext.schedule.pipeline_layout`): ``num_layers`` decoder layers over the
+   virtual stages by the layout flags, the embedding on virtual stage 0, the output layer and the loss on the last.
+4. :meth:`StageCosts.forward` of ``(R, M)`` micro-batch tokens and ``sum(L**2)`` is ``(R, pp, M)`` (``virtual=True``:
+   ``(R, pp * vpp, M)``, one model chunk each): the per-stage forward costs
+   :func:`slime_ext.schedule.pipeline.pipeline_makespan` takes; the backward is the planner's
+   ``backward_forward_ratio`` times them.
+
+**What is counted.** With a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq`` and its
+layer number; :meth:`CostModel.layer_terms`), the output layer's ``2 h vocab`` per token on the last virtual
+stage; the embedding (a lookup) and the loss (a softmax over the vocabulary: a few FLOPs per logit, about 0.1% of
+the output layer at ``h = 4096``) count as none. An MTP layer (``m`` in a layout) counts as one decoder layer (MoE
+when the model has experts), its input projection ``2 (2h) h`` and its own output layer.
+
+**A profile** measures the whole model in seconds; it is split by the piece shares ``slime-ext calibrate``
+measured (``meta["piece_shares"]``: the embedding's, one decoder layer's and the output layer's share of the
+forward time; the linear term by them, the quadratic term by decoder layers), else by the FLOPs shares of the
+model dims it records (``meta["model"]``: the linear term by the linear FLOPs' share, the quadratic term by the
+attention's), or, without those either, by each stage's share of the decoder layers (the embedding and the output
+layer then count as nothing). **Without a model** (cost = tokens) the split is by decoder layers too.
+Where the layer count is unknown (no model dims, no layout string, no ``num_layers``), the layers are assumed
+split evenly over the ranks. A profile's per-micro-batch and per-step overheads are not split here: the planner
+decides where they go.
+
+Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ParallelConfig
+from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS
+from .errors import ScheduleError
+from .pipeline_layout import StageLayers, parse_layout
+from .profile import CostProfile
+
+__all__ = ["StageCosts"]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Forward cost coefficients per virtual stage ``k = chunk * pp + rank`` (see the module docstring)."""
+
+    pp_size: int
+    vpp_size: int
+    #: per virtual stage: cost per token, and per squared sample length (attention)
+    virtual_linear: tuple[float, ...]
+    virtual_quadratic: tuple[float, ...]
+    #: "flops", "seconds" or "tokens": the cost model's units
+    units: str = "flops"
+    #: how the split was derived, in one line (for reports)
+    basis: str = ""
+
+    def __post_init__(self) -> None:
+        v = self.pp_size * self.vpp_size
+        for name in ("virtual_linear", "virtual_quadratic"):
+            values = tuple(float(x) for x in getattr(self, name))
+            if len(values) != v or not all(np.isfinite(values)) or min(values) < 0:
+                raise ScheduleError(f"StageCosts.{name} = {values} must hold pp_size * vpp_size = {v} finite "
+                                    f"costs >= 0, one per virtual stage")
+            object.__setattr__(self, name, values)
+
+    # ------------------------------------------------------------------ per rank
+    def _per_rank(self, values: tuple[float, ...]) -> np.ndarray:
+        return np.asarray(values).reshape(self.vpp_size, self.pp_size).sum(axis=0)
+
+    @property
+    def linear(self) -> np.ndarray:
+        """``(pp,)``: cost per token of each pipeline rank (all its chunks)."""
+        return self._per_rank(self.virtual_linear)
+
+    @property
+    def quadratic(self) -> np.ndarray:
+        """``(pp,)``: cost per squared sample length of each pipeline rank."""
+        return self._per_rank(self.virtual_quadratic)
+
+    @property
+    def linear_share(self) -> np.ndarray:
+        """``(pp,)``: each rank's share of the linear term (sums to 1)."""
+        return _share(self.linear)
+
+    @property
+    def quadratic_share(self) -> np.ndarray:
+        """``(pp,)``: each rank's share of the quadratic term (sums to 1; even where the model has none)."""
+        return _share(self.quadratic)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the ranks' costs differ (else the pipeline model's 2-D form, every stage alike, is exact)."""
+        return bool(np.ptp(self.linear) > 0 or np.ptp(self.quadratic) > 0)
+
+    def forward(self, tokens, sum_squares, *, virtual: bool = False) -> np.ndarray:
+        """Forward cost of micro-batches per stage: ``tokens`` and ``sum_squares`` (``sum(L**2)``) of shape
+        ``(..., M)`` give ``(..., pp, M)``, or with ``virtual`` ``(..., pp * vpp, M)`` (one model chunk each):
+        the shapes :func:`slime_ext.schedule.pipeline.pipeline_makespan` takes per stage."""
+        t = np.asarray(tokens, dtype=np.float64)[..., None, :]
+        q = np.asarray(sum_squares, dtype=np.float64)[..., None, :]
+        lin = np.asarray(self.virtual_linear) if virtual else self.linear
+        quad = np.asarray(self.virtual_quadratic) if virtual else self.quadratic
+        return lin[:, None] * t + quad[:, None] * q
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_model(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig,
+                   num_layers: int | None = None) -> "StageCosts":
+        """The split of ``cost_model``'s cost over ``parallel``'s pipeline (module docstring). ``num_layers``: the
+        decoder layers, where ``cost_model`` does not say (a profile without model dims, or ``None``)."""
+        if not isinstance(parallel, ParallelConfig):
+            raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
+        if cost_model is None:
+            share, basis = _layer_share(parallel, num_layers)
+            return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), "tokens", basis)
+        if isinstance(cost_model, CostModel):
+            return _from_dims(cost_model, parallel)
+        if isinstance(cost_model, CostProfile):
+            linear, quadratic = cost_model.coefficients()
+            dims = _profile_dims(cost_model)
+            measured = _measured_shares(cost_model, parallel, dims.num_layers if dims is not None else num_layers)
+            if measured is not None:
+                lin_share, quad_share = measured
+                basis = "profile seconds split by its measured piece shares (embedding, layers, output layer)"
+            elif dims is not None:
+                flops = _from_dims(dims, parallel)
+                lin_share = _share(np.asarray(flops.virtual_linear))
+                quad_share = _share(np.asarray(flops.virtual_quadratic))
+                basis = "profile seconds split by the FLOPs shares of its model dims"
+            else:
+                lin_share, basis = _layer_share(parallel, num_layers)
+                quad_share = lin_share
+                basis = f"profile seconds split by {basis}"
+            return cls(parallel.pp_size, parallel.vpp_size, tuple(linear * np.asarray(lin_share)),
+                       tuple(quadratic * np.asarray(quad_share)), "seconds", basis)
+        raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}")
+
+
+def _share(values: np.ndarray) -> np.ndarray:
+    total = values.sum()
+    return values / total if total > 0 else np.full(len(values), 1.0 / len(values))
+
+
+def _from_dims(model: CostModel, parallel: ParallelConfig) -> StageCosts:
+    layers = parallel.stage_layers(model.num_layers)
+    dense_layer, moe_layer, layer_quadratic, head = model.layer_terms()
+    mtp_layer = (moe_layer if model.num_experts else dense_layer) + 2 * (2 * model.hidden_size) * model.hidden_size
+    linear, quadratic = [], []
+    for k, (first, count, mtp) in enumerate(zip(layers.first_layer, layers.decoder, layers.mtp)):
+        moe = model.moe_layers_in(first, first + count)
+        lin = (count - moe) * dense_layer + moe * moe_layer + mtp * (mtp_layer + head)  # exact integers
+        if k == len(layers.decoder) - 1:
+            lin += head
+        linear.append(float(lin))
+        quadratic.append(float((count + mtp) * layer_quadratic))
+    return StageCosts(parallel.pp_size, parallel.vpp_size, tuple(linear), tuple(quadratic), "flops",
+                      "FLOPs of the model dims per stage")
+
+
+def _profile_dims(profile: CostProfile) -> CostModel | None:
+    """The model dims a profile records (``meta["model"]``), or ``None`` where they are missing or invalid."""
+    dims = (profile.meta or {}).get("model")
+    if not isinstance(dims, dict) or any(dims.get(k) is None for k in REQUIRED_DIMS):
+        return None
+    try:
+        return CostModel(**{k: v for k, v in dims.items() if k in MODEL_DIMS and v is not None})
+    except (ScheduleError, TypeError):
+        return None
+
+
+def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers: int | None):
+    """Per virtual stage ``(linear share, quadratic share)`` from the piece shares ``slime-ext calibrate`` measured
+    (``meta["piece_shares"]``: the embedding, one decoder layer, the final norm and output layer, of the forward
+    time), or ``None`` without them or without a layer count. An MTP layer counts as a layer and an output layer;
+    the quadratic term (attention) is split by decoder layers."""
+    pieces = (profile.meta or {}).get("piece_shares")
+    if not isinstance(pieces, dict):
+        return None
+    try:
+        emb, layer, head = (float(pieces[k]) for k in ("embedding", "layer", "head"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not all(np.isfinite([emb, layer, head])) or min(emb, layer, head) < 0:
+        return None
+    if num_layers is None and parallel.pipeline_model_parallel_layout is not None:
+        num_layers = sum(stage.count("t") for stage in parse_layout(parallel.pipeline_model_parallel_layout))
+    if num_layers is None:
+        return None
+    layers = parallel.stage_layers(num_layers)
+    decoder, mtp = np.asarray(layers.decoder, dtype=np.float64), np.asarray(layers.mtp, dtype=np.float64)
+    linear = layer * (decoder + mtp) + head * mtp
+    linear[0] += emb
+    linear[-1] += head
+    return _share(linear), _share(decoder + mtp)
+
+
+def _layer_share(parallel: ParallelConfig, num_layers: int | None) -> tuple[np.ndarray, str]:
+    """Each virtual stage's share of the decoder layers, and how it was found."""
+    v = parallel.pp_size * parallel.vpp_size
+    layout = parallel.pipeline_model_parallel_layout
+    if num_layers is None and layout is not None:
+        num_layers = sum(stage.count("t") for stage in parse_layout(layout))
+    if num_layers is None:
+        return np.full(v, 1.0 / v), "an even split (the layer count is unknown)"
+    layers: StageLayers = parallel.stage_layers(num_layers)
+    counts = np.asarray(layers.decoder, dtype=np.float64)
+    return _share(counts), "each stage's share of the decoder layers"
