@@ -7,9 +7,9 @@ is from its best (issue 22, item 1).
 
 **What is searched.** One step of one rollout: which samples share a micro-batch, on which DP replica, in which
 order, and how many micro-batches per replica. The objective is the planner's: the slowest replica's predicted
-makespan (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: FLOPs of the Qwen3-8B-like dims, every
-micro-batch charged 2% of a full one, backward twice forward, p2p 0; 1F1B, or megatron-core's interleaved schedule
-with VPP), ties broken by the sum over replicas. Every state is a valid plan: each sample exactly once, no
+makespan (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: FLOPs of the Qwen3-8B-like dims with 32
+layers (:data:`SEARCH_DIMS`), per stage (the output layer on the last), every micro-batch charged 2% of a full
+one, backward twice forward, p2p 0; 1F1B, or megatron-core's interleaved schedule with VPP), ties broken by the sum over replicas. Every state is a valid plan: each sample exactly once, no
 micro-batch over the cap unless it is one oversize sample, no empty micro-batch, the same count on every replica
 (a multiple of ``microbatch_group_size_per_vp_stage`` under VPP, as the planner's alignment requires).
 
@@ -52,6 +52,11 @@ from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline_plan import PipelinePricing, pipeline_pricing
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+
+#: Qwen3-8B-like with 32 layers, so that every layout of the table splits its layers evenly, as Megatron requires
+#: without the layout flags (36 layers do not split over pp 8, nor over pp 4 x vpp 2); the last stage also holds
+#: the output layer, so the stages are uneven and priced per stage (slime_ext.schedule.stages)
+SEARCH_DIMS = {**MODEL_DIMS, "num_layers": 32}
 
 #: candidate moves priced per batch
 BATCH = 48
@@ -330,7 +335,7 @@ def search(seeds: list[Plan], budget_s: float, step: int, seed: int = 0) -> Plan
 # ---------------------------------------------------------------------------------------------------- cases
 def run_case(case: SearchCase, budget_s: float) -> dict:
     lengths = make_lengths(case.dist, case.n, case.seed)
-    cost_model = CostModel(**MODEL_DIMS)
+    cost_model = CostModel(**SEARCH_DIMS)
     batch = BatchConfig(global_batch_size=case.n, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
                         balance_data=True)
     parallel = case.parallel()
@@ -348,7 +353,11 @@ def run_case(case: SearchCase, budget_s: float) -> dict:
     best = search(seeds, budget_s, step, seed=case.seed)
     best.check(case.n)
     planned, before = seeds[0].key()[0], seeds[1].key()[0]
-    work = float(pricing.stage_costs(best.cost_rows())[0].sum(axis=1).mean()) * (1 + pricing.backward_forward_ratio)
+    f, b = pricing.stage_costs(best.cost_rows())
+    if f.ndim == 3:  # per virtual stage: a rank's work is its chunks', the busiest rank bounds the replica
+        work = float((f + b).sum(axis=2).reshape(len(f), -1, pricing.spec.pp_size).sum(axis=1).max(axis=1).mean())
+    else:
+        work = float((f + b).sum(axis=1).mean())
     return dict(case=case.name, plan=planned, unaware=before, best=best.key()[0], ratio=planned / best.key()[0],
                 k_plan=seeds[0].k, k_best=best.k, work=work, plan_ms=plan_s * 1e3)
 
@@ -368,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown case(s) {unknown}; known: {sorted(known)}")
         cases = [known[c] for c in args.case]
     print(f"yardstick: local search, {budget:g} s per case, seeds = the planner's plan and the pp-unaware plan; "
-          f"FLOPs pricing (Qwen3-8B-like), overhead 2%, bwd = 2 fwd, p2p 0")
+          f"FLOPs pricing (Qwen3-8B-like, 32 layers, the output layer on the last stage), overhead 2%, bwd = 2 fwd, p2p 0")
     head = f"{'case':<22}{'unaware/best':>13}{'plan/best':>11}{'mbs plan':>10}{'mbs best':>10}" \
            f"{'best/work':>11}{'plan ms':>9}"
     print(head)

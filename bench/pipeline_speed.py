@@ -4,7 +4,9 @@
     python -m bench.pipeline_speed --quick    # dp 128, 2,048 samples, pp 4 (CI smoke)
 
 One rollout of rl-like samples (:mod:`bench.workloads`: prompt U[100, 1500] + lognormal(7.5, 1.0) response capped
-at 16,000), one step, ``--max-tokens-per-gpu 16384``, ``--balance-data``, Qwen3-8B-like dims, planned through
+at 16,000), one step, ``--max-tokens-per-gpu 16384``, ``--balance-data``, Qwen3-8B-like dims with 32 layers
+(``SEARCH_DIMS``: every layout splits evenly; the output layer makes the last stage heavier, priced per stage),
+planned through
 ``slime_ext.schedule.build_dp_schedule`` with slime-shaped args, as a slime job calls it. Per layout, in one
 process and one run: the pp = 1 planning time of the same input, the pipeline-aware planning time, their ratio and
 the predicted step time (the slowest replica's makespan, in seconds at ``--tflops`` achieved per GPU; the planner's
@@ -31,7 +33,8 @@ import numpy as np
 
 from slime_ext.schedule import build_dp_schedule
 
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .pipeline_search import SEARCH_DIMS
+from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 
 LAYOUTS = [(4, 1), (4, 2), (8, 1), (8, 2)]
 
@@ -42,7 +45,7 @@ def slime_args(n: int, pp: int, vpp: int) -> SimpleNamespace:
                            use_dynamic_global_batch_size=False, disable_rollout_trim_samples=False,
                            pipeline_model_parallel_size=pp,
                            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                           microbatch_group_size_per_vp_stage=None, overlap_p2p_comm=False, **MODEL_DIMS)
+                           microbatch_group_size_per_vp_stage=None, overlap_p2p_comm=False, **SEARCH_DIMS)
 
 
 def timed(lengths: list[int], dp: int, pp: int, vpp: int, repeats: int) -> tuple[float, float, object]:
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     grid = [(128, 2048)] if args.quick else [(128, 2048), (128, 8192), (512, 8192)]
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
-    print(f"rl-like, one step, cap {MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like; median CPU time of {args.repeats} "
+    print(f"rl-like, one step, cap {MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like (32 layers); median CPU time of {args.repeats} "
           f"warm calls (cold: the first call of the layout in this process)")
     print(f"{'dp':>5}{'samples':>9}{'layout':>10}{'pp=1 ms':>9}{'aware ms':>10}{'ratio':>7}{'cold ms':>9}"
           f"{'mbs':>5}{'step s':>8}")

@@ -4,12 +4,21 @@ needs (issue 10).
     python -m bench.plan_quality --write before.json    # on the old code
     python -m bench.plan_quality --compare before.json  # on the new code: exit 1 if any case got worse
 
+    # when the change also changes the pipeline model (its prices), compare both plans under the new one:
+    python -m bench.plan_quality --write before.json --write-plans before_plans.json   # old code
+    python -m bench.plan_quality --compare before.json --reprice before_plans.json     # new code
+
 For every case of :mod:`bench.plan_digest`, step by step: the micro-batch count (fewer is better), then at an equal
 count the slowest rank's cost (``StepStats.rank_cost_max``: FLOPs, or tokens without a cost model; lower is
 better). Under pipeline parallelism the planner's objective is the slowest replica's predicted makespan
 (``StepStats.predicted_makespan``), for which it may choose more micro-batches: those steps compare by it alone. A
 case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` when both, and a refusal must stay the
 same refusal.
+
+``--reprice``: the old plans of the pipeline cases (``--write-plans``: each schedule's ``to_dict``) are priced by
+the current pipeline model (:func:`slime_ext.schedule.pipeline_plan.predicted_makespans` with the current
+``pipeline_pricing``), so that a change of the model's prices (e.g. per-stage costs) compares both plans under the
+same model rather than each under its own.
 """
 
 from __future__ import annotations
@@ -17,6 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from slime_ext.schedule import DPSchedule
+from slime_ext.schedule.pipeline_plan import predicted_makespans
 
 from .plan_digest import outcomes
 
@@ -74,16 +86,36 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="FILE", help="write every case's per-step counts and slowest-rank costs")
     g.add_argument("--compare", metavar="FILE", help="compare with a file written before; exit 1 if any got worse")
+    p.add_argument("--write-plans", metavar="FILE", help="with --write: also write the pipeline cases' schedules")
+    p.add_argument("--reprice", metavar="FILE", help="with --compare: price the old pipeline plans of FILE "
+                                                     "(--write-plans) by the current pipeline model")
     p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     args = p.parse_args(argv)
-    now = {label: summary(outcome) for label, outcome in outcomes(args.quick)}
+    if args.write_plans and not args.write or args.reprice and not args.compare:
+        p.error("--write-plans goes with --write, --reprice with --compare")
+    results = list(outcomes(args.quick))
+    now = {label: summary(outcome) for label, outcome in results}
     if args.write:
         with open(args.write, "w") as f:
             json.dump(now, f)
         print(f"wrote {len(now)} cases to {args.write}")
+        if args.write_plans:
+            plans = {label: o.to_dict() for label, o in results if not isinstance(o, str) and o.parallel.pp_size > 1}
+            with open(args.write_plans, "w") as f:
+                json.dump(plans, f)
+            print(f"wrote {len(plans)} pipeline plans to {args.write_plans}")
         return 0
     with open(args.compare) as f:
         before = json.load(f)
+    if args.reprice:
+        with open(args.reprice) as f:
+            old_plans = json.load(f)
+        for label, d in old_plans.items():
+            if label in before and "steps" in before[label]:
+                old = DPSchedule.from_dict(d)
+                for s, step in enumerate(before[label]["steps"]):
+                    step[3] = float(predicted_makespans(old, s).max())
+        print(f"repriced {len(old_plans)} old pipeline plans by the current pipeline model")
     counts = {"better": 0, "equal": 0, "worse": 0, "mixed": 0}
     for label in sorted(before.keys() & now.keys()):
         v = verdict(before[label], now[label])

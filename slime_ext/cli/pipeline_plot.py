@@ -73,10 +73,10 @@ def plot_pipelines(path: str, schedule: DPSchedule, panels: Sequence[tuple[str, 
             lines.append(f"{label}: cannot run step {step} on this pipeline: {e}")
             continue
         rank = int(np.argmax(spans))
-        timeline = pipeline_timeline(fwd[rank], bwd[rank], spec)
-        work = float(fwd[rank].sum() + bwd[rank].sum())
-        bubble = 1.0 - work / spans[rank] if spans[rank] > 0 else 0.0
-        text = (f"{label}: step {step}, slowest replica = DP rank {rank}, {fwd.shape[1]} micro-batches, "
+        one = slice(rank, rank + 1) if fwd.ndim == 3 else rank  # per-stage costs stay (1, stages, M)
+        timeline = pipeline_timeline(fwd[one], bwd[one], spec)
+        bubble = pricing.bubble(costs[rank])
+        text = (f"{label}: step {step}, slowest replica = DP rank {rank}, {costs.shape[1]} micro-batches, "
                 f"makespan {spans[rank]:.4g} {unit}, bubble {100 * bubble:.1f}%")
         drawn.append((text, timeline, float(spans[rank])))
         lines.append(text)

@@ -49,12 +49,13 @@ import numpy as np
 
 from typing import TYPE_CHECKING
 
-from .config import ParallelConfig
+from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
 from .pipeline import PipelineSpec, pipeline_makespan
 from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
 from .profile import CostProfile
+from .stages import StageCosts
 
 if TYPE_CHECKING:
     from .dp_schedule import DPSchedule
@@ -85,17 +86,35 @@ FULL_SEARCH_MICROBATCHES = 256
 
 @dataclass(frozen=True)
 class PipelinePricing:
-    """How the planner's micro-batch costs become per-stage forward/backward times for the pipeline model."""
+    """How the planner's micro-batch costs become per-stage forward/backward times for the pipeline model.
+
+    Every stage alike (``stage_share is None``): stage forward = ``(cost + overhead) * scale``. Uneven stages
+    (:class:`~slime_ext.schedule.stages.StageCosts`: the embedding, the output layer, Megatron's layout flags):
+    virtual stage ``k``'s forward = ``(cost + overhead) * scale * pp * stage_share[k]``, one row per virtual stage
+    (``pp * vpp`` shares summing to 1; an even split gives back the first form)."""
 
     spec: PipelineSpec
     backward_forward_ratio: float
-    scale: float  # per-stage forward = (cost + overhead) * scale
+    scale: float  # per-stage forward = (cost + overhead) * scale, every stage alike
     overhead: float  # added to every micro-batch's cost (FLOPs plans)
     units: str  # "seconds", "forward FLOPs per stage" or "tokens per stage"
+    #: per virtual stage ``chunk * pp + rank``: its share of a micro-batch's cost; ``None`` when the stages are even
+    stage_share: tuple[float, ...] | None = None
 
     def stage_costs(self, mb_costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward per stage: ``(..., M)`` every stage alike, or ``(..., pp * vpp, M)`` uneven."""
         f = (np.asarray(mb_costs, dtype=np.float64) + self.overhead) * self.scale
+        if self.stage_share is not None:
+            f = f[..., None, :] * (np.asarray(self.stage_share) * self.spec.pp_size)[:, None]
         return f, self.backward_forward_ratio * f
+
+    @property
+    def slope(self) -> float:
+        """How much a replica's makespan grows per unit of cost it gains, at a fixed count and order: the busiest
+        pipeline rank's forward and backward of it."""
+        busiest = 1.0 if self.stage_share is None else \
+            float(np.asarray(self.stage_share).reshape(-1, self.spec.pp_size).sum(axis=0).max() * self.spec.pp_size)
+        return (1.0 + self.backward_forward_ratio) * self.scale * busiest
 
     def makespans(self, mb_costs: np.ndarray) -> np.ndarray:
         """``(R, M)`` micro-batch costs in run order -> ``(R,)`` predicted makespans."""
@@ -103,31 +122,57 @@ class PipelinePricing:
         return np.atleast_1d(pipeline_makespan(f, b, self.spec))
 
     def bubble(self, mb_costs: np.ndarray) -> float:
-        """One replica's bubble fraction: ``1 - (one stage's work) / makespan``."""
-        f, b = self.stage_costs(mb_costs)
-        span = float(pipeline_makespan(f, b, self.spec))
-        return 1.0 - float(f.sum() + b.sum()) / span if span > 0 else 0.0
+        """One replica's bubble fraction: ``1 - (the busiest rank's work) / makespan``."""
+        f, b = self.stage_costs(np.atleast_2d(mb_costs))
+        span = float(pipeline_makespan(f, b, self.spec)[0])
+        work = (f + b)[0]
+        if work.ndim == 2:  # per virtual stage: a rank's work is its chunks'
+            work = work.sum(axis=1).reshape(-1, self.spec.pp_size).sum(axis=0).max()
+        return 1.0 - float(np.sum(work)) / span if span > 0 else 0.0
+
+
+#: the micro-batch uneven stages are weighed on: ``cap`` tokens in samples of ``cap * STAGE_SHARE_SAMPLE`` tokens
+#: (a stage's share of a micro-batch depends a little on its mix of linear and attention cost)
+STAGE_SHARE_SAMPLE = 0.25
 
 
 def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None,
                      cap: int | None) -> PipelinePricing | None:
     """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
-    (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)"""
+    (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
+
+    The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
+    layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
+    model's, for a micro-batch of ``T = cap`` tokens in samples of ``STAGE_SHARE_SAMPLE * cap`` tokens (``S =
+    sum L^2``; without a cap, 4096 tokens). Model dims whose layers Megatron could not split over this layout
+    without the layout flags (approximate dims) are priced with every stage alike."""
     parallel.require_dp_size()
     pp = parallel.pp_size
     if pp == 1:
         return None
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
+    try:
+        stages = StageCosts.from_model(cost_model, parallel)
+    except ScheduleError:
+        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
+            raise  # the user placed layers: a split Megatron refuses is an error
+        stages = None  # dims that do not split evenly at this layout (approximate dims): every stage alike
+    share = None
+    if stages is not None and stages.uneven:
+        tokens = float(cap if cap is not None else 4096)
+        per = np.asarray(stages.virtual_linear) * tokens \
+            + np.asarray(stages.virtual_quadratic) * tokens * tokens * STAGE_SHARE_SAMPLE
+        share = tuple(float(x) for x in per / per.sum())
     if isinstance(cost_model, CostProfile):
         ratio = cost_model.backward_forward_ratio
         spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm)
-        return PipelinePricing(spec, ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds")
+        return PipelinePricing(spec, ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds", share)
     linear = cost_model.coefficients()[0] if cost_model is not None else 1.0
     overhead = FLOPS_MICROBATCH_OVERHEAD * linear * cap if cap is not None else 0.0
     spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm)
     units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
-    return PipelinePricing(spec, DEFAULT_BACKWARD_FORWARD_RATIO, 1.0 / pp, overhead, units)
+    return PipelinePricing(spec, DEFAULT_BACKWARD_FORWARD_RATIO, 1.0 / pp, overhead, units, share)
 
 
 def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
@@ -474,7 +519,7 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
                shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """Level the replicas' makespans in a few global rounds (:data:`WATER_ROUNDS`), for many replicas at once.
 
-    A replica's makespan moves by ``slope = (1 + backward/forward) * scale`` per unit of cost it gains or loses at
+    A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
     its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
     ``T`` at which the replicas' costs would sum to the step's, and every replica above it hands its cheapest
     samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
@@ -482,7 +527,7 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
     keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
     changed replicas are re-packed once, and the round is kept only if the slowest makespan drops."""
     costs, lengths = samples.costs, samples.lengths
-    slope = (1.0 + pricing.backward_forward_ratio) * pricing.scale
+    slope = pricing.slope
     groups = list(groups)
     for _ in range(WATER_ROUNDS):
         work = np.asarray([costs[g].sum() for g in groups])

@@ -196,8 +196,12 @@ def test_pricing_states_its_units_and_defaults():
     p = pipeline_pricing(ParallelConfig(dp_size=2, pp_size=4), CostModel(**DIMS), 16384)
     assert p.units == "forward FLOPs per stage" and p.backward_forward_ratio == 2.0 and p.spec.p2p_s == 0.0
     assert p.overhead == pytest.approx(FLOPS_MICROBATCH_OVERHEAD * CostModel(**DIMS).coefficients()[0] * 16384)
-    f, b = p.stage_costs(np.array([4.0e9]))
-    assert f[0] == pytest.approx((4.0e9 + p.overhead) / 4) and b[0] == pytest.approx(2 * f[0])
+    f, b = p.stage_costs(np.array([4.0e9]))  # the output layer makes the last stage heavier: one row per stage
+    assert f.shape == (4, 1) and f.sum() == pytest.approx(4.0e9 + p.overhead) and np.allclose(b, 2 * f)
+    assert f[3, 0] > f[0, 0] == pytest.approx(f[1, 0]) == pytest.approx(f[2, 0])
+    even = pipeline_pricing(ParallelConfig(dp_size=2, pp_size=4), CostModel(**{**DIMS, "vocab_size": 0}), 16384)
+    f, b = even.stage_costs(np.array([4.0e9]))  # no output layer: every stage alike, one row
+    assert even.stage_share is None and f[0] == pytest.approx((4.0e9 + even.overhead) / 4)
     q = pipeline_pricing(ParallelConfig(dp_size=2, pp_size=4), PROFILE, 16384)
     assert q.units == "seconds" and q.spec.p2p_s == 0.002
     f, b = q.stage_costs(np.array([0.7]))

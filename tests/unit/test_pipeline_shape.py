@@ -125,7 +125,7 @@ def test_planner_with_shapes_keeps_every_invariant_and_beats_the_unaware_plan(pp
 def test_yardstick_search_returns_a_valid_plan_no_worse_than_its_seeds() -> None:
     case = pipeline_search.SearchCase("t", "rl", dp=2, pp=4, vpp=1, per_replica=24, seed=5)
     lengths = pipeline_search.make_lengths(case.dist, case.n, case.seed)
-    model = CostModel(**pipeline_search.MODEL_DIMS)
+    model = CostModel(**pipeline_search.SEARCH_DIMS)
     batch = BatchConfig(global_batch_size=case.n, use_dynamic_batch_size=True, max_tokens_per_gpu=16384,
                         balance_data=True)
     pricing = pipeline_pricing(case.parallel(), model, 16384)
