@@ -136,3 +136,13 @@ def test_yardstick_search_returns_a_valid_plan_no_worse_than_its_seeds() -> None
     best.check(case.n)
     assert best.key() <= seed.key()
     assert np.allclose(best.spans, pricing.makespans(best.cost_rows()))
+
+
+def test_speed_benchmark_prints_both_times_and_their_ratio(capsys) -> None:
+    from bench import pipeline_speed
+    assert pipeline_speed.main(["--quick", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if "pp4 v1" in line).split()
+    base, aware, ratio = float(row[4]), float(row[5]), float(row[6])  # dp, samples, "pp4", "v1", then times
+    assert base > 0 and aware > 0 and ratio == pytest.approx(aware / base, rel=0.06)  # printed with one decimal
+    assert lines[-1].startswith("worst ratio:")
