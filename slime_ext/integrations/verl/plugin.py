@@ -1,0 +1,25 @@
+"""verl's ``verl.plugins`` entry point (``import verl`` loads it in every process, Ray workers included).
+
+Reads the switch (``SLIME_EXT_VERL``) and, when it is on, arranges for slime-ext's patches to be applied when verl's
+Megatron engine module is imported. verl swallows (at DEBUG level) any error a plugin raises while loading, so a bad
+switch value is logged here and raised at that import instead, where it stops the job.
+"""
+
+from __future__ import annotations
+
+from . import ENV, enable_on_import, logger, switch_from_env
+
+
+def _load() -> None:
+    try:
+        on = switch_from_env()
+    except ValueError as exc:
+        logger.error("slime-ext: %s", exc)
+        enable_on_import(error=exc)
+        return
+    if on:
+        enable_on_import()
+        logger.info("slime-ext: %s is on; verl's Megatron engine will plan micro-batches with slime-ext", ENV)
+
+
+_load()
