@@ -121,8 +121,7 @@ def layout_now(num_batches_divided_by: int | None) -> EngineLayout:
         vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     except ImportError:
         pp, vpp = 1, 1
-    return EngineLayout(pp_size=int(pp), vpp_size=int(vpp) if num_batches_divided_by else 1,
-                        vpp_group=num_batches_divided_by)
+    return EngineLayout(pp_size=int(pp), vpp_size=int(vpp), vpp_group=num_batches_divided_by)
 
 
 @functools.lru_cache(maxsize=4)

@@ -45,26 +45,29 @@ __all__ = ["EnginePlan", "EngineLayout", "check_engine_plan", "plan_engine_step"
 
 @dataclass(frozen=True)
 class EngineLayout:
-    """What the engine plan needs of the job's layout, read off megatron-core's parallel state by the engine."""
+    """What the engine plan needs of the job's layout: megatron-core's parallel state and verl's
+    ``num_batches_divided_by``."""
 
     pp_size: int = 1
     vpp_size: int = 1
-    #: megatron's ``microbatch_group_size_per_vp_stage`` (verl's ``num_batches_divided_by``); used under VPP only
+    #: verl's ``num_batches_divided_by`` (megatron's ``microbatch_group_size_per_vp_stage``, which verl passes under
+    #: VPP only): every count is a multiple of it
     vpp_group: int | None = None
 
     @property
     def align(self) -> int:
-        """Every count is a multiple of this: the VPP group under VPP, else 1."""
-        return int(self.vpp_group or self.pp_size) if self.vpp_size > 1 else 1
+        """Every count is a multiple of this: the VPP group when verl gives one, else 1."""
+        return int(self.vpp_group) if self.vpp_group else 1
 
     def parallel(self, dp_size: int = 1, *, pipeline: bool = True) -> ParallelConfig:
-        """The planner's layout for one replica (``pipeline=False``: without the pipeline objective)."""
-        if not pipeline:  # the VPP alignment alone (a pipeline of one stage prices nothing)
-            grouped = self.align > 1
-            return ParallelConfig(dp_size=dp_size, pp_size=1, vpp_size=self.vpp_size if grouped else 1,
-                                  microbatch_group_size_per_vp_stage=self.align if grouped else None)
-        return ParallelConfig(dp_size=dp_size, pp_size=self.pp_size, vpp_size=self.vpp_size,
-                              microbatch_group_size_per_vp_stage=self.vpp_group if self.vpp_size > 1 else None)
+        """The planner's layout (``pipeline=False``: the alignment alone, without the pipeline objective)."""
+        if pipeline and self.pp_size > 1 and (self.vpp_size > 1 or self.align == 1):
+            return ParallelConfig(dp_size=dp_size, pp_size=self.pp_size, vpp_size=self.vpp_size,
+                                  microbatch_group_size_per_vp_stage=self.align if self.vpp_size > 1 else None)
+        if self.align > 1:  # a group without the pipeline objective: a one-stage layout with that alignment
+            return ParallelConfig(dp_size=dp_size, pp_size=1, vpp_size=max(2, self.vpp_size),
+                                  microbatch_group_size_per_vp_stage=self.align)
+        return ParallelConfig(dp_size=dp_size)
 
 
 @dataclass(frozen=True)
@@ -155,7 +158,15 @@ def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout
 
     # 1. each rank's own plan (with the pipeline objective when pp_size > 1)
     parallel = layout.parallel()
-    own = [_own_plan(x, cap, parallel, cost_model) for x in lengths]
+    own = []
+    for r, x in enumerate(lengths):
+        try:
+            own.append(_own_plan(x, cap, parallel, cost_model))
+        except ScheduleError as exc:
+            raise ScheduleError(
+                f"DP rank {r} ({len(x)} samples, {int(x.sum())} tokens, cap {cap}, VPP group {align}) cannot be "
+                f"planned: {exc}. In verl: raise max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu), or "
+                f"give each rank more samples per mini-batch (ppo_mini_batch_size)") from exc
     own_counts = tuple(len(p) for p in own)
     # 2. one count for every rank
     count = max(max(own_counts), floor)
