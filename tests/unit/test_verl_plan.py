@@ -23,7 +23,10 @@ def test_plan_holds_the_invariants_on_every_layout(layout, seed):
     lengths = _ranks(seed, dp=4, n=24)
     plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL)
     check_engine_plan(plan, [len(x) for x in lengths], lengths, layout.align)  # count, coverage, cap
-    assert plan.count >= max(plan.own_counts)
+    if layout.pp_size == 1:  # no pipeline: the largest count any rank's own plan needs
+        assert plan.count == max(plan.own_counts)
+    else:  # a pipeline may choose fewer (its slowest replica predicted faster), never more
+        assert plan.count <= max(plan.own_counts)
     assert plan.count % layout.align == 0
     for r, x in enumerate(lengths):  # the cap never needed fewer micro-batches than ceil(tokens / cap)
         assert plan.count >= -(-sum(x) // 4096)

@@ -11,14 +11,16 @@ Strategy, per mini-batch:
    as one step of a one-replica layout with the job's pipeline (``pp_size``, ``vpp_size`` and the VPP group):
    micro-batches under the cap, FLOP-balanced, and with ``pp_size > 1`` the count and order the pipeline model
    predicts fastest.
-2. **One count.** ``count`` = the largest of those counts (each a multiple of the VPP group, so the maximum is
-   too), at least verl's ``min_num_micro_batch`` rounded up to the group. If some rank has fewer samples than that,
-   the pipeline's wish for more micro-batches is given up down to what the cap needs (the counts of plans without
-   the pipeline objective); if the cap alone needs more micro-batches than a rank has samples, that is an error
-   naming the fix.
-3. **The other ranks reach that count.** A rank whose own plan has fewer micro-batches is re-planned by the
-   planner into exactly ``count`` capped, FLOP-balanced micro-batches (a layout of ``count`` replicas with one
-   micro-batch each); with ``pp_size > 1`` they are then put in the order the pipeline model predicts fastest.
+2. **One count.** ``count`` is at least what the cap needs on the fullest rank (the largest count of the ranks'
+   plans without the pipeline objective, a multiple of the VPP group) and verl's ``min_num_micro_batch`` rounded up
+   to the group. Without a pipeline it is the largest of the ranks' own counts. With one, the candidates are that
+   largest own count, the cap's need and own counts between (at most :data:`MAX_COUNT_CANDIDATES`), and the one
+   whose slowest rank the pipeline model predicts fastest wins (the step waits for the slowest replica). No
+   candidate exceeds the fewest samples a rank holds; if the cap alone needs more micro-batches than that, it is an
+   error naming the fix.
+3. **Every rank reaches that count.** A rank whose own plan has another count is re-planned by the planner into
+   exactly ``count`` capped, FLOP-balanced micro-batches (a layout of ``count`` replicas with one micro-batch each);
+   with ``pp_size > 1`` they are then put in the order the pipeline model predicts fastest.
 
 Invariants (:func:`check_engine_plan`, run on every plan and by the tests):
 
@@ -38,7 +40,10 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError, plan_schedule
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing
+from slime_ext.schedule.pipeline_plan import PipelinePricing, best_orders, pipeline_pricing
+
+#: counts tried with a pipeline (the largest own count, what the cap needs, and own counts between)
+MAX_COUNT_CANDIDATES = 3
 
 __all__ = ["EnginePlan", "EngineLayout", "check_engine_plan", "plan_engine_step"]
 
@@ -137,6 +142,32 @@ def _mb_costs(lengths: np.ndarray, micro_batches: Sequence[Sequence[int]],
     return np.array([float(costs[list(mb)].sum()) for mb in micro_batches])
 
 
+def _reach(lengths: list[np.ndarray], own: list[list[tuple[int, ...]]], count: int, cap: int,
+           pricing: PipelinePricing | None, cost_model: CostModel | CostProfile | None
+           ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[str, ...]] | None:
+    """Every rank's micro-batches at ``count``: its own plan where that has ``count``, else re-planned to it (and
+    ordered by the pipeline model); ``None`` if a rank cannot be brought down to ``count``."""
+    plans, how = [], []
+    for x, mine in zip(lengths, own):
+        if len(mine) == count:
+            plans.append(tuple(mine))
+            how.append("own")
+            continue
+        mbs = _recount(x, cap, count, cost_model)
+        if mbs is None and len(mine) > count:
+            return None
+        if mbs is None:
+            per_sample = cost_model.sample_costs(x) if isinstance(cost_model, CostProfile) \
+                else sample_costs(x, cost_model)
+            mbs = _split_to(mine, count, per_sample)
+        if pricing is not None:
+            order, _ = best_orders(pricing, _mb_costs(x, mbs, cost_model)[None, :])
+            mbs = [mbs[j] for j in order[0]]
+        plans.append(tuple(mbs))
+        how.append("recount")
+    return tuple(plans), tuple(how)
+
+
 def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout: EngineLayout = EngineLayout(), *,
                      min_count: int | None = None,
                      cost_model: CostModel | CostProfile | None = None) -> EnginePlan:
@@ -168,36 +199,40 @@ def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout
                 f"planned: {exc}. In verl: raise max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu), or "
                 f"give each rank more samples per mini-batch (ppo_mini_batch_size)") from exc
     own_counts = tuple(len(p) for p in own)
-    # 2. one count for every rank
-    count = max(max(own_counts), floor)
-    if count > fewest:  # give up the pipeline's extra micro-batches before the cap
-        need = max(len(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model)) for x in lengths)
-        need = max(need, floor)
+    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
+    # 2. one count for every rank: the counts the ranks' own plans chose, and what the cap alone needs
+    need = None
+    if pricing is not None or max(max(own_counts), floor) > fewest:
+        need = max(max(len(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model)) for x in lengths), floor)
         if need > fewest:
             raise ScheduleError(
                 f"the DP ranks need {need} micro-batches each to hold the cap {cap} (a multiple of the VPP group "
                 f"{align}), but a rank holds only {fewest} samples; raise max_token_len_per_gpu (or "
                 f"*_log_prob_max_token_len_per_gpu), or give each rank more samples per mini-batch "
                 f"(ppo_mini_batch_size)")
-        count = max(need, (fewest // align) * align)
-    # 3. the other ranks reach that count, in the pipeline's order
-    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
-    plans, how = [], []
-    for x, mine in zip(lengths, own):
-        if len(mine) == count:
-            plans.append(tuple(mine))
-            how.append("own")
+    top = max(max(own_counts), floor)
+    if top > fewest:  # give up the pipeline's extra micro-batches before the cap
+        top = max(need, (fewest // align) * align)
+    candidates = [top]
+    if pricing is not None:  # with a pipeline, the count whose slowest replica the model predicts fastest
+        others = sorted({c for c in own_counts if need <= c < top} | {need}, reverse=True)
+        candidates += others[:MAX_COUNT_CANDIDATES - 1]
+    # 3. every rank reaches that count, in the pipeline's order
+    best = None
+    for count in candidates:
+        reached = _reach(lengths, own, count, cap, pricing, cost_model)
+        if reached is None:
             continue
-        mbs = _recount(x, cap, count, cost_model)
-        if mbs is None:
-            mbs = _split_to(mine, count, sample_costs(x, cost_model) if not isinstance(cost_model, CostProfile)
-                            else cost_model.sample_costs(x))
-        if pricing is not None:
-            order, _ = best_orders(pricing, _mb_costs(x, mbs, cost_model)[None, :])
-            mbs = [mbs[j] for j in order[0]]
-        plans.append(tuple(mbs))
-        how.append("recount")
-    plan = EnginePlan(count=count, micro_batches=tuple(plans), own_counts=own_counts, cap=cap, how=tuple(how))
+        plans, how = reached
+        span = 0.0 if pricing is None else max(
+            float(pricing.makespans(_mb_costs(x, mbs, cost_model)[None, :])[0]) for x, mbs in zip(lengths, plans))
+        if best is None or span < best[0] * (1 - 1e-9):
+            best = (span, count, plans, how)
+    if best is None:
+        raise ScheduleError(f"no count in {candidates} could be planned on every DP rank under the cap {cap}; raise "
+                            f"max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu)")
+    _, count, plans, how = best
+    plan = EnginePlan(count=count, micro_batches=plans, own_counts=own_counts, cap=cap, how=tuple(how))
     check_engine_plan(plan, [len(x) for x in lengths], lengths, align)
     return plan
 
