@@ -21,8 +21,8 @@ def install() -> None:
         def is_available(self):
             return True
 
-        def current_device(self):
-            return 0
+        def current_device(self):  # verl moves batches with .to(get_device_id()): a CPU device, not an index
+            return torch.device("cpu")
 
         def device_count(self):
             return 1
