@@ -15,17 +15,19 @@ verl or a tree on ``PYTHONPATH``; nothing of it is copied here):
      DP group's agreement emulated without processes: every rank is re-run with ``min_num_micro_batch`` = the
      largest count any rank returned until all return the same count (verl's MAX all-reduce; its cap loop, where
      the version has one, re-partitions in lockstep the same way);
-   * **slime-ext**: :func:`slime_ext.integrations.verl.plan.plan_engine_step` on the same ranks' samples (what
-     ``SLIME_EXT_VERL=1`` runs inside the engine), told the pipeline size.
+   * **engine**: :func:`slime_ext.integrations.verl.plan.plan_engine_step` on the same ranks' samples (what
+     ``SLIME_EXT_VERL=1`` runs inside the engine), told the pipeline size;
+   * **trainer**: the trainer depth: :func:`slime_ext.integrations.verl.plan.plan_dispatch` instead of step 1 (per
+     mini-batch, equal counts per rank, FLOPs balanced; ``SLIME_EXT_VERL=trainer``), then the engine depth.
 
 **Columns**, summed or taken over the step's mini-batches: micro-batches holding more than one sample above the cap
 (``over cap``); micro-batches per rank (per mini-batch, the same on every rank); the per-mini-batch FLOPs max/mean over
-DP ranks (the worst mini-batch; both plans train the same samples on the same ranks, so it is the dispatch's and the
-same for both: the engine depth cannot change it, see docs/verl.md); the predicted step time at pp 1, 4 and 8
+DP ranks (the worst mini-batch; it is the dispatch's: verl's for verl and the engine depth, slime-ext's for the
+trainer depth); the predicted step time at pp 1, 4 and 8
 (each mini-batch: its slowest replica's makespan in the micro-batch order the plan runs, priced the same way for
-both plans by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: forward FLOPs of
-Qwen3-8B-like dims plus 2% of a full micro-batch, backward twice forward; pp 1 is the same model with one stage), and
-slime-ext's relative to verl's.
+every plan by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: forward FLOPs of
+Qwen3-8B-like dims plus 2% of a full micro-batch, backward twice forward; pp 1 is the same model with one stage),
+relative to verl's; ``plan s``: the engine depth's planning time over the step (every rank plans all ranks).
 
 Workloads (:mod:`bench.workloads`, ``bench.pipeline_model_table``): ``rl-like``, ``bimodal``, ``long tail``; 1024
 samples per trainer step, dp 8, 4 mini-batches (32 samples per rank per mini-batch), cap 16384; lengths are clipped to
@@ -40,7 +42,7 @@ import time
 
 import numpy as np
 
-from slime_ext.integrations.verl.plan import EngineLayout, plan_engine_step
+from slime_ext.integrations.verl.plan import EngineLayout, plan_dispatch, plan_engine_step
 from slime_ext.schedule import CostModel, ParallelConfig
 from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline import PipelineSpec
@@ -128,31 +130,45 @@ def judge(tally: Tally, plans, ranks, costs, lengths, cap, pricing) -> None:
     tally.makespan += float(pricing.makespans(np.array(rows)).max())
 
 
+def _minis(chunks: list[np.ndarray], mini_batches: int) -> list[list[np.ndarray]]:
+    per = len(chunks[0]) // mini_batches
+    return [[c[m * per:(m + 1) * per] for c in chunks] for m in range(mini_batches)]
+
+
+def _balance(minis, costs) -> float:
+    """The worst mini-batch's FLOPs max/mean over DP ranks."""
+    return max(float(max(costs[x].sum() for x in ranks) / np.mean([costs[x].sum() for x in ranks]))
+               for ranks in minis)
+
+
 def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES) -> list[dict]:
     cost_model = CostModel(**MODEL_DIMS)
     cap = MAX_TOKENS_PER_GPU
     # verl refuses a sample longer than the cap (its config makes max prompt + response fit): clip to it
     lengths = np.minimum(np.asarray(WORKLOADS[name](n), dtype=np.int64), cap)
     costs = sample_costs(lengths, cost_model)
-    chunks = dispatch(lengths, dp)
-    per = len(chunks[0]) // mini_batches
-    minis = [[c[m * per:(m + 1) * per] for c in chunks] for m in range(mini_batches)]
-    balance = max(float(max(costs[x].sum() for x in ranks) / np.mean([costs[x].sum() for x in ranks]))
-                  for ranks in minis)
+    minis = _minis(dispatch(lengths, dp), mini_batches)
+    # the trainer depth: slime-ext's dispatch (per mini-batch, equal counts), then the engine depth
+    order = np.asarray(plan_dispatch(lengths, dp, n // mini_batches, cost_model=cost_model))
+    trainer_minis = _minis(list(order.reshape(dp, -1)), mini_batches)
     t = time.perf_counter()
     verl_plans = [verl_plan([lengths[x].tolist() for x in ranks], cap, None) for ranks in minis]
     verl_s = time.perf_counter() - t
     out = []
     for pp in pp_sizes:
         pricing = pricing_for(pp, cost_model, cap)
-        verl, ours = Tally(plan_s=verl_s), Tally()
+        verl, ours, trainer = Tally(plan_s=verl_s), Tally(), Tally()
         for ranks, vplans in zip(minis, verl_plans):
             judge(verl, vplans, ranks, costs, lengths, cap, pricing)
             t = time.perf_counter()
             plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model)
             ours.plan_s += time.perf_counter() - t
             judge(ours, [list(map(list, p)) for p in plan.micro_batches], ranks, costs, lengths, cap, pricing)
-        out.append(dict(name=name, pp=pp, balance=balance, verl=verl, ours=ours, units=pricing.units))
+        for ranks in trainer_minis:
+            plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model)
+            judge(trainer, [list(map(list, p)) for p in plan.micro_batches], ranks, costs, lengths, cap, pricing)
+        out.append(dict(name=name, pp=pp, balance=_balance(minis, costs), trainer_balance=_balance(trainer_minis, costs),
+                        verl=verl, ours=ours, trainer=trainer, units=pricing.units))
     return out
 
 
@@ -174,16 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     n = 256 if args.quick else args.samples
     print(f"verl {verl.__version__} ({verl.__path__[0]}); {n} samples per step, dp {args.dp}, {args.mini_batches} "
           f"mini-batches, cap {MAX_TOKENS_PER_GPU}; Qwen3-8B-like FLOPs")
-    head = (f"{'workload':<10} {'pp':>2} | {'over cap':>8} {'over cap':>8} | {'mbs/rank per mini-batch':>23} "
-            f"{'':>17} | {'FLOPs max/mean':>14} | {'step time':>9}  {'plan s':>6}")
-    print(head)
-    print(f"{'':<10} {'':>2} | {'verl':>8} {'ours':>8} | {'verl':>23} {'ours':>17} | {'(both)':>14} | "
-          f"{'ours/verl':>9}  {'ours':>6}")
+    print(f"{'':<10} {'':>2} | {'over cap':^17} | {'micro-batches per rank':^41} | {'FLOPs max/mean':^15} | "
+          f"{'step time / verl':^17} |")
+    print(f"{'workload':<10} {'pp':>2} | {'verl':>8} {'ours':>8} | {'verl':>13} {'engine':>13} {'trainer':>13} | "
+          f"{'verl':>7} {'trainer':>7} | {'engine':>8} {'trainer':>8} | {'plan s':>6}")
     for name in names:
         for row in run_case(name, n, args.dp, args.mini_batches, pps):
-            v, o = row["verl"], row["ours"]
-            print(f"{name:<10} {row['pp']:>2} | {v.over_cap:>8} {o.over_cap:>8} | {_counts(v):>23} "
-                  f"{_counts(o):>17} | {row['balance']:>14.3f} | {o.makespan / v.makespan:>9.3f}  {o.plan_s:>6.2f}")
+            v, o, t = row["verl"], row["ours"], row["trainer"]
+            print(f"{name:<10} {row['pp']:>2} | {v.over_cap:>8} {o.over_cap + t.over_cap:>8} | {_counts(v):>13} "
+                  f"{_counts(o):>13} {_counts(t):>13} | {row['balance']:>7.3f} {row['trainer_balance']:>7.3f} | "
+                  f"{o.makespan / v.makespan:>8.3f} {t.makespan / v.makespan:>8.3f} | {o.plan_s:>6.2f}")
     return 0
 
 

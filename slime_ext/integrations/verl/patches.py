@@ -1,4 +1,5 @@
-"""Where slime-ext enters verl (github.com/verl-project/verl): two patches of one module, by version.
+"""Where slime-ext enters verl (github.com/verl-project/verl): two patches of the engine module (the engine depth,
+``SLIME_EXT_VERL=1``) and one of the V1 trainer (the trainer depth, ``SLIME_EXT_VERL=trainer``), by version.
 
 =================================================================  ==============================================
 target (in ``verl.workers.engine.megatron.transformer_impl``)      change
@@ -8,6 +9,8 @@ here by name; the engine calls this name)                          (:func:`.engi
 ``MegatronEngine.forward_backward_batch``                          unchanged, but the running engine is kept in a
                                                                    context variable so that the plan can read its
                                                                    model dims (the cost model)
+``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch``   slime-ext's dispatch (:mod:`.trainer`), trainer
+                                                                   depth only
 =================================================================  ==============================================
 
 Supported: verl ``>=0.9.0,<0.11`` (tested: 0.9.1 from PyPI and HEAD 1dda039 of 2026-08-22, version file
@@ -25,9 +28,12 @@ from typing import Any, Callable
 
 from slime_ext.patches import Patch, PatchError, PatchSet, imported_version, source_contains
 
-from . import engine
+from . import engine, trainer
 
 MODULE = "verl.workers.engine.megatron.transformer_impl"
+TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
+#: the parameters of verl's PPOTrainer._balance_batch the replacement takes, in order
+BALANCE_PARAMETERS = ("self", "batch", "metrics", "logging_prefix", "keep_minibatch")
 SUPPORTED = ">=0.9.0,<0.11"
 TESTED = ("0.9.1", "0.10.0.dev (HEAD 1dda039, 2026-08-22)")
 #: the parameters of verl's prepare_micro_batches the replacement takes, in order
@@ -82,4 +88,23 @@ def verl_patches() -> PatchSet:
     ])
 
 
-__all__ = ["MODULE", "PARAMETERS", "PatchError", "SUPPORTED", "TESTED", "verl_patches"]
+def _expect_balance(original: Any) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if params != BALANCE_PARAMETERS:
+        return f"its parameters are {params}, the replacement takes {BALANCE_PARAMETERS}"
+    return source_contains("upsample_batch_to_divisible_size(", "_get_required_batch_multiple(", "batch.reorder(",
+                           "_dispatch_info", "log_seqlen_unbalance(")(original)
+
+
+def trainer_patches() -> PatchSet:
+    """The trainer depth's patch (``SLIME_EXT_VERL=trainer``): verl's V1 ``PPOTrainer._balance_batch``."""
+    return PatchSet("verl-trainer", [
+        Patch(name="verl-balance-batch", module=TRAINER_MODULE, attribute="PPOTrainer._balance_batch",
+              make=trainer.make_balance_batch, distribution="verl", supported=SUPPORTED, tested=TESTED,
+              version=_verl_version, expect=_expect_balance,
+              doc="slime-ext's dispatch: each actor mini-batch planned across the DP ranks (equal counts, FLOPs "
+                  "balanced)"),
+    ])
+
+
+__all__ = ["BALANCE_PARAMETERS", "MODULE", "PARAMETERS", "TRAINER_MODULE", "trainer_patches", "PatchError", "SUPPORTED", "TESTED", "verl_patches"]

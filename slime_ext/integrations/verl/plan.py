@@ -253,3 +253,38 @@ def check_engine_plan(plan: EnginePlan, sizes: Sequence[int], lengths: Sequence[
                 tokens = int(ln[list(mb)].sum())
                 assert len(mb) == 1 or tokens <= plan.cap, (
                     f"rank {r} micro-batch {j} holds {len(mb)} samples, {tokens} tokens > cap {plan.cap}")
+
+
+# ---------------------------------------------------------------------------------------------------- trainer depth
+def plan_dispatch(lengths: Sequence[int], dp_size: int, mini_batch_size: int, *,
+                  cost_model: CostModel | CostProfile | None = None) -> list[int]:
+    """The trainer depth: the order of a trainer step's samples that verl's dispatch then cuts into DP ranks.
+
+    verl gives DP rank ``r`` the ``r``-th of ``dp_size`` equal contiguous chunks of the batch, and each rank cuts
+    its chunk into contiguous mini-batches of ``mini_batch_size // dp_size`` samples (one optimizer step each). Here
+    mini-batch ``m`` holds samples ``m * mini_batch_size ..`` of the step, in the step's own order, and the planner
+    decides which of them each rank trains: equal counts per rank (verl asserts equal chunks) with the estimated
+    FLOPs balanced per mini-batch -- the planner's static layout with one sample per micro-batch and
+    ``balance_data``. Each rank's micro-batches are then the engine depth's. Returns the permutation of
+    ``range(len(lengths))`` to hand to verl's ``reorder``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = len(lengths)
+    if dp_size < 1 or mini_batch_size < 1 or mini_batch_size % dp_size or n % mini_batch_size:
+        raise ScheduleError(
+            f"{n} samples, mini_batch_size={mini_batch_size}, dp_size={dp_size}: the step must be whole mini-batches "
+            f"and a mini-batch a multiple of dp_size (verl pads the batch to lcm(dp, mini-batch sizes) first)")
+    per_rank = mini_batch_size // dp_size
+    batch = BatchConfig(global_batch_size=mini_batch_size, micro_batch_size=1, balance_data=True,
+                        disable_rollout_trim_samples=True)
+    chunks: list[list[int]] = [[] for _ in range(dp_size)]
+    for start in range(0, n, mini_batch_size):
+        members = np.arange(start, start + mini_batch_size)
+        schedule = plan_schedule(lengths[members], ParallelConfig(dp_size=dp_size), batch, cost_model=cost_model)
+        for r in range(dp_size):
+            part = schedule.partitions[r]
+            assert len(part) == per_rank, f"the planner gave rank {r} {len(part)} samples, not {per_rank}"
+            chunks[r].extend(int(members[i]) for i in part)
+    order = [i for chunk in chunks for i in chunk]
+    assert sorted(order) == list(range(n))
+    return order

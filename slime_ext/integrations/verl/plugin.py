@@ -7,19 +7,21 @@ switch value is logged here and raised at that import instead, where it stops th
 
 from __future__ import annotations
 
+import os
+
 from . import ENV, enable_on_import, logger, switch_from_env
 
 
 def _load() -> None:
     try:
-        on = switch_from_env()
+        depth = switch_from_env()
     except ValueError as exc:
         logger.error("slime-ext: %s", exc)
         enable_on_import(error=exc)
         return
-    if on:
-        enable_on_import()
-        logger.info("slime-ext: %s is on; verl's Megatron engine will plan micro-batches with slime-ext", ENV)
+    if depth is not None:
+        enable_on_import(depth)
+        logger.info("slime-ext: %s=%s; verl will plan with slime-ext (%s depth)", ENV, os.environ.get(ENV), depth)
 
 
 _load()
