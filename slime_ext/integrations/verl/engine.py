@@ -91,16 +91,16 @@ def gather_lengths(lengths: list[int], dp_group: Any) -> list[list[int]]:
     """Every DP rank's lengths, in DP rank order (this rank's alone without a group)."""
     import torch
     import torch.distributed as dist
-    from verl.utils.device import get_device_name
+    from verl.utils.device import get_device_id, get_device_name
 
     if dp_group is None or not dist.is_initialized():
         return [list(lengths)]
     world = dist.get_world_size(group=dp_group)
     if world == 1:
         return [list(lengths)]
-    device = torch.device(get_device_name())
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
+    # where verl's own collectives put their tensors: the accelerator's current device, or the CPU
+    name = get_device_name()
+    device = torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
     size = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
     dist.all_gather(sizes, size, group=dp_group)
