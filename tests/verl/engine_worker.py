@@ -1,6 +1,6 @@
 """One process of the test of verl's real ``MegatronEngine.forward_backward_batch`` (tests/verl/test_engine.py).
 
-    python tests/verl/engine_worker.py RANK WORLD INIT_FILE OUT_DIR PP
+    python tests/verl/engine_worker.py RANK WORLD INIT_FILE OUT_DIR PP [VPP]
 
 verl builds its engine's model through Megatron-Bridge / mbridge from a HuggingFace checkpoint; this test instead
 assembles a ``MegatronEngineWithLMHead`` around a tiny megatron-core GPT (rotary positions, slime-ext's THD core
@@ -70,7 +70,9 @@ def loss_function(model_output, data, dp_group=None):
     return -(logp * mask).sum() / total, {}
 
 
-def build(pp: int):
+def build(pp: int, vpp: int):
+    """One tiny GPT chunk per virtual pipeline stage of this rank, canonically initialised (the same parameters
+    whatever the layout)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core import parallel_state as mpu
 
@@ -78,19 +80,23 @@ def build(pp: int):
     from slime_ext.training.model import init_canonical, transformer_config
     from slime_ext.training.thd_attention import get_thd_layer_spec
 
-    config = TrainConfig.from_mapping(dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                                           seq_length=CAP, untie_embeddings_and_output_weights=True,
-                                           pipeline_model_parallel_size=pp))
+    config = TrainConfig.from_mapping(dict(num_layers=2 * vpp, hidden_size=32, num_attention_heads=4,
+                                           vocab_size=VOCAB, seq_length=CAP, untie_embeddings_and_output_weights=True,
+                                           pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp))
     tconfig = transformer_config(config)
-    model = GPTModel(config=tconfig, transformer_layer_spec=get_thd_layer_spec(), vocab_size=VOCAB,
-                     max_sequence_length=CAP, pre_process=mpu.is_pipeline_first_stage(),
-                     post_process=mpu.is_pipeline_last_stage(), share_embeddings_and_output_weights=False,
-                     position_embedding_type="rope")
-    init_canonical([model], config)
-    return model, tconfig
+    chunks = []
+    for stage in range(vpp):
+        v = stage if vpp > 1 else None
+        chunks.append(GPTModel(config=tconfig, transformer_layer_spec=get_thd_layer_spec(), vocab_size=VOCAB,
+                               max_sequence_length=CAP,
+                               pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+                               post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+                               share_embeddings_and_output_weights=False, position_embedding_type="rope", vp_stage=v))
+    init_canonical(chunks, config)
+    return chunks, tconfig
 
 
-def make_engine(model, tconfig):
+def make_engine(chunks, tconfig):
     from transformers import LlamaConfig
     from verl.workers.config import McoreEngineConfig
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -102,22 +108,23 @@ def make_engine(model, tconfig):
     engine.model_config = SimpleNamespace(hf_config=hf, mtp=SimpleNamespace(enable=False, enable_train=False),
                                           tokenizer=SimpleNamespace(pad_token_id=0), lora={})
     engine.tf_config = tconfig
-    engine.module = [model]
+    engine.module = chunks
     engine.is_value_model = False
     engine.enable_routing_replay = False
     engine.mini_layer_topk_idx_list = []
     return engine
 
 
-def run_once(engine, model, data_fn, spy):
+def run_once(engine, chunks, data_fn, spy):
     from megatron.core import parallel_state as mpu
 
-    for p in model.parameters():
+    named = sorted((f"{i}.{name}", p) for i, chunk in enumerate(chunks) for name, p in chunk.named_parameters())
+    for _, p in named:
         p.grad = None
     spy.clear()
     out = engine.forward_backward_batch(data_fn(), loss_function, forward_only=False)
     grads = {}
-    for name, p in sorted(model.named_parameters()):
+    for name, p in named:
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         g = g.detach().clone()
         dist.all_reduce(g, group=mpu.get_data_parallel_group())
@@ -131,6 +138,7 @@ def run_once(engine, model, data_fn, spy):
 def main() -> None:
     rank, world, init_file, out_dir, pp = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                            int(sys.argv[5]))
+    vpp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     import verl  # noqa: F401  (plugins load; the switch is off in this process's environment)
 
@@ -146,14 +154,15 @@ def main() -> None:
     from slime_ext.patches import megatron_cpu
 
     megatron_cpu.apply_if_no_gpu()
-    mpu.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    mpu.initialize_model_parallel(pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     result = {"dp_rank": mpu.get_data_parallel_rank(), "pp_rank": mpu.get_pipeline_model_parallel_rank(),
               "dp_size": mpu.get_data_parallel_world_size(), "cap": CAP,
               "lengths": [p + r for p, r in rank_lengths(mpu.get_data_parallel_rank())]}
     try:
-        model, tconfig = build(pp)
-        engine = make_engine(model, tconfig)
+        chunks, tconfig = build(pp, vpp)
+        engine = make_engine(chunks, tconfig)
         calls: list = []
 
         def spying(fn):
@@ -166,12 +175,12 @@ def main() -> None:
         dp_rank = mpu.get_data_parallel_rank()
         verl_own = ti.prepare_micro_batches
         ti.prepare_micro_batches = spying(verl_own)  # verl's own, behind a spy
-        result["verl"] = run_once(engine, model, lambda: make_batch(dp_rank), calls)
+        result["verl"] = run_once(engine, chunks, lambda: make_batch(dp_rank), calls)
         ti.prepare_micro_batches = verl_own  # the spy off again, so that the patch finds verl's function
         sv.enable()
         result["switched_on"] = bool(getattr(ti.prepare_micro_batches, "__slime_ext__", False))
         ti.prepare_micro_batches = spying(ti.prepare_micro_batches)
-        result["ours"] = run_once(engine, model, lambda: make_batch(dp_rank), calls)
+        result["ours"] = run_once(engine, chunks, lambda: make_batch(dp_rank), calls)
     except Exception:
         result["crash"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:

@@ -1,5 +1,5 @@
-"""verl's real ``MegatronEngine.forward_backward_batch`` on a tiny megatron-core GPT over gloo, at DP 2 and
-DP 2 x PP 2: the same mini-batch with verl's own ``prepare_micro_batches`` and with slime-ext's (see
+"""verl's real ``MegatronEngine.forward_backward_batch`` on a tiny megatron-core GPT over gloo, at DP 2, DP 2 x PP 2
+and DP 2 x PP 2 x VPP 2: the same mini-batch with verl's own ``prepare_micro_batches`` and with slime-ext's (see
 ``engine_worker.py`` for how the engine is assembled on CPU and what of it is verl's)."""
 
 from __future__ import annotations
@@ -15,18 +15,20 @@ from verl_ranks import run_ranks
 #: gradients summed over DP may differ by float32 summation order only (measured: <= 3e-8 on grads of ~0.15)
 GRAD_ATOL = 1e-6
 
-LAYOUTS = {"dp2": (2, 1), "dp2xpp2": (4, 2)}
+#: (processes, pipeline size, virtual pipeline size)
+LAYOUTS = {"dp2": (2, 1, 1), "dp2xpp2": (4, 2, 1), "dp2xpp2xvpp2": (4, 2, 2)}
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def ranks(request, tmp_path_factory):
-    world, pp = LAYOUTS[request.param]
+    world, pp, vpp = LAYOUTS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
-    run_ranks("engine_worker.py", world, tmp, env={"SLIME_EXT_VERL": "0"}, extra=(str(pp),))
+    run_ranks("engine_worker.py", world, tmp, env={"SLIME_EXT_VERL": "0"}, extra=(str(pp), str(vpp)))
     results = [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}: {res['crash']}"
         assert res["switched_on"], f"rank {r}: enable() did not patch the engine's prepare_micro_batches"
+        res["vpp_group"] = pp if vpp > 1 else 1  # megatron's default microbatch_group_size_per_vp_stage
     return results
 
 
@@ -36,6 +38,7 @@ def test_one_call_per_step_and_the_same_count_on_every_rank(ranks):
         assert len(res["ours"]["calls"]) == 1 and len(res["verl"]["calls"]) == 1
         counts.add(len(res["ours"]["calls"][0]["indices"]))
     assert len(counts) == 1, f"slime-ext's micro-batch counts differ across ranks: {counts}"
+    assert counts.pop() % ranks[0]["vpp_group"] == 0, "the count is not a multiple of the VPP group"
 
 
 def test_cap_held_and_each_sample_trained_once(ranks):
