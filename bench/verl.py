@@ -63,10 +63,10 @@ WORKLOADS = {
 def dispatch(lengths: np.ndarray, dp: int) -> list[np.ndarray]:
     """verl's V1 ``_balance_batch``: equal-count, workload-balanced partitions, concatenated; rank r's chunk."""
     import torch
-    from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
+    import verl.utils.seqlen_balancing as verl_balancing  # verl's module, used by attribute (nothing copied here)
 
-    workload = calculate_workload(torch.as_tensor(lengths)).tolist()
-    parts = get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
+    workload = verl_balancing.calculate_workload(torch.as_tensor(lengths)).tolist()
+    parts = verl_balancing.get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
     order = np.array([j for p in parts for j in p])
     return list(order.reshape(dp, -1))
 
@@ -84,13 +84,14 @@ def _verl_batch(lengths):
 
 def verl_plan(ranks: list[list[int]], cap: int, divided_by: int | None) -> list[list[list[int]]]:
     """verl's ``rearrange_micro_batches`` on every rank, agreeing on one count as its DP all-reduce does."""
-    from verl.utils.seqlen_balancing import rearrange_micro_batches
+    import verl.utils.seqlen_balancing as verl_balancing
 
     batches = [_verl_batch(x) for x in ranks]
     count = None
     for _ in range(64):
-        plans = [rearrange_micro_batches(b, max_token_len=cap, dp_group=None, num_batches_divided_by=divided_by,
-                                         min_num_micro_batch=count)[1] for b in batches]
+        plans = [verl_balancing.rearrange_micro_batches(b, max_token_len=cap, dp_group=None,
+                                                        num_batches_divided_by=divided_by,
+                                                        min_num_micro_batch=count)[1] for b in batches]
         counts = {len(p) for p in plans}
         if len(counts) == 1:
             return plans
@@ -167,7 +168,8 @@ def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES) -
         for ranks in trainer_minis:
             plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model)
             judge(trainer, [list(map(list, p)) for p in plan.micro_batches], ranks, costs, lengths, cap, pricing)
-        out.append(dict(name=name, pp=pp, balance=_balance(minis, costs), trainer_balance=_balance(trainer_minis, costs),
+        out.append(dict(name=name, pp=pp, balance=_balance(minis, costs),
+                        trainer_balance=_balance(trainer_minis, costs),
                         verl=verl, ours=ours, trainer=trainer, units=pricing.units))
     return out
 

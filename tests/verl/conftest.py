@@ -9,11 +9,23 @@ import pytest
 HOW = "run ci/verl_test (its venv has verl from PyPI), or pip install 'slime-ext[verl]'"
 
 
-def pytest_collection_modifyitems(config, items):
+def _verl_missing() -> str | None:
+    """Why verl cannot be tested here, or ``None``. (This folder is on ``sys.path``'s parent when pytest collects
+    ``tests/``, so without verl installed ``import verl`` finds this folder as a namespace package: a real verl has a
+    version.)"""
     try:
-        import verl  # noqa: F401
+        import verl
     except ImportError as exc:
-        skip = pytest.mark.skip(reason=f"verl is not importable ({exc}): {HOW}")
+        return str(exc)
+    if not isinstance(getattr(verl, "__version__", None), str):
+        return f"'verl' resolves to {list(getattr(verl, '__path__', []))}, not an installed verl"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    missing = _verl_missing()
+    if missing is not None:
+        skip = pytest.mark.skip(reason=f"verl is not importable ({missing}): {HOW}")
         for item in items:
             if "tests/verl" in str(item.fspath):
                 item.add_marker(skip)

@@ -114,7 +114,8 @@ def main() -> None:
             for name, lengths, cap, nested, dynamic in cases(dp_rank):
                 data = make_batch(lengths, cap, nested, dynamic)
                 result["runs"].append({
-                    "layout": layout, "case": name, "dp_rank": dp_rank, "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+                    "layout": layout, "case": name, "dp_rank": dp_rank,
+                    "pp_rank": mpu.get_pipeline_model_parallel_rank(),
                     "dp_size": mpu.get_data_parallel_world_size(), "cap": cap, "lengths": lengths,
                     "divided_by": divided_by, "dynamic": dynamic,
                     "verl": call(eu.prepare_micro_batches, data, group, divided_by),

@@ -107,4 +107,5 @@ def trainer_patches() -> PatchSet:
     ])
 
 
-__all__ = ["BALANCE_PARAMETERS", "MODULE", "PARAMETERS", "TRAINER_MODULE", "trainer_patches", "PatchError", "SUPPORTED", "TESTED", "verl_patches"]
+__all__ = ["BALANCE_PARAMETERS", "MODULE", "PARAMETERS", "PatchError", "SUPPORTED", "TESTED", "TRAINER_MODULE",
+           "trainer_patches", "verl_patches"]

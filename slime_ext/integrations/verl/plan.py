@@ -1,5 +1,8 @@
-"""The engine-depth plan: one mini-batch's micro-batches on every DP rank of verl's Megatron engine.
+"""slime-ext's plans for verl, at two depths: the engine depth (:func:`plan_engine_step`: one mini-batch's
+micro-batches on every DP rank of verl's Megatron engine) and the trainer depth (:func:`plan_dispatch`: which
+samples each DP rank trains in each mini-batch, before verl dispatches them).
 
+**The engine depth.**
 Inside ``MegatronEngine.forward_backward_batch`` each DP rank already holds its samples (verl dispatched them), so
 the plan cannot move samples between ranks; it decides how each rank cuts its own samples into micro-batches and
 how many micro-batches every rank runs. Every rank computes the same plan from the lengths of **all** ranks
@@ -28,7 +31,8 @@ Invariants (:func:`check_engine_plan`, run on every plan and by the tests):
 * each rank's micro-batches hold each of its local indices ``0 .. n_r - 1`` exactly once, none is empty;
 * no micro-batch holding more than one sample exceeds the cap (a sample longer than the cap sits alone).
 
-Pure: standard library, numpy and :mod:`slime_ext.schedule`.
+Pure: standard library, numpy and :mod:`slime_ext.schedule` (its public entry point, plus the pipeline model's
+pricing and order search from ``slime_ext.schedule.pipeline_plan``, to order re-planned ranks).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from slime_ext.schedule.pipeline_plan import PipelinePricing, best_orders, pipel
 #: counts tried with a pipeline (the largest own count, what the cap needs, and own counts between)
 MAX_COUNT_CANDIDATES = 3
 
-__all__ = ["EnginePlan", "EngineLayout", "check_engine_plan", "plan_engine_step"]
+__all__ = ["EngineLayout", "EnginePlan", "check_engine_plan", "plan_dispatch", "plan_engine_step"]
 
 
 @dataclass(frozen=True)
