@@ -1,0 +1,184 @@
+"""slime-ext's ``prepare_micro_batches`` for verl's Megatron engine (the engine depth).
+
+verl's ``MegatronEngine.forward_backward_batch`` calls ``prepare_micro_batches(data, dp_group,
+num_batches_divided_by, same_micro_num_in_dp, min_num_micro_batch)`` (imported into
+``verl.workers.engine.megatron.transformer_impl`` by name) and expects back ``(micro_batches, indices)``: the
+micro-batches as TensorDicts and, per micro-batch, the positions of its samples in ``data``; every DP rank must
+return the same count, a multiple of ``num_batches_divided_by`` under VPP. verl puts the outputs back in input
+order with those indices. The replacement built here keeps that contract:
+
+1. reads each sample's length as verl does (the offsets of a nested ``input_ids``, else ``attention_mask`` sums) and
+   the cap (``max_token_len_per_gpu`` times the context-parallel size verl stores as ``sp_size``);
+2. all-gathers the lengths over the DP group (the sizes, then the padded lengths);
+3. plans every rank's micro-batches identically (:func:`slime_ext.integrations.verl.plan.plan_engine_step`) with the
+   job's pipeline layout from megatron-core's parallel state and the model's cost (:func:`cost_model_for`);
+4. returns this rank's micro-batches (``tensordict_utils.index_select_tensor_dict``, verl's own) and their indices.
+
+It falls back to verl's own function, saying so once per reason, where slime-ext's plan does not apply: static
+micro-batches (``use_dynamic_bsz`` off), ``force_group_size > 1`` (reward-model pairs), or a caller that does not
+want one count across DP (``same_micro_num_in_dp=False``). verl's dynamic context parallelism never calls
+``prepare_micro_batches`` (its own ``DynamicCPScheduler`` plans), so it is untouched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+from typing import Any, Callable
+
+from slime_ext.schedule import CostModel, CostProfile
+
+from .plan import EngineLayout, EnginePlan, plan_engine_step
+
+logger = logging.getLogger("slime_ext.integrations.verl")
+
+#: a calibrated cost profile (``slime-ext calibrate``) to plan with instead of the model's FLOPs
+PROFILE_ENV = "SLIME_EXT_VERL_PROFILE"
+
+#: the engine whose ``forward_backward_batch`` is running (set by the wrapper in :mod:`.patches`)
+current_engine: contextvars.ContextVar[Any] = contextvars.ContextVar("slime_ext_verl_engine", default=None)
+
+_said: set[str] = set()
+_last_plan: EnginePlan | None = None
+
+
+def last_plan() -> EnginePlan | None:
+    """The plan of the last call in this process (for logs and tests)."""
+    return _last_plan
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        logger.warning("slime-ext: verl's own prepare_micro_batches plans this batch: %s", reason)
+
+
+def fallback_reason(data: Any, same_micro_num_in_dp: bool) -> str | None:
+    """Why slime-ext's plan does not apply to this call, or ``None`` when it does."""
+    from verl.utils import tensordict_utils as tu
+
+    if not tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True):
+        return "static micro-batches (use_dynamic_bsz=False): verl chunks them by micro_batch_size_per_gpu"
+    if tu.get_non_tensor_data(data=data, key="force_group_size", default=1) != 1:
+        return "force_group_size > 1 (samples that must share a micro-batch) is not planned by slime-ext"
+    if not same_micro_num_in_dp:
+        return "same_micro_num_in_dp=False: the caller wants each rank's own count"
+    return None
+
+
+def sample_lengths(data: Any) -> list[int]:
+    """Each sample's token count, as verl's ``rearrange_micro_batches`` reads it."""
+    input_ids = data["input_ids"]
+    if input_ids.is_nested:
+        return input_ids.offsets().diff().tolist()
+    return data["attention_mask"].sum(dim=1).tolist()
+
+
+def _cap(data: Any) -> int:
+    from verl.utils import tensordict_utils as tu
+
+    if "max_token_len_per_gpu" not in data.keys():
+        raise ValueError("max_token_len_per_gpu is not in the batch but use_dynamic_bsz is on; set "
+                         "*.ppo_max_token_len_per_gpu / *.log_prob_max_token_len_per_gpu in verl's config")
+    per_gpu = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
+    sp_size = tu.get_non_tensor_data(data=data, key="sp_size", default=1)
+    return int(per_gpu) * int(sp_size or 1)
+
+
+def gather_lengths(lengths: list[int], dp_group: Any) -> list[list[int]]:
+    """Every DP rank's lengths, in DP rank order (this rank's alone without a group)."""
+    import torch
+    import torch.distributed as dist
+    from verl.utils.device import get_device_id, get_device_name
+
+    if dp_group is None or not dist.is_initialized():
+        return [list(lengths)]
+    world = dist.get_world_size(group=dp_group)
+    if world == 1:
+        return [list(lengths)]
+    # where verl's own collectives put their tensors: the accelerator's current device, or the CPU
+    name = get_device_name()
+    device = torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+    size = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=dp_group)
+    counts = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.int64, device=device)
+    padded[:len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+    gathered = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=dp_group)
+    return [g[:c].cpu().tolist() for g, c in zip(gathered, counts)]
+
+
+def layout_now(num_batches_divided_by: int | None) -> EngineLayout:
+    """The pipeline layout from megatron-core's parallel state (one stage when it is not initialised)."""
+    try:
+        from megatron.core import parallel_state as mpu
+
+        pp = mpu.get_pipeline_model_parallel_world_size() if mpu.model_parallel_is_initialized() else 1
+        vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    except ImportError:
+        pp, vpp = 1, 1
+    return EngineLayout(pp_size=int(pp), vpp_size=int(vpp), vpp_group=num_batches_divided_by)
+
+
+@functools.lru_cache(maxsize=4)
+def _profile(path: str) -> CostProfile:
+    return CostProfile.load(path)
+
+
+def cost_model_for(engine: Any) -> CostModel | CostProfile | None:
+    """The planner's cost: the profile named by ``SLIME_EXT_VERL_PROFILE``, else FLOPs from the engine's megatron
+    ``TransformerConfig`` (and the HF vocabulary), else tokens (``None``)."""
+    path = os.environ.get(PROFILE_ENV)
+    if path:
+        return _profile(path)
+    tf = getattr(engine, "tf_config", None)
+    if tf is None:
+        return None
+    hf = getattr(getattr(engine, "model_config", None), "hf_config", None)
+    dims = dict(hidden_size=tf.hidden_size, num_layers=tf.num_layers, num_attention_heads=tf.num_attention_heads,
+                num_query_groups=getattr(tf, "num_query_groups", None), kv_channels=getattr(tf, "kv_channels", None),
+                ffn_hidden_size=getattr(tf, "ffn_hidden_size", None),
+                vocab_size=int(getattr(hf, "vocab_size", 0) or 0),
+                swiglu=bool(getattr(tf, "gated_linear_unit", False)))
+    experts = getattr(tf, "num_moe_experts", None)
+    if experts:
+        dims.update(num_experts=experts, moe_router_topk=getattr(tf, "moe_router_topk", 2),
+                    moe_ffn_hidden_size=getattr(tf, "moe_ffn_hidden_size", None))
+    try:
+        return CostModel(**{k: v for k, v in dims.items() if v is not None})
+    except ValueError as exc:  # an unusual config: plan by tokens rather than fail the step
+        _say_once(f"no FLOPs model from the engine's config ({exc}); balancing by tokens")
+        return None
+
+
+def make_prepare_micro_batches(original: Callable) -> Callable:
+    """The replacement for verl's ``prepare_micro_batches`` (same signature; falls back to ``original``)."""
+
+    @functools.wraps(original)
+    def prepare_micro_batches(data, dp_group=None, num_batches_divided_by=None, same_micro_num_in_dp=True,
+                              min_num_micro_batch=None, use_dynamic_bsz_balance=True):
+        global _last_plan
+        reason = fallback_reason(data, same_micro_num_in_dp)
+        if reason is not None:
+            _say_once(reason)
+            return original(data, dp_group=dp_group, num_batches_divided_by=num_batches_divided_by,
+                            same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
+                            use_dynamic_bsz_balance=use_dynamic_bsz_balance)
+        from verl.utils import tensordict_utils as tu
+        import torch.distributed as dist
+
+        lengths = sample_lengths(data)
+        everyone = gather_lengths(lengths, dp_group)
+        rank = dist.get_rank(group=dp_group) if len(everyone) > 1 else 0
+        plan = plan_engine_step(everyone, _cap(data), layout_now(num_batches_divided_by),
+                                min_count=min_num_micro_batch, cost_model=cost_model_for(current_engine.get()))
+        _last_plan = plan
+        indices = [list(mb) for mb in plan.micro_batches[rank]]
+        return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
+
+    prepare_micro_batches.__slime_ext__ = True
+    return prepare_micro_batches

@@ -1,0 +1,71 @@
+"""The verl switch without verl: the entry point slime-ext declares, and what the plugin does on `import verl` for
+each value of SLIME_EXT_VERL (it only arranges patches for modules not imported yet; verl's own are tested in
+tests/verl)."""
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+
+import slime_ext.integrations.verl as sv
+from slime_ext.integrations.verl.patches import MODULE, TRAINER_MODULE
+
+ROOT = Path(__file__).resolve().parents[2]
+tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with tomllib")
+
+pytestmark = pytest.mark.skipif(MODULE in sys.modules or TRAINER_MODULE in sys.modules,
+                                reason="verl's modules are already imported in this process (tests/verl covers it)")
+
+
+def _finders():
+    return [f for f in sys.meta_path if isinstance(f, sv._PatchOnImport)]
+
+
+@pytest.fixture
+def load_plugin(monkeypatch):
+    def load(value):
+        if value is None:
+            monkeypatch.delenv(sv.ENV, raising=False)
+        else:
+            monkeypatch.setenv(sv.ENV, value)
+        import slime_ext.integrations.verl.plugin as plugin
+
+        importlib.reload(plugin)  # verl loads it once per process; each case is a fresh process here
+    yield load
+    sv.disable()
+    assert not _finders()
+
+
+def test_pyproject_declares_the_verl_plugin_and_extra():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["verl.plugins"] == {"slime_ext": "slime_ext.integrations.verl.plugin"}
+    assert any(r.startswith("verl>=0.9.0") and "<0.11" in r for r in project["optional-dependencies"]["verl"])
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "off"])
+def test_switch_off_arranges_nothing(load_plugin, value):
+    load_plugin(value)
+    assert not _finders()
+
+
+@pytest.mark.parametrize("value,parts", [("1", {MODULE: "engine"}),
+                                         ("trainer", {MODULE: "engine", TRAINER_MODULE: "trainer"})])
+def test_switch_on_patches_verl_modules_when_they_are_imported(load_plugin, value, parts):
+    load_plugin(value)
+    (finder,) = _finders()
+    assert finder.parts == parts and finder.error is None
+
+
+def test_bad_value_is_logged_and_deferred_to_the_engine_import(load_plugin, caplog):
+    with caplog.at_level(logging.ERROR, logger="slime_ext.integrations.verl"):
+        load_plugin("maybe")
+    (finder,) = _finders()
+    assert isinstance(finder.error, ValueError) and "SLIME_EXT_VERL='maybe'" in str(finder.error)
+    assert "set SLIME_EXT_VERL=1" in caplog.text
+
+
+def test_unknown_depth_is_refused():
+    with pytest.raises(ValueError, match="depth='deep' is not one of"):
+        sv.enable("deep")
