@@ -15,25 +15,33 @@ slime-compatible API::
 
 from .compat import build_dp_schedule
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel
+from .cost import CostModel, sample_costs
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
 from .invariants import check_schedule
 from .payload import RankPayload, SampleBatch
+from .pipeline_plan import PipelinePricing, best_orders, pipeline_pricing
 from .planner import plan_schedule
 from .profile import CostProfile
 
-# the public API; the rest (StepStats, fit_profile, ...) is imported from its module
+# the public API; the rest (StepStats, fit_profile, ...) is imported from its module. The pipeline pieces are public
+# for integrations that plan inside a host's engine (verl: one rank's micro-batches, ordered for the pipeline):
+# the pricing of a layout (pipeline_pricing -> PipelinePricing), the order search (best_orders), the per-sample
+# costs the planner balances (sample_costs)
 __all__ = [
     "BatchConfig",
     "CostModel",
     "CostProfile",
     "DPSchedule",
     "ParallelConfig",
+    "PipelinePricing",
     "RankPayload",
     "SampleBatch",
     "ScheduleError",
+    "best_orders",
     "build_dp_schedule",
     "check_schedule",
+    "pipeline_pricing",
     "plan_schedule",
+    "sample_costs",
 ]

@@ -31,8 +31,8 @@ Invariants (:func:`check_engine_plan`, run on every plan and by the tests):
 * each rank's micro-batches hold each of its local indices ``0 .. n_r - 1`` exactly once, none is empty;
 * no micro-batch holding more than one sample exceeds the cap (a sample longer than the cap sits alone).
 
-Pure: standard library, numpy and :mod:`slime_ext.schedule` (its public entry point, plus the pipeline model's
-pricing and order search from ``slime_ext.schedule.pipeline_plan``, to order re-planned ranks).
+Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API (the planner, and the pipeline model's
+pricing and order search, to order re-planned ranks).
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ from typing import Sequence
 
 import numpy as np
 
-from slime_ext.schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, ScheduleError, plan_schedule
-from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline_plan import PipelinePricing, best_orders, pipeline_pricing
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PipelinePricing, ScheduleError,
+                                best_orders, pipeline_pricing, plan_schedule, sample_costs)
 
 #: counts tried with a pipeline (the largest own count, what the cap needs, and own counts between)
 MAX_COUNT_CANDIDATES = 3
