@@ -478,7 +478,7 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
     width = max(k for k, _ in combos)
     w = np.full((c, width), -1.0)
     for i, (k, shape) in enumerate(combos):
-        w[i, :k] = shape.weights(k)
+        w[i, :k] = shape.weights(k, samples.step)
     rows = np.tile(members, (c, 1))
     bin_of, ok = shape_pack(samples.lengths, samples.costs, rows, np.repeat(w, r, axis=0), samples.cap)
     for i, (k, shape) in enumerate(combos):  # run orders other than the shape's own: relabel the bins

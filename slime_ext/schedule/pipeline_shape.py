@@ -38,9 +38,16 @@ class Shape:
     #: the run order: "target" (as shaped), or "rising": cheapest first up to the costliest, which runs second
     #: to last (the interleaved schedule's best plans of evenly loaded micro-batches)
     order: str = "target"
+    #: the ramps count groups of ``microbatch_group_size_per_vp_stage`` micro-batches, alike within a group (the
+    #: interleaved schedule runs a group through every model chunk together)
+    grouped: bool = False
 
-    def weights(self, k: int) -> np.ndarray:
-        return ramp_weights(k, self.up, self.down, self.low)
+    def weights(self, k: int, group: int = 1) -> np.ndarray:
+        if not self.grouped or group <= 1:
+            return ramp_weights(k, self.up, self.down, self.low)
+        slots = -(-k // group)
+        w = np.repeat(ramp_weights(slots, self.up, self.down, self.low), group)[:k]
+        return w / w.sum()
 
     def run_order(self, bin_costs: np.ndarray) -> np.ndarray:
         """``(R, k)`` the order each row's micro-batches run in (indices into its bins)."""
@@ -57,7 +64,8 @@ class Shape:
 RISING = 1 << 20
 SHAPES = (Shape(0, 0, 1.0), Shape(1, 4, 0.3), Shape(2, 4, 0.3), Shape(2, 6, 0.5), Shape(3, 6, 0.3),
           Shape(3, 8, 0.3), Shape(4, 8, 0.3), Shape(2, 2, 0.5), Shape(RISING, 1, 0.5), Shape(RISING, 2, 0.6),
-          Shape(0, 0, 1.0, "rising"), Shape(3, 8, 0.6), Shape(5, 10, 0.5), Shape(4, 12, 0.4))
+          Shape(0, 0, 1.0, "rising"), Shape(3, 8, 0.6), Shape(5, 10, 0.5), Shape(4, 12, 0.4),
+          Shape(1, 1, 0.3, grouped=True), Shape(1, 2, 0.3, grouped=True), Shape(2, 3, 0.3, grouped=True))
 
 
 def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:

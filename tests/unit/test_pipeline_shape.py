@@ -146,3 +146,14 @@ def test_speed_benchmark_prints_both_times_and_their_ratio(capsys) -> None:
     base, aware, ratio = float(row[4]), float(row[5]), float(row[6])  # dp, samples, "pp4", "v1", then times
     assert base > 0 and aware > 0 and ratio == pytest.approx(aware / base, rel=0.06)  # printed with one decimal
     assert lines[-1].startswith("worst ratio:")
+
+
+def test_grouped_shapes_ramp_over_whole_groups() -> None:
+    shape = Shape(1, 2, 0.3, grouped=True)
+    w = shape.weights(16, 4)  # 4 groups of 4: low, plateau, then two falling groups
+    assert w.sum() == pytest.approx(1.0)
+    groups = w.reshape(4, 4)
+    assert np.allclose(groups, groups[:, :1])  # alike within a group
+    assert groups[0, 0] < groups[1, 0] and groups[3, 0] < groups[2, 0] < groups[1, 0]
+    assert np.allclose(shape.weights(16, 1), ramp_weights(16, 1, 2, 0.3))  # without VPP groups: the plain ramp
+    assert len(shape.weights(10, 4)) == 10  # a last group of fewer micro-batches
