@@ -103,7 +103,7 @@ def pricing_for(pp: int, cost_model: CostModel, cap: int) -> PipelinePricing:
     if pp > 1:
         return pipeline_pricing(ParallelConfig(dp_size=DP, pp_size=pp), cost_model, cap)
     two = pipeline_pricing(ParallelConfig(dp_size=DP, pp_size=2), cost_model, cap)
-    return dataclasses.replace(two, spec=PipelineSpec(pp_size=1), scale=1.0)
+    return dataclasses.replace(two, spec=PipelineSpec(pp_size=1), scale=1.0, stage_share=None)  # one stage
 
 
 @dataclasses.dataclass
