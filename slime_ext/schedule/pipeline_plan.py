@@ -438,7 +438,7 @@ SCAN_SHAPES = (Shape(0, 0, 1.0), Shape(3, 6, 0.3), Shape(0, 0, 1.0, "rising"))
 #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
 #: are rebalanced, and the fastest after rebalancing wins
 SHAPED_COMBOS = 3
-REBALANCED_COUNTS = 2
+REBALANCED_COUNTS = 3
 #: sample moves off the slowest shaped replica; the shares of its cost a move tries
 MAX_SHED_MOVES = 12
 SHED_SHARES = (0.02, 0.06, 0.15, 0.35, 0.8)
