@@ -49,6 +49,7 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.cost import sample_costs
+from slime_ext.schedule.packing import halve_by_tokens
 from slime_ext.schedule.pipeline_plan import PipelinePricing, pipeline_pricing
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
@@ -215,18 +216,6 @@ def _candidates(plan: Plan, rng: np.random.Generator, s: int) -> list[tuple[dict
     return out
 
 
-def _halve(mb: list[int], lengths: np.ndarray) -> tuple[list[int], list[int]]:
-    first, second, lead = [], [], 0
-    for i in sorted(mb, key=lambda m: -int(lengths[m])):
-        if lead <= 0:
-            first.append(i)
-            lead += int(lengths[i])
-        else:
-            second.append(i)
-            lead -= int(lengths[i])
-    return first, second
-
-
 def recount(plan: Plan, delta: int, rng: np.random.Generator) -> Plan | None:
     """Every replica splits its ``delta`` largest micro-batches (``delta > 0``) or merges ``-delta`` pairs of
     adjacent micro-batches (the cheapest pairs that fit the cap); ``None`` when some replica cannot."""
@@ -239,7 +228,7 @@ def recount(plan: Plan, delta: int, rng: np.random.Generator) -> Plan | None:
                 if not splittable:
                     return None
                 i = max(splittable, key=lambda i: plan.costs[rep[i]].sum() * (0.8 + 0.4 * rng.random()))
-                first, second = _halve(rep[i], plan.lengths)
+                first, second = halve_by_tokens(rep[i], plan.lengths)
                 rep[i:i + 1] = [first, second]
             else:
                 pairs = [i for i in range(len(rep) - 1) if plan.fits(rep[i] + rep[i + 1])]
