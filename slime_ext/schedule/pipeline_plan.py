@@ -505,14 +505,30 @@ def _pad(groups: list[np.ndarray], costs: np.ndarray) -> np.ndarray:
     return out
 
 
+def _pack_rows(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndarray, k: int,
+               shapes: list[Shape]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of ``members`` packed into ``k`` micro-batches in its own shape (``shapes[r]``), in one packing call
+    and one call of the model: ``(spans (R,), bin_of (R, n))``; a row that does not fit is ``inf``."""
+    weights = {shape: shape.weights(k, samples.step) for shape in set(shapes)}
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, np.stack([weights[sh] for sh in shapes]),
+                            samples.cap)
+    for order in {sh.order for sh in shapes} - {"target"}:  # run orders other than the shape's: relabel the bins
+        rows = np.asarray([i for i, sh in enumerate(shapes) if sh.order == order])
+        run = next(sh for sh in shapes if sh.order == order).run_order(
+            samples.bin_rows(members[rows], bin_of[rows], k))
+        rank = np.argsort(run, axis=1)  # bin -> its position in the run
+        labels = bin_of[rows]
+        bin_of[rows] = np.where(labels >= 0, np.take_along_axis(rank, np.maximum(labels, 0), axis=1), -1)
+    spans = np.full(len(members), np.inf)
+    if ok.any():
+        spans[ok] = pricing.makespans(samples.bin_rows(members[ok], bin_of[ok], k))
+    return spans, bin_of
+
+
 def _repack(pricing: PipelinePricing, samples: ShapeSamples, rows: list[np.ndarray], k: int,
             shapes: list[Shape]) -> np.ndarray:
-    """Makespans of ``rows`` (sample ids), each packed in its own shape (one packing call per distinct shape)."""
-    got = np.full(len(rows), np.inf)
-    for shape in set(shapes):
-        sel = [i for i, sh in enumerate(shapes) if sh == shape]
-        got[sel] = _pack_many(pricing, samples, _pad([rows[i] for i in sel], samples.costs), [(k, shape)])[0][0]
-    return got
+    """Makespans of ``rows`` (sample ids), each packed in its own shape (:func:`_pack_rows`)."""
+    return _pack_rows(pricing, samples, _pad(rows, samples.costs), k, shapes)[0]
 
 
 def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
@@ -660,11 +676,7 @@ def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: li
         if not rows:
             break
         moves = cands
-        # one packing call: each row in its replica's shape (rows of one shape together)
-        got = np.full(len(rows), np.inf)
-        for shape in set(shapes[t] for _, t in owners):
-            sel = [i for i, (_, t) in enumerate(owners) if shapes[t] == shape]
-            got[sel] = _pack_many(pricing, samples, _pad([rows[i] for i in sel], costs), [(k, shape)])[0][0]
+        got = _repack(pricing, samples, rows, k, [shapes[t] for _, t in owners])  # each in its replica's shape
         worst = np.full(len(moves), -np.inf)
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
@@ -726,12 +738,7 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
     k, spans, shapes, groups = best
     # the final packing, each replica in its shape
     members = _pad(groups, samples.costs)
-    bin_of = np.empty_like(members)
-    spans = np.empty(dp)
-    for shape in set(shapes):
-        sel = np.asarray([i for i in range(dp) if shapes[i] == shape])
-        got, b = _pack_many(pricing, samples, members[sel], [(k, shape)])
-        spans[sel], bin_of[sel] = got[0], b[0]
+    spans, bin_of = _pack_rows(pricing, samples, members, k, shapes)
     step_bin = np.full(len(replica_of), -1, dtype=np.int64)
     valid = members >= 0
     step_bin[members[valid]] = (np.arange(dp)[:, None] * k + bin_of)[valid]
