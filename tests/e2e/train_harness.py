@@ -154,10 +154,12 @@ def plan(samples: list[dict], train_config: dict, world_size: int, *, pipeline_a
 
     cfg = TrainConfig.from_mapping(train_config)
     parallel = cfg.train_parallel_config(world_size)
-    if not pipeline_aware:
+    args = cfg.to_dict()
+    if not pipeline_aware:  # both say so: the planner reads the pipeline size off args and the dict alike
         parallel = {**parallel, "pp_size": 1}
+        args["pipeline_model_parallel_size"] = 1
     return build_dp_schedule(
-        SimpleNamespace(**cfg.to_dict()), parallel,
+        SimpleNamespace(**args), parallel,
         [s["total_length"] for s in samples], rollout_indices=[s["rollout_id"] for s in samples],
         loss_tokens=[sum(s["loss_mask"]) for s in samples])
 
