@@ -768,12 +768,14 @@ def plan_pipeline_step(
     ``bin_of``/``rank_of_bin``/``count``: the pp-unaware plan; ``bin_costs_of(bin_of, count)`` prices bins;
     ``balance``: rebalance the DP assignment by makespan; ``recount(count)``: a packing and assignment with that
     many micro-batches (``None`` when it cannot), or ``None`` when the count is fixed (static batches);
-    ``heaviest``: the key the pp-unaware plan orders its bins by (default: their prices).
+    ``heaviest``: the key the pp-unaware plan orders its bins by (default: their prices); ``samples``: the step's
+    samples for :func:`shaped_step` (dynamic batches), ``None`` for static batches.
 
-    Candidates (the same bins reordered, rebalanced, then more micro-batches) are compared with each rank in the
-    best of :func:`heuristic_orders`; the best at the pp-unaware count and the :data:`FINALISTS` - 1 best with more
-    micro-batches are then improved by swaps (:func:`polish`), and the fastest of them is returned, or the
-    pp-unaware plan if none beats it.
+    Candidates: the pp-unaware bins in the best of :func:`heuristic_orders` per rank, and the shaped plan. On steps
+    of at most :data:`FULL_SEARCH_MICROBATCHES` micro-batches (and with static batches) also the older ones: the
+    same bins rebalanced, then more micro-batches, the best at the pp-unaware count and the :data:`FINALISTS` - 1
+    best with more micro-batches improved by swaps (:func:`polish`). The fastest is returned, or the pp-unaware
+    plan if none beats it.
     """
     costs = bin_costs_of(bin_of, count)
     unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
@@ -818,5 +820,6 @@ def plan_pipeline_step(
 
 
 __all__ = ["DEFAULT_BACKWARD_FORWARD_RATIO", "FLOPS_MICROBATCH_OVERHEAD", "PipelinePricing", "PipelineStep",
-           "arrange", "balance_makespans", "best_orders", "heuristic_best", "heuristic_orders", "improve_orders",
-           "pipeline_pricing", "plan_pipeline_step", "polish", "predicted_makespans", "step_microbatch_costs"]
+           "ShapeSamples", "arrange", "balance_makespans", "best_orders", "heuristic_best", "heuristic_orders",
+           "improve_orders", "pipeline_pricing", "plan_pipeline_step", "polish", "predicted_makespans",
+           "rebalance_shaped", "shaped_step", "step_microbatch_costs", "water_fill"]
