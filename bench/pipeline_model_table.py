@@ -80,7 +80,12 @@ def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = F
         f, b = pricing.stage_costs(rc)
         members = unaware.step_samples[s]
         fl, bl = pricing.stage_costs(np.array([costs[members].max()]))
-        bound += max(pp * float(fl[0] + bl[0]), float((f + b).sum()) / DP)
+        if f.ndim == 3:  # per (virtual) stage: the trip crosses every row; a rank works all its chunks
+            trip = float((fl + bl).sum())
+            work = float((f + b).sum(axis=(0, 2)).reshape(-1, pp).sum(axis=0).max()) / DP
+        else:
+            trip, work = pp * float(fl[0] + bl[0]), float((f + b).sum()) / DP
+        bound += max(trip, work)
     after = sum(st.predicted_makespan for st in aware.stats)
     layout = f"{DP}x{pp}" + (f" vpp {vpp} ({'overlapped' if overlap else 'batched'} p2p)" if vpp > 1 else "")
     return dict(name=name, layout=layout, mb_before=unaware.num_microbatches, mb_after=aware.num_microbatches,
