@@ -11,11 +11,21 @@ import numpy as np
 BACKWARD_FORWARD_RATIO = 2.0
 
 
-def stage_costs(profile, micro_batches: list[list[int]], parallel) -> tuple[np.ndarray, np.ndarray]:
+def stage_costs(profile, micro_batches: list[list[int]], parallel, *,
+                per_stage: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-stage forward and backward of each micro-batch (lists of sample lengths), in run order, priced as the
     planner prices them (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: the profile's seconds split
-    ``1 : backward_forward_ratio`` and over the ``pp`` stages)."""
+    ``1 : backward_forward_ratio`` and over the ``pp`` stages).
+
+    Every stage alike by default: ``(M,)``, the issue-15 assumption the sleep replay runs (``bench.pipeline_stages``
+    replays uneven stages). ``per_stage``: the planner's stage shares where it has them (a profile that records
+    its model dims), ``(1, pp * vpp, M)``, ready for ``pipeline_makespan``; ``(M,)`` where the stages are even."""
+    import dataclasses
+
     from slime_ext.schedule.pipeline_plan import pipeline_pricing
 
     pricing = pipeline_pricing(parallel, profile, None)
-    return pricing.stage_costs(np.array([profile.microbatch_time(mb) for mb in micro_batches]))
+    if not per_stage:
+        pricing = dataclasses.replace(pricing, stage_share=None)
+    costs = np.array([profile.microbatch_time(mb) for mb in micro_batches])
+    return pricing.stage_costs(costs[None, :] if pricing.stage_share is not None else costs)

@@ -128,9 +128,9 @@ def real_section(repeats: int = REPEATS) -> list[str]:
         for name, payload in (("before", before), (HEAVIEST, heaviest_first(after, profile)), ("after", after)):
             lengths = payload.samples.total_lengths
             mbs = [[lengths[i] for i in mb] for mb in payload.micro_batch_indices]
-            fwd, bwd = stage_costs(profile, mbs, ParallelConfig(dp_size=1, pp_size=PP))
+            fwd, bwd = stage_costs(profile, mbs, ParallelConfig(dp_size=1, pp_size=PP), per_stage=True)
             label = f"{w.name}/{name}"
-            predicted[label] = float(pipeline_makespan(fwd, bwd, spec)) + profile.step_overhead_s
+            predicted[label] = float(np.max(pipeline_makespan(fwd, bwd, spec))) + profile.step_overhead_s
             counts[label] = len(mbs)
             runs.append({"label": label, "payload": payload})
     config["max_tokens_per_gpu"] = max(w.cap for w in WORKLOADS)
