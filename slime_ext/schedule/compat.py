@@ -100,8 +100,11 @@ def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | Paralle
     ``args.global_batch_size``) and the cost (:func:`cost_from_args`): the one reading of slime's flags."""
     parallel = parallel_from_args(args, train_parallel_config)
     num_layers = _arg(args, "num_layers")
-    if parallel.pp_size > 1 and num_layers is not None:
-        parallel.stage_layers(num_layers)  # the layout flags against the model, refused where Megatron refuses
+    placed = any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS)
+    if parallel.pp_size > 1 and num_layers is not None and placed:
+        # the layout flags the user set, against the model, refused where Megatron refuses; without them the even
+        # split is Megatron's own check (the planner prices dims it cannot split as even stages)
+        parallel.stage_layers(num_layers)
     return PlannerInputs(parallel=parallel,
                          batch=BatchConfig.from_args(args, global_batch_size=global_batch_size),
                          cost_model=cost_from_args(args))
