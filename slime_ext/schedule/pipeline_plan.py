@@ -25,7 +25,7 @@ same model, and the planner's gap to it per case.
 
 **Pricing.** A micro-batch's cost ``c`` is the planner's own: forward FLOPs from the ``CostModel`` (tokens without
 one), or seconds of forward + backward from a ``CostProfile`` (which prices the micro-batch whole, its overhead
-included). Per stage (layers split evenly over ``pp`` stages):
+included). Per stage, where every stage costs alike:
 
 * profile: forward ``c / ((1 + r) pp)``, backward ``r`` times that, ``r = backward_forward_ratio``, p2p ``p2p_s``;
   makespans in **seconds**;
@@ -33,6 +33,10 @@ included). Per stage (layers split evenly over ``pp`` stages):
   micro-batch :data:`FLOPS_MICROBATCH_OVERHEAD` of a full one (``cap`` tokens at the linear rate), so that more,
   smaller micro-batches are not free; makespans in **per-stage forward-FLOP units** (tokens without a model): a
   GPU's achieved FLOP/s turns them into seconds.
+
+Where the stages are uneven (:class:`~slime_ext.schedule.stages.StageCosts`: the embedding, the output layer,
+Megatron's layout flags) each virtual stage takes its share of ``pp`` times that forward
+(:attr:`PipelinePricing.stage_share`, :func:`pipeline_pricing`).
 
 The schedule records each step's slowest predicted makespan and that replica's bubble fraction (``StepStats``).
 Pure: standard library and numpy.
@@ -421,11 +425,15 @@ class ShapeSamples:
         ids = members[valid]
         if self.profile is None:
             return np.bincount(flat, weights=self.costs[ids], minlength=rows * k).reshape(rows, k)
-        p, L = self.profile, self.lengths[ids].astype(np.float64)
-        tokens = np.bincount(flat, weights=L, minlength=rows * k)
-        squares = np.bincount(flat, weights=L * L, minlength=rows * k)
-        return (p.microbatch_overhead_s + p.per_token_s * tokens + p.per_sample_quadratic_s * squares
-                + p.packed_quadratic_s * tokens * tokens).reshape(rows, k)
+        return self.profile.bin_times(self.lengths[ids], flat, rows * k).reshape(rows, k)
+
+    def in_run_order(self, shape: Shape, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
+        """``bin_of`` relabelled so that bin ``j`` is the ``j``-th to run in ``shape``'s order (unchanged for the
+        shape's own target order)."""
+        if shape.order == "target":
+            return bin_of
+        rank = np.argsort(shape.run_order(self.bin_rows(members, bin_of, k)), axis=1)  # bin -> its run position
+        return np.where(bin_of >= 0, np.take_along_axis(rank, np.maximum(bin_of, 0), axis=1), -1)
 
 
 #: replicas the count is chosen on (the heaviest by cost and by largest sample); all replicas choose their shape
@@ -481,13 +489,9 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
         w[i, :k] = shape.weights(k, samples.step)
     rows = np.tile(members, (c, 1))
     bin_of, ok = shape_pack(samples.lengths, samples.costs, rows, np.repeat(w, r, axis=0), samples.cap)
-    for i, (k, shape) in enumerate(combos):  # run orders other than the shape's own: relabel the bins
-        if shape.order != "target":
-            part = slice(i * r, (i + 1) * r)
-            order = shape.run_order(samples.bin_rows(rows[part], bin_of[part], k))
-            rank = np.argsort(order, axis=1)  # bin -> its position in the run
-            labels = bin_of[part]
-            bin_of[part] = np.where(labels >= 0, np.take_along_axis(rank, np.maximum(labels, 0), axis=1), -1)
+    for i, (k, shape) in enumerate(combos):
+        part = slice(i * r, (i + 1) * r)
+        bin_of[part] = samples.in_run_order(shape, rows[part], bin_of[part], k)
     spans = np.full(c * r, np.inf)
     for k in sorted({k for k, _ in combos}):
         sel = np.repeat([kk == k for kk, _ in combos], r) & ok
@@ -512,13 +516,9 @@ def _pack_rows(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
     weights = {shape: shape.weights(k, samples.step) for shape in set(shapes)}
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, np.stack([weights[sh] for sh in shapes]),
                             samples.cap)
-    for order in {sh.order for sh in shapes} - {"target"}:  # run orders other than the shape's: relabel the bins
-        rows = np.asarray([i for i, sh in enumerate(shapes) if sh.order == order])
-        run = next(sh for sh in shapes if sh.order == order).run_order(
-            samples.bin_rows(members[rows], bin_of[rows], k))
-        rank = np.argsort(run, axis=1)  # bin -> its position in the run
-        labels = bin_of[rows]
-        bin_of[rows] = np.where(labels >= 0, np.take_along_axis(rank, np.maximum(labels, 0), axis=1), -1)
+    for shape in set(shapes):  # each shape's rows in its run order
+        rows = np.asarray([i for i, sh in enumerate(shapes) if sh == shape])
+        bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
     spans = np.full(len(members), np.inf)
     if ok.any():
         spans[ok] = pricing.makespans(samples.bin_rows(members[ok], bin_of[ok], k))

@@ -27,9 +27,10 @@ Strategy (one call plans a whole rollout):
      pipelined replica's step time is the makespan of megatron-core's schedule (1F1B, or interleaved under VPP with
      the configured ``microbatch_group_size_per_vp_stage`` and p2p mode), so the objective becomes the slowest
      replica's makespan as :mod:`slime_ext.schedule.pipeline` predicts it: megatron-core's order of operations per
-     stage, blocking p2p calls of ``p2p_s`` per stage boundary, layers split evenly over the stages (one stage's
-     forward = the micro-batch's cost / pp, backward = ``backward_forward_ratio`` x forward), no first/last-stage
-     extras, nothing outside the pipeline (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
+     stage, blocking p2p calls of ``p2p_s`` per stage boundary, one stage's forward = its share of the
+     micro-batch's cost (``1 / pp`` where the stages are even; the embedding, the output layer and Megatron's
+     layout flags make them uneven), backward = ``backward_forward_ratio`` x forward, nothing outside the pipeline
+     (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
      seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
      charged 2% of a full one. Candidates compared by that model, none by a fixed rule: with dynamic batches
      each replica's samples re-packed into micro-batches *shaped* for the pipeline (small ones first, rising to
