@@ -171,7 +171,7 @@ def _candidates(plan: Plan, rng: np.random.Generator, s: int) -> list[tuple[dict
             new[i], new[j] = new[j], new[i]
             out.append(({s: new}, "order"))
             continue
-        if kind == 3:  # move a sample from t (another replica) into s's smallest... or s -> t: covered by kind 0
+        if kind == 3:  # a sample moved from another replica into the slowest one (kind 0 moves from it)
             src, dst = (t, s)
         else:
             src, dst = (s, t)
@@ -185,34 +185,17 @@ def _candidates(plan: Plan, rng: np.random.Generator, s: int) -> list[tuple[dict
             if len(mi) < 2:
                 continue
             x = mi[int(rng.integers(len(mi)))]
-            new_mj = sb[j] + [x]
-            if not plan.fits(new_mj):
-                continue
-            new_mi = [y for y in mi if y != x]
-            if src == dst:
-                new = list(sa)
-                new[i], new[j] = new_mi, new_mj
-                out.append(({src: new}, "move"))
-            else:
-                na, nb = list(sa), list(sb)
-                na[i], nb[j] = new_mi, new_mj
-                out.append(({src: na, dst: nb}, "move"))
+            new_mi, new_mj, name = [y for y in mi if y != x], sb[j] + [x], "move"
         else:  # swap two samples
             mj = sb[j]
-            x = mi[int(rng.integers(len(mi)))]
-            y = mj[int(rng.integers(len(mj)))]
-            new_mi = [z for z in mi if z != x] + [y]
-            new_mj = [z for z in mj if z != y] + [x]
-            if not (plan.fits(new_mi) and plan.fits(new_mj)):
-                continue
-            if src == dst:
-                new = list(sa)
-                new[i], new[j] = new_mi, new_mj
-                out.append(({src: new}, "swap"))
-            else:
-                na, nb = list(sa), list(sb)
-                na[i], nb[j] = new_mi, new_mj
-                out.append(({src: na, dst: nb}, "swap"))
+            x, y = mi[int(rng.integers(len(mi)))], mj[int(rng.integers(len(mj)))]
+            new_mi, new_mj, name = [z for z in mi if z != x] + [y], [z for z in mj if z != y] + [x], "swap"
+        if not (plan.fits(new_mi) and plan.fits(new_mj)):
+            continue
+        na = list(sa)
+        nb = na if src == dst else list(sb)  # within one replica both micro-batches change in one list
+        na[i], nb[j] = new_mi, new_mj
+        out.append(({src: na} if src == dst else {src: na, dst: nb}, name))
     return out
 
 
