@@ -59,8 +59,8 @@ import numpy as np
 from .errors import ScheduleError
 from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, show
 
-__all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_timeline",
-           "stage_programs"]
+__all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_makespans",
+           "pipeline_timeline", "stage_programs"]
 
 
 @dataclass(frozen=True)
@@ -543,41 +543,170 @@ def _per_virtual_stage(a: np.ndarray, spec: PipelineSpec) -> np.ndarray:
     return np.tile(a / v, (1, v, 1))
 
 
-def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
-    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
-    _check_spec(spec)
+@dataclass(frozen=True)
+class _Sweep:
+    """One or more compiled DAGs (each with its own count) evaluated together, level by level: the computes
+    renumbered so that a level is one slice, level ``k`` of every DAG side by side, each reading its duration from
+    one row of a stacked cost table (DAG ``d``'s rows after those of DAGs ``0 .. d - 1``)."""
+
+    num_nodes: int
+    #: per level: (first node, end, predecessors ``(n, w)`` in the new numbers (``num_nodes`` is time 0), the
+    #: transfers on the way from each ``(n, w, 1)`` (``None`` where there are none), each node's row in the
+    #: stacked cost table)
+    levels: tuple[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray], ...]
+    new_ids: tuple[np.ndarray, ...]  # per DAG: the new number of each of its computes
+    lasts: tuple[np.ndarray, ...]  # per DAG: each stage's last compute (new numbers)
+
+
+def _table_rows(dag: _Dag, form: str, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
+    """Per level, the rows a DAG's computes read in its cost table, and the table's row count, by the table's form:
+    "even" (``2 M`` rows: forwards, then backwards, every stage alike), "rank" (``2 pp M``: per rank) or "virtual"
+    (``2 pp vpp M``: per virtual stage)."""
+    if form == "even":
+        return tuple(cols for _, _, _, cols in dag.levels), 2 * m
+    if form == "rank":
+        return dag.rank_cols, 2 * pp * m
+    return dag.virtual_stage_cols, 2 * pp * vpp * m
+
+
+@lru_cache(maxsize=256)
+def _sweep(keys: tuple[tuple[int, int, int, bool, int, str], ...]) -> _Sweep:
+    """The DAGs of ``keys`` (``(pp, vpp, group, overlap, M, form)`` each) compiled for one evaluation."""
+    dags = [(_compiled(*key[:5]), key[5]) for key in keys]
+    depth = max(len(dag.levels) for dag, _ in dags)
+    sizes = [dag.num_nodes for dag, _ in dags]
+    total = sum(sizes)
+    new_ids = [np.full(size + 1, total, dtype=np.int64) for size in sizes]  # the sentinel maps to time 0
+    cols, offsets, row0, starts = [[] for _ in range(depth)], [], 0, []
+    for (dag, form), key in zip(dags, keys):
+        rows, count = _table_rows(dag, form, key[0], key[1], key[4])
+        offsets.append((rows, row0))
+        row0 += count
+    at = 0
+    for k in range(depth):
+        starts.append(at)
+        for d, (dag, _) in enumerate(dags):
+            if k < len(dag.levels):
+                nodes = dag.levels[k][0]
+                new_ids[d][nodes] = np.arange(at, at + len(nodes))
+                rows, base = offsets[d]
+                cols[k].append(rows[k] + base)
+                at += len(nodes)
+    starts.append(at)
+    levels = []
+    for k in range(depth):
+        parts = [(d, dag.levels[k]) for d, (dag, _) in enumerate(dags) if k < len(dag.levels)]
+        width = max(level[1].shape[1] for _, level in parts)
+        preds = np.full((starts[k + 1] - starts[k], width), total, dtype=np.int64)
+        hops = np.zeros((len(preds), width))
+        row = 0
+        for d, (nodes, p, h, _) in parts:
+            preds[row:row + len(nodes), :p.shape[1]] = new_ids[d][p]
+            hops[row:row + len(nodes), :p.shape[1]] = h[:, :, 0]
+            row += len(nodes)
+        if width == 1:
+            preds, hops = preds[:, 0], hops
+        levels.append((starts[k], starts[k + 1], preds, hops[:, :, None] if hops.any() else None,
+                       np.concatenate(cols[k])))
+    lasts = tuple(new_ids[d][np.asarray([nodes[-1] for nodes in dag.compute_nodes if len(nodes)], dtype=np.int64)]
+                  for d, (dag, _) in enumerate(dags))
+    return _Sweep(total, tuple(levels), tuple(ids[:-1] for ids in new_ids), lasts)
+
+
+def _cost_table(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, str]:
+    """A DAG's durations as a ``(rows, R)`` table (see :data:`_table_rows`) and its form."""
     r, m = f.shape[0], f.shape[-1]
-    dag = _dag(spec, m)
-    if f.ndim == 3:  # per stage: one row per (kind, virtual stage, micro-batch), written in place (no copies)
+    v = spec.chunks
+    if f.ndim == 3:  # per stage: one row per (kind, stage, micro-batch)
         _per_virtual_stage(f[:1, :, :1], spec)  # checks the stage count
-        v, sm = spec.chunks, f.shape[1] * m
+        sm = f.shape[1] * m
         dur_t = np.empty((2 * sm, r))
         dur_t[:sm] = f.transpose(1, 2, 0).reshape(sm, r)  # (stage, micro-batch) x replicas
         dur_t[sm:] = b.transpose(1, 2, 0).reshape(sm, r)
         if f.shape[1] == spec.pp_size:
             if v > 1:  # one row per rank: each of its chunks takes 1 / vpp
                 dur_t /= v
-            columns = dag.rank_cols
+            return dur_t, "rank"
+        return dur_t, "virtual"
+    dur_t = np.empty((2 * m, r))
+    dur_t[:m] = (f / v).T
+    dur_t[m:] = (b / v).T
+    return dur_t, "even"
+
+
+def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
+    """End time of every compute (new numbers), ``(num_nodes + 1, R)``; the last row is the sentinel 0."""
+    end = np.empty((sweep.num_nodes + 1, table.shape[1]))  # nodes x replicas: a level's nodes are one slice
+    end[-1] = 0.0
+    for start, stop, preds, hops, cols in sweep.levels:
+        before = end[preds]
+        if preds.ndim == 1:
+            if hops is not None and p2p:
+                before += hops[:, 0] * p2p
         else:
-            columns = dag.virtual_stage_cols
-    else:
-        v = spec.chunks
-        dur = np.empty((r, 2 * m + 2))
-        dur[:, :m] = f / v
-        dur[:, m:2 * m] = b / v
-        dur[:, 2 * m] = spec.p2p_s
-        dur[:, 2 * m + 1] = 0.0
-        dur_t = np.ascontiguousarray(dur.T)
-        columns = tuple(cols for _, _, _, cols in dag.levels)
-    # nodes x replicas: gathering whole rows is contiguous
-    end_t = np.zeros((dag.num_nodes + 1, r))
-    p2p = spec.p2p_s
-    for (nodes, preds, hops, _), cols in zip(dag.levels, columns):
-        before = end_t[preds]
-        if p2p:
-            before += hops * p2p
-        end_t[nodes] = before.max(axis=1) + dur_t[cols]
-    return end_t.T, dag
+            if hops is not None and p2p:
+                before += hops * p2p
+            before = before.max(axis=1)
+        np.add(before, table[cols], out=end[start:stop])
+    return end
+
+
+def _spec_key(spec: PipelineSpec, m: int, form: str) -> tuple[int, int, int, bool, int, str]:
+    spec.check_microbatches(m)
+    return (spec.pp_size, spec.chunks, spec.group if spec.chunks > 1 else 1,
+            spec.overlap_p2p_comm and spec.chunks > 1, m, form)
+
+
+def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
+    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
+    _check_spec(spec)
+    table, form = _cost_table(f, b, spec)
+    key = _spec_key(spec, f.shape[-1], form)
+    sweep = _sweep((key,))
+    end = _sweep_ends(sweep, table, spec.p2p_s)
+    return end[np.append(sweep.new_ids[0], sweep.num_nodes)].T, _compiled(*key[:5])
+
+
+def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
+    """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
+    (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
+    of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' replicas side by side,
+    padded to the widest), so many small groups cost about what the largest alone does; the makespans are exactly
+    those of separate calls."""
+    _check_spec(spec)
+    return _makespans([_as_costs(fwd, bwd)[:2] for fwd, bwd in costs], spec)
+
+
+def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) -> list[np.ndarray]:
+    """:func:`pipeline_makespans` of costs already checked (``(R, M)`` or ``(R, S, M)`` float arrays)."""
+    if not groups:
+        return []
+    tables, keys = [], []
+    for f, b in groups:
+        table, form = _cost_table(f, b, spec)
+        tables.append(table)
+        keys.append(_spec_key(spec, f.shape[-1], form))
+    width = max(t.shape[1] for t in tables)
+    sweep = _sweep(tuple(keys))
+    block = max(1, MAX_TABLE_ENTRIES // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
+    out = [np.empty(t.shape[1]) for t in tables]
+    for lo in range(0, width, block):
+        hi = min(width, lo + block)
+        if len(tables) == 1:
+            stacked = tables[0][:, lo:hi]
+        else:
+            stacked = np.zeros((sum(t.shape[0] for t in tables), hi - lo))
+            row = 0
+            for t in tables:
+                part = t[:, lo:hi]
+                stacked[row:row + len(t), :part.shape[1]] = part
+                row += len(t)
+        end = _sweep_ends(sweep, stacked, spec.p2p_s)
+        for d, t in enumerate(tables):
+            n = max(0, min(hi, t.shape[1]) - lo)
+            if n:
+                out[d][lo:lo + n] = end[sweep.lasts[d]][:, :n].max(axis=0)
+    return out
 
 
 def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
@@ -596,11 +725,7 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     """
     f, b, one = _as_costs(fwd, bwd)
     _check_spec(spec)
-    # replicas in blocks, so that the node-by-replica table stays under MAX_TABLE_ENTRIES (memory, not speed)
-    nodes = 2 * f.shape[-1] * spec.chunks * spec.pp_size
-    block = max(1, MAX_TABLE_ENTRIES // nodes)
-    out = np.concatenate([_node_ends(f[i:i + block], b[i:i + block], spec)[0].max(axis=1)
-                          for i in range(0, max(len(f), 1), block)]) if len(f) else np.zeros(0)
+    out = _makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
 

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
-from .pipeline import PipelineSpec, pipeline_makespan
+from .pipeline import PipelineSpec, pipeline_makespan, pipeline_makespans
 from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
 from .profile import CostProfile
 from .stages import StageCosts
@@ -124,6 +124,11 @@ class PipelinePricing:
         """``(R, M)`` micro-batch costs in run order -> ``(R,)`` predicted makespans."""
         f, b = self.stage_costs(np.atleast_2d(mb_costs))
         return np.atleast_1d(pipeline_makespan(f, b, self.spec))
+
+    def makespans_many(self, mb_costs: list[np.ndarray]) -> list[np.ndarray]:
+        """Several groups of ``(R_i, M_i)`` micro-batch costs (each its own count) -> their ``(R_i,)`` makespans, in
+        one pass of the model (:func:`~slime_ext.schedule.pipeline.pipeline_makespans`)."""
+        return pipeline_makespans([self.stage_costs(np.atleast_2d(c)) for c in mb_costs], self.spec)
 
     def bubble(self, mb_costs: np.ndarray) -> float:
         """One replica's bubble fraction: ``1 - (the busiest rank's work) / makespan``."""
@@ -493,10 +498,14 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
         part = slice(i * r, (i + 1) * r)
         bin_of[part] = samples.in_run_order(shape, rows[part], bin_of[part], k)
     spans = np.full(c * r, np.inf)
-    for k in sorted({k for k, _ in combos}):
+    picks, costs = [], []
+    for k in sorted({k for k, _ in combos}):  # every count in one pass of the model
         sel = np.repeat([kk == k for kk, _ in combos], r) & ok
         if sel.any():
-            spans[sel] = pricing.makespans(samples.bin_rows(rows[sel], bin_of[sel], k))
+            picks.append(sel)
+            costs.append(samples.bin_rows(rows[sel], bin_of[sel], k))
+    for sel, got in zip(picks, pricing.makespans_many(costs)):
+        spans[sel] = got
     return spans.reshape(c, r), bin_of.reshape(c, r, -1)
 
 

@@ -115,30 +115,41 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     cst = np.where(valid, costs[safe], 0.0)
     unused = weights < 0
     # target cost left per micro-batch; a micro-batch the row lacks never has room
-    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True)).ravel()
-    tok = np.where(unused, cap + 1, 0).astype(np.int64).ravel()  # tokens; a lacking micro-batch is "full"
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
+    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
     # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
-    # the cap; padding (L = 0) fits anywhere and changes nothing
-    limit = np.where(lens > cap, 0, cap - lens)
+    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
+    limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
+    lens_t, cst_t = np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
+    # samples left minus micro-batches still empty: at <= 0 every sample left must open an empty micro-batch
+    # (padding comes last in a row, so what it does to this count never matters). It drops by one at most per
+    # sample, so no row is forced before sample ``min(slack)``: until then it is not tracked.
+    used = (~unused).sum(axis=1)
+    slack = valid.sum(axis=1) - used
+    calm = int(slack.min(initial=n))
+    bin_t = np.empty((n, rows), dtype=np.int64)
+    flat_room, flat_tok = room.ravel(), tok.ravel()
     base = np.arange(rows) * k
-    bin_of = np.empty((rows, n), dtype=np.int64)
-    left = valid.sum(axis=1)  # samples still to place
-    empty = (~unused).sum(axis=1)  # micro-batches still empty
     neg = -np.inf
     for j in range(n):
-        fits = tok.reshape(rows, k) <= limit[:, j, None]
-        force = left <= empty  # as many samples left as empty micro-batches: each of them must take one
-        if force.any():
-            fits &= ~(force[:, None] & (tok.reshape(rows, k) > 0))
-        flat = base + np.where(fits, room.reshape(rows, k), neg).argmax(axis=1)
-        empty -= (tok[flat] == 0) & valid[:, j]
-        room[flat] -= cst[:, j]
-        tok[flat] += lens[:, j]
-        left -= valid[:, j]
-        bin_of[:, j] = flat - base
+        if j < calm:
+            allowed = limit[j]
+        else:
+            if j == calm:  # from here on, track it: samples left minus micro-batches still empty
+                slack = valid.sum(axis=1) - j - (used - ((tok > 0) & ~unused).sum(axis=1))
+            allowed = np.where(slack <= 0, 0, limit[j])  # forced: only an empty micro-batch takes the sample
+        # the micro-batch with the most room left that takes the sample under the cap
+        pick = np.where(tok <= allowed[:, None], room, neg).argmax(axis=1)
+        flat = base + pick
+        held = flat_tok[flat]
+        if j >= calm:
+            slack -= held > 0
+        flat_room[flat] -= cst_t[j]
+        flat_tok[flat] = held + lens_t[j]
+        bin_t[j] = pick
+    bin_of = bin_t.T.copy()
     bin_of[~valid] = -1
     # a sample that fitted nowhere went to a micro-batch over the cap: the row fails; so does an empty micro-batch
-    tok = tok.reshape(rows, k)
     counts = np.zeros(rows * k, dtype=np.int64)
     np.add.at(counts, (base[:, None] + bin_of)[valid], 1)
     counts = counts.reshape(rows, k)

@@ -8,7 +8,7 @@ import pytest
 
 from slime_ext.schedule import ParallelConfig, ScheduleError
 from slime_ext.schedule.pipeline import (PipelineSpec, bubble_fraction, pipeline_lower_bound, pipeline_makespan,
-                                         pipeline_timeline)
+                                         pipeline_makespans, pipeline_timeline)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -90,6 +90,32 @@ def test_replicas_in_blocks_give_the_same_makespans(monkeypatch):
     whole = pipeline_makespan(f, 2 * f, spec)
     monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 500)  # 162 computes: 3 replicas per block
     np.testing.assert_array_equal(pipeline_makespan(f, 2 * f, spec), whole)
+
+
+def test_groups_of_several_counts_in_one_pass_equal_separate_calls(monkeypatch):
+    # pipeline_makespans evaluates groups of different counts, replica counts and cost forms side by side: the
+    # makespans must be exactly those of one call per group, also when the replicas go in blocks
+    import slime_ext.schedule.pipeline as pipeline
+    rng = np.random.default_rng(4)
+    for spec, counts in ((PipelineSpec(4), (1, 3, 8, 20)), (PipelineSpec(2, 3, 3, p2p_s=0.05), (3, 6, 8)),
+                         (PipelineSpec(4, 2, 5, overlap_p2p_comm=True), (5, 9, 15))):
+        groups = []
+        for i, m in enumerate(counts):
+            r = int(rng.integers(1, 9))
+            shape = [(r, m), (r, spec.pp_size, m), (r, spec.pp_size * spec.vpp_size, m)][i % 3]
+            f = rng.random(shape)
+            groups.append((f, f * rng.uniform(1, 3, shape)))
+        alone = [pipeline_makespan(f, b, spec) for f, b in groups]
+        for got, want in zip(pipeline_makespans(groups, spec), alone):
+            np.testing.assert_array_equal(got, want)
+        monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 300)
+        for got, want in zip(pipeline_makespans(groups, spec), alone):
+            np.testing.assert_array_equal(got, want)
+        monkeypatch.undo()
+    assert pipeline_makespans([], PipelineSpec(2)) == []
+    with pytest.raises(ScheduleError, match="num_microbatches = 5 leaves a last group"):
+        pipeline_makespans([(np.ones((1, 8)), np.ones((1, 8))), (np.ones((1, 5)), np.ones((1, 5)))],
+                           PipelineSpec(4, 2, 4))
 
 
 def test_vectorised_rows_equal_single_rows():
