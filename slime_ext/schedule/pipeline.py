@@ -679,15 +679,21 @@ def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
 
 def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespans` of costs already checked (``(R, M)`` or ``(R, S, M)`` float arrays)."""
-    if not groups:
-        return []
-    tables, keys = [], []
+    tables = []
     for f, b in groups:
         table, form = _cost_table(f, b, spec)
-        tables.append(table)
-        keys.append(_spec_key(spec, f.shape[-1], form))
+        tables.append((table, form, f.shape[-1]))
+    return _table_makespans(tables, spec)
+
+
+def _table_makespans(tables: list[tuple[np.ndarray, str, int]], spec: PipelineSpec) -> list[np.ndarray]:
+    """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_cost_table`'s layout)."""
+    if not tables:
+        return []
+    keys = tuple(_spec_key(spec, m, form) for _, form, m in tables)
+    tables = [t for t, _, _ in tables]
     width = max(t.shape[1] for t in tables)
-    sweep = _sweep(tuple(keys))
+    sweep = _sweep(keys)
     block = max(1, MAX_TABLE_ENTRIES // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
     out = [np.empty(t.shape[1]) for t in tables]
     for lo in range(0, width, block):

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
-from .pipeline import PipelineSpec, pipeline_makespan, pipeline_makespans
+from .pipeline import PipelineSpec, _table_makespans, pipeline_makespan
 from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
 from .profile import CostProfile
 from .stages import StageCosts
@@ -122,18 +122,42 @@ class PipelinePricing:
 
     def makespans(self, mb_costs: np.ndarray) -> np.ndarray:
         """``(R, M)`` micro-batch costs in run order -> ``(R,)`` predicted makespans."""
-        f, b = self.stage_costs(np.atleast_2d(mb_costs))
-        return np.atleast_1d(pipeline_makespan(f, b, self.spec))
+        return self.makespans_many([mb_costs])[0]
 
     def makespans_many(self, mb_costs: list[np.ndarray]) -> list[np.ndarray]:
         """Several groups of ``(R_i, M_i)`` micro-batch costs (each its own count) -> their ``(R_i,)`` makespans, in
-        one pass of the model (:func:`~slime_ext.schedule.pipeline.pipeline_makespans`)."""
-        return pipeline_makespans([self.stage_costs(np.atleast_2d(c)) for c in mb_costs], self.spec)
+        one pass of the model (:func:`~slime_ext.schedule.pipeline.pipeline_makespans`; the per-stage costs are
+        written straight into the model's cost tables, the same numbers :meth:`stage_costs` gives)."""
+        v = self.spec.chunks
+        tables = []
+        for c in mb_costs:
+            c = np.atleast_2d(np.asarray(c, dtype=np.float64))
+            f = ((c + self.overhead) * self.scale).T  # (M, R)
+            m = f.shape[0]
+            if self.stage_share is None:  # every stage alike: forwards then backwards, a chunk's share each
+                table = np.empty((2 * m, f.shape[1]))
+                table[:m] = f / v
+                table[m:] = (self.backward_forward_ratio * f) / v
+                tables.append((table, "even", m))
+                continue
+            share = np.asarray(self.stage_share) * self.spec.pp_size
+            fs = (f[None, :, :] * share[:, None, None]).reshape(-1, f.shape[1])  # (virtual stage, M) x R
+            table = np.empty((2 * len(fs), f.shape[1]))
+            table[:len(fs)] = fs
+            table[len(fs):] = self.backward_forward_ratio * fs
+            if len(share) == self.spec.pp_size:  # one row per rank: each of its chunks takes 1 / vpp
+                if v > 1:
+                    table /= v
+                tables.append((table, "rank", m))
+            else:
+                tables.append((table, "virtual", m))
+        return _table_makespans(tables, self.spec)
 
-    def bubble(self, mb_costs: np.ndarray) -> float:
-        """One replica's bubble fraction: ``1 - (the busiest rank's work) / makespan``."""
+    def bubble(self, mb_costs: np.ndarray, span: float | None = None) -> float:
+        """One replica's bubble fraction: ``1 - (the busiest rank's work) / makespan`` (``span``: its makespan,
+        when known)."""
         f, b = self.stage_costs(np.atleast_2d(mb_costs))
-        span = float(pipeline_makespan(f, b, self.spec)[0])
+        span = float(pipeline_makespan(f, b, self.spec)[0]) if span is None else float(span)
         work = (f + b)[0]
         if work.ndim == 2:  # per virtual stage: a rank's work is its chunks'
             work = work.sum(axis=1).reshape(-1, self.spec.pp_size).sum(axis=0).max()
@@ -391,7 +415,8 @@ def arrange(pricing: PipelinePricing, bin_costs: np.ndarray, bin_of: np.ndarray,
         by_rank = np.take_along_axis(by_rank, chosen, axis=1)
         costs = bin_costs[by_rank]
     slowest = int(np.argmax(spans))
-    return PipelineStep(bin_of, rank_of_bin, count, by_rank.reshape(-1), spans, pricing.bubble(costs[slowest]), how)
+    return PipelineStep(bin_of, rank_of_bin, count, by_rank.reshape(-1), spans,
+                        pricing.bubble(costs[slowest], spans[slowest]), how)
 
 
 def polish(pricing: PipelinePricing, step: PipelineStep, bin_costs: np.ndarray, dp: int) -> PipelineStep:
@@ -483,6 +508,30 @@ def _shape_counts(k0: int, step: int, most: int, spec: PipelineSpec) -> list[int
     return out
 
 
+def _pack_core(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
+               parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
+    ``weights`` in one call, each part ``(count, shape, its rows)`` relabelled to its run order, and every row priced
+    in one pass of the model (every count together): ``(spans (R,), bin_of (R, n))``; a row that does not fit is
+    ``inf``."""
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
+    count_of = np.zeros(len(members), dtype=np.int64)
+    for k, shape, rows in parts:
+        count_of[rows] = k
+        if shape.order != "target":
+            bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
+    spans = np.full(len(members), np.inf)
+    picks, costs = [], []
+    for k in sorted({k for k, _, _ in parts}):
+        sel = (count_of == k) & ok
+        if sel.any():
+            picks.append(sel)
+            costs.append(samples.bin_rows(members[sel], bin_of[sel], k))
+    for sel, got in zip(picks, pricing.makespans_many(costs)):
+        spans[sel] = got
+    return spans, bin_of
+
+
 def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndarray,
                combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
     """Every row of ``members`` packed for every ``(count, shape)`` of ``combos`` in one call: ``(spans (C, R),
@@ -492,20 +541,8 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
     w = np.full((c, width), -1.0)
     for i, (k, shape) in enumerate(combos):
         w[i, :k] = shape.weights(k, samples.step)
-    rows = np.tile(members, (c, 1))
-    bin_of, ok = shape_pack(samples.lengths, samples.costs, rows, np.repeat(w, r, axis=0), samples.cap)
-    for i, (k, shape) in enumerate(combos):
-        part = slice(i * r, (i + 1) * r)
-        bin_of[part] = samples.in_run_order(shape, rows[part], bin_of[part], k)
-    spans = np.full(c * r, np.inf)
-    picks, costs = [], []
-    for k in sorted({k for k, _ in combos}):  # every count in one pass of the model
-        sel = np.repeat([kk == k for kk, _ in combos], r) & ok
-        if sel.any():
-            picks.append(sel)
-            costs.append(samples.bin_rows(rows[sel], bin_of[sel], k))
-    for sel, got in zip(picks, pricing.makespans_many(costs)):
-        spans[sel] = got
+    parts = [(k, shape, slice(i * r, (i + 1) * r)) for i, (k, shape) in enumerate(combos)]
+    spans, bin_of = _pack_core(pricing, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
     return spans.reshape(c, r), bin_of.reshape(c, r, -1)
 
 
@@ -518,30 +555,62 @@ def _pad(groups: list[np.ndarray], costs: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pack_rows(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndarray, k: int,
-               shapes: list[Shape]) -> tuple[np.ndarray, np.ndarray]:
-    """Each row of ``members`` packed into ``k`` micro-batches in its own shape (``shapes[r]``), in one packing call
-    and one call of the model: ``(spans (R,), bin_of (R, n))``; a row that does not fit is ``inf``."""
-    weights = {shape: shape.weights(k, samples.step) for shape in set(shapes)}
-    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, np.stack([weights[sh] for sh in shapes]),
-                            samples.cap)
-    for shape in set(shapes):  # each shape's rows in its run order
-        rows = np.asarray([i for i, sh in enumerate(shapes) if sh == shape])
-        bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
-    spans = np.full(len(members), np.inf)
-    if ok.any():
-        spans[ok] = pricing.makespans(samples.bin_rows(members[ok], bin_of[ok], k))
-    return spans, bin_of
+#: a replica's packing: its sample ids by decreasing cost (ties by id) and the micro-batch of each, in run order
+Packed = tuple[np.ndarray, np.ndarray]
+#: what a rebalancing run asks for: rows of sample ids to pack, their count, each row's shape; it is answered
+#: with their makespans and packings (:func:`_lockstep`)
+Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
-def _repack(pricing: PipelinePricing, samples: ShapeSamples, rows: list[np.ndarray], k: int,
-            shapes: list[Shape]) -> np.ndarray:
-    """Makespans of ``rows`` (sample ids), each packed in its own shape (:func:`_pack_rows`)."""
-    return _pack_rows(pricing, samples, _pad(rows, samples.costs), k, shapes)[0]
+def _lockstep(pricing: PipelinePricing, samples: ShapeSamples, runs: list) -> list:
+    """Drive rebalancing runs (generators that yield :data:`Repack` requests and return their result) side by
+    side: every round, all their requests in one packing call and one pass of the model. Each run gets exactly
+    what it would alone (rows pack and price independently of each other); returns their results."""
+    results: list = [None] * len(runs)
+    asks: dict[int, Repack] = {}
+
+    def advance(i: int, answer) -> None:
+        try:
+            asks[i] = runs[i].send(answer)
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    for i in range(len(runs)):
+        advance(i, None)
+    while asks:
+        order = sorted(asks)
+        batch = [asks.pop(i) for i in order]
+        rows = [row for ask in batch for row in ask[0]]
+        members = _pad(rows, samples.costs)
+        counts = [ask[1] for ask in batch for _ in ask[0]]
+        shapes = [shape for ask in batch for shape in ask[2]]
+        w = np.full((len(rows), max(counts)), -1.0)
+        index: dict[tuple[int, Shape], list[int]] = {}
+        for i, (k, shape) in enumerate(zip(counts, shapes)):
+            index.setdefault((k, shape), []).append(i)
+        for (k, shape), idx in index.items():
+            w[idx, :k] = shape.weights(k, samples.step)
+        spans, bin_of = _pack_core(pricing, samples, members, w,
+                                   [(k, shape, np.asarray(idx)) for (k, shape), idx in index.items()])
+        valid = members >= 0
+        start = 0
+        for i, ask in zip(order, batch):
+            part = range(start, start + len(ask[0]))
+            start += len(ask[0])
+            advance(i, (spans[part.start:part.stop], [(members[j][valid[j]], bin_of[j][valid[j]]) for j in part]))
+    return results
 
 
 def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """:func:`_water_fill_run` alone: ``(groups, spans)``."""
+    groups, spans, _ = _lockstep(pricing, samples, [_water_fill_run(pricing, samples, groups, k, shapes, spans,
+                                                                    [None] * len(groups))])[0]
+    return groups, spans
+
+
+def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+                    shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None]):
     """Level the replicas' makespans in a few global rounds (:data:`WATER_ROUNDS`), for many replicas at once.
 
     A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
@@ -550,10 +619,13 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
     samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
     whose costliest sample is dominant (:data:`STRIP_SHARE` of its cost) and whose level lies below what it would
     keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
-    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops."""
+    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops.
+
+    A rebalancing run (:func:`_lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
+    each replica's packing as far as it was re-packed (the others as given)."""
     costs, lengths = samples.costs, samples.lengths
     slope = pricing.slope
-    groups = list(groups)
+    groups, packs = list(groups), list(packs)
     for _ in range(WATER_ROUNDS):
         work = np.asarray([costs[g].sum() for g in groups])
         own = spans - slope * work
@@ -626,29 +698,39 @@ def water_fill(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.
         changed = sorted(set(add) | set(drop))
         rows = [np.concatenate((np.setdiff1d(groups[t], drop.get(t, [])), np.asarray(add.get(t, []), dtype=np.int64)))
                 for t in changed]
-        got = _repack(pricing, samples, rows, k, [shapes[t] for t in changed])
+        got, packed = yield rows, k, [shapes[t] for t in changed]
         trial = spans.copy()
         trial[changed] = got
         if not trial.max() < spans.max() * (1 - 1e-9):
             break
-        for t, row in zip(changed, rows):
-            groups[t] = row
+        for t, row, pack in zip(changed, rows, packed):
+            groups[t], packs[t] = row, pack
         spans = trial
-    return groups, spans
+    return groups, spans, packs
 
 
 def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                      shapes: list[Shape], spans: np.ndarray) -> tuple[list[np.ndarray], list[Shape], np.ndarray]:
+    """:func:`_rebalance_run` alone: ``(groups, shapes, spans)``."""
+    groups, shapes, spans, _ = _lockstep(pricing, samples, [_rebalance_run(pricing, samples, groups, k, shapes, spans,
+                                                                           [None] * len(groups))])[0]
+    return groups, shapes, spans
+
+
+def _rebalance_run(pricing: PipelinePricing, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None]):
     """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
     makespan: a share (:data:`SHED_SHARES`) of the cost of its samples but the ``k - 1`` cheapest and the
     costliest, cheapest first, dealt over the :data:`BALANCE_PARTNERS` fastest, each replica re-packed in its own
     shape; at most :data:`MAX_SHED_MOVES` moves, while a move gains :data:`MIN_SHED_GAIN`. A replica holding a
     sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
-    replica keeps at least ``k`` samples."""
-    groups, shapes, spans = list(groups), list(shapes), spans.copy()
+    replica keeps at least ``k`` samples.
+
+    A rebalancing run (:func:`_lockstep`): yields its re-packings, returns ``(groups, shapes, spans, packs)``."""
+    groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
     if len(groups) > WATER_FILL_REPLICAS:
-        groups, spans = water_fill(pricing, samples, groups, k, shapes, spans)
+        groups, spans, packs = yield from _water_fill_run(pricing, samples, groups, k, shapes, spans, packs)
     for _ in range(MAX_SHED_MOVES if len(groups) <= WATER_FILL_REPLICAS else SHED_MOVES_AFTER_WATER):
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:BALANCE_PARTNERS]
@@ -685,17 +767,17 @@ def rebalance_shaped(pricing: PipelinePricing, samples: ShapeSamples, groups: li
         if not rows:
             break
         moves = cands
-        got = _repack(pricing, samples, rows, k, [shapes[t] for _, t in owners])  # each in its replica's shape
+        got, packed = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
         worst = np.full(len(moves), -np.inf)
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
         c = int(np.argmin(worst))
         if not worst[c] < spans[s] * (1 - MIN_SHED_GAIN):
             break  # the slowest replica gains (almost) nothing
-        for (ci, t), v, row in zip(owners, got, rows):
+        for (ci, t), v, row, pack in zip(owners, got, rows, packed):
             if ci == c:
-                groups[t], spans[t] = row, v
-    return groups, shapes, spans
+                groups[t], spans[t], packs[t] = row, v, pack
+    return groups, shapes, spans, packs
 
 
 def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.ndarray, k0: int,
@@ -720,42 +802,52 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
     pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:SCAN_REPLICAS // 2],
                                               np.argsort(-largest, kind="stable")[:SCAN_REPLICAS]))))
     sub = members[np.asarray(pick[:SCAN_REPLICAS])] if dp > SCAN_REPLICAS else members
-    # the counts with a few shapes, then every shape at the best counts
+    # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept)
     combos = [(k, shape) for k in counts for shape in SCAN_SHAPES]
     scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
+    seen = dict(zip(combos, scan))
     best_counts = list(dict.fromkeys(combos[i][0] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])))
     combos = [(k, shape) for k in best_counts[:REBALANCED_COUNTS] for shape in SHAPES]
-    scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
+    fresh = [combo for combo in combos if combo not in seen]
+    if fresh:
+        seen.update(zip(fresh, _pack_many(pricing, samples, sub, fresh)[0].max(axis=1)))
+    scan = np.asarray([seen[combo] for combo in combos])
     ranked = [combos[i] for i in np.argsort(scan, kind="stable")[:SHAPED_COMBOS] if np.isfinite(scan[i])]
     if not ranked:
         return None
     spans, bin_of = _pack_many(pricing, samples, members, ranked)
-    best = None
+    valid = members >= 0
+    runs = []  # per count: (k, its rebalancing run), or (k, the result without one)
     for k in list(dict.fromkeys(k for k, _ in ranked))[:REBALANCED_COUNTS]:
         idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
         choice = np.asarray(idx)[spans[idx].argmin(axis=0)]
         got = spans[choice, np.arange(dp)]
         if not np.isfinite(got).all():
             continue
-        groups, shapes = [row[row >= 0] for row in members], [ranked[i][1] for i in choice]
-        if dp > 1:
-            groups, shapes, got = rebalance_shaped(pricing, samples, groups, k, shapes, got)
+        groups, shapes = [row[ok] for row, ok in zip(members, valid)], [ranked[i][1] for i in choice]
+        packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, bin_of[choice, np.arange(dp)])]
+        runs.append((k, _rebalance_run(pricing, samples, groups, k, shapes, got, packs) if dp > 1
+                     else (groups, shapes, got, packs)))
+    # the counts' rebalancing side by side (one packing call and one pass of the model per round)
+    moving = [i for i, (_, run) in enumerate(runs) if not isinstance(run, tuple)]
+    done = dict(zip(moving, _lockstep(pricing, samples, [runs[i][1] for i in moving])))
+    best = None
+    for i, (k, run) in enumerate(runs):
+        _, _, got, packs = done.get(i, run)
         if best is None or got.max() < best[1].max():
-            best = (k, got, shapes, groups)
+            best = (k, got, packs)
     if best is None:
         return None
-    k, spans, shapes, groups = best
-    # the final packing, each replica in its shape
-    members = _pad(groups, samples.costs)
-    spans, bin_of = _pack_rows(pricing, samples, members, k, shapes)
+    k, spans, packs = best  # each replica as last packed in its shape
     step_bin = np.full(len(replica_of), -1, dtype=np.int64)
-    valid = members >= 0
-    step_bin[members[valid]] = (np.arange(dp)[:, None] * k + bin_of)[valid]
+    step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate([t * k + labels
+                                                                          for t, (_, labels) in enumerate(packs)])
     count = k * dp
     slowest = int(np.argmax(spans))
-    row = samples.bin_rows(members[slowest:slowest + 1], bin_of[slowest:slowest + 1], k)[0]
-    return PipelineStep(step_bin, np.arange(count) // k, count, np.arange(count), spans, pricing.bubble(row),
-                        f"shape+{count - k0 * dp}")
+    mem, labels = packs[slowest]
+    row = samples.bin_rows(mem[None, :], labels[None, :], k)[0]
+    return PipelineStep(step_bin, np.arange(count) // k, count, np.arange(count), spans,
+                        pricing.bubble(row, spans[slowest]), f"shape+{count - k0 * dp}")
 
 
 def plan_pipeline_step(
