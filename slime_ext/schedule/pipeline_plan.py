@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
-from .pipeline import PipelineSpec, _table_makespans, pipeline_makespan
+from .pipeline import PipelineSpec, _table_makespans, pipeline_lower_bound, pipeline_makespan
 from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
 from .profile import CostProfile
 from .stages import StageCosts
@@ -879,11 +879,18 @@ def plan_pipeline_step(
     plan if none beats it.
     """
     costs = bin_costs_of(bin_of, count)
-    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
-    same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
     # dynamic batches: the micro-batches composed for the pipeline (shaped_step); on large steps that is the whole
     # search (the reordered, rebalanced and recounted candidates below cost ~10x more there and gain little)
     shaped = None if samples is None else shaped_step(pricing, samples, rank_of_bin[bin_of], count // dp, dp)
+    if shaped is not None and count > FULL_SEARCH_MICROBATCHES:
+        # no order of the pp-unaware bins runs a replica faster than its lower bound: where the slowest bound lies
+        # above the shaped plan, neither the pp-unaware plan nor its reorderings can win, and they are not priced
+        by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp, count // dp)
+        bound = pipeline_lower_bound(*pricing.stage_costs(costs[by_rank]), pricing.spec)
+        if float(np.max(bound)) > shaped.slowest * (1 + 1e-9):
+            return shaped
+    unaware = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, order="heaviest-first", heaviest=heaviest)
+    same = arrange(pricing, costs, bin_of, rank_of_bin, count, dp, how="order")
     if shaped is not None and count > FULL_SEARCH_MICROBATCHES:
         return min((unaware, same, shaped), key=lambda c: c.slowest)  # ties: the earlier
     if balance and dp > 1:
