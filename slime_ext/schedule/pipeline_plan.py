@@ -141,10 +141,10 @@ class PipelinePricing:
                 tables.append((table, "even", m))
                 continue
             share = np.asarray(self.stage_share) * self.spec.pp_size
-            fs = (f[None, :, :] * share[:, None, None]).reshape(-1, f.shape[1])  # (virtual stage, M) x R
-            table = np.empty((2 * len(fs), f.shape[1]))
-            table[:len(fs)] = fs
-            table[len(fs):] = self.backward_forward_ratio * fs
+            rows = len(share) * m  # (virtual stage, micro-batch) x replicas: forwards, then backwards
+            table = np.empty((2 * rows, f.shape[1]))
+            np.multiply(f[None, :, :], share[:, None, None], out=table[:rows].reshape(len(share), m, -1))
+            np.multiply(self.backward_forward_ratio, table[:rows], out=table[rows:])
             if len(share) == self.spec.pp_size:  # one row per rank: each of its chunks takes 1 / vpp
                 if v > 1:
                     table /= v
@@ -471,8 +471,17 @@ SCAN_REPLICAS = 8
 #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
 #: step more than the previous (capped by the samples of the smallest replica)
 COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
+#: large steps (more than FULL_SEARCH_MICROBATCHES micro-batches in all) scan on this many replicas, and no count
+#: above LARGE_COUNT_REACH times the pp-unaware count once LARGE_MIN_COUNTS counts are in (under VPP the "one
+#: step more" rule otherwise reaches 3.5x); on 80 large steps (bench workloads, dp 32-512) this moved 5 plans, each
+#: faster, and none slower
+LARGE_SCAN_REPLICAS = 2
+LARGE_MIN_COUNTS = 4
+LARGE_COUNT_REACH = 2.0
 #: the shapes every count is scanned with (then every shape of SHAPES at the best counts)
 SCAN_SHAPES = (Shape(0, 0, 1.0), Shape(3, 6, 0.3), Shape(0, 0, 1.0, "rising"))
+#: the scan packs every shape at every count in one call where that is at most this many rows
+ONE_SCAN_ROWS = 256
 #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
 #: are rebalanced, and the fastest after rebalancing wins
 SHAPED_COMBOS = 3
@@ -493,11 +502,11 @@ TOKEN_FILL = 0.9
 STRIP_SHARE = 0.25
 
 
-def _shape_counts(k0: int, step: int, most: int, spec: PipelineSpec) -> list[int]:
+def _shape_counts(k0: int, step: int, most: int, spec: PipelineSpec, large: bool) -> list[int]:
     out = []
     for i, f in enumerate(COUNT_FACTORS):  # at least i steps more than k0: small counts reach far enough
         k = max(-(-int(round(k0 * f)) // step), -(-k0 // step) + i) * step
-        if k > most:
+        if k > most or (large and len(out) >= LARGE_MIN_COUNTS and k > LARGE_COUNT_REACH * k0):
             break
         try:
             spec.check_microbatches(k)
@@ -696,8 +705,17 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
         if not drop:
             break
         changed = sorted(set(add) | set(drop))
-        rows = [np.concatenate((np.setdiff1d(groups[t], drop.get(t, [])), np.asarray(add.get(t, []), dtype=np.int64)))
-                for t in changed]
+        # each changed replica: the samples it keeps by id (a sample is given by its own replica only), then those
+        # it takes in the order taken
+        gone = np.zeros(len(costs), dtype=bool)
+        gone[np.concatenate([np.asarray(ids, dtype=np.int64) for ids in drop.values()])] = True
+        ids = np.concatenate([groups[t] for t in changed])
+        whose = np.repeat(np.arange(len(changed)), [len(groups[t]) for t in changed])
+        stay = ~gone[ids]
+        ids, whose = ids[stay], whose[stay]
+        ids = ids[np.lexsort((ids, whose))]
+        kept = np.split(ids, np.cumsum(np.bincount(whose, minlength=len(changed)))[:-1])
+        rows = [np.concatenate((mine, np.asarray(add.get(t, []), dtype=np.int64))) for mine, t in zip(kept, changed)]
         got, packed = yield rows, k, [shapes[t] for t in changed]
         trial = spans.copy()
         trial[changed] = got
@@ -785,8 +803,10 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
     """The best shaped plan (:mod:`.pipeline_shape`) of the step's samples, starting from each replica's samples
     (``replica_of``).
 
-    1. Every count of :data:`COUNT_FACTORS` and shape of :data:`SHAPES` on the :data:`SCAN_REPLICAS` replicas
-       most likely to be slowest (the heaviest, those holding the costliest samples), in one packing call.
+    1. Every count of :data:`COUNT_FACTORS` with :data:`SCAN_SHAPES`, then every shape of :data:`SHAPES` at the
+       :data:`REBALANCED_COUNTS` best counts, on the :data:`SCAN_REPLICAS` replicas most likely to be slowest (the
+       heaviest, those holding the costliest samples); on large steps (:data:`FULL_SEARCH_MICROBATCHES`) on
+       :data:`LARGE_SCAN_REPLICAS`, counts up to :data:`LARGE_COUNT_REACH` times the pp-unaware count.
     2. Every replica in the :data:`SHAPED_COMBOS` best ``(count, shape)`` combinations; per count each replica
        keeps its fastest shape, and the count with the fastest slowest replica wins.
     3. Samples moved off the slowest replica (:func:`rebalance_shaped`).
@@ -794,18 +814,26 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
     ``None`` when no count fits (too few samples, the cap)."""
     members = replica_members(replica_of, samples.costs, dp)
     n_min = int((members >= 0).sum(axis=1).min())
-    counts = _shape_counts(k0, samples.step, n_min, pricing.spec)
+    large = k0 * dp > FULL_SEARCH_MICROBATCHES
+    counts = _shape_counts(k0, samples.step, n_min, pricing.spec, large)
     if not counts:
         return None
     total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
     largest = samples.costs[np.maximum(members[:, 0], 0)]
-    pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:SCAN_REPLICAS // 2],
-                                              np.argsort(-largest, kind="stable")[:SCAN_REPLICAS]))))
-    sub = members[np.asarray(pick[:SCAN_REPLICAS])] if dp > SCAN_REPLICAS else members
-    # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept)
+    scanned = LARGE_SCAN_REPLICAS if large else SCAN_REPLICAS
+    pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
+                                              np.argsort(-largest, kind="stable")[:scanned]))))
+    sub = members[np.asarray(pick[:scanned])] if dp > scanned else members
+    # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept);
+    # where every shape at every count is a small packing, all in one call (the same prices, one call fewer)
     combos = [(k, shape) for k in counts for shape in SCAN_SHAPES]
-    scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
-    seen = dict(zip(combos, scan))
+    every = combos + [(k, shape) for k in counts for shape in SHAPES if shape not in SCAN_SHAPES]
+    if len(every) * len(sub) <= ONE_SCAN_ROWS:
+        seen = dict(zip(every, _pack_many(pricing, samples, sub, every)[0].max(axis=1)))
+        scan = np.asarray([seen[combo] for combo in combos])
+    else:
+        scan = _pack_many(pricing, samples, sub, combos)[0].max(axis=1)
+        seen = dict(zip(combos, scan))
     best_counts = list(dict.fromkeys(combos[i][0] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])))
     combos = [(k, shape) for k in best_counts[:REBALANCED_COUNTS] for shape in SHAPES]
     fresh = [combo for combo in combos if combo not in seen]

@@ -22,6 +22,7 @@ model and keeps a shaped plan only where it predicts the slowest replica faster.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -43,11 +44,8 @@ class Shape:
     grouped: bool = False
 
     def weights(self, k: int, group: int = 1) -> np.ndarray:
-        if not self.grouped or group <= 1:
-            return ramp_weights(k, self.up, self.down, self.low)
-        slots = -(-k // group)
-        w = np.repeat(ramp_weights(slots, self.up, self.down, self.low), group)[:k]
-        return w / w.sum()
+        """``(k,)`` target shares (read-only: one array per shape, count and group, made once)."""
+        return _weights(self, k, group)
 
     def run_order(self, bin_costs: np.ndarray) -> np.ndarray:
         """``(R, k)`` the order each row's micro-batches run in (indices into its bins)."""
@@ -66,6 +64,18 @@ SHAPES = (Shape(0, 0, 1.0), Shape(1, 4, 0.3), Shape(2, 4, 0.3), Shape(2, 6, 0.5)
           Shape(3, 8, 0.3), Shape(4, 8, 0.3), Shape(2, 2, 0.5), Shape(RISING, 1, 0.5), Shape(RISING, 2, 0.6),
           Shape(0, 0, 1.0, "rising"), Shape(3, 8, 0.6), Shape(5, 10, 0.5), Shape(4, 12, 0.4),
           Shape(1, 1, 0.3, grouped=True), Shape(1, 2, 0.3, grouped=True), Shape(2, 3, 0.3, grouped=True))
+
+
+@lru_cache(maxsize=4096)
+def _weights(shape: Shape, k: int, group: int) -> np.ndarray:
+    if not shape.grouped or group <= 1:
+        w = ramp_weights(k, shape.up, shape.down, shape.low)
+    else:
+        slots = -(-k // group)
+        w = np.repeat(ramp_weights(slots, shape.up, shape.down, shape.low), group)[:k]
+        w = w / w.sum()
+    w.flags.writeable = False
+    return w
 
 
 def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:

@@ -266,14 +266,16 @@ def _plan_for_pipeline(
 
     recount = None
     if cap is not None:
-        order = np.argsort(-lengths, kind="stable")
         weights = costs if batch.balance_by_flops else lengths
+        order: list[np.ndarray] = []  # the samples longest first, sorted on the first recount (small steps only)
 
         def recount(k: int) -> tuple[np.ndarray, np.ndarray] | None:
             if k > len(lengths):
                 return None
+            if not order:
+                order.append(np.argsort(-lengths, kind="stable"))
             try:
-                b_of, got, _ = pack_step(lengths, weights, order, cap, k, align, step)
+                b_of, got, _ = pack_step(lengths, weights, order[0], cap, k, align, step)
             except ScheduleError:
                 return None
             if got != k:
