@@ -686,32 +686,40 @@ def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) 
     return _table_makespans(tables, spec)
 
 
+#: groups of replicas evaluated together are cut into pieces of equal width (the narrowest group's, or the widest's
+#: over this many), so that a narrow group is not padded to a wide one's replicas
+MAX_PIECES = 4
+
+
 def _table_makespans(tables: list[tuple[np.ndarray, str, int]], spec: PipelineSpec) -> list[np.ndarray]:
     """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_cost_table`'s layout)."""
     if not tables:
         return []
-    keys = tuple(_spec_key(spec, m, form) for _, form, m in tables)
-    tables = [t for t, _, _ in tables]
-    width = max(t.shape[1] for t in tables)
-    sweep = _sweep(keys)
+    widths = [t.shape[1] for t, _, _ in tables]
+    width = max(1, min(widths), -(-max(widths) // MAX_PIECES))
+    pieces = []  # (group, first replica, its table's columns): every piece at most `width` replicas
+    for d, (t, form, m) in enumerate(tables):
+        for lo in range(0, max(widths[d], 1), width):
+            pieces.append((d, lo, t[:, lo:lo + width], _spec_key(spec, m, form)))
+    sweep = _sweep(tuple(key for *_, key in pieces))
     block = max(1, MAX_TABLE_ENTRIES // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
-    out = [np.empty(t.shape[1]) for t in tables]
+    out = [np.empty(w) for w in widths]
     for lo in range(0, width, block):
         hi = min(width, lo + block)
-        if len(tables) == 1:
-            stacked = tables[0][:, lo:hi]
+        if len(pieces) == 1:
+            stacked = pieces[0][2][:, lo:hi]
         else:
-            stacked = np.zeros((sum(t.shape[0] for t in tables), hi - lo))
+            stacked = np.zeros((sum(len(t) for _, _, t, _ in pieces), hi - lo))
             row = 0
-            for t in tables:
+            for _, _, t, _ in pieces:
                 part = t[:, lo:hi]
                 stacked[row:row + len(t), :part.shape[1]] = part
                 row += len(t)
         end = _sweep_ends(sweep, stacked, spec.p2p_s)
-        for d, t in enumerate(tables):
+        for i, (d, first, t, _) in enumerate(pieces):
             n = max(0, min(hi, t.shape[1]) - lo)
             if n:
-                out[d][lo:lo + n] = end[sweep.lasts[d]][:, :n].max(axis=0)
+                out[d][first + lo:first + lo + n] = end[sweep.lasts[i]][:, :n].max(axis=0)
     return out
 
 

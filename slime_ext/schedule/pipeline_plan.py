@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -446,6 +446,26 @@ class ShapeSamples:
     cap: int
     profile: CostProfile | None
     step: int
+    #: per group of samples (an array of ids; the rebalancing replaces a replica's group, never changes one in
+    #: place): its cost, its tokens and its ids cheapest first, each worked out once (:meth:`group_cost` ...)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _once(self, what: str, ids: np.ndarray, make: Callable[[], object]):
+        hit = self._memo.get((what, id(ids)))
+        if hit is None or hit[0] is not ids:  # the memo holds the array, so its id is not reused meanwhile
+            hit = (ids, make())
+            self._memo[(what, id(ids))] = hit
+        return hit[1]
+
+    def group_cost(self, ids: np.ndarray) -> float:
+        return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
+
+    def group_tokens(self, ids: np.ndarray) -> int:
+        return self._once("tokens", ids, lambda: int(self.lengths[ids].sum()))
+
+    def cheapest_first(self, ids: np.ndarray) -> np.ndarray:
+        """The group's ids by increasing cost, ties by id."""
+        return self._once("order", ids, lambda: ids[np.lexsort((ids, self.costs[ids]))])
 
     def bin_rows(self, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
         """``(R, k)`` micro-batch costs of packed rows (:func:`shape_pack`'s ``bin_of`` over ``members``)."""
@@ -471,13 +491,16 @@ SCAN_REPLICAS = 8
 #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
 #: step more than the previous (capped by the samples of the smallest replica)
 COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
-#: large steps (more than FULL_SEARCH_MICROBATCHES micro-batches in all) scan on this many replicas, and no count
+#: large steps (more than FULL_SEARCH_MICROBATCHES micro-batches in all) scan on this many replicas, no count
 #: above LARGE_COUNT_REACH times the pp-unaware count once LARGE_MIN_COUNTS counts are in (under VPP the "one
-#: step more" rule otherwise reaches 3.5x); on 80 large steps (bench workloads, dp 32-512) this moved 5 plans, each
-#: faster, and none slower
+#: step more" rule otherwise reaches 3.5x), and of the SHAPED_COMBOS best combinations the ones after the first
+#: LARGE_LEAD_COMBOS only at the counts of those (a count of its own would be rebalanced too): on 80 large steps
+#: (``bench.workloads`` rl, bimodal and heavy, dp 32-512, pp 4-8, VPP 1-2) 2 plans moved faster (-1.9%, -0.2%)
+#: and 1 slower (+0.03%)
 LARGE_SCAN_REPLICAS = 2
-LARGE_MIN_COUNTS = 4
+LARGE_MIN_COUNTS = 3
 LARGE_COUNT_REACH = 2.0
+LARGE_LEAD_COMBOS = 2
 #: the shapes every count is scanned with (then every shape of SHAPES at the best counts)
 SCAN_SHAPES = (Shape(0, 0, 1.0), Shape(3, 6, 0.3), Shape(0, 0, 1.0, "rising"))
 #: the scan packs every shape at every count in one call where that is at most this many rows
@@ -636,7 +659,7 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
     slope = pricing.slope
     groups, packs = list(groups), list(packs)
     for _ in range(WATER_ROUNDS):
-        work = np.asarray([costs[g].sum() for g in groups])
+        work = np.asarray([samples.group_cost(g) for g in groups])
         own = spans - slope * work
         level = (slope * work.sum() + own.sum()) / len(groups)
         excess = work - (level - own) / slope
@@ -650,11 +673,11 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
         below = [t for _, t in deficit]
         pool = np.concatenate([groups[t] for t in below])
         owner = np.repeat(below, [len(groups[t]) for t in below])
-        by_cost = np.argsort(costs[pool], kind="stable")
+        by_cost: list[np.ndarray] = []  # the pool cheapest first, sorted when a replica is first stripped
         taken = 0
 
         spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
-        tokens = {t: int(lengths[groups[t]].sum()) for t in below}
+        tokens = {t: samples.group_tokens(groups[t]) for t in below}
         room = TOKEN_FILL * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
 
         def give(d: int, i: int) -> bool:
@@ -683,7 +706,7 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
             d = int(d)
             if excess[d] <= 0 or spans[d] <= level * (1 + MIN_SHED_GAIN) or not below:
                 break
-            mine = groups[d][np.lexsort((groups[d], costs[groups[d]]))]
+            mine = samples.cheapest_first(groups[d])
             top = float(costs[mine[-1]])
             if top >= STRIP_SHARE * work[d] and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
                     and taken + k - 1 <= len(pool):
@@ -691,7 +714,9 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
                 # every other sample away
                 for i in mine[:-1]:
                     give(d, i)
-                for j in by_cost[taken:taken + k - 1]:
+                if not by_cost:
+                    by_cost.append(np.argsort(costs[pool], kind="stable"))
+                for j in by_cost[0][taken:taken + k - 1]:
                     add.setdefault(d, []).append(int(pool[j]))
                     drop.setdefault(int(owner[j]), []).append(int(pool[j]))
                 taken += k - 1
@@ -752,14 +777,14 @@ def _rebalance_run(pricing: PipelinePricing, samples: ShapeSamples, groups: list
     for _ in range(MAX_SHED_MOVES if len(groups) <= WATER_FILL_REPLICAS else SHED_MOVES_AFTER_WATER):
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:BALANCE_PARTNERS]
-        mine = groups[s][np.lexsort((groups[s], costs[groups[s]]))]  # cheapest first
+        mine = samples.cheapest_first(groups[s])  # cheapest first
         # the k - 1 cheapest stay (they fill the ramps cheaply), and so does the costliest; the next cheapest move
         keep, movable = mine[:k - 1], mine[k - 1:-1]
         if not partners or not len(movable):
             break
         cum = np.cumsum(costs[movable])
-        moves = sorted({int(np.clip(np.searchsorted(cum, share * cum[-1], side="right"), 1, len(movable)))
-                        for share in SHED_SHARES})
+        moves = sorted(set(np.clip(np.searchsorted(cum, np.asarray(SHED_SHARES) * cum[-1], side="right"), 1,
+                                   len(movable)).tolist()))
         cands = []
         for m in moves:
             stay = np.concatenate((keep, movable[m:], mine[-1:]))
@@ -841,10 +866,14 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
         seen.update(zip(fresh, _pack_many(pricing, samples, sub, fresh)[0].max(axis=1)))
     scan = np.asarray([seen[combo] for combo in combos])
     ranked = [combos[i] for i in np.argsort(scan, kind="stable")[:SHAPED_COMBOS] if np.isfinite(scan[i])]
+    if large:  # the last combinations only in the counts of the first (a count of its own is rebalanced too)
+        lead = {k for k, _ in ranked[:LARGE_LEAD_COMBOS]}
+        ranked = ranked[:LARGE_LEAD_COMBOS] + [c for c in ranked[LARGE_LEAD_COMBOS:] if c[0] in lead]
     if not ranked:
         return None
     spans, bin_of = _pack_many(pricing, samples, members, ranked)
     valid = members >= 0
+    start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
     runs = []  # per count: (k, its rebalancing run), or (k, the result without one)
     for k in list(dict.fromkeys(k for k, _ in ranked))[:REBALANCED_COUNTS]:
         idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
@@ -852,7 +881,7 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
         got = spans[choice, np.arange(dp)]
         if not np.isfinite(got).all():
             continue
-        groups, shapes = [row[ok] for row, ok in zip(members, valid)], [ranked[i][1] for i in choice]
+        groups, shapes = list(start), [ranked[i][1] for i in choice]
         packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, bin_of[choice, np.arange(dp)])]
         runs.append((k, _rebalance_run(pricing, samples, groups, k, shapes, got, packs) if dp > 1
                      else (groups, shapes, got, packs)))

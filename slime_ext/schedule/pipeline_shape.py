@@ -97,7 +97,7 @@ def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
 
 def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
     """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1."""
-    order = np.lexsort((np.arange(len(costs)), -costs, replica_of))
+    order = np.lexsort((-costs, replica_of))  # stable: ties by index
     counts = np.bincount(replica_of, minlength=dp)
     n_max = int(counts.max()) if len(counts) else 0
     out = np.full((dp, n_max), -1, dtype=np.int64)
@@ -119,6 +119,10 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     """
     rows, n = members.shape
     k = weights.shape[1]
+    # rows with more samples first, so that the rows still placing samples are a prefix that shrinks as the
+    # shorter rows finish (their padding would change nothing); undone at the end
+    by_size = np.argsort(-(members >= 0).sum(axis=1), kind="stable")
+    members, weights = members[by_size], weights[by_size]
     valid = members >= 0
     safe = np.where(valid, members, 0)
     lens = np.where(valid, lengths[safe], 0)
@@ -134,29 +138,38 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     # samples left minus micro-batches still empty: at <= 0 every sample left must open an empty micro-batch
     # (padding comes last in a row, so what it does to this count never matters). It drops by one at most per
     # sample, so no row is forced before sample ``min(slack)``: until then it is not tracked.
+    size = valid.sum(axis=1)
     used = (~unused).sum(axis=1)
-    slack = valid.sum(axis=1) - used
+    slack = size - used
     calm = int(slack.min(initial=n))
+    active = np.searchsorted(-size, -np.arange(n), side="left")  # rows still placing sample rank j
     bin_t = np.empty((n, rows), dtype=np.int64)
     flat_room, flat_tok = room.ravel(), tok.ravel()
     base = np.arange(rows) * k
     neg = -np.inf
+    last = -1
     for j in range(n):
+        a = int(active[j])
+        if a != last:
+            if a == 0:
+                break
+            tok_a, room_a, base_a, slack_a, last = tok[:a], room[:a], base[:a], slack[:a], a
         if j < calm:
-            allowed = limit[j]
+            allowed = limit[j, :a]
         else:
             if j == calm:  # from here on, track it: samples left minus micro-batches still empty
-                slack = valid.sum(axis=1) - j - (used - ((tok > 0) & ~unused).sum(axis=1))
-            allowed = np.where(slack <= 0, 0, limit[j])  # forced: only an empty micro-batch takes the sample
+                slack = size - j - (used - ((tok > 0) & ~unused).sum(axis=1))
+                slack_a = slack[:a]
+            allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
         # the micro-batch with the most room left that takes the sample under the cap
-        pick = np.where(tok <= allowed[:, None], room, neg).argmax(axis=1)
-        flat = base + pick
+        pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
+        flat = base_a + pick
         held = flat_tok[flat]
         if j >= calm:
-            slack -= held > 0
-        flat_room[flat] -= cst_t[j]
-        flat_tok[flat] = held + lens_t[j]
-        bin_t[j] = pick
+            slack_a -= held > 0
+        flat_room[flat] -= cst_t[j, :a]
+        flat_tok[flat] = held + lens_t[j, :a]
+        bin_t[j, :a] = pick
     bin_of = bin_t.T.copy()
     bin_of[~valid] = -1
     # a sample that fitted nowhere went to a micro-batch over the cap: the row fails; so does an empty micro-batch
@@ -164,4 +177,6 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     np.add.at(counts, (base[:, None] + bin_of)[valid], 1)
     counts = counts.reshape(rows, k)
     ok = ((counts > 0) | unused).all(axis=1) & ((tok <= cap) | (counts == 1) | unused).all(axis=1)
-    return bin_of, ok
+    back = np.empty_like(by_size)
+    back[by_size] = np.arange(rows)
+    return bin_of[back], ok[back]
