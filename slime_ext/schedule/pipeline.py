@@ -558,15 +558,22 @@ class _Sweep:
     lasts: tuple[np.ndarray, ...]  # per DAG: each stage's last compute (new numbers)
 
 
-def _table_rows(dag: _Dag, form: str, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
+def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
     """Per level, the rows a DAG's computes read in its cost table, and the table's row count, by the table's form:
-    "even" (``2 M`` rows: forwards, then backwards, every stage alike), "rank" (``2 pp M``: per rank) or "virtual"
-    (``2 pp vpp M``: per virtual stage)."""
+    "even" (``2 M`` rows: forwards, then backwards, every stage alike), "rank" (``2 pp M``: per rank), "virtual"
+    (``2 pp vpp M``: per virtual stage) or ``("alike", kinds)``: virtual stage ``k`` reads the rows of its kind
+    ``kinds[k]`` (``2 U M`` rows for ``U`` kinds: stages that cost alike share theirs)."""
     if form == "even":
         return tuple(cols for _, _, _, cols in dag.levels), 2 * m
     if form == "rank":
         return dag.rank_cols, 2 * pp * m
-    return dag.virtual_stage_cols, 2 * pp * vpp * m
+    if form == "virtual":
+        return dag.virtual_stage_cols, 2 * pp * vpp * m
+    kinds = np.asarray(form[1], dtype=np.int64)
+    block, kinds_m = pp * vpp * m, (max(form[1]) + 1) * m
+    rows = tuple((cols // block) * kinds_m + kinds[(cols % block) // m] * m + cols % m
+                 for cols in dag.virtual_stage_cols)
+    return rows, 2 * kinds_m
 
 
 @lru_cache(maxsize=256)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -57,7 +58,7 @@ from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, sample_costs
 from .errors import ScheduleError
 from .pipeline import PipelineSpec, _table_makespans, pipeline_lower_bound, pipeline_makespan
-from .pipeline_shape import SHAPES, Shape, replica_members, shape_pack
+from .pipeline_shape import SHAPES, Shape, by_decreasing_cost, replica_members, shape_pack
 from .profile import CostProfile
 from .stages import StageCosts
 
@@ -140,18 +141,19 @@ class PipelinePricing:
                 table[m:] = (self.backward_forward_ratio * f) / v
                 tables.append((table, "even", m))
                 continue
-            share = np.asarray(self.stage_share) * self.spec.pp_size
-            rows = len(share) * m  # (virtual stage, micro-batch) x replicas: forwards, then backwards
+            share, kinds = self._share_kinds  # stages of equal share read one block of rows
+            rows = len(share) * m  # (kind of stage, micro-batch) x replicas: forwards, then backwards
             table = np.empty((2 * rows, f.shape[1]))
             np.multiply(f[None, :, :], share[:, None, None], out=table[:rows].reshape(len(share), m, -1))
             np.multiply(self.backward_forward_ratio, table[:rows], out=table[rows:])
-            if len(share) == self.spec.pp_size:  # one row per rank: each of its chunks takes 1 / vpp
-                if v > 1:
-                    table /= v
-                tables.append((table, "rank", m))
-            else:
-                tables.append((table, "virtual", m))
+            tables.append((table, ("alike", kinds), m))
         return _table_makespans(tables, self.spec)
+
+    @cached_property
+    def _share_kinds(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The distinct per-virtual-stage forward shares (``stage_share * pp``) and each stage's index among them."""
+        share, kinds = np.unique(np.asarray(self.stage_share) * self.spec.pp_size, return_inverse=True)
+        return share, tuple(int(x) for x in kinds)
 
     def bubble(self, mb_costs: np.ndarray, span: float | None = None) -> float:
         """One replica's bubble fraction: ``1 - (the busiest rank's work) / makespan`` (``span``: its makespan,
@@ -457,6 +459,15 @@ class ShapeSamples:
             self._memo[(what, id(ids))] = hit
         return hit[1]
 
+    @property
+    def rank(self) -> np.ndarray:
+        """Each sample's place in the step's samples by decreasing cost, ties by id."""
+        def make() -> np.ndarray:
+            rank = np.empty(len(self.costs), dtype=np.int64)
+            rank[by_decreasing_cost(self.costs)] = np.arange(len(self.costs))
+            return rank
+        return self._once("rank", self.costs, make)
+
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
 
@@ -578,12 +589,15 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
     return spans.reshape(c, r), bin_of.reshape(c, r, -1)
 
 
-def _pad(groups: list[np.ndarray], costs: np.ndarray) -> np.ndarray:
+def _pad(groups: list[np.ndarray], samples: ShapeSamples) -> np.ndarray:
     """Rows of sample ids by decreasing cost (ties by id), padded with -1."""
-    n = max(len(g) for g in groups)
-    out = np.full((len(groups), n), -1, dtype=np.int64)
-    for i, g in enumerate(groups):
-        out[i, :len(g)] = g[np.lexsort((g, -costs[g]))]
+    sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+    out = np.full((len(groups), int(sizes.max())), -1, dtype=np.int64)
+    ids = np.concatenate(groups).astype(np.int64, copy=False)
+    row = np.repeat(np.arange(len(groups)), sizes)
+    # every row at once: by row, then by the sample's place in the step's order (decreasing cost, ties by id)
+    order = np.argsort(row * len(samples.costs) + samples.rank[ids])
+    out[row, np.arange(len(ids)) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = ids[order]
     return out
 
 
@@ -613,7 +627,7 @@ def _lockstep(pricing: PipelinePricing, samples: ShapeSamples, runs: list) -> li
         order = sorted(asks)
         batch = [asks.pop(i) for i in order]
         rows = [row for ask in batch for row in ask[0]]
-        members = _pad(rows, samples.costs)
+        members = _pad(rows, samples)
         counts = [ask[1] for ask in batch for _ in ask[0]]
         shapes = [shape for ask in batch for shape in ask[2]]
         w = np.full((len(rows), max(counts)), -1.0)
@@ -624,12 +638,12 @@ def _lockstep(pricing: PipelinePricing, samples: ShapeSamples, runs: list) -> li
             w[idx, :k] = shape.weights(k, samples.step)
         spans, bin_of = _pack_core(pricing, samples, members, w,
                                    [(k, shape, np.asarray(idx)) for (k, shape), idx in index.items()])
-        valid = members >= 0
+        sizes = [len(row) for row in rows]  # a row's samples come first, then its padding
         start = 0
         for i, ask in zip(order, batch):
             part = range(start, start + len(ask[0]))
             start += len(ask[0])
-            advance(i, (spans[part.start:part.stop], [(members[j][valid[j]], bin_of[j][valid[j]]) for j in part]))
+            advance(i, (spans[part.start:part.stop], [(members[j, :sizes[j]], bin_of[j, :sizes[j]]) for j in part]))
     return results
 
 
@@ -739,7 +753,8 @@ def _water_fill_run(pricing: PipelinePricing, samples: ShapeSamples, groups: lis
         stay = ~gone[ids]
         ids, whose = ids[stay], whose[stay]
         ids = ids[np.lexsort((ids, whose))]
-        kept = np.split(ids, np.cumsum(np.bincount(whose, minlength=len(changed)))[:-1])
+        ends = np.cumsum(np.bincount(whose, minlength=len(changed))).tolist()
+        kept = [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
         rows = [np.concatenate((mine, np.asarray(add.get(t, []), dtype=np.int64))) for mine, t in zip(kept, changed)]
         got, packed = yield rows, k, [shapes[t] for t in changed]
         trial = spans.copy()

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["Shape", "ramp_weights", "replica_members", "shape_pack", "SHAPES", "RISING"]
+__all__ = ["Shape", "by_decreasing_cost", "ramp_weights", "replica_members", "shape_pack", "SHAPES", "RISING"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,25 @@ def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
     return w / w.sum()
 
 
+def by_decreasing_cost(costs: np.ndarray) -> np.ndarray:
+    """Indices by decreasing cost, ties by index (a stable sort's order, from two unstable sorts: several times
+    faster on floats)."""
+    order = np.argsort(-costs)
+    value = costs[order]
+    if len(order) > 1 and (value[1:] == value[:-1]).any():  # equal costs: by index within each run of them
+        rank = np.concatenate(([0], np.cumsum(value[1:] != value[:-1])))
+        key = np.empty(len(order), dtype=np.int64)
+        key[order] = rank
+        order = np.argsort(key * len(order) + np.arange(len(order)))
+    return order
+
+
 def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
     """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1."""
-    order = np.lexsort((-costs, replica_of))  # stable: ties by index
+    order = by_decreasing_cost(costs)
+    # by replica, keeping that order (a stable sort of small integers is a radix sort)
+    owner = np.asarray(replica_of)[order]
+    order = order[np.argsort(owner.astype(np.int16) if dp < 1 << 15 else owner, kind="stable")]
     counts = np.bincount(replica_of, minlength=dp)
     n_max = int(counts.max()) if len(counts) else 0
     out = np.full((dp, n_max), -1, dtype=np.int64)
