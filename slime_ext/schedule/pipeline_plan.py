@@ -579,14 +579,22 @@ def _pack_many(pricing: PipelinePricing, samples: ShapeSamples, members: np.ndar
                combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
     """Every row of ``members`` packed for every ``(count, shape)`` of ``combos`` in one call: ``(spans (C, R),
     bin_of (C, R, n))``; a packing that does not fit is ``inf``."""
-    r, c = len(members), len(combos)
-    width = max(k for k, _ in combos)
+    # shapes whose targets coincide at a count (short ramps are cut, e.g. three VPP groups) pack alike: each
+    # distinct (count, targets, run order) is packed once and its packing stands for the others
+    first: dict[tuple, int] = {}
+    of = [first.setdefault((k, shape.order, shape.weights(k, samples.step).tobytes()), i)
+          for i, (k, shape) in enumerate(combos)]
+    distinct = sorted(first.values())
+    r, c = len(members), len(distinct)
+    width = max(combos[i][0] for i in distinct)
     w = np.full((c, width), -1.0)
-    for i, (k, shape) in enumerate(combos):
-        w[i, :k] = shape.weights(k, samples.step)
-    parts = [(k, shape, slice(i * r, (i + 1) * r)) for i, (k, shape) in enumerate(combos)]
+    for j, i in enumerate(distinct):
+        k, shape = combos[i]
+        w[j, :k] = shape.weights(k, samples.step)
+    parts = [(combos[i][0], combos[i][1], slice(j * r, (j + 1) * r)) for j, i in enumerate(distinct)]
     spans, bin_of = _pack_core(pricing, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
-    return spans.reshape(c, r), bin_of.reshape(c, r, -1)
+    at = np.asarray([distinct.index(i) for i in of])
+    return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]
 
 
 def _pad(groups: list[np.ndarray], samples: ShapeSamples) -> np.ndarray:
