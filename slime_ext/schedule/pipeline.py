@@ -479,15 +479,9 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
                 tuple(rank_col[nodes] for nodes, _, _, _ in levels))
 
 
-def _dag(spec: PipelineSpec, m: int) -> _Dag:
-    """The compiled schedule; it depends on the layout and the count, not on the costs or ``p2p_s``."""
-    spec.check_microbatches(m)
-    return _compiled(spec.pp_size, spec.chunks, spec.group if spec.chunks > 1 else 1,
-                     spec.overlap_p2p_comm and spec.chunks > 1, m)
-
-
 @lru_cache(maxsize=256)
 def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
+    """The compiled schedule; it depends on the layout and the count, not on the costs or ``p2p_s``."""
     return _compile(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), m)
 
 
@@ -577,7 +571,7 @@ def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.nd
 
 
 @lru_cache(maxsize=256)
-def _sweep(keys: tuple[tuple[int, int, int, bool, int, str], ...]) -> _Sweep:
+def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
     """The DAGs of ``keys`` (``(pp, vpp, group, overlap, M, form)`` each) compiled for one evaluation."""
     dags = [(_compiled(*key[:5]), key[5]) for key in keys]
     depth = max(len(dag.levels) for dag, _ in dags)
@@ -658,7 +652,8 @@ def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
     return end
 
 
-def _spec_key(spec: PipelineSpec, m: int, form: str) -> tuple[int, int, int, bool, int, str]:
+def _spec_key(spec: PipelineSpec, m: int, form) -> tuple:
+    """A DAG's key in :func:`_sweep`: the layout, the count and the form of its cost table (:func:`_table_rows`)."""
     spec.check_microbatches(m)
     return (spec.pp_size, spec.chunks, spec.group if spec.chunks > 1 else 1,
             spec.overlap_p2p_comm and spec.chunks > 1, m, form)
@@ -677,9 +672,9 @@ def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.nda
 def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
-    of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' replicas side by side,
-    padded to the widest), so many small groups cost about what the largest alone does; the makespans are exactly
-    those of separate calls."""
+    of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' DAGs side by side, their
+    replicas cut into pieces of one width, :data:`MAX_PIECES`), so many small groups cost about what the largest
+    alone does; the makespans are exactly those of separate calls."""
     _check_spec(spec)
     return _makespans([_as_costs(fwd, bwd)[:2] for fwd, bwd in costs], spec)
 
@@ -698,8 +693,9 @@ def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) 
 MAX_PIECES = 4
 
 
-def _table_makespans(tables: list[tuple[np.ndarray, str, int]], spec: PipelineSpec) -> list[np.ndarray]:
-    """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_cost_table`'s layout)."""
+def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: PipelineSpec) -> list[np.ndarray]:
+    """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_table_rows`' layouts;
+    :func:`_cost_table` writes them from costs, the planner's pricing directly)."""
     if not tables:
         return []
     widths = [t.shape[1] for t, _, _ in tables]

@@ -855,9 +855,11 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
        :data:`REBALANCED_COUNTS` best counts, on the :data:`SCAN_REPLICAS` replicas most likely to be slowest (the
        heaviest, those holding the costliest samples); on large steps (:data:`FULL_SEARCH_MICROBATCHES`) on
        :data:`LARGE_SCAN_REPLICAS`, counts up to :data:`LARGE_COUNT_REACH` times the pp-unaware count.
-    2. Every replica in the :data:`SHAPED_COMBOS` best ``(count, shape)`` combinations; per count each replica
-       keeps its fastest shape, and the count with the fastest slowest replica wins.
-    3. Samples moved off the slowest replica (:func:`rebalance_shaped`).
+    2. Every replica in the :data:`SHAPED_COMBOS` best ``(count, shape)`` combinations (on large steps the ones
+       after the first :data:`LARGE_LEAD_COMBOS` only at those's counts); per count each replica keeps its fastest
+       shape.
+    3. Samples moved off the slowest replica (:func:`rebalance_shaped`), the counts side by side
+       (:func:`_lockstep`); the count with the fastest slowest replica wins.
 
     ``None`` when no count fits (too few samples, the cap)."""
     members = replica_members(replica_of, samples.costs, dp)

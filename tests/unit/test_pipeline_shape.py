@@ -157,3 +157,113 @@ def test_grouped_shapes_ramp_over_whole_groups() -> None:
     assert groups[0, 0] < groups[1, 0] and groups[3, 0] < groups[2, 0] < groups[1, 0]
     assert np.allclose(shape.weights(16, 1), ramp_weights(16, 1, 2, 0.3))  # without VPP groups: the plain ramp
     assert len(shape.weights(10, 4)) == 10  # a last group of fewer micro-batches
+
+
+# ---------------------------------------------------------------------------------------------------- speed, exactly
+# The planner's speed-ups (issue 22, item 2) must not change a plan: each is checked here against the plain way.
+
+def _random_rows(rng, lengths, costs, rows: int, most: int) -> np.ndarray:
+    members = np.full((rows, most), -1, dtype=np.int64)
+    for r in range(rows):
+        ids = rng.choice(len(lengths), int(rng.integers(1, most + 1)), replace=False)
+        members[r, :len(ids)] = ids[np.lexsort((ids, -costs[ids]))]
+    return members
+
+
+def test_shape_pack_packs_each_row_as_it_would_alone() -> None:
+    # rows of different sizes and counts in one call (the call sorts them by size and stops the short ones early)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(10, 20000, 3000)
+    costs = lengths + lengths.astype(float) ** 2 / 8000
+    for cap in (4000, 16384):
+        members = _random_rows(rng, lengths, costs, 30, 50)
+        weights = np.full((30, 20), -1.0)
+        for r in range(30):
+            k = int(rng.integers(1, 21))
+            weights[r, :k] = SHAPES[r % len(SHAPES)].weights(k)
+        bin_of, ok = shape_pack(lengths, costs, members, weights, cap)
+        for r in range(30):
+            alone = shape_pack(lengths, costs, members[r:r + 1], weights[r:r + 1], cap)
+            np.testing.assert_array_equal(bin_of[r], alone[0][0])
+            assert ok[r] == alone[1][0]
+
+
+def test_replica_members_orders_ties_by_index() -> None:
+    rng = np.random.default_rng(4)
+    for costs in (rng.choice([1.0, 2.0, 3.0], 500), rng.random(500)):
+        replica_of = rng.integers(0, 7, 500)
+        members = replica_members(replica_of, costs, 7)
+        for r in range(7):
+            mine = np.flatnonzero(replica_of == r)
+            want = mine[np.lexsort((mine, -costs[mine]))]
+            np.testing.assert_array_equal(members[r, :len(mine)], want)
+            assert (members[r, len(mine):] == -1).all()
+
+
+def _shape_samples(seed: int, n: int = 1600, step: int = 1):
+    from slime_ext.schedule.pipeline_plan import ShapeSamples
+    rng = np.random.default_rng(seed)
+    lengths = (rng.integers(100, 1500, n) + np.minimum(rng.lognormal(7.0, 1.0, n), 12000)).astype(np.int64)
+    model = CostModel(**DIMS)
+    return ShapeSamples(lengths, sample_costs(lengths, model), 8192, None, step), model
+
+
+def test_pack_many_packs_coinciding_shapes_once_and_alike() -> None:
+    from slime_ext.schedule import pipeline_plan as plan
+    samples, model = _shape_samples(5, step=4)
+    pricing = pipeline_pricing(ParallelConfig(dp_size=8, pp_size=4, vpp_size=2,
+                                              microbatch_group_size_per_vp_stage=4), model, 8192)
+    members = replica_members(np.arange(1600) % 8, samples.costs, 8)
+    # at 12 micro-batches (3 groups of 4) the three grouped shapes' ramps are cut to the same targets
+    grouped = [s for s in SHAPES if s.grouped]
+    assert len({s.weights(12, 4).tobytes() for s in grouped}) == 1
+    combos = [(12, s) for s in grouped] + [(16, SHAPES[0]), (12, SHAPES[0])]
+    spans, bin_of = plan._pack_many(pricing, samples, members, combos)
+    for i, combo in enumerate(combos):
+        alone = plan._pack_many(pricing, samples, members, [combo])
+        np.testing.assert_array_equal(spans[i], alone[0][0])
+        np.testing.assert_array_equal(bin_of[i], alone[1][0])
+
+
+def test_rebalancing_counts_side_by_side_equals_each_alone() -> None:
+    from slime_ext.schedule import pipeline_plan as plan
+    samples, model = _shape_samples(6, n=800)
+    dp = 32
+    pricing = pipeline_pricing(ParallelConfig(dp_size=dp, pp_size=4), model, 8192)
+    members = replica_members(np.arange(800) % dp, samples.costs, dp)
+    groups = [row[row >= 0] for row in members]
+    runs = []
+    for k, shape in ((12, SHAPES[4]), (14, SHAPES[5])):
+        spans = plan._pack_many(pricing, samples, members, [(k, shape)])[0][0]
+        assert np.isfinite(spans).all()
+        runs.append((k, [shape] * dp, spans))
+    together = plan._lockstep(pricing, samples, [plan._rebalance_run(pricing, samples, groups, k, shapes, spans,
+                                                                     [None] * dp) for k, shapes, spans in runs])
+    for (k, shapes, spans), got in zip(runs, together):
+        alone = plan.rebalance_shaped(pricing, samples, groups, k, shapes, spans)
+        np.testing.assert_array_equal(got[2], alone[2])
+        for a, b in zip(got[0], alone[0]):
+            np.testing.assert_array_equal(a, b)
+        # a re-packed replica keeps the packing it was priced with: its samples, each in one of its k micro-batches
+        repacked = [t for t, pack in enumerate(got[3]) if pack is not None]
+        assert repacked
+        for t in repacked:
+            mem, labels = got[3][t]
+            assert sorted(mem.tolist()) == sorted(got[0][t].tolist())
+            assert set(labels.tolist()) == set(range(k))
+            row = samples.bin_rows(mem[None, :], labels[None, :], k)
+            assert pricing.makespans(row)[0] == got[2][t]
+
+
+def test_pricing_tables_equal_the_model_on_per_stage_costs() -> None:
+    # makespans_many writes stage costs straight into the model's tables (stages that cost alike share rows)
+    model = CostModel(**DIMS)
+    rng = np.random.default_rng(7)
+    for pp, vpp in ((4, 1), (4, 2), (2, 3)):
+        parallel = ParallelConfig(dp_size=2, pp_size=pp, vpp_size=vpp,
+                                  microbatch_group_size_per_vp_stage=pp if vpp > 1 else None)
+        pricing = pipeline_pricing(parallel, model, 8192)
+        groups = [rng.random((5, m)) * 1e12 for m in ((pp * 3, pp * 4) if vpp > 1 else (3, 7))]
+        from slime_ext.schedule.pipeline import pipeline_makespan
+        for got, c in zip(pricing.makespans_many(groups), groups):
+            np.testing.assert_array_equal(got, pipeline_makespan(*pricing.stage_costs(c), pricing.spec))
