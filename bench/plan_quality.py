@@ -8,6 +8,10 @@ needs (issue 10).
     python -m bench.plan_quality --write before.json --write-plans before_plans.json   # old code
     python -m bench.plan_quality --compare before.json --reprice before_plans.json     # new code
 
+    # large pipelined steps (not in the digests: 180 steps of 4,096-8,192 samples at dp 64-512, pp 4-8, VPP 1-2)
+    python -m bench.plan_quality --large --write before_large.json    # old code (minutes where planning is slow)
+    python -m bench.plan_quality --large --compare before_large.json  # new code
+
 For every case of :mod:`bench.plan_digest`, step by step: the micro-batch count (fewer is better), then at an equal
 count the slowest rank's cost (``StepStats.rank_cost_max``: FLOPs, or tokens without a cost model; lower is
 better). Under pipeline parallelism the planner's objective is the slowest replica's predicted makespan
@@ -25,12 +29,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from types import SimpleNamespace
 
 from slime_ext.schedule import DPSchedule
 from slime_ext.schedule.pipeline_plan import predicted_makespans
 
 from .plan_digest import outcomes
+from .pipeline_search import SEARCH_DIMS
+from .workloads import MAX_TOKENS_PER_GPU, make_lengths
+
+#: the large steps of ``--large``: one rl-like, bimodal or long-tail rollout of ``n`` samples as one step,
+#: ``--max-tokens-per-gpu 16384``, ``--balance-data``, Qwen3-8B-like dims (32 layers), planned through
+#: ``build_dp_schedule`` with slime-shaped args (as ``bench.pipeline_speed``)
+LARGE_DISTS = ("rl", "bimodal", "heavy")
+LARGE_SEEDS = (9, 10, 11)
+LARGE_SIZES = ((64, 4096), (128, 4096), (128, 8192), (256, 8192), (512, 8192))
+LARGE_LAYOUTS = ((4, 1), (4, 2), (8, 1), (8, 2))
+
+
+def large_outcomes():
+    """``(label, schedule)`` of every large step."""
+    from slime_ext.schedule import build_dp_schedule
+    for dist in LARGE_DISTS:
+        for seed in LARGE_SEEDS:
+            for dp, n in LARGE_SIZES:
+                lengths = make_lengths(dist, n, seed).tolist()
+                for pp, vpp in LARGE_LAYOUTS:
+                    args = SimpleNamespace(global_batch_size=n, use_dynamic_batch_size=True,
+                                           max_tokens_per_gpu=MAX_TOKENS_PER_GPU, micro_batch_size=1,
+                                           balance_data=True, balance_by_flops=False,
+                                           use_dynamic_global_batch_size=False, disable_rollout_trim_samples=False,
+                                           pipeline_model_parallel_size=pp,
+                                           virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                           microbatch_group_size_per_vp_stage=None, overlap_p2p_comm=False,
+                                           **SEARCH_DIMS)
+                    parallel = {"dp_size": dp, "cp_size": 1, "vpp_size": vpp,
+                                "microbatch_group_size_per_vp_stage": pp if vpp > 1 else None}
+                    yield (f"large/{dist}/seed={seed}/dp={dp},n={n},pp={pp},vpp={vpp}",
+                           build_dp_schedule(args, parallel, lengths, global_batch_size=n,
+                                             rollout_indices=list(range(n))))
 
 #: relative change of the slowest rank's cost below which two steps count as equal (float summation order)
 REL_TOL = 1e-9
@@ -90,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reprice", metavar="FILE", help="with --compare: price the old pipeline plans of FILE "
                                                      "(--write-plans) by the current pipeline model")
     p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
+    p.add_argument("--large", action="store_true", help="the large pipelined steps instead (LARGE_*)")
     args = p.parse_args(argv)
     if args.write_plans and not args.write or args.reprice and not args.compare:
         p.error("--write-plans goes with --write, --reprice with --compare")
-    results = list(outcomes(args.quick))
+    results = list(large_outcomes() if args.large else outcomes(args.quick))
     now = {label: summary(outcome) for label, outcome in results}
     if args.write:
         with open(args.write, "w") as f:
@@ -129,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                          if _spans(b["steps"]) is not None and _spans(a["steps"]) is not None else ""))
             print(f"{v.upper():6s} {label}: {detail}")
     print(", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(before.keys() & now.keys())} cases compared)")
+    moved = [_spans(now[label]["steps"]) / _spans(before[label]["steps"]) - 1 for label in before.keys() & now.keys()
+             if "steps" in before[label] and "steps" in now[label] and _spans(before[label]["steps"])
+             and _spans(now[label]["steps"]) is not None]
+    if moved:
+        print(f"predicted makespan of the pipelined cases, new / old - 1: mean {statistics.mean(moved):+.4%}, "
+              f"best {min(moved):+.3%}, worst {max(moved):+.3%}")
     return 1 if counts["worse"] or counts["mixed"] else 0
 
 
