@@ -67,7 +67,7 @@ def timed(lengths: list[int], dp: int, pp: int, vpp: int, repeats: int) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU for the step time column")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
