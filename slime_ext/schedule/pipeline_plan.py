@@ -460,11 +460,16 @@ class ShapeSamples:
         return hit[1]
 
     @property
+    def order(self) -> np.ndarray:
+        """The step's sample ids by decreasing cost, ties by id (:func:`.pipeline_shape.by_decreasing_cost`)."""
+        return self._once("by cost", self.costs, lambda: by_decreasing_cost(self.costs))
+
+    @property
     def rank(self) -> np.ndarray:
-        """Each sample's place in the step's samples by decreasing cost, ties by id."""
+        """Each sample's place in :attr:`order`."""
         def make() -> np.ndarray:
             rank = np.empty(len(self.costs), dtype=np.int64)
-            rank[by_decreasing_cost(self.costs)] = np.arange(len(self.costs))
+            rank[self.order] = np.arange(len(self.costs))
             return rank
         return self._once("rank", self.costs, make)
 
@@ -864,7 +869,7 @@ def shaped_step(pricing: PipelinePricing, samples: ShapeSamples, replica_of: np.
        (:func:`_lockstep`); the count with the fastest slowest replica wins.
 
     ``None`` when no count fits (too few samples, the cap)."""
-    members = replica_members(replica_of, samples.costs, dp)
+    members = replica_members(replica_of, samples.costs, dp, samples.order)
     n_min = int((members >= 0).sum(axis=1).min())
     large = k0 * dp > FULL_SEARCH_MICROBATCHES
     counts = _shape_counts(k0, samples.step, n_min, pricing.spec, large)

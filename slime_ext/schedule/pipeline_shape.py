@@ -108,9 +108,11 @@ def by_decreasing_cost(costs: np.ndarray) -> np.ndarray:
     return order
 
 
-def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
-    """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1."""
-    order = by_decreasing_cost(costs)
+def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int,
+                    order: np.ndarray | None = None) -> np.ndarray:
+    """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1. ``order``: the
+    samples' :func:`by_decreasing_cost` where the caller has it already."""
+    order = by_decreasing_cost(costs) if order is None else order
     # by replica, keeping that order (a stable sort of small integers is a radix sort)
     owner = np.asarray(replica_of)[order]
     order = order[np.argsort(owner.astype(np.int16) if dp < 1 << 15 else owner, kind="stable")]
