@@ -511,10 +511,10 @@ COUNT_FACTORS = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3)
 #: above LARGE_COUNT_REACH times the pp-unaware count once LARGE_MIN_COUNTS counts are in (under VPP the "one
 #: step more" rule otherwise reaches 3.5x), and of the SHAPED_COMBOS best combinations the ones after the first
 #: LARGE_LEAD_COMBOS only at the counts of those (a count of its own would be rebalanced too). This search costs
-#: 30-40% less at dp 128 and moves plans both ways, as any change of a heuristic search does: on the 180 steps of
-#: ``python -m bench.plan_quality --large`` (dp 64-512, pp 4-8, VPP 1-2, 4,096-8,192 samples) 11 faster (to
-#: -0.72%), 12 slower (to +1.15%), the mean +0.004% (against the full search of commit 12628a7). Small steps (the
-#: digests) plan as before.
+#: 15-35% less at dp 128 x 8,192 samples (pp 4 x VPP 2: 28 ms against 42 ms) and moves plans both ways, as any
+#: change of a heuristic search does: on the 180 steps of ``python -m bench.plan_quality --large`` (dp 64-512,
+#: pp 4-8, VPP 1-2, 4,096-8,192 samples) 11 faster (to -0.72%), 12 slower (to +1.15%), the mean +0.004% (against
+#: the full search of commit 12628a7). Small steps (the digests) plan as before.
 LARGE_SCAN_REPLICAS = 2
 LARGE_MIN_COUNTS = 3
 LARGE_COUNT_REACH = 2.0
