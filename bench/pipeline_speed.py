@@ -29,8 +29,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
-
 from slime_ext.schedule import build_dp_schedule
 
 from .pipeline_search import SEARCH_DIMS
@@ -73,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     grid = [(128, 2048)] if args.quick else [(128, 2048), (128, 8192), (512, 8192)]
     layouts = LAYOUTS[:1] if args.quick else LAYOUTS
-    print(f"rl-like, one step, cap {MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like (32 layers); median CPU time of {args.repeats} "
-          f"warm calls (cold: the first call of the layout in this process)")
+    print(f"rl-like, one step, cap {MAX_TOKENS_PER_GPU}, balance_data, Qwen3-8B-like (32 layers); median CPU time "
+          f"of {args.repeats} warm calls (cold: the first call of the layout in this process)")
     print(f"{'dp':>5}{'samples':>9}{'layout':>10}{'pp=1 ms':>9}{'aware ms':>10}{'ratio':>7}{'cold ms':>9}"
           f"{'mbs':>5}{'step s':>8}")
     worst, times = 0.0, {}
