@@ -38,7 +38,7 @@ import numpy as np
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, ScheduleError,
                                 plan_schedule)
 
-__all__ = ["CollectionPlan", "plan_collection", "round_up", "split_rows_into_steps"]
+__all__ = ["CollectionPlan", "check_collection_plan", "plan_collection", "round_up", "split_rows_into_steps"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -69,7 +69,7 @@ class CollectionPlan:
       sit in the packed micro-batch; ``num_microbatches[s]`` micro-batches per rank, the same on every rank.
     * ``step_rows[s]``: the rows step ``s`` trains (collection order); ``samples_per_step[s] = len(step_rows[s])``.
     * ``micro_batch_tokens[r][s][k]``: the tokens that micro-batch computes: its rows' aligned lengths, plus the
-      tail padding up to a multiple of ``token_multiple``.
+      tail padding up to a multiple of ``row_multiple``.
     * ``padding_rows``: rows of length 0 (Megatron-RL's padding), planned nowhere, trained nowhere.
     * ``schedule``: the planner's record (``stats[s].predicted_makespan`` etc.).
     """
@@ -84,6 +84,8 @@ class CollectionPlan:
     cap: int
     seq_length_multiple: int
     token_multiple: int
+    #: a micro-batch's row length is a multiple of this: ``lcm(token_multiple, cp, seq_length_multiple)``
+    row_multiple: int
     schedule: DPSchedule
 
     @property
@@ -180,10 +182,58 @@ def plan_collection(
         micro_batches.append(tuple(tuple(mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
         tokens.append(tuple(tuple(round_up(int(slots[list(mb)].sum()), unit)
                                   for mb in mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
-    return CollectionPlan(
+    plan = CollectionPlan(
         micro_batches=tuple(micro_batches), micro_batch_tokens=tuple(tokens),
         step_rows=tuple(tuple(int(real[i]) for i in rows) for rows in steps),
         num_microbatches=tuple(int(n) for n in schedule.num_microbatches),
         samples_per_step=tuple(len(rows) for rows in steps), padding_rows=tuple(int(i) for i in padding),
         slot_lengths=tuple(int(x) for x in slots), cap=planner_cap, seq_length_multiple=int(seq_length_multiple),
-        token_multiple=int(token_multiple), schedule=schedule)
+        token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule)
+    check_collection_plan(plan, lengths, align=align)
+    return plan
+
+
+def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align: int) -> None:
+    """The plan's invariants; ``ScheduleError`` naming the first one broken. Run on every plan
+    (:func:`plan_collection`) and by the tests:
+
+    * every row with tokens is in exactly one step, the steps are contiguous runs of such rows in order, and
+      ``samples_per_step`` counts them; padding rows (length 0) are in none;
+    * per step, every DP rank has ``num_microbatches[s]`` micro-batches (a positive multiple of ``align / dp``),
+      none empty, and the step's micro-batches over all ranks hold exactly the step's rows;
+    * a micro-batch of more than one row computes at most ``cap`` tokens; every micro-batch computes its rows'
+      aligned lengths rounded up to ``row_multiple`` (the tail padding), nothing more.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    real = [int(i) for i in np.flatnonzero(lengths > 0)]
+    flat = [i for step in plan.step_rows for i in step]
+    if flat != real:
+        raise ScheduleError("plan: the steps do not hold every row with tokens exactly once, in order")
+    if sorted(plan.padding_rows) != [int(i) for i in np.flatnonzero(lengths == 0)]:
+        raise ScheduleError("plan: the padding rows are not exactly the rows of length 0")
+    if list(plan.samples_per_step) != [len(step) for step in plan.step_rows]:
+        raise ScheduleError("plan: samples_per_step does not count the steps' rows")
+    dp = plan.dp_size
+    per_rank = max(1, align // dp)
+    for s, step in enumerate(plan.step_rows):
+        count = plan.num_microbatches[s]
+        if count < 1 or count % per_rank:
+            raise ScheduleError(f"plan: step {s} has {count} micro-batches per rank, not a positive multiple of "
+                                f"{per_rank}")
+        held = []
+        for r in range(dp):
+            mbs = plan.micro_batches[r][s]
+            if len(mbs) != count or any(len(mb) == 0 for mb in mbs):
+                raise ScheduleError(f"plan: DP rank {r} has {len(mbs)} micro-batches in step {s} (want {count}, "
+                                    f"none empty)")
+            for mb, tokens in zip(mbs, plan.micro_batch_tokens[r][s]):
+                slots = sum(round_up(int(lengths[i]), plan.seq_length_multiple) for i in mb)
+                if tokens != round_up(slots, plan.row_multiple):
+                    raise ScheduleError(f"plan: a micro-batch of step {s} computes {tokens} tokens for {slots} "
+                                        f"tokens of slots (row multiple {plan.row_multiple})")
+                if len(mb) > 1 and tokens > plan.cap:
+                    raise ScheduleError(f"plan: a micro-batch of step {s} on DP rank {r} holds {len(mb)} rows and "
+                                        f"{tokens} tokens, above the cap {plan.cap}")
+            held += [i for mb in mbs for i in mb]
+        if sorted(held) != sorted(step):
+            raise ScheduleError(f"plan: step {s}'s micro-batches do not hold exactly the step's rows")

@@ -14,6 +14,9 @@ Refused (each a :class:`MegatronRLSettingError` naming the setting and the fix):
   with the ``full_iteration`` scope in older releases): captured graphs need every micro-batch the same shape, and
   slime-ext's micro-batches hold only real tokens, so their lengths differ.
 * ``--micro-batch-size`` other than 1 (Megatron-RL's packing itself asserts it).
+* ``--gtp-weight-remat-size`` above 1 (Megatron-LM HEAD): its peers each consume their own micro-batches;
+* a ``--seq-length`` that is not a multiple of the row multiple (``tp * cp`` with sequence parallelism, ``2 * cp``
+  with context parallelism);
 * ``max_tokens_per_gpu * cp_size`` above ``--seq-length``: Megatron-RL keeps its packed buffers ``seq_length``
   wide (``prepare_data_for_update`` packs the inference log-probs at that width).
 
@@ -124,6 +127,12 @@ class PlanSettings:
             raise MegatronRLSettingError(
                 f"--micro-batch-size {args.micro_batch_size}: Megatron-RL's sequence packing trains one packed "
                 f"micro-batch at a time; pass --micro-batch-size 1")
+        gtp = int(_get(args, "gtp_weight_remat_size", 1))
+        if gtp != 1:
+            raise MegatronRLSettingError(
+                f"--gtp-weight-remat-size {gtp}: slime-ext plans one micro-batch stream per data-parallel rank and "
+                f"does not split it over weight-rematerialisation peers; run with --gtp-weight-remat-size 1, or "
+                f"without slime-ext")
         seq_length = int(_get(args, "seq_length", 0))
         if seq_length < 1:
             raise MegatronRLSettingError(f"--seq-length {seq_length!r}: Megatron-RL needs a positive --seq-length")
@@ -171,6 +180,13 @@ class PlanSettings:
         except ScheduleError as exc:
             raise MegatronRLSettingError(f"slime-ext cannot plan this Megatron-LM layout: {exc}") from exc
         sequence_parallel = bool(_get(args, "sequence_parallel", False)) and tp > 1
+        row_multiple = tp * cp if sequence_parallel else 1
+        if seq_length % row_multiple or (cp > 1 and seq_length % (2 * cp)):
+            need = row_multiple * 2 if cp > 1 and row_multiple % (2 * cp) else row_multiple
+            raise MegatronRLSettingError(
+                f"--seq-length {seq_length} is not a multiple of {max(need, 2 * cp if cp > 1 else 1)}: a packed "
+                f"micro-batch's row is padded to a multiple of tp*cp = {row_multiple} (sequence parallelism) and "
+                f"every sequence to 2*cp; make --seq-length a multiple of it")
         return cls(parallel=parallel, num_steps=(prompts * group) // gbs, cap=cap,
                    seq_length_multiple=2 * cp if cp > 1 else 1,
                    token_multiple=tp * cp if sequence_parallel else 1,
