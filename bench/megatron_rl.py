@@ -46,7 +46,7 @@ segment (:func:`bin_cost`); a slime-ext micro-batch computes its real tokens onl
   (divide by a GPU's achieved TFLOP/s for seconds); ``ours/best``: slime-ext's over Megatron-RL's better algorithm;
 * ``log-prob pass``: one forward-only pass over the collection (old policy, or reference), the slowest DP rank's:
   Megatron-RL calls the schedule once per bin (``num_microbatches=1``: at pp 4 each bin crosses the stages alone),
-  slime-ext once per optimizer step over all its micro-batches (:func:`forward_only_makespans`, megatron-core's
+  slime-ext once for the collection, over all its micro-batches (:func:`forward_only_makespans`, megatron-core's
   non-interleaved forward-only schedule under the same p2p assumption as slime-ext's model); ``best/ours``:
   Megatron-RL's better algorithm's over slime-ext's (a speed-up);
 * ``computed/real``: tokens computed by the training pass (every micro-batch, re-trained and empty bins included)
@@ -272,7 +272,8 @@ def ours_run(lengths: np.ndarray, dp: int, pp: int, num_steps: int, seq_length: 
     steps = tuple(tuple(tuple(MicroBatch(mb, int(tokens), micro_batch_cost(slots[list(mb)], tokens, cost_model))
                               for mb, tokens in zip(plan.micro_batches[r][s], plan.micro_batch_tokens[r][s]))
                         for r in range(dp)) for s in range(num_steps))
-    calls = tuple(tuple(tuple(mb.flops for mb in steps[s][r]) for s in range(num_steps)) for r in range(dp))
+    # the log-prob passes: one forward-only schedule call over all the collection's micro-batches, steps in order
+    calls = tuple(((*(mb.flops for s in range(num_steps) for mb in steps[s][r]),),) for r in range(dp))
     return Run("ours", steps, calls), seconds
 
 

@@ -14,9 +14,9 @@ The flow of one rollout collection, in Megatron-RL's own order (``rl_utils.prepa
    aligned to ``2 * cp``, plus the tail padding sequence parallelism needs), and its ``PackedSeqParams`` list exactly
    its sequences. No empty micro-batch exists.
 2. ``compute_logprobs_batch`` (``_compute_logprobs_batch`` in 0.16) -> :func:`compute_logprobs_batch`: the old-policy
-   and reference log-prob passes run every micro-batch of a step through **one** call of megatron-core's schedule
-   (pipelined; under VPP the interleaved schedule over every model chunk), with Megatron-RL's own
-   ``logprobs_forward_step``. The result has Megatron-RL's layout (``[micro-batches, seq_length - 1]``, broadcast from
+   and reference log-prob passes run every micro-batch of the collection (its steps' micro-batches in plan order)
+   through **one** call of megatron-core's schedule, forward only (pipelined; under VPP the interleaved schedule over
+   every model chunk), with Megatron-RL's own ``logprobs_forward_step``. The result has Megatron-RL's layout (``[micro-batches, seq_length - 1]``, broadcast from
    the last pipeline stage), so Megatron-RL's loss reads it unchanged.
 3. ``load_packed_data_by_index`` -> :func:`load_packed_data_by_index`: Megatron-RL's own slicing, cut to the
    micro-batch's ``L`` tokens (``L - 1`` log-probs), with its exact ``PackedSeqParams``.
@@ -366,7 +366,7 @@ def _is_last_pp_rank(pp_group: Any) -> bool:
 
 
 def make_compute_logprobs_batch(original: Callable) -> Callable:
-    """Megatron-RL's ``compute_logprobs_batch`` (module docstring, 2): one schedule call per optimizer step."""
+    """Megatron-RL's ``compute_logprobs_batch`` (module docstring, 2): one schedule call for the collection."""
 
     def compute_logprobs_batch(model, data_loader, forward_backward_func, packing_context, trajs_batch_size,
                                seq_length, logprobs_batch_size, decoder_seq_length, dtype, pp_group, is_correction,
@@ -396,26 +396,21 @@ def make_compute_logprobs_batch(original: Callable) -> Callable:
         extra = dict(adjust_tensor_shapes_fn=None)
         if "collect_non_loss_data" in kwargs:
             extra["collect_non_loss_data"] = kwargs["collect_non_loss_data"]
+        ids = range(len(collection.bins))  # every micro-batch of every step, in plan order: one schedule call
         with _reference_weights(chunks, reference):
-            for step in range(collection.num_steps):
-                ids = collection.bins_of_step(step)
-                iterators = [iter([(torch.tensor([b]),) for b in ids]) for _ in chunks]
-                collection.current_step = step
-                try:
-                    outputs = forward_backward_func(
-                        forward_step_func=step_fn, data_iterator=iterators if vpp > 1 else iterators[0],
-                        model=chunks if vpp > 1 else model, num_microbatches=len(ids), seq_length=seq_length,
-                        micro_batch_size=1, decoder_seq_length=decoder_seq_length, forward_only=True,
-                        **_signature_kwargs(forward_backward_func, **extra))
-                finally:
-                    collection.current_step = None
-                if last:
-                    if len(outputs) != len(ids):
-                        raise RuntimeError(f"slime-ext: the log-prob pass of step {step} returned {len(outputs)} "
-                                           f"outputs for {len(ids)} micro-batches")
-                    for b, output in zip(ids, outputs):
-                        n = collection.bin_tokens[b] - 1
-                        out[b, :n] = output.detach().reshape(-1)[:n].to(dtype)
+            iterators = [iter([(torch.tensor([b]),) for b in ids]) for _ in chunks]
+            outputs = forward_backward_func(
+                forward_step_func=step_fn, data_iterator=iterators if vpp > 1 else iterators[0],
+                model=chunks if vpp > 1 else model, num_microbatches=len(ids), seq_length=seq_length,
+                micro_batch_size=1, decoder_seq_length=decoder_seq_length, forward_only=True,
+                **_signature_kwargs(forward_backward_func, **extra))
+        if last:
+            if len(outputs) != len(ids):
+                raise RuntimeError(f"slime-ext: the log-prob pass returned {len(outputs)} outputs for {len(ids)} "
+                                   f"micro-batches")
+            for b, output in zip(ids, outputs):
+                n = collection.bin_tokens[b] - 1
+                out[b, :n] = output.detach().reshape(-1)[:n].to(dtype)
         if pp_group is not None and pp_group.size() > 1:
             torch.distributed.broadcast(out, src=torch.distributed.get_global_rank(pp_group, pp_group.size() - 1),
                                         group=pp_group)
