@@ -79,7 +79,7 @@ from . import ImportedVersion, Patch, PatchError, PatchSet, _resolve, imported_v
 
 MEGATRON = "megatron-core"
 #: every megatron patch's range; ``rc0`` so that dev builds of 0.16.0 (slime's pinned Megatron-LM) are accepted
-MEGATRON_SUPPORTED = ">=0.16.0rc0,<0.20"
+MEGATRON_SUPPORTED = ">=0.16.0rc0,<0.21"
 MEGATRON_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 #: the patches for CUDA calls that appeared in 0.19 are required from here on (before: only if the code has the call)
 FROM_0_19 = ">=0.19.0rc0"
@@ -210,6 +210,26 @@ def _current_stream(original: Callable) -> Callable:
     return current_stream
 
 
+def _stream_class(original: Callable) -> Callable:
+    @functools.wraps(original, updated=())
+    def Stream(*args, **kwargs):
+        if in_cpu_device_context():
+            return torch.cpu.Stream()
+        return original(*args, **kwargs)
+
+    return Stream
+
+
+def _stream_context(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def stream(stream):
+        if in_cpu_device_context():
+            return torch.cpu.stream(stream)
+        return original(stream)
+
+    return stream
+
+
 # ---------------------------------------------------------------------------------------------------- RNG tracker
 def _tracker_add(original: Callable) -> Callable:
     @functools.wraps(original)
@@ -321,8 +341,31 @@ def _start(ops: list) -> list:
     reqs = torch.distributed.batch_isend_irecv(ops)
     recvs = []
     for op, req in zip(ops, reqs):
-        (recvs if op.op is torch.distributed.irecv else _pending_sends()).append(req)
+        if op.op is torch.distributed.irecv:
+            recvs.append(req)
+        else:
+            _pending_sends().append(_PendingSend(req, op.tensor.detach()))
     return recvs
+
+
+class _PendingSend:
+    """A send still in flight, with a second reference to the sent tensor's storage.
+
+    Megatron-LM's training sets ``deallocate_pipeline_outputs=True``: right after a stage sends its output it
+    replaces the output's ``.data`` by a one-element tensor (``schedules.deallocate_output_tensor``), which frees the
+    storage a gloo send that has not completed yet still reads from (gloo posts the buffer's address). Holding a
+    ``detach()`` alias keeps that storage, with its unchanged contents, alive until the send completes."""
+
+    __slots__ = ("request", "storage")
+
+    def __init__(self, request, storage: torch.Tensor):
+        self.request, self.storage = request, storage
+
+    def wait(self):
+        try:
+            return self.request.wait()
+        finally:
+            self.storage = None
 
 
 def _communicate_shapes(original: Callable) -> Callable:
@@ -480,3 +523,77 @@ def apply_if_no_gpu() -> bool:
 def undo() -> None:
     """Undo :data:`PATCHES` (no-op if not applied)."""
     PATCHES.undo()
+
+
+# ---------------------------------------------------------------------------------------------------- Megatron-LM
+#: Megatron-LM's training entry points (``megatron.training``, ``megatron.rl``: a Megatron-LM checkout, not the
+#: megatron-core wheel) run inside :func:`cpu_device_context`: (name, module, attribute, a call that shows the
+#: function is the code the patch was written for)
+MEGATRON_LM_CONTEXT_WRAPPED: tuple[tuple[str, str, str, str], ...] = (
+    ("mlm_setup_model_and_optimizer", "megatron.training.training", "setup_model_and_optimizer",
+     "get_megatron_optimizer("),
+    ("mlm_train", "megatron.training.training", "train", "rl_utils.get_grpo_data_iterator("),
+)
+_MEGATRON_LM_DOC = {
+    "mlm_setup_model_and_optimizer": "get_model's DDP wrapping on a torch.cuda.Stream(); CUDA allocations",
+    "mlm_train": "the training loop, Megatron-RL's data preparation (.cuda(), device='cuda', "
+                 "torch.cuda.synchronize/empty_cache) and train_step",
+}
+MEGATRON_LM_TESTED = ("0.16.1", "0.19.1", "0.20.0")
+
+
+def _core_patch_applied(name: str) -> Callable[[], str | None]:
+    def needed() -> str | None:
+        core = next(p for p in PATCHES if p.name == name)
+        return f"megatron_cpu's {name} is applied and answers inside the context" if core.applied else None
+
+    return needed
+
+
+def build_megatron_lm_patches() -> PatchSet:
+    """A fresh, unapplied :class:`PatchSet` for Megatron-LM's own training loop (``pretrain``'s ``setup_model_and_
+    optimizer`` and ``train``, with ``train_rl.py``'s RL path) on a CPU-only host; needs :data:`PATCHES` applied
+    first (:func:`apply_megatron_lm_if_no_gpu` does both).
+
+    Megatron-LM (core_v0.16.1 to HEAD) wraps model chunks in DDP on a ``torch.cuda.Stream()`` under
+    ``torch.cuda.stream(...)`` and ``torch.cuda.current_stream().wait_stream(...)`` (``get_model``), and Megatron-RL
+    moves its tensors with ``.cuda()``, allocates with ``device='cuda'`` and calls ``torch.cuda.synchronize`` /
+    ``torch.cuda.current_device`` throughout ``prepare_data_for_update``, the log-prob passes, packing and
+    ``train_rl.forward_step``. Rather than name each call (they move with every release), the two entry points run
+    inside :func:`cpu_device_context`, and the stream API answers with ``torch.cpu``'s no-op streams there.
+    """
+    torch_patch = functools.partial(Patch, module="torch.cuda", distribution="torch", supported=TORCH_SUPPORTED,
+                                    tested=TORCH_TESTED)
+    patches = [
+        torch_patch(name="mlm_cuda_stream", attribute="Stream", make=_stream_class,
+                    doc="inside cpu_device_context: a torch.cpu.Stream (get_model's DDP initialisation stream)"),
+        torch_patch(name="mlm_cuda_stream_context", attribute="stream", make=_stream_context,
+                    doc="inside cpu_device_context: torch.cpu.stream(...) (a no-op context)"),
+        torch_patch(name="mlm_cuda_current_stream", attribute="current_stream", make=_current_stream,
+                    doc="inside cpu_device_context: torch.cpu.current_stream() (get_model's wait_stream calls)",
+                    needed=_core_patch_applied("cuda_current_stream")),
+    ]
+    for name, module, attribute, needle in MEGATRON_LM_CONTEXT_WRAPPED:
+        patches.append(Patch(name=name, module=module, attribute=attribute, make=_run_in_cpu_context,
+                             distribution=MEGATRON, supported=MEGATRON_SUPPORTED, tested=MEGATRON_LM_TESTED,
+                             doc=f"run in cpu_device_context: {_MEGATRON_LM_DOC[name]}",
+                             expect=source_contains(needle), version=megatron_core_version))
+    return PatchSet("megatron_lm_cpu", patches)
+
+
+#: the process-wide Megatron-LM patch set used by :func:`apply_megatron_lm_if_no_gpu` / :func:`undo_megatron_lm`
+MEGATRON_LM_PATCHES = build_megatron_lm_patches()
+
+
+def apply_megatron_lm_if_no_gpu() -> bool:
+    """Apply :data:`PATCHES` and :data:`MEGATRON_LM_PATCHES` when no CUDA device is present (Megatron-LM's own
+    ``train()`` on the CPU). Returns whether they are (now) applied."""
+    if not apply_if_no_gpu():
+        return False
+    MEGATRON_LM_PATCHES.apply()
+    return True
+
+
+def undo_megatron_lm() -> None:
+    """Undo :data:`MEGATRON_LM_PATCHES` (no-op if not applied); :data:`PATCHES` stay as they are."""
+    MEGATRON_LM_PATCHES.undo()
