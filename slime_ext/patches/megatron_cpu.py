@@ -112,12 +112,17 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrite CUDA device arguments of torch calls to CPU; ``Tensor.cuda()`` returns the tensor itself."""
+    """Rewrite CUDA device arguments of torch calls to CPU; ``Tensor.cuda()`` returns the tensor itself and
+    ``Tensor.cpu()`` a copy, as it does for the CUDA tensor the code was written for (on a CPU tensor it would
+    return the tensor itself: Megatron-LM's ``train()`` keeps ``v.cpu()`` of the model's state dict as the RL
+    reference weights, which would then be the trained weights themselves)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.cpu and not kwargs and len(args) == 1 and args[0].device.type == "cpu":
+            return args[0].clone()
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if kwargs.get("pin_memory"):

@@ -17,6 +17,7 @@ position in the collection, the order Megatron-RL flattens it in).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -39,6 +40,8 @@ class Recorder:
         self.logprobs: dict[int, dict] = {}  # collection -> {"old": {sid: tensor}, "ref": {...}}
         self.logprob_micro_batches: dict[int, list] = {}  # collection -> micro-batches of both passes, in order
         self.phase: tuple[str, object] | None = None
+        from slime_ext.training.model import param_snapshot
+        self.initial_params = param_snapshot(model)  # after the canonical initialisation, before train()
         self.rank = dict(rank=torch.distributed.get_rank(), dp_rank=mpu.get_data_parallel_rank(),
                          pp_rank=mpu.get_pipeline_model_parallel_rank(),
                          dp_size=mpu.get_data_parallel_world_size(),
@@ -221,15 +224,25 @@ class Recorder:
                    for c, coll in enumerate(self.collections) for s in coll}
         return dict(
             format=FORMAT, **self.rank, iteration=int(iteration),
-            megatron_version=package_info.__version__,
+            megatron_version=package_info.__version__, megatron_lm_tree=_tree_commit(),
             args={k: getattr(self.args, k, None) for k in (
                 "global_batch_size", "micro_batch_size", "seq_length", "grpo_prompts_per_step", "grpo_group_size",
                 "grpo_iterations", "rl_sequence_packing_algo", "rl_sequence_packing_max_sequences_per_bin",
                 "calculate_per_token_loss", "train_iters", "lr", "min_lr")},
             schedule=self.schedule_info(),
-            samples=samples, steps=self.steps, logprobs=self.logprobs,
+            samples=samples, initial_params=self.initial_params, steps=self.steps, logprobs=self.logprobs,
             logprob_micro_batches=self.logprob_micro_batches, train_counts=train_counts,
         )
+
+
+def _tree_commit() -> dict:
+    """The Megatron-LM tree that ran: its path and the commit ci/megatron_rl_test extracted it from (``.commit``)."""
+    tree = os.environ.get("MEGATRON_LM_TREE", "")
+    commit = None
+    if tree and os.path.exists(os.path.join(tree, ".commit")):
+        with open(os.path.join(tree, ".commit")) as f:
+            commit = f.read().strip()
+    return dict(path=tree, commit=commit)
 
 
 def _unwrap(chunk):

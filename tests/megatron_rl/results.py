@@ -4,15 +4,17 @@ File format (``torch.save`` of a dict; load with ``torch.load(path, weights_only
 
     {"format": "slime-ext/megatron-rl-worker/1",
      "megatron_version": "0.20.0",                 # megatron.core.package_info of the tree that ran
+     "megatron_lm_tree": {"path", "commit"},       # the tree (commit: written by ci/megatron_rl_test)
      "ranks": [rank_record, ...]}                  # index = global rank
 
     rank_record = {
       "rank", "dp_rank", "pp_rank", "dp_size", "pp_size", "vpp_size",   # where this rank sits
       "iteration": int,                            # what train() returned
-      "megatron_version": str,
+      "megatron_version": str, "megatron_lm_tree": {"path", "commit"},   # commit: from ci/megatron_rl_test
       "args": {global_batch_size, micro_batch_size, seq_length, grpo_prompts_per_step, grpo_group_size, ...},
       "schedule": {max_lr, min_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, num_steps},
       "samples": {sid: {collection, index, group, length, prompt_length}},   # every sample of every collection
+      "initial_params": {canonical name: flat fp32 tensor},   # after the canonical initialisation, before train()
       "steps": [                                   # one per optimizer step, in order
         {"iteration", "collection",                # train()'s iteration; the collection it trained on
          "num_microbatches": int,                  # get_num_microbatches() when train_step ran
@@ -48,7 +50,8 @@ def save(path: str, ranks: list[dict]) -> None:
     versions = {r["megatron_version"] for r in ranks}
     if len(versions) != 1:
         raise ValueError(f"ranks report different megatron versions: {sorted(versions)}")
-    torch.save({"format": FORMAT, "megatron_version": versions.pop(), "ranks": ranks}, path)
+    torch.save({"format": FORMAT, "megatron_version": versions.pop(), "megatron_lm_tree": ranks[0]["megatron_lm_tree"],
+                "ranks": ranks}, path)
 
 
 def load(path: str) -> dict:
@@ -59,14 +62,16 @@ def load(path: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- readers
-def params_after(result: dict, step: int) -> dict[str, torch.Tensor]:
-    """The whole model after optimizer step ``step`` (0-based), by canonical name, from every rank.
+def params_after(result: dict, step: int | None) -> dict[str, torch.Tensor]:
+    """The whole model after optimizer step ``step`` (0-based; ``None``: before the first), by canonical name, from
+    every rank.
 
     Every copy of a parameter (DP replicas, the tied embedding on the first and last stage) must be equal; a
     difference raises, since it means the replicas diverged."""
     merged: dict[str, torch.Tensor] = {}
     for r in result["ranks"]:
-        for name, value in r["steps"][step]["params"].items():
+        params = r["initial_params"] if step is None else r["steps"][step]["params"]
+        for name, value in params.items():
             if name in merged and not torch.equal(merged[name], value):
                 diff = (merged[name] - value).abs().max().item()
                 raise AssertionError(f"step {step}: copies of {name} differ by {diff:.3e} (rank {r['rank']})")

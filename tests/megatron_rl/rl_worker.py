@@ -263,10 +263,10 @@ def run(opts) -> dict:
     if int(os.environ["WORLD_SIZE"]) != world:
         raise SystemExit(f"--layout {opts.layout} needs WORLD_SIZE={world}, got {os.environ['WORLD_SIZE']}")
     t0 = time.time()
-    tokenizer_dir = make_tokenizer(tempfile.mkdtemp(prefix="slime-ext-mrl-tok-"))
-    megatron_cpu.apply_megatron_lm_if_no_gpu()  # megatron-core's and Megatron-LM's CUDA calls, on a CPU-only host
-    if opts.path == "ext":
+    if opts.path == "ext":  # first: slime-ext's switch goes on before anything of Megatron-RL is used
         enable_ext_path()
+    megatron_cpu.apply_megatron_lm_if_no_gpu()  # megatron-core's and Megatron-LM's CUDA calls, on a CPU-only host
+    tokenizer_dir = make_tokenizer(tempfile.mkdtemp(prefix="slime-ext-mrl-tok-"))
     args = parse_megatron_args(megatron_argv(opts, tokenizer_dir))
     initialize(args)
     import recorder  # after megatron is importable
