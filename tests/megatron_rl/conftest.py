@@ -16,36 +16,10 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
+if HERE not in sys.path:  # the mrl_* helpers (their names are prefixed: all test folders share one sys.path)
     sys.path.insert(0, HERE)
 
-HOW = ("run ci/megatron_rl_test with MEGATRON_LM_GIT=/path/to/Megatron-LM[.git] (it extracts core_v0.19.0, HEAD and "
-       "core_v0.16.1 and sets MEGATRON_LM_TREES)")
-
-
-def megatron_lm_trees() -> dict[str, str]:
-    """``{name: path}`` from ``MEGATRON_LM_TREES``; a path that is not a Megatron-LM tree is an error, not a skip."""
-    spec = os.environ.get("MEGATRON_LM_TREES", "").strip()
-    trees = {}
-    for entry in filter(None, spec.split(os.pathsep)):
-        name, sep, path = entry.partition("=")
-        if not sep or not os.path.isfile(os.path.join(path, "train_rl.py")):
-            raise pytest.UsageError(f"MEGATRON_LM_TREES entry {entry!r}: expected name=path to a Megatron-LM tree "
-                                    f"with train_rl.py ({HOW})")
-        trees[name] = path
-    return trees
-
-
-def tree_version(path: str) -> str:
-    """``MAJOR.MINOR.PATCH`` of the tree's ``megatron/core/package_info.py``, read without importing it."""
-    import re
-
-    with open(os.path.join(path, "megatron", "core", "package_info.py")) as f:
-        text = f.read()
-    return ".".join(re.search(rf"^{k}\s*=\s*(\d+)", text, re.M).group(1) for k in ("MAJOR", "MINOR", "PATCH"))
-
-
-TREES = megatron_lm_trees()
+from mrl_trees import HOW, TREES  # noqa: E402
 
 
 def pytest_generate_tests(metafunc):
@@ -75,8 +49,8 @@ _RUNS: dict[tuple, object] = {}
 @pytest.fixture(scope="session")
 def worker_run(tmp_path_factory):
     """``worker_run(tree, layout, path="megatron", steps_per_collection=1, iterations=2, seed=1)`` -> a
-    :class:`launch.WorkerRun`, run once per session per configuration."""
-    import launch
+    :class:`mrl_launch.WorkerRun`, run once per session per configuration."""
+    import mrl_launch
 
     base = tmp_path_factory.mktemp("megatron-rl-runs")
 
@@ -85,7 +59,7 @@ def worker_run(tmp_path_factory):
         key = (tree, layout, path, steps_per_collection, iterations, seed)
         if key not in _RUNS:
             out = str(base / ("-".join(str(k) for k in key) + ".pt"))
-            _RUNS[key] = launch.run_worker(TREES[tree], layout, out, path=path,
+            _RUNS[key] = mrl_launch.run_worker(TREES[tree], layout, out, path=path,
                                            steps_per_collection=steps_per_collection, iterations=iterations,
                                            seed=seed)
         return _RUNS[key]

@@ -10,14 +10,14 @@ What is Megatron-LM's own code here, and what is not:
 
 * **Megatron's own**: argument parsing and validation (``parse_args`` + ``validate_args`` with ``train_rl.py``'s
   extra arguments, ``set_global_variables``: the tokenizer too), the model (``train_rl._gpt_builder`` ->
-  ``gpt_builders.gpt_builder`` through ``model_provider.model_provider``, ``--spec rl_spec THD_LAYER_SPEC``),
+  ``gpt_builders.gpt_builder`` through ``model_provider.model_provider``, ``--spec mrl_spec THD_LAYER_SPEC``),
   ``training.setup_model_and_optimizer`` (DDP, the plain Adam optimizer, the LR scheduler), and
   ``training.train()`` itself: its RL set-up (reference weights, the micro-batch calculator), and per iteration
   ``rl_utils.get_grpo_data_iterator`` (-> ``prepare_data_for_update``: group stats, trajectories, packing, the old
   and reference log-prob passes, ``update_microbatch_calculator``), ``training.train_step`` with
   ``train_rl.forward_step`` / ``loss_func``, the LR step and the ``consumed_train_samples`` bookkeeping.
 * **Replaced**: only the inference engine. ``rl_utils.get_environment_rollouts`` returns a deterministic synthetic
-  collection (:mod:`synthetic_rollouts`) in Megatron-RL's own rollout types.
+  collection (:mod:`mrl_rollouts`) in Megatron-RL's own rollout types.
 * **Done here instead of ``initialize_megatron``** (:func:`initialize`), because on a host without a GPU it skips
   the model-parallel set-up (``_initialize_distributed`` calls ``mpu.initialize_model_parallel`` only when
   ``torch.cuda.device_count() > 0``) and compiles the dataset C++ helpers: ``torch.distributed`` over gloo, the same
@@ -37,7 +37,7 @@ What is Megatron-LM's own code here, and what is not:
 ``--path ext`` calls ``slime_ext.integrations.megatron_rl.enable()`` before Megatron-RL's modules are used; until
 that module exists the worker stops with a message saying so.
 
-The result file (rank 0 writes it after a gather; see :mod:`results` for the format and the readers). On failure
+The result file (rank 0 writes it after a gather; see :mod:`mrl_results` for the format and the readers). On failure
 every rank writes ``<out>.rank<r>.error.json`` with its traceback and exits with status 1.
 """
 
@@ -55,7 +55,7 @@ import traceback
 import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:  # rl_spec (for --spec), synthetic_rollouts, results
+if HERE not in sys.path:  # mrl_spec (for --spec), mrl_rollouts, mrl_results
     sys.path.insert(0, HERE)
 
 LAYOUTS = {
@@ -106,7 +106,7 @@ def megatron_argv(opts, tokenizer_dir: str) -> list[str]:
         "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
         "--position-embedding-type", "learned_absolute", "--init-method-std", str(m["init_method_std"]),
         "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--transformer-impl", "local", "--spec", "rl_spec", "THD_LAYER_SPEC",
+        "--transformer-impl", "local", "--spec", "mrl_spec", "THD_LAYER_SPEC",
         "--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir,
@@ -269,10 +269,10 @@ def run(opts) -> dict:
     tokenizer_dir = make_tokenizer(tempfile.mkdtemp(prefix="slime-ext-mrl-tok-"))
     args = parse_megatron_args(megatron_argv(opts, tokenizer_dir))
     initialize(args)
-    import recorder  # after megatron is importable
+    import mrl_recorder  # after megatron is importable
 
     model, optimizer, scheduler = build(args)
-    rec = recorder.Recorder(args, model, optimizer, scheduler, opts)
+    rec = mrl_recorder.Recorder(args, model, optimizer, scheduler, opts)
     rec.install_rollout_source()
     from megatron.core.utils import get_model_config
     from megatron.training import training
@@ -311,8 +311,8 @@ def main(argv=None) -> int:
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.gather_object(result, gathered if rank == 0 else None, dst=0)
     if rank == 0:
-        import results
-        results.save(opts.out, gathered)
+        import mrl_results
+        mrl_results.save(opts.out, gathered)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0

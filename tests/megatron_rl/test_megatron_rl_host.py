@@ -2,7 +2,7 @@
 
 Per Megatron-LM tree (core_v0.19.0, HEAD, core_v0.16.1) and layout, :mod:`rl_worker` runs a tiny GPT through
 Megatron-RL's real data preparation, log-prob passes and train steps with a synthetic rollout source in place of the
-inference engine, and records what happened (:mod:`results`). These tests assert what holds for Megatron-RL's own
+inference engine, and records what happened (:mod:`mrl_results`). These tests assert what holds for Megatron-RL's own
 path, and pin down the behaviour issue 28 describes (bins at full size, the LR counted in bins, the wrap-around at
 several steps per collection, no VPP) as observed facts, so a change upstream shows.
 
@@ -21,8 +21,8 @@ import sys
 import pytest
 import torch
 
-import results
-from conftest import HERE, TREES, tree_version
+import mrl_results
+from mrl_trees import HERE, TREES, tree_version
 
 #: layouts Megatron-RL's own path runs at
 RUNNING_LAYOUTS = ("dp2", "dp2pp2")
@@ -72,20 +72,20 @@ def check_run(result: dict, *, steps: int, steps_per_collection: int) -> None:
                 (loss,) = step["loss"]["lm loss"]  # train_step's token mean over the step
                 assert math.isfinite(loss) and loss != 0.0, f"rank {r['rank']} step {i}: loss {loss}"
     # parameters: DP replicas and tied copies agree (params_after checks), and every step moves them
-    previous = results.params_after(result, None)
+    previous = mrl_results.params_after(result, None)
     for i in range(steps):
-        after = results.params_after(result, i)
+        after = mrl_results.params_after(result, i)
         moved = max((after[k] - previous[k]).abs().max().item() for k in after)
         assert moved > 1e-6, f"step {i}: parameters did not move ({moved:.2e})"
         assert all(torch.isfinite(v).all() for v in after.values())
         previous = after
     # log-probs: one vector of L - 1 per sample, finite and <= 0; before the first step old == reference
     for kind in ("old", "ref"):
-        lps = results.sample_logprobs(result, kind)
+        lps = mrl_results.sample_logprobs(result, kind)
         assert set(lps) == set(samples), f"{kind} log-probs cover {len(lps)} of {len(samples)} samples"
         for sid, vec in lps.items():
             assert vec.numel() == samples[sid]["length"] - 1 and torch.isfinite(vec).all() and (vec <= 0).all()
-    old, ref = results.sample_logprobs(result, "old"), results.sample_logprobs(result, "ref")
+    old, ref = mrl_results.sample_logprobs(result, "old"), mrl_results.sample_logprobs(result, "ref")
     first = [sid for sid, s in samples.items() if s["collection"] == 0]
     assert max((old[s] - ref[s]).abs().max().item() for s in first) == 0.0  # the reference is the initial model
     later = [sid for sid, s in samples.items() if s["collection"] > 0]
@@ -106,14 +106,14 @@ def test_megatron_path_trains_one_step_per_collection(worker_run, tree, layout):
             assert result["megatron_lm_tree"]["commit"] == f.read().strip()
     check_run(result, steps=2, steps_per_collection=1)
     per_collection = result["ranks"][0]["args"]["global_batch_size"]
-    counts = results.train_counts(result)
+    counts = mrl_results.train_counts(result)
     for collection in (0, 1):
         want = {sid for sid, s in result["ranks"][0]["samples"].items() if s["collection"] == collection}
         assert counts[collection] == {sid: 1 for sid in want}, f"collection {collection}"
     consumed = [s["consumed_train_samples"] for s in result["ranks"][0]["steps"]]
     assert consumed == [per_collection, 2 * per_collection]
     # the LR scheduler counted bins, fewer than the samples trained: the LR is ahead of the sample schedule
-    for step in results.lr_vs_schedule(result):
+    for step in mrl_results.lr_vs_schedule(result):
         assert step["num_steps"] < step["consumed"] and step["lr"] > step["at_consumed"]
 
 
@@ -124,7 +124,7 @@ def test_megatron_path_wraps_round_at_four_steps_per_collection(worker_run, tree
     result = _run(worker_run, tree, "dp2", steps_per_collection=4, iterations=4)
     check_run(result, steps=4, steps_per_collection=4)
     samples = result["ranks"][0]["samples"]
-    counts = results.train_counts(result)[0]
+    counts = mrl_results.train_counts(result)[0]
     assert set(counts) == set(samples), "a sample of the collection was never trained"
     twice = sorted(sid for sid, n in counts.items() if n > 1)
     assert all(counts[sid] <= 2 for sid in counts)
@@ -159,9 +159,9 @@ def test_pipeline_parallel_runs_the_same_math(worker_run, tree):
     a = _run(worker_run, tree, "dp2")
     b = _run(worker_run, tree, "dp2pp2")
     for step in (0, 1):
-        assert results.max_param_diff(a, b, step) < LAYOUT_PARAM_TOL
+        assert mrl_results.max_param_diff(a, b, step) < LAYOUT_PARAM_TOL
     for kind in ("old", "ref"):
-        assert results.max_logprob_diff(a, b, kind) < LAYOUT_LOGPROB_TOL
+        assert mrl_results.max_logprob_diff(a, b, kind) < LAYOUT_LOGPROB_TOL
 
 
 def test_megatron_path_has_no_vpp(worker_run, tree):
@@ -196,23 +196,23 @@ def test_ext_path_matches_megatron_path(worker_run, tree, layout):
     mega = _run(worker_run, tree, layout, steps_per_collection=1, iterations=2)
     ext = _run(worker_run, tree, layout, path="ext", steps_per_collection=1, iterations=2)
     for step in (0, 1):
-        assert results.max_param_diff(mega, ext, step) < 1e-6
+        assert mrl_results.max_param_diff(mega, ext, step) < 1e-6
     for kind in ("old", "ref"):
-        assert results.max_logprob_diff(mega, ext, kind) < 1e-6
-    for step in results.lr_vs_schedule(ext):  # slime-ext advances the scheduler by the samples trained
+        assert mrl_results.max_logprob_diff(mega, ext, kind) < 1e-6
+    for step in mrl_results.lr_vs_schedule(ext):  # slime-ext advances the scheduler by the samples trained
         assert step["num_steps"] == step["consumed"] and step["lr"] == pytest.approx(step["at_consumed"])
-    for collection, counts in results.train_counts(ext).items():
+    for collection, counts in mrl_results.train_counts(ext).items():
         assert set(counts.values()) == {1}, f"collection {collection}: a sample trained twice or never"
 
 
 # ---------------------------------------------------------------------------------------------------- upstream's tests
 def test_upstream_sequence_packing_unit_tests_pass_with_slime_ext_loaded(tree, tmp_path):
     """Megatron-LM's own tests/unit_tests/rl/test_sequence_packing_utils.py, from the tree, in this venv, with
-    slime-ext installed and imported (the ``slime_ext_loaded`` plugin) and its switch off."""
+    slime-ext installed and imported (the ``mrl_slime_ext_loaded`` plugin) and its switch off."""
     path = os.path.join(TREES[tree], "tests", "unit_tests", "rl", "test_sequence_packing_utils.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TREES[tree], HERE]), "OMP_NUM_THREADS": "1",
            "NO_VCS_VERSION": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", path, "--noconftest", "-p", "slime_ext_loaded",
+    out = subprocess.run([sys.executable, "-m", "pytest", path, "--noconftest", "-p", "mrl_slime_ext_loaded",
                           "-p", "no:cacheprovider", "-q", "-W", "ignore", "--rootdir", str(tmp_path)],
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     text = out.stdout + out.stderr

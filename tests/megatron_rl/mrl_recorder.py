@@ -1,7 +1,7 @@
 """What a worker rank records while Megatron-LM's ``train()`` runs, without changing what it does.
 
 * The rollout source: ``rl_utils.get_environment_rollouts`` is the one function replaced (the inference engine);
-  it returns :func:`synthetic_rollouts.make_collection` in Megatron-RL's types and remembers the collection.
+  it returns :func:`mrl_rollouts.make_collection` in Megatron-RL's types and remembers the collection.
 * ``training.train_step`` and ``rl_utils.get_grpo_data_iterator`` are wrapped by observers that call the original
   with the same arguments and return its result; around the call they note the phase (``train`` or ``logprobs``)
   and after it they read the optimizer, the scheduler, the parameters and Megatron-RL's packing context.
@@ -21,9 +21,9 @@ import os
 
 import torch
 
-import synthetic_rollouts
+import mrl_rollouts
 
-#: the format of the records; results.py reads it
+#: the format of the records; mrl_results.py reads it
 FORMAT = "slime-ext/megatron-rl-worker/1"
 
 
@@ -35,7 +35,7 @@ class Recorder:
         self.args, self.model, self.optimizer, self.scheduler, self.opts = args, model, optimizer, scheduler, opts
         self.samples_per_collection = opts.prompts * opts.group_size
         self.eod, self.pad = get_tokenizer().eod, get_tokenizer().pad
-        self.collections: list[list[synthetic_rollouts.Sample]] = []  # flat, group-major, per collection
+        self.collections: list[list[mrl_rollouts.Sample]] = []  # flat, group-major, per collection
         self.steps: list[dict] = []
         self.logprobs: dict[int, dict] = {}  # collection -> {"old": {sid: tensor}, "ref": {...}}
         self.logprob_micro_batches: dict[int, list] = {}  # collection -> micro-batches of both passes, in order
@@ -55,10 +55,10 @@ class Recorder:
 
         def get_environment_rollouts(model, inference_model, optimizer, n_prompts, samples_per_group):
             collection = len(self.collections)
-            groups = synthetic_rollouts.make_collection(self.opts.seed, collection, n_prompts, samples_per_group,
+            groups = mrl_rollouts.make_collection(self.opts.seed, collection, n_prompts, samples_per_group,
                                                         self.args.seq_length, self.eod, self.pad)
             self.collections.append([s for g in groups for s in g])
-            return synthetic_rollouts.to_megatron(groups, epoch=int(getattr(self.args, "curr_iteration", 0)))
+            return mrl_rollouts.to_megatron(groups, epoch=int(getattr(self.args, "curr_iteration", 0)))
 
         rl_utils.get_environment_rollouts = get_environment_rollouts
 
@@ -129,7 +129,7 @@ class Recorder:
         for start, length in segments:
             piece = row[start:start + length]
             try:
-                index = synthetic_rollouts.sample_id_of(piece)
+                index = mrl_rollouts.sample_id_of(piece)
             except ValueError:
                 if any(t != self.pad for t in piece):
                     unknown.append((start, length))
@@ -196,7 +196,7 @@ class Recorder:
                 (tokens, _, old, _, _, ref, _, starts, lengths, _, _) = load_packed_data_by_index(b, ctx, False)
                 row = tokens.reshape(-1).tolist()
                 for start, length in zip(starts, lengths):
-                    index = synthetic_rollouts.sample_id_of(row[start:start + 2])
+                    index = mrl_rollouts.sample_id_of(row[start:start + 2])
                     if tuple(row[start:start + length]) != self.collections[collection][index].tokens:
                         raise AssertionError(f"bin {b} at {start}: tokens are not those of sample {index}")
                     sid = self.sample_id(collection, index)

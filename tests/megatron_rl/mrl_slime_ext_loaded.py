@@ -1,6 +1,6 @@
 """A pytest plugin for running Megatron-LM's own RL unit tests with slime-ext installed and imported, switch off.
 
-``python -m pytest <tree>/tests/unit_tests/rl/test_sequence_packing_utils.py --noconftest -p slime_ext_loaded``:
+``python -m pytest <tree>/tests/unit_tests/rl/test_sequence_packing_utils.py --noconftest -p mrl_slime_ext_loaded``:
 imports slime-ext (and its Megatron-RL integration where it exists, without switching it on) before the tests are
 collected, checks at the end that Megatron-RL's packing functions are still Megatron-LM's own, and says so.
 """

@@ -6,7 +6,7 @@ first on ``PYTHONPATH``, waits for all of them (killing every one when the time 
 
 Also a command line, for running one layout by hand::
 
-    python tests/megatron_rl/launch.py --tree .megatron-lm-trees/HEAD --layout dp2pp2 --path megatron --out r.pt
+    python tests/megatron_rl/mrl_launch.py --tree .megatron-lm-trees/HEAD --layout dp2pp2 --path megatron --out r.pt
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ class WorkerRun:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes) and os.path.exists(self.out)
 
     def result(self) -> dict:
-        import results
+        import mrl_results
 
         if not self.ok:
             raise AssertionError(f"the worker run failed:\n{self.describe()}")
-        return results.load(self.out)
+        return mrl_results.load(self.out)
 
     def describe(self) -> str:
         lines = [f"return codes {self.returncodes}, {self.wall_s:.1f} s" + (" (timed out)" if self.timed_out else "")]

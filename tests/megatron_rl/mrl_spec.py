@@ -1,4 +1,4 @@
-"""The layer spec the host tests name with Megatron-LM's ``--spec rl_spec THD_LAYER_SPEC``.
+"""The layer spec the host tests name with Megatron-LM's ``--spec mrl_spec THD_LAYER_SPEC``.
 
 megatron-core's local layer spec (``--transformer-impl local``) with slime-ext's THD core attention
 (:func:`slime_ext.training.thd_attention.get_thd_layer_spec`): Megatron-RL packs several sequences into one row and
