@@ -5,7 +5,9 @@ They need Megatron-LM source trees, which CI cannot fetch (Megatron-LM is not on
 ``MEGATRON_LM_TREES`` (``name=path:name=path``). Without it every test here is skipped with that reason. The trees'
 code runs here; none of it is copied into this repository.
 
-Worker runs are shared between tests: :func:`worker_run` runs each configuration once per session.
+Worker runs are shared between tests: :func:`worker_run` runs each configuration once per session. With
+``SLIME_EXT_MRL_RESULTS=DIR`` the result files (``<tree>-<layout>-<path>-<steps per collection>-<iterations>-<seed>
+.pt``) and the ranks' logs stay in ``DIR``; ``python tests/megatron_rl/mrl_results.py DIR/*.pt`` summarises them.
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def worker_run(tmp_path_factory):
     :class:`mrl_launch.WorkerRun`, run once per session per configuration."""
     import mrl_launch
 
-    base = tmp_path_factory.mktemp("megatron-rl-runs")
+    keep = os.environ.get("SLIME_EXT_MRL_RESULTS")  # a folder to keep the result files in (else a tmp folder)
+    base = os.path.abspath(keep) if keep else str(tmp_path_factory.mktemp("megatron-rl-runs"))
+    os.makedirs(base, exist_ok=True)
 
     def run(tree: str, layout: str, *, path: str = "megatron", steps_per_collection: int = 1, iterations: int = 2,
             seed: int = 1):
         key = (tree, layout, path, steps_per_collection, iterations, seed)
         if key not in _RUNS:
-            out = str(base / ("-".join(str(k) for k in key) + ".pt"))
+            out = os.path.join(base, "-".join(str(k) for k in key) + ".pt")
             _RUNS[key] = mrl_launch.run_worker(TREES[tree], layout, out, path=path,
                                            steps_per_collection=steps_per_collection, iterations=iterations,
                                            seed=seed)

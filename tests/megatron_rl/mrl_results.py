@@ -138,3 +138,36 @@ def lr_vs_schedule(result: dict) -> list[dict]:
     return [dict(step=i, lr=s["lr"], num_steps=s["num_steps"], consumed=s["consumed_train_samples"],
                  at_num_steps=s["lr_schedule_at_num_steps"], at_consumed=s["lr_schedule_at_consumed_samples"])
             for i, s in enumerate(result["ranks"][0]["steps"])]
+
+
+# ---------------------------------------------------------------------------------------------------- a summary
+def describe(result: dict) -> str:
+    """Per step and rank: micro-batches, samples, real / computed tokens, LR, the scheduler's count, consumed."""
+    r0 = result["ranks"][0]
+    lines = [f"Megatron-LM {result['megatron_version']} ({result.get('megatron_lm_tree', {}).get('commit')}), "
+             f"dp {r0['dp_size']} pp {r0['pp_size']} vpp {r0['vpp_size']}, global batch {r0['args']['global_batch_size']}"
+             f", {len(r0['samples'])} samples in {len({s['collection'] for s in r0['samples'].values()})} collection(s)"]
+    for i, step in enumerate(r0["steps"]):
+        per_rank = []
+        for r in result["ranks"]:
+            if r["pp_rank"]:
+                continue
+            mbs = r["steps"][i]["micro_batches"]
+            real, computed = sum(m["real_tokens"] for m in mbs), sum(m["tokens"] for m in mbs)
+            per_rank.append(f"dp{r['dp_rank']}: {len(mbs)} mb, {sum(len(m['samples']) for m in mbs)} samples, "
+                            f"{real}/{computed} tokens")
+        lines.append(f"step {i}: " + "; ".join(per_rank) + f" | lr {step['lr']:.6g} (schedule at num_steps "
+                     f"{step['num_steps']}: {step['lr_schedule_at_num_steps']:.6g}, at consumed "
+                     f"{step['consumed_train_samples']}: {step['lr_schedule_at_consumed_samples']:.6g})")
+    twice = {c: sorted(s for s, n in counts.items() if n > 1) for c, counts in train_counts(result).items()}
+    lines.append(f"samples trained more than once per collection: {twice}")
+    lines.append("timing: " + ", ".join(f"rank {r['rank']} setup {r['timing']['setup_s']:.1f} s train "
+                                         f"{r['timing']['train_s']:.1f} s" for r in result["ranks"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in sys.argv[1:]:
+        print(f"== {path}\n{describe(load(path))}")
