@@ -25,6 +25,12 @@ What is Megatron-LM's own code here, and what is not:
   ``seed + 100 * pp_rank``, and megatron's RNG tracker, which ``slime_ext.patches.megatron_cpu`` keeps on the CPU).
   ``args.do_train/do_valid/do_test``, which ``build_train_valid_test_data_iterators`` sets in ``pretrain()``, are
   set to train-only (RL builds no dataset).
+* **Differs from ``train_rl.py``'s own ``__main__``** in how the model is built at core_v0.19.0 and HEAD: there
+  ``train_rl.py`` hands ``pretrain()`` a config container (``gpt_config_from_args``), and
+  ``setup_model_and_optimizer`` builds through its ``GPTModelBuilder``; this worker passes the model provider
+  instead (core_v0.16.1's way, still supported), which builds the same ``GPTModel`` from the same ``--spec``.
+* **An fp32 adapter** (:func:`accept_fp32_output`): Megatron-RL's ``get_logprobs`` passes ``fp32_output=`` to the
+  model, which only the bf16/fp16 wrapper accepts; a forward pre-hook drops it for the fp32 model.
 * **Changed after set-up**: the initial weights. Every parameter is overwritten from its canonical name and the seed
   (:func:`slime_ext.training.model.init_canonical`), so DP2, DP2xPP2 and DP2xPP2xVPP2 start from the same model;
   ``train()`` then takes its reference weights from that model, as it does from a loaded checkpoint.
@@ -44,7 +50,6 @@ every rank writes ``<out>.rank<r>.error.json`` with its traceback and exits with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
