@@ -182,7 +182,12 @@ class Recorder:
     def _unpack_logprobs(self, collection: int) -> dict:
         """``{"old": {sample id: vector}, "ref": {...}}`` for the samples of this rank's bins, read from Megatron-RL's
         packing context with its own ``load_packed_data_by_index``: sample ``i`` at ``[start, start + L)`` of a bin
-        has the ``L - 1`` next-token log-probs at ``[start, start + L - 1)``."""
+        has the ``L - 1`` next-token log-probs at ``[start, start + L - 1)``.
+
+        INTEGRATOR (``--path ext``): if slime-ext keeps its log-probs elsewhere than Megatron-RL's
+        ``runtime_state.packing_context`` (``old_logprobs`` / ``ref_logprobs`` per bin, bins readable with
+        ``load_packed_data_by_index``), read them here into the same ``{sid: vector of L - 1}`` form, so that
+        ``mrl_results.max_logprob_diff`` compares the two paths sample by sample."""
         from megatron.rl import rl_utils
         from megatron.rl.sequence_packing_utils import load_packed_data_by_index
         from slime_ext.patches.megatron_cpu import cpu_device_context
