@@ -1,12 +1,14 @@
-"""What megatron-core 0.16 to 0.19 needs to train on a CPU-only host with torch.distributed gloo.
+"""What megatron-core 0.16 to 0.20 (and Megatron-LM's own training loop) need to train on a CPU-only host with gloo.
 
-Supported range ``megatron-core>=0.16.0rc0,<0.20`` (dev builds included: slime pins Megatron-LM commits that report
+Supported range ``megatron-core>=0.16.0rc0,<0.21`` (dev builds included: slime pins Megatron-LM commits that report
 ``0.16.0rc0``); checked with torch 2.13.0 against megatron-core 0.16.1 (Python 3.11) and 0.17.1, 0.18.2, 0.19.2
-(Python 3.12). The version is read from the imported ``megatron.core.package_info`` (:func:`megatron_core_version`),
-not from pip's metadata, so a Megatron-LM source tree on ``PYTHONPATH`` is judged by what it is; each patch also
-checks that its target exists and still holds the CUDA call it is there for. Patches for calls that appeared in 0.19
-(:data:`FROM_0_19`) are applied when the imported code has the call -- required from 0.19 on, skipped before unless
-a dev tree already has it. Outside the range every patch refuses with a ``PatchError`` naming version and range.
+(Python 3.12) from PyPI, and against the Megatron-LM trees core_v0.16.1 (0.16.1), core_v0.19.0 (0.19.1) and HEAD
+d98e8a6 (0.20.0) running ``train_rl.py``'s RL loop (``ci/megatron_rl_test``). The version is read from the imported
+``megatron.core.package_info`` (:func:`megatron_core_version`), not from pip's metadata, so a Megatron-LM source
+tree on ``PYTHONPATH`` is judged by what it is; each patch also checks that its target exists and still holds the
+CUDA call it is there for. Patches for calls that appeared in 0.19 (:data:`FROM_0_19`) are applied when the imported
+code has the call -- required from 0.19 on, skipped before unless a dev tree already has it. Outside the range every
+patch refuses with a ``PatchError`` naming version and range.
 
 :func:`apply_if_no_gpu` applies the set only when ``torch.cuda.is_available()`` is false; on a GPU host nothing is
 touched. Everything below exists because megatron-core assumes a CUDA device in code paths that CPU training runs:
@@ -31,13 +33,22 @@ touched. Everything below exists because megatron-core assumes a CUDA device in 
 7. from 0.19: ``torch.cuda.current_stream()`` in the DDP bucket group's ``start_grad_sync`` (it waits on CUDA-graph
    events, which a CPU run never has) and a ``device='cuda'`` flag tensor in ``MegatronOptimizer.has_grad_norm_group``.
 
+8. Megatron-LM's own training (a checkout's ``megatron/training`` and ``megatron/rl``, not in the wheel):
+   ``get_model`` wraps the chunks in DDP on a ``torch.cuda.Stream()`` (``torch.cuda.stream``, ``current_stream().
+   wait_stream``), and Megatron-RL's data preparation, log-prob passes and ``train_rl.forward_step`` call ``.cuda()``,
+   ``device='cuda'``, ``torch.cuda.synchronize`` throughout; ``train()`` keeps ``v.cpu()`` of the model's state dict
+   as the RL reference weights, which on a CPU tensor is the tensor itself (see :data:`MEGATRON_LM_PATCHES`).
+
 How they are fixed, narrowest first:
 
 * **The CPU device context** (:func:`cpu_device_context`): a thread-local flag plus a
   ``torch.overrides.TorchFunctionMode`` that rewrites a CUDA ``device=`` argument (``"cuda"``, ``"cuda:N"``, a CUDA
-  ``torch.device``, an int index) to CPU, turns ``pin_memory=True`` off and makes ``Tensor.cuda()`` return the
-  tensor. It is entered only *inside* the megatron functions listed in :data:`CONTEXT_WRAPPED` (each patch wraps
-  one of them, and checks that the function still contains the CUDA call it is there for). Outside those
+  ``torch.device``, an int index) to CPU, turns ``pin_memory=True`` off, makes ``Tensor.cuda()`` return the
+  tensor and ``Tensor.cpu()`` return a copy (what either does to the CUDA tensor the code expects). It is entered
+  only *inside* the megatron functions listed in :data:`CONTEXT_WRAPPED` (each patch wraps one of them, and checks
+  that the function still contains the CUDA call it is there for) and, for Megatron-LM's own training loop, in
+  :data:`MEGATRON_LM_CONTEXT_WRAPPED` (``setup_model_and_optimizer`` and ``train``: coarse on purpose, since
+  Megatron-RL's CUDA calls move with every release; :func:`apply_megatron_lm_if_no_gpu`). Outside those
   functions torch behaves exactly as before. The mode and the flag are **thread-local**: they are active on the
   thread that called the wrapped function, which is where megatron runs these calls (CPU autograd runs
   backward on the calling thread too). Code that calls megatron internals not in the list from another thread can
@@ -47,7 +58,8 @@ How they are fixed, narrowest first:
   ``device=`` -- and a no-op, CPU kernels and waited-on gloo work being synchronous) **only inside the context**;
   outside it they call the original, which raises on a CPU-only host as before. From 0.19 ``torch.cuda.current_stream``
   likewise answers ``torch.cpu.current_stream()`` inside the context (its ``wait_event``/``wait_stream`` are
-  no-ops: CPU work is synchronous).
+  no-ops: CPU work is synchronous); with Megatron-LM's training so do ``torch.cuda.Stream()`` (a ``torch.cpu.
+  Stream``) and ``torch.cuda.stream(s)`` (``torch.cpu.stream``, a no-op context), on every version.
 * ``CudaRNGStatesTracker.add``/``.fork`` are replaced by the same bookkeeping over the CPU default generator: named
   states are CPU generator states, ``fork`` swaps ``torch.get_rng_state``/``set_rng_state`` in and out.
 * ``_batched_p2p_ops`` and ``P2PCommunicator._communicate_shapes`` are replaced by the same exchanges with one
@@ -55,7 +67,10 @@ How they are fixed, narrowest first:
   depends on posting order, and whose sends complete **asynchronously**: only receives are waited on in the call
   (their data is needed), send requests are kept and waited on when the schedule function returns (the three
   schedule wrappers drain them), so a send can complete during the peer's later call. The sent tensors stay
-  referenced until then and Megatron does not modify them (``deallocate_pipeline_outputs`` is off).
+  referenced until then and Megatron does not modify their contents; Megatron-LM's training sets
+  ``deallocate_pipeline_outputs=True``, which swaps a sent output's ``.data`` for a one-element tensor right after
+  the send and would free the storage an in-flight gloo send reads, so each pending send also holds a ``detach()``
+  alias of its tensor until it completes (without it DP2xPP2 RL training sent freed memory and its loss went NaN).
   ``use_ring_exchange_p2p`` still goes to the original.
 * ``clip_grad_by_total_norm_fp32`` (as looked up by ``megatron.core.optimizer.optimizer``) is replaced by the same
   math without the CUDA type assertion: fp32 grads are scaled in place by ``max_norm / (total_norm + 1e-6)``
@@ -79,8 +94,8 @@ from . import ImportedVersion, Patch, PatchError, PatchSet, _resolve, imported_v
 
 MEGATRON = "megatron-core"
 #: every megatron patch's range; ``rc0`` so that dev builds of 0.16.0 (slime's pinned Megatron-LM) are accepted
-MEGATRON_SUPPORTED = ">=0.16.0rc0,<0.20"
-MEGATRON_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+MEGATRON_SUPPORTED = ">=0.16.0rc0,<0.21"
+MEGATRON_TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.1", "0.19.2", "0.20.0")
 #: the patches for CUDA calls that appeared in 0.19 are required from here on (before: only if the code has the call)
 FROM_0_19 = ">=0.19.0rc0"
 TORCH_SUPPORTED = ">=2.4"
@@ -112,12 +127,17 @@ def _is_cuda_device(device: Any) -> bool:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrite CUDA device arguments of torch calls to CPU; ``Tensor.cuda()`` returns the tensor itself."""
+    """Rewrite CUDA device arguments of torch calls to CPU; ``Tensor.cuda()`` returns the tensor itself and
+    ``Tensor.cpu()`` a copy, as it does for the CUDA tensor the code was written for (on a CPU tensor it would
+    return the tensor itself: Megatron-LM's ``train()`` keeps ``v.cpu()`` of the model's state dict as the RL
+    reference weights, which would then be the trained weights themselves)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.cpu and not kwargs and len(args) == 1 and args[0].device.type == "cpu":
+            return args[0].clone()
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if kwargs.get("pin_memory"):
@@ -208,6 +228,26 @@ def _current_stream(original: Callable) -> Callable:
         return original(device)
 
     return current_stream
+
+
+def _stream_class(original: Callable) -> Callable:
+    @functools.wraps(original, updated=())
+    def Stream(*args, **kwargs):
+        if in_cpu_device_context():
+            return torch.cpu.Stream()
+        return original(*args, **kwargs)
+
+    return Stream
+
+
+def _stream_context(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def stream(stream):
+        if in_cpu_device_context():
+            return torch.cpu.stream(stream)
+        return original(stream)
+
+    return stream
 
 
 # ---------------------------------------------------------------------------------------------------- RNG tracker
@@ -321,8 +361,31 @@ def _start(ops: list) -> list:
     reqs = torch.distributed.batch_isend_irecv(ops)
     recvs = []
     for op, req in zip(ops, reqs):
-        (recvs if op.op is torch.distributed.irecv else _pending_sends()).append(req)
+        if op.op is torch.distributed.irecv:
+            recvs.append(req)
+        else:
+            _pending_sends().append(_PendingSend(req, op.tensor.detach()))
     return recvs
+
+
+class _PendingSend:
+    """A send still in flight, with a second reference to the sent tensor's storage.
+
+    Megatron-LM's training sets ``deallocate_pipeline_outputs=True``: right after a stage sends its output it
+    replaces the output's ``.data`` by a one-element tensor (``schedules.deallocate_output_tensor``), which frees the
+    storage a gloo send that has not completed yet still reads from (gloo posts the buffer's address). Holding a
+    ``detach()`` alias keeps that storage, with its unchanged contents, alive until the send completes."""
+
+    __slots__ = ("request", "storage")
+
+    def __init__(self, request, storage: torch.Tensor):
+        self.request, self.storage = request, storage
+
+    def wait(self):
+        try:
+            return self.request.wait()
+        finally:
+            self.storage = None
 
 
 def _communicate_shapes(original: Callable) -> Callable:
@@ -480,3 +543,77 @@ def apply_if_no_gpu() -> bool:
 def undo() -> None:
     """Undo :data:`PATCHES` (no-op if not applied)."""
     PATCHES.undo()
+
+
+# ---------------------------------------------------------------------------------------------------- Megatron-LM
+#: Megatron-LM's training entry points (``megatron.training``, ``megatron.rl``: a Megatron-LM checkout, not the
+#: megatron-core wheel) run inside :func:`cpu_device_context`: (name, module, attribute, a call that shows the
+#: function is the code the patch was written for)
+MEGATRON_LM_CONTEXT_WRAPPED: tuple[tuple[str, str, str, str], ...] = (
+    ("mlm_setup_model_and_optimizer", "megatron.training.training", "setup_model_and_optimizer",
+     "get_megatron_optimizer("),
+    ("mlm_train", "megatron.training.training", "train", "rl_utils.get_grpo_data_iterator("),
+)
+_MEGATRON_LM_DOC = {
+    "mlm_setup_model_and_optimizer": "get_model's DDP wrapping on a torch.cuda.Stream(); CUDA allocations",
+    "mlm_train": "the training loop, Megatron-RL's data preparation (.cuda(), device='cuda', "
+                 "torch.cuda.synchronize/empty_cache) and train_step",
+}
+MEGATRON_LM_TESTED = ("0.16.1", "0.19.1", "0.20.0")
+
+
+def _core_patch_applied(name: str) -> Callable[[], str | None]:
+    def needed() -> str | None:
+        core = next(p for p in PATCHES if p.name == name)
+        return f"megatron_cpu's {name} is applied and answers inside the context" if core.applied else None
+
+    return needed
+
+
+def build_megatron_lm_patches() -> PatchSet:
+    """A fresh, unapplied :class:`PatchSet` for Megatron-LM's own training loop (``pretrain``'s ``setup_model_and_
+    optimizer`` and ``train``, with ``train_rl.py``'s RL path) on a CPU-only host; needs :data:`PATCHES` applied
+    first (:func:`apply_megatron_lm_if_no_gpu` does both).
+
+    Megatron-LM (core_v0.16.1 to HEAD) wraps model chunks in DDP on a ``torch.cuda.Stream()`` under
+    ``torch.cuda.stream(...)`` and ``torch.cuda.current_stream().wait_stream(...)`` (``get_model``), and Megatron-RL
+    moves its tensors with ``.cuda()``, allocates with ``device='cuda'`` and calls ``torch.cuda.synchronize`` /
+    ``torch.cuda.current_device`` throughout ``prepare_data_for_update``, the log-prob passes, packing and
+    ``train_rl.forward_step``. Rather than name each call (they move with every release), the two entry points run
+    inside :func:`cpu_device_context`, and the stream API answers with ``torch.cpu``'s no-op streams there.
+    """
+    torch_patch = functools.partial(Patch, module="torch.cuda", distribution="torch", supported=TORCH_SUPPORTED,
+                                    tested=TORCH_TESTED)
+    patches = [
+        torch_patch(name="mlm_cuda_stream", attribute="Stream", make=_stream_class,
+                    doc="inside cpu_device_context: a torch.cpu.Stream (get_model's DDP initialisation stream)"),
+        torch_patch(name="mlm_cuda_stream_context", attribute="stream", make=_stream_context,
+                    doc="inside cpu_device_context: torch.cpu.stream(...) (a no-op context)"),
+        torch_patch(name="mlm_cuda_current_stream", attribute="current_stream", make=_current_stream,
+                    doc="inside cpu_device_context: torch.cpu.current_stream() (get_model's wait_stream calls)",
+                    needed=_core_patch_applied("cuda_current_stream")),
+    ]
+    for name, module, attribute, needle in MEGATRON_LM_CONTEXT_WRAPPED:
+        patches.append(Patch(name=name, module=module, attribute=attribute, make=_run_in_cpu_context,
+                             distribution=MEGATRON, supported=MEGATRON_SUPPORTED, tested=MEGATRON_LM_TESTED,
+                             doc=f"run in cpu_device_context: {_MEGATRON_LM_DOC[name]}",
+                             expect=source_contains(needle), version=megatron_core_version))
+    return PatchSet("megatron_lm_cpu", patches)
+
+
+#: the process-wide Megatron-LM patch set used by :func:`apply_megatron_lm_if_no_gpu` / :func:`undo_megatron_lm`
+MEGATRON_LM_PATCHES = build_megatron_lm_patches()
+
+
+def apply_megatron_lm_if_no_gpu() -> bool:
+    """Apply :data:`PATCHES` and :data:`MEGATRON_LM_PATCHES` when no CUDA device is present (Megatron-LM's own
+    ``train()`` on the CPU). Returns whether they are (now) applied."""
+    if not apply_if_no_gpu():
+        return False
+    MEGATRON_LM_PATCHES.apply()
+    return True
+
+
+def undo_megatron_lm() -> None:
+    """Undo :data:`MEGATRON_LM_PATCHES` (no-op if not applied); :data:`PATCHES` stay as they are."""
+    MEGATRON_LM_PATCHES.undo()

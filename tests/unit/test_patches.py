@@ -162,11 +162,11 @@ def _fake_megatron_version(monkeypatch, version: str) -> None:
                         lambda module, attribute, dist: ImportedVersion(version, f"{module}.{attribute} (test)"))
 
 
-@pytest.mark.parametrize("version", ["0.20.0", "0.20.0rc1", "0.15.3"])
+@pytest.mark.parametrize("version", ["0.21.0", "0.21.0rc1", "0.15.3"])
 def test_megatron_cpu_refuses_an_unsupported_megatron(monkeypatch, version):
     _fake_megatron_version(monkeypatch, version)
     ps = megatron_cpu.build_patches()
-    with pytest.raises(PatchError, match=rf"supports megatron-core>=0.16.0rc0,<0.20 .*but {version} is imported "
+    with pytest.raises(PatchError, match=rf"supports megatron-core>=0.16.0rc0,<0.21 .*but {version} is imported "
                                          r"\(megatron.core.package_info.__version__ \(test\)\)"):
         ps.apply()
     assert not any(p.applied for p in ps)
@@ -213,7 +213,7 @@ def test_a_0_19_patch_follows_the_code_of_an_older_dev_tree(monkeypatch, tmp_pat
 def test_every_patch_documents_target_and_versions():
     for p in megatron_cpu.build_patches():
         assert p.doc and p.tested and p.supported and p.distribution in ("megatron-core", "torch"), p.name
-    assert "tested 0.16.1, 0.17.1, 0.18.2, 0.19.2" in megatron_cpu.build_patches().describe()
+    assert "tested 0.16.1, 0.17.1, 0.18.2, 0.19.1, 0.19.2, 0.20.0" in megatron_cpu.build_patches().describe()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
@@ -284,7 +284,7 @@ ps = megatron_cpu.build_patches()
 ps.apply()
 print("APPLIED", ps.applied)
 ps.undo()
-info.__version__ = "0.20.0"  # the same tree, were it a 0.20 checkout
+info.__version__ = "0.21.0"  # the same tree, were it a 0.21 checkout
 try:
     megatron_cpu.build_patches().apply()
 except PatchError as exc:
@@ -323,5 +323,77 @@ def test_a_source_tree_on_pythonpath_is_judged_by_what_it_is(tmp_path):
     assert lines["VERSION"].startswith(f"{dev} | ") and str(tree) in lines["VERSION"]
     assert says in lines["VERSION"], lines["VERSION"]
     assert lines["APPLIED"] == "True"
-    assert "supports megatron-core>=0.16.0rc0,<0.20" in lines["REFUSED"] and "but 0.20.0 is imported" \
+    assert "supports megatron-core>=0.16.0rc0,<0.21" in lines["REFUSED"] and "but 0.21.0 is imported" \
         in lines["REFUSED"] and str(tree) in lines["REFUSED"]
+
+
+# ---------------------------------------------------------------------------------------------------- megatron_cpu: Megatron-LM
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_cpu_returns_a_copy_inside_the_context(cpu_patches):
+    """As for the CUDA tensor the code expects: train() keeps `v.cpu()` of the state dict as RL reference weights."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    assert weight.cpu() is weight  # torch's own behaviour outside the context
+    with megatron_cpu.cpu_device_context():
+        reference = {k: v.cpu() for k, v in {"w": weight}.items()}
+    assert reference["w"] is not weight and reference["w"].data_ptr() != weight.data_ptr()
+    with torch.no_grad():
+        weight.add_(1.0)  # a training step
+    assert torch.equal(reference["w"], torch.ones(3))  # the reference stays what it was
+
+
+def _fake_stream_api():
+    return types.SimpleNamespace(Stream=lambda *a, **k: "cuda-stream", stream=lambda s: f"cuda-context({s})",
+                                 current_stream=lambda device=None: "cuda-current")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_stream_api_answers_with_cpu_streams_only_inside_the_context():
+    fake = _fake_stream_api()
+    stream = megatron_cpu._stream_class(fake.Stream)
+    context = megatron_cpu._stream_context(fake.stream)
+    current = megatron_cpu._current_stream(fake.current_stream)
+    assert (stream(), context("s"), current()) == ("cuda-stream", "cuda-context(s)", "cuda-current")
+    with megatron_cpu.cpu_device_context():
+        made = stream()
+        assert isinstance(made, torch.cpu.Stream) and isinstance(current(), torch.cpu.Stream)
+        made.wait_stream(current())  # what get_model does with them: no-ops
+        with context(made):
+            pass
+
+
+def test_megatron_lm_set_documents_its_targets_and_needs_a_checkout():
+    ps = megatron_cpu.build_megatron_lm_patches()
+    names = {p.name for p in ps}
+    assert {"mlm_cuda_stream", "mlm_cuda_stream_context", "mlm_cuda_current_stream"} <= names
+    assert {entry[0] for entry in megatron_cpu.MEGATRON_LM_CONTEXT_WRAPPED} <= names
+    for p in ps:
+        assert p.doc and p.tested and p.supported, p.name
+    try:
+        import megatron.training.training  # noqa: F401 -- only in a Megatron-LM checkout
+    except ImportError:
+        with pytest.raises(PatchError, match=r"cannot import megatron\.training\.training"):
+            ps.check()
+    else:
+        ps.check()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_megatron_lm_current_stream_patch_steps_aside_for_the_core_one(monkeypatch, cpu_patches):
+    """Both sets may wrap torch.cuda.current_stream; the Megatron-LM set skips it where the core set applied it
+    (megatron-core 0.19+), so the two never stack."""
+    monkeypatch.setattr(megatron_cpu, "PATCHES", cpu_patches)
+    core = next(p for p in cpu_patches if p.name == "cuda_current_stream")
+    reason = megatron_cpu._core_patch_applied("cuda_current_stream")()
+    assert core.applied == (_mcore_version() >= Version("0.19.0rc0"))
+    assert (reason is not None) == core.applied, reason
+
+
+def test_a_pending_send_keeps_the_sent_storage_alive():
+    """Megatron-LM's training swaps a sent output's .data for a 1-element tensor right after the send
+    (deallocate_pipeline_outputs); the pending send's alias keeps the storage and its contents."""
+    out = torch.arange(6.0)
+    pending = megatron_cpu._PendingSend(types.SimpleNamespace(wait=lambda: "done"), out.detach())
+    ptr = out.data_ptr()
+    out.data = torch.empty((1,))  # schedules.deallocate_output_tensor
+    assert pending.storage.data_ptr() == ptr and torch.equal(pending.storage, torch.arange(6.0))
+    assert pending.wait() == "done" and pending.storage is None
