@@ -59,13 +59,13 @@ def worker_run(tmp_path_factory):
     os.makedirs(base, exist_ok=True)
 
     def run(tree: str, layout: str, *, path: str = "megatron", steps_per_collection: int = 1, iterations: int = 2,
-            seed: int = 1):
-        key = (tree, layout, path, steps_per_collection, iterations, seed)
+            seed: int = 1, extra: tuple[str, ...] = ()):
+        key = (tree, layout, path, steps_per_collection, iterations, seed, *extra)
         if key not in _RUNS:
             out = os.path.join(base, "-".join(str(k) for k in key) + ".pt")
             _RUNS[key] = mrl_launch.run_worker(TREES[tree], layout, out, path=path,
                                            steps_per_collection=steps_per_collection, iterations=iterations,
-                                           seed=seed)
+                                           seed=seed, extra=tuple(extra))
         return _RUNS[key]
 
     return run

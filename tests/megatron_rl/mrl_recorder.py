@@ -78,14 +78,15 @@ class Recorder:
 
             if self.steps:
                 self.steps[-1]["consumed_train_samples"] = int(self.args.consumed_train_samples)
-            step = dict(iteration=kwargs.get("iteration"), collection=len(self.collections) - 1,
-                        num_microbatches=int(get_num_microbatches()), micro_batches=[])
+            step = dict(iteration=kwargs.get("iteration"), collection=len(self.collections) - 1, micro_batches=[])
             self.phase = ("train", step["micro_batches"])
             try:
                 out = original_train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
                                           *args, **kwargs)
             finally:
                 self.phase = None
+            # read after the step: the count the schedule ran (slime-ext's path sets each step's count inside)
+            step["num_microbatches"] = int(get_num_microbatches())
             step.update(self._after_step(out))
             self.steps.append(step)
             return out

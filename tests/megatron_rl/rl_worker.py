@@ -89,6 +89,10 @@ def parse_cli(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, help="--grpo-group-size")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", required=True, help="result file (.pt), written by rank 0")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="--path ext: slime-ext's token cap per micro-batch (enable(max_tokens_per_gpu=...))")
+    p.add_argument("--no-per-token-loss", action="store_true",
+                   help="leave out --calculate-per-token-loss (slime-ext refuses that; the test checks the refusal)")
     p.add_argument("--megatron-arg", action="append", default=[], metavar="ARG",
                    help="an extra Megatron-LM argument (repeat; '--megatron-arg=--flag')")
     opts = p.parse_args(argv)
@@ -119,7 +123,8 @@ def megatron_argv(opts, tokenizer_dir: str) -> list[str]:
         # parallelism
         "--pipeline-model-parallel-size", str(pp), "--distributed-backend", "gloo",
         # RL (GRPO) with Megatron-RL's sequence packing
-        "--perform-rl-step", "--rl-use-sequence-packing", "--calculate-per-token-loss",
+        "--perform-rl-step", "--rl-use-sequence-packing",
+        *([] if opts.no_per_token_loss else ["--calculate-per-token-loss"]),
         "--grpo-prompts-per-step", str(opts.prompts), "--grpo-group-size", str(opts.group_size),
         "--grpo-iterations", "1", "--global-batch-size", str(samples // opts.steps_per_collection),
         "--micro-batch-size", "1",
@@ -151,7 +156,7 @@ def make_tokenizer(directory: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
-def enable_ext_path() -> None:
+def enable_ext_path(max_tokens_per_gpu: int | None = None) -> None:
     """``--path ext``: slime-ext's integration, switched on before Megatron-RL's modules are used."""
     try:
         from slime_ext.integrations import megatron_rl
@@ -160,7 +165,7 @@ def enable_ext_path() -> None:
                          f"integration does not exist on this branch yet, only --path megatron runs") from exc
     if not hasattr(megatron_rl, "enable"):
         raise SystemExit("--path ext: slime_ext.integrations.megatron_rl has no enable()")
-    megatron_rl.enable()
+    megatron_rl.enable(max_tokens_per_gpu=max_tokens_per_gpu)
 
 
 def parse_megatron_args(argv: list[str]):
@@ -269,7 +274,7 @@ def run(opts) -> dict:
         raise SystemExit(f"--layout {opts.layout} needs WORLD_SIZE={world}, got {os.environ['WORLD_SIZE']}")
     t0 = time.time()
     if opts.path == "ext":  # first: slime-ext's switch goes on before anything of Megatron-RL is used
-        enable_ext_path()
+        enable_ext_path(opts.max_tokens_per_gpu)
     megatron_cpu.apply_megatron_lm_if_no_gpu()  # megatron-core's and Megatron-LM's CUDA calls, on a CPU-only host
     tokenizer_dir = make_tokenizer(tempfile.mkdtemp(prefix="slime-ext-mrl-tok-"))
     args = parse_megatron_args(megatron_argv(opts, tokenizer_dir))
