@@ -40,8 +40,8 @@ from . import ImportedVersion, Patch, PatchError, PatchSet, imported_version
 DISTRIBUTION = "Megatron-LM"
 #: what the imported megatron.core.package_info may say
 SUPPORTED = ">=0.16.1,<0.21"
-#: the trees the host tests ran (ci/megatron_rl_test): tag core_v0.19.0 (0.19.1) and HEAD d98e8a6 (0.20.0)
-TESTED = ("0.19.1 (core_v0.19.0)", "0.20.0 (HEAD d98e8a6)")
+#: the trees the host tests ran (ci/megatron_rl_test): tags core_v0.16.1, core_v0.19.0 (0.19.1), HEAD d98e8a6 (0.20.0)
+TESTED = ("0.16.1 (core_v0.16.1)", "0.19.1 (core_v0.19.0)", "0.20.0 (HEAD d98e8a6)")
 
 
 def megatron_lm_version() -> ImportedVersion:

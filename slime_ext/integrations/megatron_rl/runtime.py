@@ -247,9 +247,9 @@ def make_pack_all_trajectories(original: Callable) -> Callable:
         packing_info = spu.PackingInfo(**_dataclass_kwargs(
             spu.PackingInfo, bin_seq_indices=[list(rows) for rows in bins], seq_starts=seq_starts,
             seq_lengths=lengths, seq_to_bin_idx=seq_to_bin, packing_algo="slime-ext"))
-        packer = spu.SequencePacker(bin_size=width, pad_token=tokenizer.pad,
-                                    max_sequences_per_bin=max(int(max_sequences_per_bin), *map(len, bins)),
-                                    seq_length_multiple=multiple)
+        packer = spu.SequencePacker(**_signature_kwargs(  # seq_length_multiple: Megatron-LM after core_v0.19
+            spu.SequencePacker, bin_size=width, pad_token=tokenizer.pad,
+            max_sequences_per_bin=max(int(max_sequences_per_bin), *map(len, bins)), seq_length_multiple=multiple))
         context = spu.PackingContext(**_dataclass_kwargs(
             spu.PackingContext, bin_size=width, packer=packer, packing_info=packing_info,
             original_generation_masks=generation_masks, original_trajs=trajs, packed_trajs=packed_trajs,
