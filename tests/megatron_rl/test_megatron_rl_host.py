@@ -6,8 +6,12 @@ inference engine, and records what happened (:mod:`mrl_results`). These tests as
 path, and pin down the behaviour issue 28 describes (bins at full size, the LR counted in bins, the wrap-around at
 several steps per collection, no VPP) as observed facts, so a change upstream shows.
 
-The comparisons with slime-ext's path (``--path ext``, issue 28's "equal to Megatron-RL's own path within 1e-6")
-are in :func:`test_ext_path_matches_megatron_path`; they run once ``slime_ext.integrations.megatron_rl`` exists.
+slime-ext's path (``--path ext``: ``slime_ext.integrations.megatron_rl.enable()`` first) is checked by
+:func:`check_ext_run` (real tokens only, no empty micro-batch, the cap, equal counts, ``--global-batch-size`` samples
+per step, every sample once per pass, the LR and ``consumed_train_samples`` by samples) and compared with
+Megatron-RL's own path (the first step's parameters, the log-probs), with its own plan without VPP (under VPP, every
+step), and with itself under a lower token cap; its refusal of a packing-dependent loss, and enable/disable leaving
+Megatron-LM as it was, are tested too.
 """
 
 from __future__ import annotations
