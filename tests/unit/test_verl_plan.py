@@ -13,7 +13,7 @@ from slime_ext.integrations.verl import ENV, switch_from_env
 from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
                                               check_engine_plan, check_rank_plan, draft_rank, finish_rank,
                                               plan_dispatch, plan_engine_step)
-from slime_ext.integrations.verl.shaped import RAMPS, Ramp, pack_to_targets, ramp_weights
+from slime_ext.integrations.verl.shaped import RAMPS, RUN_ORDERS, Ramp, pack_to_targets, ramp_weights, run_orders
 from slime_ext.schedule import CostModel, CostProfile, ScheduleError, pipeline_pricing, sample_costs
 from tests.conftest import examples
 
@@ -195,6 +195,28 @@ def test_search_knobs_are_validated():
         EngineSearch(reach=0.5)
     with pytest.raises(ValueError, match="at least one Ramp"):
         EngineSearch(ramps=())
+    with pytest.raises(ValueError, match="name one or more of"):
+        EngineSearch(orders=("sideways",))
+
+
+def test_a_tight_cap_takes_the_planners_need_with_a_pipeline():
+    # 5 x 4 tokens under cap 10: tokens / cap says 2, but 2 micro-batches of <= 10 hold only 4 samples
+    plan = plan_engine_step([[4] * 5], 10, EngineLayout(pp_size=4), cost_model=MODEL)
+    assert plan.needs == (3,) and plan.count >= 3
+    check_engine_plan(plan, [5], [[4] * 5])
+
+
+def test_a_light_rank_packs_a_count_above_its_reach_when_it_is_agreed():
+    heavy = [3000] * 12  # needs 9 micro-batches of <= 4096 tokens
+    light = [50] * 30  # needs 1; prices counts up to 1 + MIN_REACH_STEPS only
+    layout = EngineLayout(pp_size=4)
+    plan = plan_engine_step([heavy, light], 4096, layout, cost_model=MODEL)
+    drafts = [draft_rank(x, 4096, layout, rank=r, cost_model=MODEL) for r, x in enumerate([heavy, light])]
+    assert plan.count not in drafts[1].scan.spans  # agreed above the light rank's reach
+    assert plan.how[1] == "shape"
+    check_engine_plan(plan, [12, 30], [heavy, light])
+    spans = _priced(layout, MODEL, 4096, [heavy, light], plan.micro_batches)
+    assert spans[1] < spans[0]  # the light rank is not the one the step waits for
 
 
 # ---------------------------------------------------------------------------------------------- shaped packings
@@ -235,6 +257,20 @@ def test_ramp_weights_sum_to_one_and_rise_then_fall(k, up, down):
     assert w.shape == (k,) and w.sum() == pytest.approx(1.0) and (w > 0).all()
     peak = int(np.argmax(w))
     assert (np.diff(w[:peak + 1]) >= -1e-12).all() and (np.diff(w[peak:]) <= 1e-12).all()
+
+
+@pytest.mark.parametrize("name", RUN_ORDERS)
+def test_run_orders_are_permutations_and_do_what_they_say(name):
+    costs = np.array([[5.0, 1.0, 9.0, 3.0, 7.0], [2.0, 2.0, 8.0, 1.0, 4.0]])
+    orders = run_orders(costs, name)
+    assert all(sorted(o) == list(range(5)) for o in orders.tolist())
+    ran = np.take_along_axis(costs, orders, axis=1)
+    if name == "heaviest":
+        assert (np.diff(ran, axis=1) <= 0).all()
+    if name == "rising":  # cheapest first, the costliest second to last
+        assert (np.diff(ran[:, :-1], axis=1) >= 0).all() and (ran[:, -2] == costs.max(axis=1)).all()
+    if name == "valley":  # the two cheapest at the ends
+        assert (np.sort(ran[:, [0, -1]], axis=1) == np.sort(costs, axis=1)[:, :2]).all()
 
 
 def test_every_ramp_gives_shares_at_every_count():

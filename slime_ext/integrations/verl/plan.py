@@ -11,16 +11,20 @@ the DP size.
 
 Strategy, per mini-batch:
 
-1. **Draft** (:func:`draft_rank`, each rank on its own samples). slime-ext's planner (``plan_schedule``, one replica
-   with the job's alignment, no pipeline objective) packs the rank's samples under the cap, FLOP-balanced: its
-   count is the rank's *need* (at least verl's ``min_num_micro_batch``, a multiple of the VPP group). With
-   ``pp_size > 1`` the rank also packs its samples at the counts of the ballot's grid from its need up to
-   ``reach`` times it (:class:`EngineSearch`), each with a few shapes for the pipeline
-   (:mod:`.shaped`), and prices every packing with the planner's pipeline model (``pipeline_pricing``).
+1. **Draft** (:func:`draft_rank`, each rank on its own samples). Without a pipeline: slime-ext's planner
+   (``plan_schedule``, one replica with the job's alignment) packs the rank's samples under the cap, FLOP-balanced;
+   its count is the rank's *need* (at least verl's ``min_num_micro_batch``, a multiple of the VPP group). With
+   ``pp_size > 1``: the rank packs its samples at every count of the ballot's grid from the fewest the cap could
+   allow (tokens / cap, and one micro-batch per sample over half the cap) up to ``reach`` times that
+   (:class:`EngineSearch`), each count with every shape of :data:`.shaped.RAMPS` (micro-batches rising and
+   falling for the pipeline, :mod:`.shaped`), and prices every packing in every run order of
+   :data:`.shaped.RUN_ORDERS` with the planner's pipeline model (``pipeline_pricing``), all counts in one call.
+   Its need is the fewest count that fits there, or the planner's count where the cap is tight.
 2. **Ballot** (what travels; :class:`Ballot`): the rank's need, minus its sample count, whether its draft failed,
-   and per count of a fixed grid (every multiple of the VPP group up to 16 of them, then each about 10% above the
-   last) its predicted makespan, ``+inf`` where it cannot run that count (below its need, above its sample count,
-   or no packing holds the cap) and ``-inf`` where it did not price it (above its scan: it raises no objection).
+   and per count of a fixed grid (:data:`GRID_MULTIPLES`: every multiple of the VPP group up to 16 of them, then
+   each about 10% above the last) its predicted makespan, ``+inf`` where it cannot run that count (below its need,
+   above its sample count, or no packing holds the cap) and ``-inf`` where it did not price it (above its reach:
+   it raises no objection). 61 float64 (488 bytes), whatever the DP size.
 3. **Agree** (:func:`agree`, every rank on the same reduced vector, so on the same answer): the element-wise MAX
    over the DP group gives the largest need, the fewest samples, and per count the slowest rank's makespan. The
    count is the grid count between the two whose slowest rank is predicted fastest (ties: the smaller count);
@@ -29,9 +33,10 @@ Strategy, per mini-batch:
    after the collective, so no rank hangs.
 4. **Finish** (:func:`finish_rank`, each rank): without a pipeline, the draft's micro-batches where their count is
    the agreed one, else the planner re-packs the rank's samples into exactly that many (capped, FLOP-balanced).
-   With one, the rank packs its samples at the agreed count with every shape (:data:`.shaped.RAMPS`), adds the
-   draft's pp-unaware packing where it has that count (or the planner's re-packing where no shape fits), and keeps
-   the fastest in the order the pipeline model predicts fastest (``best_orders``, or the shape's own order).
+   With one, the draft's fastest packing at the agreed count, in its fastest order (a count above the rank's reach
+   is packed now, the same way; where no shape holds the cap there, the planner's re-packing). The slowest rank
+   (the ranks within ``polish_band`` of it) also tries the planner's pp-unaware packing where its count is the
+   agreed one, and orders the candidates by the pipeline model's order search (``best_orders``).
 
 :func:`plan_engine_step` runs the four stages for all ranks in one process (tests, benchmarks); the engine
 (:mod:`.engine`) runs stages 1, 3 and 4 on each rank around one ``all_reduce``.
@@ -58,7 +63,7 @@ import numpy as np
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PipelinePricing, ScheduleError,
                                 best_orders, pipeline_pricing, plan_schedule, sample_costs)
 
-from .shaped import RAMPS, SCAN_RAMPS, Ramp, ShapeScan, scan_shapes
+from .shaped import RAMPS, RUN_ORDERS, Ramp, ShapeScan, run_orders, scan_shapes
 
 __all__ = ["Agreement", "Ballot", "EngineLayout", "EnginePlan", "EngineSearch", "GRID_MULTIPLES", "RankDraft",
            "RankPlan", "agree", "check_engine_plan", "check_rank_plan", "draft_rank", "finish_rank",
@@ -71,6 +76,9 @@ def _grid_multiples(dense: int = 16, growth: float = 1.1, top: int = 1024) -> tu
         out.append(max(out[-1] + 1, math.ceil(out[-1] * growth)))
     return tuple(out)
 
+
+#: a rank's scan reaches at least this many counts (of the alignment) above the least it may need
+MIN_REACH_STEPS = 4
 
 #: the counts a ballot prices, as multiples of the alignment (the VPP group, else 1): every one up to 16, then each
 #: about 10% above the last, up to 1094 (58 entries); a count above the last is agreed only as the largest need
@@ -122,31 +130,35 @@ class EngineLayout:
 
 @dataclass(frozen=True)
 class EngineSearch:
-    """The engine depth's pipeline search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets any field.
+    """The engine depth's pipeline search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets the numbers.
 
-    Measured on ``bench.verl``'s steps (rl-like, bimodal, long tail; pp 4 and 8, with and without VPP 2): these
-    defaults predict every step at most as slow as cfaa6b5's plan (every rank planning every rank), at about 1.5
-    to 2.5 ms per rank for 64 samples (2-core machine)."""
+    Measured with ``python -m bench.verl`` (its steps: rl-like, bimodal, long tail, 32 samples per rank, pp 4 and
+    8): these defaults predict no step slower than cfaa6b5's plan (every rank planning every rank), and each rank's
+    planning takes about 0.8 ms for 16 samples and 2 ms for 64 at pp 4 (2-core machine, shared). A smaller
+    ``reach`` (1.6) saves a few percent of that and predicts up to 1.6% slower steps; without the run orders
+    (``orders=("target",)``) and the slowest rank's polish, steps are predicted up to 0.25% slower."""
 
-    #: a rank prices the grid's counts from its need up to ``reach`` times it (the planner's own count search reaches
-    #: 2.3 times its pp-unaware count); counts above are left to the ranks that price them
+    #: a rank prices the grid's counts from the fewest the cap allows up to ``reach`` times that (at least
+    #: MIN_REACH_STEPS counts more); the planner's own count search reaches 2.3 times its pp-unaware count
     reach: float = 2.0
     #: the shapes every scanned count is packed with (:mod:`.shaped`)
-    scan_ramps: tuple[Ramp, ...] = RAMPS
-    #: the shapes the agreed count is packed with
     ramps: tuple[Ramp, ...] = RAMPS
-    #: order the agreed count's fastest packing by the pipeline model's order search (``best_orders``: the heuristic
-    #: orders, then pair swaps), keeping the shape's own order where that is faster ...
-    polish: bool = True
-    #: ... on the ranks predicted within this share of the slowest (the step waits for the slowest replica)
-    polish_band: float = 0.02
+    #: the run orders every packing is priced in
+    orders: tuple[str, ...] = RUN_ORDERS
+    #: the ranks predicted within this share of the slowest at the agreed count (0: the slowest alone; negative:
+    #: none) improve their micro-batches there: the planner's pp-unaware packing where its count is the agreed one
+    #: joins the candidates, and the pipeline model's order search (``best_orders``: its heuristic orders, then pair
+    #: swaps) orders them. The step waits for the slowest replica, so that is where it pays; it costs the slowest
+    #: rank 1-3 ms more at 64 samples (``bench.verl``)
+    polish_band: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.reach, (int, float)) and not isinstance(self.reach, bool) and self.reach >= 1):
             raise ValueError(f"EngineSearch.reach={self.reach!r} must be a number >= 1 (1 prices the need alone)")
-        if not self.scan_ramps or not self.ramps:
-            raise ValueError("EngineSearch.scan_ramps and .ramps need at least one Ramp each (e.g. Ramp(0, 0, 1.0), "
-                             "flat)")
+        if not self.ramps:
+            raise ValueError("EngineSearch.ramps needs at least one Ramp (e.g. Ramp(0, 0, 1.0): flat)")
+        if not self.orders or any(o not in RUN_ORDERS for o in self.orders):
+            raise ValueError(f"EngineSearch.orders={self.orders!r}: name one or more of {RUN_ORDERS}")
 
 
 @dataclass(frozen=True)
@@ -197,8 +209,9 @@ class RankDraft:
     layout: EngineLayout
     cost_model: CostModel | CostProfile | None
     search: EngineSearch
-    #: the planner's pp-unaware micro-batches (local indices), or empty if the draft failed
-    own: tuple[tuple[int, ...], ...]
+    #: the planner's pp-unaware micro-batches (local indices): empty if the draft failed, ``None`` until needed
+    #: (with a pipeline the draft needs them only where the cap is tight)
+    own: tuple[tuple[int, ...], ...] | None
     need: int
     ballot: Ballot
     pricing: PipelinePricing | None = None
@@ -321,6 +334,13 @@ def _check_cap(cap: object) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- 1. draft
+def _failed(common: dict, x: np.ndarray, spans: np.ndarray, why: str) -> RankDraft:
+    rank, cap, align = common["rank"], common["cap"], common["layout"].align
+    error = (f"DP rank {rank} ({len(x)} samples, {int(x.sum())} tokens, cap {cap}, VPP group {align}) cannot be "
+             f"planned: {why}")
+    return RankDraft(own=(), need=0, ballot=Ballot(0, len(x), rank + 1, spans), error=error, **common)
+
+
 def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLayout(), *, rank: int = 0,
                min_count: int | None = None, cost_model: CostModel | CostProfile | None = None,
                search: EngineSearch = EngineSearch()) -> RankDraft:
@@ -337,24 +357,39 @@ def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLa
     common = dict(rank=rank, lengths=x, cap=cap, layout=layout, cost_model=cost_model, search=search)
     if len(x) == 0:  # agree() names the empty rank on every rank
         return RankDraft(own=(), need=floor, ballot=Ballot(floor, 0, 0, spans), **common)
-    try:
-        own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
-    except ScheduleError as exc:
-        error = (f"DP rank {rank} ({len(x)} samples, {int(x.sum())} tokens, cap {cap}, VPP group {align}) cannot be "
-                 f"planned: {exc}")
-        return RankDraft(own=(), need=0, ballot=Ballot(0, len(x), rank + 1, spans), error=error, **common)
-    need = max(len(own), floor)
-    spans[(grid < need) | (grid > len(x))] = np.inf
+    if int(x.min()) < 1:
+        return _failed(common, x, spans, f"sample {int(np.argmin(x))} has {int(x.min())} tokens (every sample needs "
+                                         f"at least one)")
     pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
-    if pricing is None:
+    if pricing is None:  # no pipeline: the planner's packing and its count
+        try:
+            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
+        except ScheduleError as exc:
+            return _failed(common, x, spans, str(exc))
+        need = max(len(own), floor)
+        spans[(grid < need) | (grid > len(x))] = np.inf
         return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), **common)
-    # the pipeline: the grid's counts from the need up to reach x the need, each packed with the scan's shapes
+    # the pipeline: the grid's counts from what the cap needs at least up to reach x that (and at least
+    # MIN_REACH_STEPS counts more), each packed with the scan's shapes and priced
+    least = max(floor, align * -(-max(-(-int(x.sum()) // cap), int((x > cap // 2).sum()), 1) // align))
+    top = min(len(x), max(math.floor(search.reach * least), least + MIN_REACH_STEPS * align))
+    window = (grid >= least) & (grid <= top)
     costs = _sample_costs(x, cost_model)
-    top = min(len(x), max(need, math.floor(search.reach * need)))
-    window = (grid >= need) & (grid <= top)
     profile = cost_model if isinstance(cost_model, CostProfile) else None
-    scan = scan_shapes(x, costs, grid[window].tolist(), search.scan_ramps, pricing, cap, layout.shape_group, profile)
+    scan = scan_shapes(x, costs, grid[window].tolist(), search.ramps, pricing, cap, layout.shape_group, profile,
+                       search.orders)
     spans[window] = [scan.spans.get(int(c), np.inf) for c in grid[window]]
+    fits = [c for c, span in scan.spans.items() if np.isfinite(span)]
+    own: tuple[tuple[int, ...], ...] | None = None
+    if fits and min(fits) == least:  # the least count fits: that is the need
+        need = least
+    else:  # the cap is tight (or nothing scanned fits): the planner's packing says what it needs
+        try:
+            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
+        except ScheduleError as exc:
+            return _failed(common, x, spans, str(exc))
+        need = max(len(own), floor)
+    spans[(grid < need) | (grid > len(x))] = np.inf
     return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), pricing=pricing, scan=scan,
                      costs=costs, **common)
 
@@ -389,11 +424,19 @@ def agree(reduced: Sequence[float], layout: EngineLayout, cap: int, *, mine: Ran
 
 
 # ---------------------------------------------------------------------------------------------------- 4. finish
+def _own_of(draft: RankDraft) -> tuple[tuple[int, ...], ...]:
+    """The draft's pp-unaware packing (the planner's), made now where the draft did not need it."""
+    if draft.own is None:
+        object.__setattr__(draft, "own", tuple(_own_plan(draft.lengths, draft.cap,
+                                                         draft.layout.parallel(pipeline=False), draft.cost_model)))
+    return draft.own
+
+
 def _recount_or_split(draft: RankDraft, count: int) -> tuple[list[tuple[int, ...]], str]:
     mbs = _recount(draft.lengths, draft.cap, count, draft.cost_model)
     if mbs is not None:
         return mbs, "recount"
-    return _split_to(draft.own, count, _sample_costs(draft.lengths, draft.cost_model)), "split"
+    return _split_to(_own_of(draft), count, _sample_costs(draft.lengths, draft.cost_model)), "split"
 
 
 def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
@@ -406,29 +449,39 @@ def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
             return RankPlan(count, draft.own, "own", draft.need, None)
         mbs, how = _recount_or_split(draft, count)
         return RankPlan(count, tuple(mbs), how, draft.need, None)
-    pricing, search = draft.pricing, draft.search
-    profile = draft.cost_model if isinstance(draft.cost_model, CostProfile) else None
-    scanned = draft.scan is not None and count in draft.scan.spans and set(search.ramps) <= set(search.scan_ramps)
-    shaped = (draft.scan if scanned else scan_shapes(x, draft.costs, [count], search.ramps, pricing, draft.cap,
-                                                      draft.layout.shape_group, profile)).micro_batches(count)
-    candidates: list[tuple[list[tuple[int, ...]], str]] = []
-    if shaped is not None:
-        candidates.append((shaped, "shape"))
-    if len(draft.own) == count:
-        candidates.append((list(draft.own), "own"))
-    if not candidates:  # no shape holds the cap at this count: the planner's packing
-        candidates.append(_recount_or_split(draft, count))
-    costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _ in candidates])
-    spans = pricing.makespans(costs)  # each in its own order
-    best = int(np.argmin(spans))
-    mbs, how = candidates[best]
-    span = float(spans[best])
+    pricing, search, scan = draft.pricing, draft.search, draft.scan
+    candidates: list[tuple[list[tuple[int, ...]], str, float | None]] = []  # (run order, how, span if known)
+    if scan is None or count not in scan.spans:  # not scanned here (above this rank's reach): pack it now
+        profile = draft.cost_model if isinstance(draft.cost_model, CostProfile) else None
+        scan = scan_shapes(x, draft.costs, [count], search.ramps, pricing, draft.cap, draft.layout.shape_group,
+                           profile, search.orders)
+    shaped = scan.micro_batches(count)
+    if shaped is not None:  # the fastest shape in its fastest order, priced by the scan
+        candidates.append((shaped, "shape", scan.spans[count]))
     slowest = agreement.predicted
-    if search.polish and (slowest is None or span >= (1 - search.polish_band) * slowest):
-        order, ordered = best_orders(pricing, costs)
-        j = int(np.argmin(ordered))
-        if ordered[j] < span:
-            mbs, how, span = [candidates[j][0][i] for i in order[j].tolist()], candidates[j][1], float(ordered[j])
+    polish = search.polish_band >= 0 and (
+        shaped is None or slowest is None or scan.spans[count] >= (1 - search.polish_band) * slowest)
+    if polish and draft.need == count and len(_own_of(draft)) == count:  # the planner's packing at its count
+        candidates.append((list(draft.own), "own", None))
+    if not candidates:  # no shape holds the cap at this count: the planner's packing
+        candidates.append((*_recount_or_split(draft, count), None))
+    if len(candidates) > 1 or candidates[0][2] is None or polish:
+        # the unpriced ones in every run order (one call); the fastest wins (ties: the shape)
+        costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
+        runs = np.concatenate([run_orders(costs, name) for name in search.orders])  # order-major
+        spans = pricing.makespans(np.take_along_axis(np.tile(costs, (len(search.orders), 1)), runs, axis=1))
+        for j, (mbs, how, known) in enumerate(candidates):
+            mine = spans[j::len(candidates)]
+            i = int(np.argmin(mine))
+            if known is None or mine[i] < known:
+                candidates[j] = ([mbs[b] for b in runs[i * len(candidates) + j].tolist()], how, float(mine[i]))
+        if polish:  # the pipeline model's order search from each candidate's best order
+            costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
+            order, ordered = best_orders(pricing, costs)
+            for j, (mbs, how, known) in enumerate(candidates):
+                if ordered[j] < known:
+                    candidates[j] = ([mbs[b] for b in order[j].tolist()], how, float(ordered[j]))
+    mbs, how, span = min(candidates, key=lambda c: c[2])  # ties: the earlier
     return RankPlan(count, tuple(tuple(int(i) for i in mb) for mb in mbs), how, draft.need, span)
 
 
@@ -458,7 +511,8 @@ def check_rank_plan(micro_batches: Sequence[Sequence[int]], count: int, lengths:
                     align: int = 1, rank: int = 0) -> None:
     """Raise ``AssertionError`` naming the broken invariant of one rank's plan (see the module docstring)."""
     assert count % align == 0, f"count {count} is not a multiple of the VPP group {align}"
-    assert len(micro_batches) == count, f"rank {rank} has {len(micro_batches)} micro-batches, the agreed count is {count}"
+    assert len(micro_batches) == count, (f"rank {rank} has {len(micro_batches)} micro-batches, the agreed count is "
+                                         f"{count}")
     n = len(lengths)
     flat = sorted(int(i) for mb in micro_batches for i in mb)
     assert flat == list(range(n)), f"rank {rank}'s micro-batches do not hold each of its {n} samples exactly once"

@@ -29,7 +29,7 @@ import numpy as np
 
 from slime_ext.schedule import CostProfile, PipelinePricing
 
-__all__ = ["RAMPS", "Ramp", "SCAN_RAMPS", "ShapeScan", "pack_to_targets", "ramp_weights", "scan_shapes"]
+__all__ = ["RAMPS", "RUN_ORDERS", "Ramp", "ShapeScan", "pack_to_targets", "ramp_weights", "run_orders", "scan_shapes"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,6 @@ class Ramp:
     up: int  # micro-batches rising to the plateau (WHOLE: over the whole step, the peak near the end)
     down: int  # micro-batches falling from it at the end
     low: float  # the first (last) micro-batch's target, as a share of the plateau's
-    #: run order: ``"target"`` (as shaped), or ``"rising"``: cheapest first up to the costliest, which runs second
-    #: to last (what suits evenly loaded micro-batches under the interleaved schedule)
-    order: str = "target"
     #: under VPP the ramps count groups of ``microbatch_group_size_per_vp_stage`` micro-batches, alike within one
     #: (the interleaved schedule runs a group through every model chunk together); plain ramps without VPP
     grouped: bool = False
@@ -53,13 +50,17 @@ class Ramp:
 
 #: ``Ramp.up = WHOLE``: the ramp rises over the whole step
 WHOLE = 1 << 20
-#: every count of a rank's scan is packed with these (flat, a short ramp each end, flat in rising order)
-SCAN_RAMPS = (Ramp(0, 0, 1.0), Ramp(3, 6, 0.3), Ramp(0, 0, 1.0, "rising"))
-#: the agreed count is packed with all of these (the planner's shapes; the grouped ones only under VPP)
-RAMPS = SCAN_RAMPS + (
-    Ramp(1, 4, 0.3), Ramp(2, 4, 0.3), Ramp(2, 6, 0.5), Ramp(3, 8, 0.3), Ramp(4, 8, 0.3), Ramp(2, 2, 0.5),
-    Ramp(WHOLE, 1, 0.5), Ramp(WHOLE, 2, 0.6), Ramp(3, 8, 0.6), Ramp(5, 10, 0.5), Ramp(4, 12, 0.4),
-    Ramp(1, 1, 0.3, grouped=True), Ramp(1, 2, 0.3, grouped=True), Ramp(2, 3, 0.3, grouped=True))
+#: the shapes a rank's counts are packed with: flat (evenly loaded), ramps at both ends, a rise over the whole step,
+#: and under VPP ramps of whole groups (the planner's shapes, less four that never packed the slowest rank of
+#: ``bench.verl``'s steps and of 16 and 64 samples per rank at pp 4 and 8, with and without VPP)
+RAMPS = (Ramp(0, 0, 1.0), Ramp(3, 6, 0.3), Ramp(1, 4, 0.3), Ramp(2, 4, 0.3), Ramp(4, 8, 0.3), Ramp(5, 10, 0.5),
+         Ramp(4, 12, 0.4), Ramp(WHOLE, 1, 0.5), Ramp(WHOLE, 2, 0.6),
+         Ramp(1, 1, 0.3, grouped=True), Ramp(1, 2, 0.3, grouped=True), Ramp(2, 3, 0.3, grouped=True))
+#: the orders every packing is priced in: as shaped (``target``); ``rising``: cheapest first up to the costliest,
+#: which runs second to last (evenly loaded micro-batches under the interleaved schedule); ``valley``: the
+#: cheapest at both ends, the costliest in the middle; ``heaviest``: costliest first; ``ends``: the cheapest
+#: first and the second cheapest last, the rest costliest first
+RUN_ORDERS = ("target", "rising", "valley", "heaviest", "ends")
 
 
 def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
@@ -100,7 +101,8 @@ def pack_to_targets(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, s
     Each sample goes to the micro-batch with the most target left that holds it under ``cap`` (a sample longer
     than the cap only to an empty one); once the samples left are no more than a row's empty micro-batches, each
     goes to an empty one. Returns ``bin_of`` ``(R, n)`` (each sample's micro-batch, by sample index) and ``ok``
-    ``(R,)``: the row holds the cap and leaves no micro-batch empty.
+    ``(R,)``: the row holds the cap and leaves no micro-batch empty. One vectorised step per sample, every row at
+    once.
     """
     rows, k = shares.shape
     n = len(order)
@@ -108,11 +110,12 @@ def pack_to_targets(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, s
     room = np.where(lacking, -np.inf, shares * float(costs.sum()))
     tokens = np.where(lacking, cap + 1, 0).astype(np.int64)  # a lacking micro-batch never takes a sample
     flat_room, flat_tokens = room.reshape(-1), tokens.reshape(-1)  # views
-    empty = (~lacking).sum(axis=1)
-    calm = n - int(empty.max())  # before this sample no row is forced to open an empty micro-batch
+    calm = n - int((~lacking).sum(axis=1).max())  # before this sample no row must open an empty micro-batch
+    empty = None
     base = np.arange(rows) * k
-    placed = np.empty((n, rows), dtype=np.int64)
+    placed = []
     ord_lengths, ord_costs = lengths[order].tolist(), costs[order].tolist()
+    neg = -np.inf
     for j in range(n):
         length = ord_lengths[j]
         limit = 0 if length > cap else cap - length  # the most tokens a micro-batch may hold before taking it
@@ -121,23 +124,22 @@ def pack_to_targets(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, s
         held = flat_tokens[flat]
         misfit = held > limit
         if j >= calm:
-            if j == calm:  # from here on, track the empty micro-batches
+            if empty is None:  # from here on, track the empty micro-batches
                 empty = ((tokens == 0) & ~lacking).sum(axis=1)
             forced = empty >= n - j  # the samples left must open the row's empty micro-batches
             misfit |= forced
-        if misfit.any():
-            bad = np.flatnonzero(misfit)
-            allowed = limit if j < calm else np.where(forced[bad], 0, limit)[:, None]
-            pick[bad] = np.where(tokens[bad] <= allowed, room[bad], -np.inf).argmax(axis=1)
+        if misfit.any():  # every row again, among the micro-batches that take the sample
+            allowed = limit if j < calm else np.where(forced, 0, limit)[:, None]
+            pick = np.where(tokens <= allowed, room, neg).argmax(axis=1)
             flat = base + pick
             held = flat_tokens[flat]
-        if j >= calm:
+        if empty is not None:
             empty -= held == 0
         flat_room[flat] -= ord_costs[j]
         flat_tokens[flat] = held + length
-        placed[j] = pick
+        placed.append(pick)
     bin_of = np.empty((rows, n), dtype=np.int64)
-    bin_of[:, order] = placed.T
+    bin_of[:, order] = np.stack(placed, axis=1) if placed else np.zeros((rows, 0), dtype=np.int64)
     sizes = np.bincount((base[:, None] + bin_of).ravel(), minlength=rows * k).reshape(rows, k)
     over = (tokens > cap) & (sizes > 1) & ~lacking  # a micro-batch of several samples over the cap
     ok = ((sizes > 0) | lacking).all(axis=1) & ~over.any(axis=1)
@@ -163,23 +165,31 @@ class ShapeScan:
         return [groups[b] for b in run.tolist()]
 
 
-def _run_orders(bin_costs: np.ndarray, rising: np.ndarray) -> np.ndarray:
-    """``(R, K)`` each row's run order: as shaped, or rising (cheapest first, the costliest second to last)."""
+def run_orders(bin_costs: np.ndarray, name: str) -> np.ndarray:
+    """``(R, K)``: each row's micro-batches (indices into it) in the run order ``name`` of :data:`RUN_ORDERS`."""
     rows, k = bin_costs.shape
-    out = np.broadcast_to(np.arange(k), (rows, k))
-    if rising.any():
-        out = out.copy()
-        asc = np.argsort(bin_costs[rising], axis=1, kind="stable")
-        if k >= 2:
-            asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
-        out[rising] = asc
-    return out
+    if name == "target" or k < 2:
+        return np.broadcast_to(np.arange(k), (rows, k))
+    asc = np.argsort(bin_costs, axis=1, kind="stable")
+    if name == "rising":
+        return np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
+    if name == "valley":  # the i-th cheapest alternately to the front and the back
+        i = np.arange(k)
+        out = np.empty_like(asc)
+        out[:, np.where(i % 2 == 0, i // 2, k - 1 - i // 2)] = asc
+        return out
+    desc = asc[:, ::-1]
+    if name == "heaviest":
+        return desc
+    if name == "ends":
+        return np.concatenate([asc[:, :1], desc[:, :k - 2], asc[:, 1:2]], axis=1) if k >= 3 else desc
+    raise ValueError(f"run order {name!r} is not one of {RUN_ORDERS}")
 
 
 @lru_cache(maxsize=1024)
 def _block(ramps: tuple[Ramp, ...], k: int, group: int) -> tuple[np.ndarray, np.ndarray]:
     """The distinct target shares of the ramps at count ``k`` (``(U, k)``, read-only; short ramps cut at a small
-    count often coincide, and a ramp's run order does not change its packing) and each ramp's row among them."""
+    count often coincide) and each ramp's row among them."""
     block = np.stack([r.weights(k, group) for r in ramps])
     distinct, row_of = np.unique(block, axis=0, return_inverse=True)
     first = np.full(len(distinct), len(ramps))
@@ -193,20 +203,21 @@ def _block(ramps: tuple[Ramp, ...], k: int, group: int) -> tuple[np.ndarray, np.
 
 
 def scan_shapes(lengths: np.ndarray, costs: np.ndarray, counts: Sequence[int], ramps: Sequence[Ramp],
-                pricing: PipelinePricing, cap: int, group: int = 1,
-                profile: CostProfile | None = None) -> ShapeScan:
+                pricing: PipelinePricing, cap: int, group: int = 1, profile: CostProfile | None = None,
+                orders: Sequence[str] = RUN_ORDERS) -> ShapeScan:
     """Every count of ``counts`` packed with every ramp (grouped ramps only with ``group > 1``; ramps with the same
-    targets at a count packed once), every packing priced by ``pricing`` in one call (a micro-batch costs the sum of
-    its samples' ``costs``, or ``profile``'s time for it), the fastest kept per count (ties: the earlier ramp)."""
+    targets at a count packed once), every packing priced in every run order of ``orders`` by ``pricing`` in one
+    call (a micro-batch costs the sum of its samples' ``costs``, or ``profile``'s time for it), the fastest kept
+    per count (ties: the earlier ramp, then the earlier order)."""
     ramps = tuple(r for r in ramps if not r.grouped or group > 1)
     counts = [int(c) for c in counts if 0 < c <= len(lengths)]
-    if not counts or not ramps:
+    if not counts or not ramps or not orders:
         return ShapeScan({}, {})
-    blocks = [_block(ramps, c, group) for c in counts]
-    starts = np.cumsum([0] + [len(b) for b, _ in blocks])
+    blocks = [_block(ramps, c, group)[0] for c in counts]
+    starts = np.cumsum([0] + [len(b) for b in blocks])
     k, rows = max(counts), int(starts[-1])
     shares = np.full((rows, k), -1.0)
-    for c, (block, _), a in zip(counts, blocks, starts):
+    for c, block, a in zip(counts, blocks, starts):
         shares[a:a + len(block), :c] = block
     order = np.argsort(-costs, kind="stable")  # costliest first, ties by index
     bin_of, ok = pack_to_targets(lengths, costs, order, shares, cap)
@@ -215,21 +226,19 @@ def scan_shapes(lengths: np.ndarray, costs: np.ndarray, counts: Sequence[int], r
         bin_costs = np.bincount(flat, weights=np.tile(costs, rows), minlength=rows * k).reshape(rows, k)
     else:
         bin_costs = profile.bin_times(np.tile(lengths, rows), flat, rows * k).reshape(rows, k)
-    rising = np.array([r.order == "rising" for r in ramps])
     best_span, best, priced = {}, {}, []
-    for c, (_, row_of), a in zip(counts, blocks, starts):
-        # one candidate per ramp whose packing fits: its packing's row and its run order
-        fits = np.flatnonzero(ok[a + row_of])
-        if not len(fits):
+    for c, block, a in zip(counts, blocks, starts):
+        idx = a + np.flatnonzero(ok[a:a + len(block)])  # the packings that hold the cap
+        if not len(idx):
             best_span[c] = float("inf")
             continue
-        idx = a + row_of[fits]
         costs_c = bin_costs[idx, :c]
-        run = _run_orders(costs_c, rising[fits])
-        priced.append((c, idx, run, np.take_along_axis(costs_c, run, axis=1)))
+        runs = np.concatenate([run_orders(costs_c, name) for name in orders])  # order-major
+        priced.append((c, np.tile(idx, len(orders)), runs,
+                       np.take_along_axis(np.tile(costs_c, (len(orders), 1)), runs, axis=1)))
     got = pricing.makespans_many([ordered for _, _, _, ordered in priced]) if priced else []
-    for (c, idx, run, _), spans in zip(priced, got):
-        j = int(np.argmin(spans))  # ties: the earlier ramp
+    for (c, idx, runs, _), spans in zip(priced, got):
+        j = int(np.argmin(spans))  # ties: the earlier order, then the earlier ramp
         best_span[c] = float(spans[j])
-        best[c] = (bin_of[idx[j]], run[j])
+        best[c] = (bin_of[idx[j]], runs[j])
     return ShapeScan(best_span, best)
