@@ -1,8 +1,10 @@
-"""verl's own micro-batch planning next to slime-ext's engine-depth plan, on the same trainer steps (issue 23).
+"""verl's own micro-batch planning next to slime-ext's engine-depth plan, on the same trainer steps (issue 23), and
+each rank's planning time at DP 8 to 128 (issue 30).
 
     .venv-verl/bin/python -m bench.verl                          # the installed verl (ci/verl_test's venv)
     PYTHONPATH=.verl-trees/<commit> .venv-verl/bin/python -m bench.verl   # verl HEAD (ci/verl_test extracts it)
     .venv-verl/bin/python -m bench.verl --quick                  # one workload, one layout (smoke run)
+    .venv-verl/bin/python -m bench.verl --only time --repeats 5  # the planning-time table alone
 
 **One trainer step, as verl runs it** (everything named "verl" below is verl's code, imported from the installed
 verl or a tree on ``PYTHONPATH``; nothing of it is copied here):
@@ -27,7 +29,20 @@ trainer depth); the predicted step time at pp 1, 4 and 8
 (each mini-batch: its slowest replica's makespan in the micro-batch order the plan runs, priced the same way for
 every plan by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: forward FLOPs of
 Qwen3-8B-like dims plus 2% of a full micro-batch, backward twice forward; pp 1 is the same model with one stage),
-relative to verl's; ``plan s``: the engine depth's planning time over the step (every rank plans all ranks).
+relative to verl's, for the engine depth before issue 30 (``before``: commit :data:`BASELINE`'s plan.py, read with
+``git show`` and run against today's planner), the engine depth and the trainer depth; ``plan ms per rank``: each
+rank's planning per mini-batch, CPU time (``before``: one call plans every rank, on every rank).
+
+**Planning time** (issue 30; :func:`print_planning_times`): rl-like lengths dispatched by verl's V1 functions to dp 8,
+32 and 128 ranks, 16 and 64 samples per rank (one mini-batch), pp 1, pp 4 and pp 4 x VPP 2 (group 4). Each rank's
+stages are timed as the engine runs them on that rank (its draft on its own samples; the agreement and its
+micro-batches; the invariant check), one process playing every rank in turn; the all-reduce between them is not run
+here but measured separately over gloo (:func:`collective_times`). Beside it, verl's own ``rearrange_micro_batches``
+(imported from the installed verl) on each rank's samples, nested ``input_ids`` as verl's engine holds them, with the
+count its all-reduce would agree on passed in (the all-reduce itself not run; ``build``: the part of it that builds
+the micro-batch TensorDicts), and the 'before' engine depth (all-gathered lengths, every rank planned on every rank;
+one call = one rank's time, its all-gathers not run). Times are CPU time of this process (``CLOCK``), each rank's
+best of ``--repeats`` runs, median and max over the ranks.
 
 Workloads (:mod:`bench.workloads`, ``bench.pipeline_model_table``): ``rl-like``, ``bimodal``, ``long tail``; 1024
 samples per trainer step, dp 8, 4 mini-batches (32 samples per rank per mini-batch), cap 16384; lengths are clipped to
@@ -61,6 +76,9 @@ from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 N, DP, MINI_BATCHES, SEED = 1024, 8, 4, 1
 #: the engine depth before issue 30 (every rank planned every rank), for the 'before' columns
 BASELINE = "cfaa6b5"
+#: planning times are CPU time of this process (one process plays every rank, one after the other; the machine is
+#: shared, and wall time there would count other people's work too)
+CLOCK = time.process_time
 PP_SIZES = (1, 4, 8)
 WORKLOADS = {
     "rl-like": lambda n: make_lengths("rl", n, SEED),
@@ -182,25 +200,25 @@ def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES,
     # the trainer depth: slime-ext's dispatch (per mini-batch, equal counts), then the engine depth
     order = np.asarray(plan_dispatch(lengths, dp, n // mini_batches, cost_model=cost_model))
     trainer_minis = _minis(list(order.reshape(dp, -1)), mini_batches)
-    t = time.perf_counter()
+    t = CLOCK()
     verl_plans = [verl_plan([lengths[x].tolist() for x in ranks], cap, None) for ranks in minis]
-    verl_s = time.perf_counter() - t
+    verl_s = CLOCK() - t
     out = []
     for pp in pp_sizes:
         pricing = pricing_for(pp, cost_model, cap)
         verl, ours, trainer, before = Tally(plan_s=verl_s), Tally(), Tally(), Tally()
         for ranks, vplans in zip(minis, verl_plans):
             judge(verl, vplans, ranks, costs, lengths, cap, pricing)
-            t = time.perf_counter()
+            t = CLOCK()
             plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model,
                                     search=search)
-            ours.plan_s += (time.perf_counter() - t) / dp  # one process plans every rank: per rank
+            ours.plan_s += (CLOCK() - t) / dp  # one process plans every rank: per rank
             judge(ours, [list(map(list, p)) for p in plan.micro_batches], ranks, costs, lengths, cap, pricing)
             if baseline is not None:  # every rank planned every rank: one call is one rank's time
-                t = time.perf_counter()
+                t = CLOCK()
                 old = baseline.plan_engine_step([lengths[x] for x in ranks], cap,
                                                 baseline.EngineLayout(pp_size=pp), cost_model=cost_model)
-                before.plan_s += time.perf_counter() - t
+                before.plan_s += CLOCK() - t
                 judge(before, [list(map(list, p)) for p in old.micro_batches], ranks, costs, lengths, cap, pricing)
         for ranks in trainer_minis:
             plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model,
@@ -233,17 +251,17 @@ def time_ours(ranks: list[np.ndarray], cap: int, layout: EngineLayout, cost_mode
     Returns per-rank seconds and the agreed count."""
     drafts, seconds = [], []
     for r, x in enumerate(ranks):
-        t = time.perf_counter()
+        t = CLOCK()
         drafts.append(draft_rank(x, cap, layout, rank=r, cost_model=cost_model, search=search))
-        seconds.append(time.perf_counter() - t)
+        seconds.append(CLOCK() - t)
     reduced = Ballot.reduce([d.ballot.vector() for d in drafts])
     count = None
     for r, d in enumerate(drafts):
-        t = time.perf_counter()
+        t = CLOCK()
         agreement = agree(reduced, layout, cap, mine=d)
         plan = finish_rank(d, agreement)
         check_rank_plan(plan.micro_batches, plan.count, d.lengths, cap, layout.align, r)
-        seconds[r] += time.perf_counter() - t
+        seconds[r] += CLOCK() - t
         count = plan.count
     return np.asarray(seconds), count
 
@@ -271,14 +289,14 @@ def time_verl(ranks: list[np.ndarray], cap: int, divided_by: int | None) -> tupl
     agreed = max(counts)
     seconds, building = [], []
     for b in batches:
-        t = time.perf_counter()
+        t = CLOCK()
         _, parts = verl_balancing.rearrange_micro_batches(b, max_token_len=cap, num_batches_divided_by=divided_by,
                                                           min_num_micro_batch=agreed)
-        seconds.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        seconds.append(CLOCK() - t)
+        t = CLOCK()
         for p in parts:
             tu.index_select_tensor_dict(b, p)
-        building.append(time.perf_counter() - t)
+        building.append(CLOCK() - t)
     return np.asarray(seconds), np.asarray(building)
 
 
@@ -298,10 +316,10 @@ def planning_times(dp: int, per_rank: int, layout: EngineLayout, repeats: int, b
                verl_median=float(np.median(verl_s)), verl_max=float(verl_s.max()),
                verl_build=float(np.median(verl_build)), count=time_ours(ranks, cap, layout, cost_model, search)[1])
     if baseline is not None:
-        t = time.perf_counter()
+        t = CLOCK()
         old = baseline.plan_engine_step(ranks, cap, baseline.EngineLayout(layout.pp_size, layout.vpp_size,
                                                                           layout.vpp_group), cost_model=cost_model)
-        out["before"] = time.perf_counter() - t  # every rank runs exactly this (after its all-gathers)
+        out["before"] = CLOCK() - t  # every rank runs exactly this (after its all-gathers)
         out["before_count"] = old.count
     return out
 
@@ -350,12 +368,14 @@ def _ms(x: float) -> str:
 
 
 def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collective) -> list[dict]:
+    import torch
     import verl
 
+    torch.set_num_threads(1)  # verl's tensors on one thread, as the planner's numpy (CPU time counts every thread)
     rows = []
     print(f"\nplanning time per rank per mini-batch (issue 30), verl {verl.__version__}; rl-like lengths, cap "
-          f"{MAX_TOKENS_PER_GPU}; ms; slime-ext and verl: median / max over the ranks, best of {repeats} runs; "
-          f"'before' (every rank plans every rank): one run")
+          f"{MAX_TOKENS_PER_GPU}; CPU ms; slime-ext and verl: median / max over the ranks, each rank's best of "
+          f"{repeats} runs; 'before' (every rank plans every rank, so one call is one rank's time): one run")
     print(f"{'dp':>4} {'samples':>7} {'layout':<13} | {'slime-ext':^17} | {'verl rearrange':^17} {'(build)':>7} | "
           f"{'before':>8} | {'count':>5} {'before':>6}")
     for per_rank in sizes:
