@@ -340,9 +340,10 @@ def _collective_worker(rank: int, world: int, init: str, size: int, rounds: int,
     dist.destroy_process_group()
 
 
-def collective_times(worlds=(2, 4), rounds: int = 200) -> dict[int, float]:
+def collective_times(worlds=(2,), rounds: int = 200) -> dict[int, float]:
     """The ballot's all-reduce (MAX, ``Ballot.HEAD + len(GRID_MULTIPLES)`` float64) over gloo on this machine:
-    the median per call on the slowest rank, per world size (a stand-in: a job runs it over NCCL on its DP group)."""
+    the median per call on the slowest rank, per world size (a stand-in: a job runs it over NCCL on its DP group;
+    more processes than this machine's 2 cores would time the scheduler, not the collective)."""
     import multiprocessing as mp
     import tempfile
 
@@ -372,12 +373,14 @@ def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collect
     import verl
 
     torch.set_num_threads(1)  # verl's tensors on one thread, as the planner's numpy (CPU time counts every thread)
+    coll = collective.get(2, 0.0) if collective else 0.0
     rows = []
     print(f"\nplanning time per rank per mini-batch (issue 30), verl {verl.__version__}; rl-like lengths, cap "
           f"{MAX_TOKENS_PER_GPU}; CPU ms; slime-ext and verl: median / max over the ranks, each rank's best of "
-          f"{repeats} runs; 'before' (every rank plans every rank, so one call is one rank's time): one run")
-    print(f"{'dp':>4} {'samples':>7} {'layout':<13} | {'slime-ext':^17} | {'verl rearrange':^17} {'(build)':>7} | "
-          f"{'before':>8} | {'count':>5} {'before':>6}")
+          f"{repeats} runs; '+ coll.': the median plus the ballot's all-reduce measured below (gloo, 2 processes); "
+          f"'before' (every rank plans every rank, so one call is one rank's time, its all-gathers not run): one run")
+    print(f"{'dp':>4} {'samples':>7} {'layout':<13} | {'slime-ext':^17} {'+ coll.':>7} | {'verl rearrange':^17} "
+          f"{'(build)':>7} | {'before':>8} | {'count':>5} {'before':>6}")
     for per_rank in sizes:
         for name, layout in layouts.items():
             for dp in dps:
@@ -385,10 +388,11 @@ def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collect
                 cell.update(dp=dp, samples=per_rank, layout=name)
                 rows.append(cell)
                 before = _ms(cell["before"]) if "before" in cell else "-"
-                print(f"{dp:>4} {per_rank:>7} {name:<13} | {_ms(cell['ours_median']):>8} {_ms(cell['ours_max']):>8} | "
-                      f"{_ms(cell['verl_median']):>8} {_ms(cell['verl_max']):>8} {_ms(cell['verl_build']):>7} | "
-                      f"{before:>8} | {cell['count']:>5} {cell.get('before_count', '-'):>6}")
-    print("\nratios (slime-ext, median per rank):")
+                print(f"{dp:>4} {per_rank:>7} {name:<13} | {_ms(cell['ours_median']):>8} {_ms(cell['ours_max']):>8} "
+                      f"{_ms(cell['ours_median'] + coll):>7} | {_ms(cell['verl_median']):>8} "
+                      f"{_ms(cell['verl_max']):>8} {_ms(cell['verl_build']):>7} | {before:>8} | {cell['count']:>5} "
+                      f"{cell.get('before_count', '-'):>6}")
+    print("\nratios (slime-ext, median per rank; with the all-reduce in brackets):")
     for per_rank in sizes:
         for name in layouts:
             cells = {c["dp"]: c for c in rows if c["samples"] == per_rank and c["layout"] == name}
@@ -400,12 +404,14 @@ def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collect
             if "pp 1" in cells:
                 for name in layouts:
                     if name != "pp 1" and name in cells:
-                        r = cells[name]["ours_median"] / cells["pp 1"]["ours_median"]
-                        print(f"  {per_rank:>3} samples, dp {dp:>3}: {name} / pp 1 = {r:.2f} (target <= 5)")
+                        a, b = cells[name]["ours_median"], cells["pp 1"]["ours_median"]
+                        print(f"  {per_rank:>3} samples, dp {dp:>3}: {name} / pp 1 = {a / b:.2f} "
+                              f"({(a + coll) / (b + coll):.2f}) (target <= 5)")
     if collective:
         print("\nthe collective, measured separately (one process plays every rank above): the ballot's all-reduce "
-              "(MAX, " + f"{Ballot.HEAD + len(GRID_MULTIPLES)} float64) over gloo on this machine, median per call: " +
-              ", ".join(f"world {w}: {t * 1e3:.3f} ms" for w, t in collective.items()))
+              f"(MAX, {Ballot.HEAD + len(GRID_MULTIPLES)} float64) over gloo on this machine, median per call on the "
+              "slowest process: " + ", ".join(f"{w} processes: {t * 1e3:.3f} ms" for w, t in collective.items()) +
+              " (a job runs it over NCCL on its DP group)")
     return rows
 
 

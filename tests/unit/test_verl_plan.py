@@ -13,7 +13,7 @@ from slime_ext.integrations.verl import ENV, switch_from_env
 from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
                                               check_engine_plan, check_rank_plan, draft_rank, finish_rank,
                                               plan_dispatch, plan_engine_step)
-from slime_ext.integrations.verl.shaped import RAMPS, RUN_ORDERS, Ramp, pack_to_targets, ramp_weights, run_orders
+from slime_ext.integrations.verl.shaped import KNOWN_ORDERS, RAMPS, Ramp, pack_to_targets, ramp_weights, run_orders
 from slime_ext.schedule import CostModel, CostProfile, ScheduleError, pipeline_pricing, sample_costs
 from tests.conftest import examples
 
@@ -259,7 +259,7 @@ def test_ramp_weights_sum_to_one_and_rise_then_fall(k, up, down):
     assert (np.diff(w[:peak + 1]) >= -1e-12).all() and (np.diff(w[peak:]) <= 1e-12).all()
 
 
-@pytest.mark.parametrize("name", RUN_ORDERS)
+@pytest.mark.parametrize("name", KNOWN_ORDERS)
 def test_run_orders_are_permutations_and_do_what_they_say(name):
     costs = np.array([[5.0, 1.0, 9.0, 3.0, 7.0], [2.0, 2.0, 8.0, 1.0, 4.0]])
     orders = run_orders(costs, name)

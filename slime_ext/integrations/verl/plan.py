@@ -63,7 +63,7 @@ import numpy as np
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PipelinePricing, ScheduleError,
                                 best_orders, pipeline_pricing, plan_schedule, sample_costs)
 
-from .shaped import RAMPS, RUN_ORDERS, Ramp, ShapeScan, run_orders, scan_shapes
+from .shaped import KNOWN_ORDERS, RAMPS, RUN_ORDERS, Ramp, ShapeScan, run_orders, scan_shapes
 
 __all__ = ["Agreement", "Ballot", "EngineLayout", "EnginePlan", "EngineSearch", "GRID_MULTIPLES", "RankDraft",
            "RankPlan", "agree", "check_engine_plan", "check_rank_plan", "draft_rank", "finish_rank",
@@ -157,8 +157,8 @@ class EngineSearch:
             raise ValueError(f"EngineSearch.reach={self.reach!r} must be a number >= 1 (1 prices the need alone)")
         if not self.ramps:
             raise ValueError("EngineSearch.ramps needs at least one Ramp (e.g. Ramp(0, 0, 1.0): flat)")
-        if not self.orders or any(o not in RUN_ORDERS for o in self.orders):
-            raise ValueError(f"EngineSearch.orders={self.orders!r}: name one or more of {RUN_ORDERS}")
+        if not self.orders or any(o not in KNOWN_ORDERS for o in self.orders):
+            raise ValueError(f"EngineSearch.orders={self.orders!r}: name one or more of {KNOWN_ORDERS}")
 
 
 @dataclass(frozen=True)

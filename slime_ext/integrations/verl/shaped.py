@@ -29,7 +29,7 @@ import numpy as np
 
 from slime_ext.schedule import CostProfile, PipelinePricing
 
-__all__ = ["RAMPS", "RUN_ORDERS", "Ramp", "ShapeScan", "pack_to_targets", "ramp_weights", "run_orders", "scan_shapes"]
+__all__ = ["RAMPS", "RUN_ORDERS", "Ramp", "KNOWN_ORDERS", "ShapeScan", "pack_to_targets", "ramp_weights", "run_orders", "scan_shapes"]
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,12 @@ RAMPS = (Ramp(0, 0, 1.0), Ramp(3, 6, 0.3), Ramp(1, 4, 0.3), Ramp(2, 4, 0.3), Ram
          Ramp(1, 1, 0.3, grouped=True), Ramp(1, 2, 0.3, grouped=True), Ramp(2, 3, 0.3, grouped=True))
 #: the orders every packing is priced in: as shaped (``target``); ``rising``: cheapest first up to the costliest,
 #: which runs second to last (evenly loaded micro-batches under the interleaved schedule); ``valley``: the
-#: cheapest at both ends, the costliest in the middle; ``heaviest``: costliest first; ``ends``: the cheapest
-#: first and the second cheapest last, the rest costliest first
-RUN_ORDERS = ("target", "rising", "valley", "heaviest", "ends")
+#: cheapest at both ends, the costliest in the middle; ``ends``: the cheapest first and the second cheapest last,
+#: the rest costliest first. (The planner's ``heaviest`` first never ordered the slowest rank best on
+#: ``bench.verl``'s steps nor at 16 and 64 samples per rank; ``run_orders`` still knows it.)
+RUN_ORDERS = ("target", "valley", "rising", "ends")
+#: every order :func:`run_orders` knows
+KNOWN_ORDERS = RUN_ORDERS + ("heaviest",)
 
 
 def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
@@ -110,8 +113,10 @@ def pack_to_targets(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, s
     room = np.where(lacking, -np.inf, shares * float(costs.sum()))
     tokens = np.where(lacking, cap + 1, 0).astype(np.int64)  # a lacking micro-batch never takes a sample
     flat_room, flat_tokens = room.reshape(-1), tokens.reshape(-1)  # views
-    calm = n - int((~lacking).sum(axis=1).max())  # before this sample no row must open an empty micro-batch
-    empty = None
+    # a row must open an empty micro-batch with every sample once its samples left are no more than its empty
+    # micro-batches; that slack drops by at most one per sample, so it is only looked at when it may have run out
+    check = n - int((~lacking).sum(axis=1).max())
+    forced = None
     base = np.arange(rows) * k
     placed = []
     ord_lengths, ord_costs = lengths[order].tolist(), costs[order].tolist()
@@ -119,22 +124,16 @@ def pack_to_targets(lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, s
     for j in range(n):
         length = ord_lengths[j]
         limit = 0 if length > cap else cap - length  # the most tokens a micro-batch may hold before taking it
-        pick = room.argmax(axis=1)  # the most target left; most often it also has the tokens
+        if j >= check:
+            slack = (n - j) - ((tokens == 0) & ~lacking).sum(axis=1)
+            least = int(slack.min())
+            forced = slack <= 0 if least <= 0 else None
+            check = j + max(least, 1)
+        # the micro-batch with the most target left among those that take the sample (a forced row: an empty one)
+        allowed = limit if forced is None else np.where(forced, 0, limit)[:, None]
+        pick = np.where(tokens <= allowed, room, neg).argmax(axis=1)
         flat = base + pick
         held = flat_tokens[flat]
-        misfit = held > limit
-        if j >= calm:
-            if empty is None:  # from here on, track the empty micro-batches
-                empty = ((tokens == 0) & ~lacking).sum(axis=1)
-            forced = empty >= n - j  # the samples left must open the row's empty micro-batches
-            misfit |= forced
-        if misfit.any():  # every row again, among the micro-batches that take the sample
-            allowed = limit if j < calm else np.where(forced, 0, limit)[:, None]
-            pick = np.where(tokens <= allowed, room, neg).argmax(axis=1)
-            flat = base + pick
-            held = flat_tokens[flat]
-        if empty is not None:
-            empty -= held == 0
         flat_room[flat] -= ord_costs[j]
         flat_tokens[flat] = held + length
         placed.append(pick)
@@ -165,25 +164,35 @@ class ShapeScan:
         return [groups[b] for b in run.tolist()]
 
 
-def run_orders(bin_costs: np.ndarray, name: str) -> np.ndarray:
-    """``(R, K)``: each row's micro-batches (indices into it) in the run order ``name`` of :data:`RUN_ORDERS`."""
+def run_orders(bin_costs: np.ndarray, name: str, asc: np.ndarray | None = None) -> np.ndarray:
+    """``(R, K)``: each row's micro-batches (indices into it) in the run order ``name`` of :data:`KNOWN_ORDERS`
+    (``asc``: the rows' stable ascending argsort, where the caller has it)."""
     rows, k = bin_costs.shape
     if name == "target" or k < 2:
         return np.broadcast_to(np.arange(k), (rows, k))
-    asc = np.argsort(bin_costs, axis=1, kind="stable")
+    if asc is None:
+        asc = np.argsort(bin_costs, axis=1, kind="stable")
     if name == "rising":
         return np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
     if name == "valley":  # the i-th cheapest alternately to the front and the back
-        i = np.arange(k)
-        out = np.empty_like(asc)
-        out[:, np.where(i % 2 == 0, i // 2, k - 1 - i // 2)] = asc
-        return out
+        return asc[:, _valley(k)]
     desc = asc[:, ::-1]
     if name == "heaviest":
         return desc
     if name == "ends":
         return np.concatenate([asc[:, :1], desc[:, :k - 2], asc[:, 1:2]], axis=1) if k >= 3 else desc
-    raise ValueError(f"run order {name!r} is not one of {RUN_ORDERS}")
+    raise ValueError(f"run order {name!r} is not one of {KNOWN_ORDERS}")
+
+
+@lru_cache(maxsize=1024)
+def _valley(k: int) -> np.ndarray:
+    """Position ``p`` of the valley order runs the ``_valley(k)[p]``-th cheapest."""
+    i = np.arange(k)
+    where = np.where(i % 2 == 0, i // 2, k - 1 - i // 2)  # the i-th cheapest runs at ``where[i]``
+    out = np.empty(k, dtype=np.int64)
+    out[where] = i
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=1024)
@@ -233,9 +242,10 @@ def scan_shapes(lengths: np.ndarray, costs: np.ndarray, counts: Sequence[int], r
             best_span[c] = float("inf")
             continue
         costs_c = bin_costs[idx, :c]
-        runs = np.concatenate([run_orders(costs_c, name) for name in orders])  # order-major
-        priced.append((c, np.tile(idx, len(orders)), runs,
-                       np.take_along_axis(np.tile(costs_c, (len(orders), 1)), runs, axis=1)))
+        asc = np.argsort(costs_c, axis=1, kind="stable")
+        runs = np.concatenate([run_orders(costs_c, name, asc) for name in orders])  # order-major
+        of = np.tile(np.arange(len(idx)), len(orders))
+        priced.append((c, idx[of], runs, costs_c[of[:, None], runs]))
     got = pricing.makespans_many([ordered for _, _, _, ordered in priced]) if priced else []
     for (c, idx, runs, _), spans in zip(priced, got):
         j = int(np.argmin(spans))  # ties: the earlier order, then the earlier ramp
