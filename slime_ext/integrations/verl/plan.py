@@ -134,9 +134,10 @@ class EngineSearch:
 
     Measured with ``python -m bench.verl`` (its steps: rl-like, bimodal, long tail, 32 samples per rank, pp 4 and
     8): these defaults predict no step slower than cfaa6b5's plan (every rank planning every rank), and each rank's
-    planning takes about 0.8 ms for 16 samples and 2 ms for 64 at pp 4 (2-core machine, shared). A smaller
-    ``reach`` (1.6) saves a few percent of that and predicts up to 1.6% slower steps; without the run orders
-    (``orders=("target",)``) and the slowest rank's polish, steps are predicted up to 0.25% slower."""
+    planning takes about 0.6 ms of CPU for 16 samples and 1.6-2 ms for 64 at pp 4 (2-core machine, shared). In
+    the runs that chose them, a smaller ``reach`` (1.6-1.8) saved under 10% of that and predicted up to 1.6% slower
+    steps than before; without the run orders other than the shape's own, or without the slowest rank's polish,
+    up to 0.25% slower."""
 
     #: a rank prices the grid's counts from the fewest the cap allows up to ``reach`` times that (at least
     #: MIN_REACH_STEPS counts more); the planner's own count search reaches 2.3 times its pp-unaware count
