@@ -13,8 +13,9 @@ module does that one thing on top of the planner's public pricing (:class:`slime
 * :func:`pack_to_targets` deals the rank's samples, costliest first, each to the micro-batch with the most target
   left that still holds it under the token cap (a sample over the cap only into an empty one), and leaves no
   micro-batch empty; every row (a count and a ramp) in one vectorised pass;
-* :func:`scan_shapes` packs every (count, ramp) pair, prices every packing with the pipeline model in one call and
-  keeps, per count, the fastest.
+* :func:`scan_shapes` packs every (count, ramp) pair, prices every packing in every run order of
+  :data:`RUN_ORDERS` (:func:`run_orders`: as shaped, cheapest at both ends, rising, ...) with the pipeline model in
+  one call, and keeps, per count, the fastest packing in its fastest order.
 
 Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
 """
@@ -29,7 +30,8 @@ import numpy as np
 
 from slime_ext.schedule import CostProfile, PipelinePricing
 
-__all__ = ["RAMPS", "RUN_ORDERS", "Ramp", "KNOWN_ORDERS", "ShapeScan", "pack_to_targets", "ramp_weights", "run_orders", "scan_shapes"]
+__all__ = ["KNOWN_ORDERS", "RAMPS", "RUN_ORDERS", "Ramp", "ShapeScan", "pack_to_targets", "ramp_weights", "run_orders",
+           "scan_shapes"]
 
 
 @dataclass(frozen=True)
