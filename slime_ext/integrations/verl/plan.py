@@ -327,6 +327,21 @@ def _mb_costs(lengths: np.ndarray, micro_batches: Sequence[Sequence[int]],
     return np.array([float(costs[list(mb)].sum()) for mb in micro_batches])
 
 
+@lru_cache(maxsize=64)
+def _cached_pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None,
+                    cap: int) -> PipelinePricing | None:
+    return pipeline_pricing(layout.parallel(), cost_model, cap)
+
+
+def _pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None, cap: int) -> PipelinePricing | None:
+    """The planner's pipeline pricing of this layout (``None`` without a pipeline), made once per layout, cost
+    model and cap (every mini-batch and pass of a job asks for the same few)."""
+    try:
+        return _cached_pricing(layout, cost_model, cap)
+    except TypeError:  # an unhashable cost model: price it afresh
+        return pipeline_pricing(layout.parallel(), cost_model, cap)
+
+
 def _check_cap(cap: object) -> int:
     if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
         raise ScheduleError(f"cap={cap!r} must be a positive token count (verl's max_token_len_per_gpu * "
@@ -361,7 +376,7 @@ def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLa
     if int(x.min()) < 1:
         return _failed(common, x, spans, f"sample {int(np.argmin(x))} has {int(x.min())} tokens (every sample needs "
                                          f"at least one)")
-    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
+    pricing = _pricing(layout, cost_model, cap)
     if pricing is None:  # no pipeline: the planner's packing and its count
         try:
             own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
