@@ -1,13 +1,25 @@
-"""The verl engine-depth plan (slime_ext.integrations.verl.plan) and the switch, without verl installed."""
+"""The verl engine-depth plan (slime_ext.integrations.verl.plan, .shaped) and the switch, without verl installed.
+
+Every plan goes through ``check_engine_plan`` (count, alignment, coverage, cap); the pipeline's predictions are
+checked by pricing the returned micro-batches through the public model (``pipeline_pricing``), not by re-reading
+what the plan says of itself."""
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from slime_ext.integrations.verl import ENV, switch_from_env
-from slime_ext.integrations.verl.plan import EngineLayout, check_engine_plan, plan_dispatch, plan_engine_step
-from slime_ext.schedule import CostModel, ScheduleError
+from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
+                                              check_engine_plan, check_rank_plan, draft_rank, finish_rank,
+                                              plan_dispatch, plan_engine_step)
+from slime_ext.integrations.verl.shaped import KNOWN_ORDERS, RAMPS, Ramp, pack_to_targets, ramp_weights, run_orders
+from slime_ext.schedule import CostModel, CostProfile, ScheduleError, pipeline_pricing, sample_costs
+from tests.conftest import examples
 
 MODEL = CostModel(hidden_size=1024, num_layers=8, num_attention_heads=16, vocab_size=32000, swiglu=True)
+PROFILE = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-5,
+                      per_sample_quadratic_s=3e-9, packed_quadratic_s=1e-9, backward_forward_ratio=2.0, p2p_s=1e-4)
 LAYOUTS = [EngineLayout(), EngineLayout(pp_size=4), EngineLayout(pp_size=2, vpp_size=2, vpp_group=2),
            EngineLayout(pp_size=2, vpp_size=2, vpp_group=4)]
 
@@ -17,18 +29,31 @@ def _ranks(seed, dp, n, hi=3000):
     return [np.maximum(1, rng.lognormal(6.0, 1.0, size=n)).astype(int).clip(max=hi).tolist() for _ in range(dp)]
 
 
+def _priced(layout, cost_model, cap, lengths, micro_batches):
+    """Each rank's predicted makespan of its micro-batches in run order, priced through the public model."""
+    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
+    out = []
+    for x, mbs in zip(lengths, micro_batches):
+        x = np.asarray(x)
+        if isinstance(cost_model, CostProfile):
+            row = [cost_model.microbatch_time(x[list(mb)]) for mb in mbs]
+        else:
+            costs = sample_costs(x, cost_model)
+            row = [float(costs[list(mb)].sum()) for mb in mbs]
+        out.append(float(pricing.makespans(np.array([row]))[0]))
+    return np.array(out)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("seed", range(4))
 def test_plan_holds_the_invariants_on_every_layout(layout, seed):
     lengths = _ranks(seed, dp=4, n=24)
     plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL)
     check_engine_plan(plan, [len(x) for x in lengths], lengths, layout.align)  # count, coverage, cap
-    if layout.pp_size == 1:  # no pipeline: the largest count any rank's own plan needs
-        assert plan.count == max(plan.own_counts)
-    else:  # a pipeline may choose fewer (its slowest replica predicted faster), never more
-        assert plan.count <= max(plan.own_counts)
-    assert plan.count % layout.align == 0
-    for r, x in enumerate(lengths):  # the cap never needed fewer micro-batches than ceil(tokens / cap)
+    assert plan.count >= max(plan.needs)  # every rank can hold the cap at the agreed count
+    if layout.pp_size == 1:  # no pipeline: the largest need
+        assert plan.count == max(plan.needs)
+    for x in lengths:  # the cap never needs fewer micro-batches than ceil(tokens / cap)
         assert plan.count >= -(-sum(x) // 4096)
 
 
@@ -39,23 +64,104 @@ def test_verl_over_cap_example_is_held():
     assert sorted(len(mb) for mb in plan.micro_batches[0]) == [1, 1, 1]
 
 
-def test_ranks_agree_on_the_largest_count_and_are_planned_alike():
+def test_ranks_agree_on_the_largest_need_and_the_plan_is_deterministic():
     lengths = [[6, 6, 6], [3, 3, 3]]
     plan = plan_engine_step(lengths, 10)
-    assert plan.own_counts == (3, 1) and plan.count == 3 and plan.how == ("own", "recount")
-    # deterministic: every rank computes the same plan from the same gathered lengths
+    assert plan.needs == (3, 1) and plan.count == 3 and plan.how == ("own", "recount")
     assert plan_engine_step(lengths, 10) == plan
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+def test_each_rank_plans_alone_from_its_samples_and_the_reduced_ballot(layout):
+    """What the engine runs: each rank drafts its own samples, the ballots meet in one MAX, each rank finishes. The
+    result is the in-process plan, and a rank's plan depends on the other ranks only through the reduced ballot."""
+    lengths = _ranks(7, dp=4, n=20)
+    plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL)
+    drafts = [draft_rank(x, 4096, layout, rank=r, cost_model=MODEL) for r, x in enumerate(lengths)]
+    vectors = [d.ballot.vector() for d in drafts]
+    assert {len(v) for v in vectors} == {Ballot.HEAD + len(GRID_MULTIPLES)}  # the same small vector at any DP size
+    reduced = Ballot.reduce(vectors)
+    for r, d in enumerate(drafts):
+        agreement = agree(reduced, layout, 4096, mine=d)
+        assert agreement == plan.agreement
+        assert finish_rank(d, agreement).micro_batches == plan.micro_batches[r]
+    # the other ranks shuffled: rank 0's ballot and plan do not change with them
+    shuffled = [lengths[0]] + lengths[:0:-1]
+    assert plan_engine_step(shuffled, 4096, layout, cost_model=MODEL).micro_batches[0] == plan.micro_batches[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=str)
+@pytest.mark.parametrize("cost_model", [MODEL, PROFILE, None], ids=["flops", "profile", "tokens"])
+def test_pipeline_predictions_are_what_the_public_model_says(layout, cost_model):
+    lengths = _ranks(3, dp=4, n=32, hi=8000)
+    plan = plan_engine_step(lengths, 8192, layout, cost_model=cost_model)
+    check_engine_plan(plan, [len(x) for x in lengths], lengths, layout.align)
+    spans = _priced(layout, cost_model, 8192, lengths, plan.micro_batches)
+    drafts = [draft_rank(x, 8192, layout, rank=r, cost_model=cost_model) for r, x in enumerate(lengths)]
+    grid = list(layout.grid())
+    bounded = []
+    for r, d in enumerate(drafts):
+        got = finish_rank(d, plan.agreement)
+        assert got.predicted == pytest.approx(spans[r], rel=1e-9)
+        ballot_span = d.ballot.spans[grid.index(plan.count)] if plan.count in grid else -np.inf
+        if np.isfinite(ballot_span):  # the finished plan is never slower than the rank's ballot said
+            assert spans[r] <= ballot_span * (1 + 1e-9)
+            bounded.append(spans[r])
+    if plan.agreement.predicted is not None:  # the agreed estimate bounds every rank that priced the count
+        assert bounded and max(bounded) <= plan.agreement.predicted * (1 + 1e-9)
+
+
+def test_agreement_takes_the_count_whose_slowest_rank_is_fastest():
+    layout = EngineLayout(pp_size=4)
+    grid = list(layout.grid())
+
+    def ballot(need, samples, spans):
+        row = np.full(len(GRID_MULTIPLES), -np.inf)
+        for count, span in spans.items():
+            row[grid.index(count)] = span
+        return Ballot(need, samples, 0, row).vector()
+
+    a = ballot(4, 20, {4: 10.0, 5: 8.0, 6: 7.0, 7: np.inf})  # cannot run 7
+    b = ballot(5, 30, {5: 9.0, 6: 9.5, 7: 5.0, 8: 6.0})  # 8: nobody else priced it, nobody refused it
+    got = agree(Ballot.reduce([a, b]), layout, 100)
+    assert (got.count, got.predicted, got.need, got.fewest) == (8, 6.0, 5, 20)  # 5: 9, 6: 9.5, 7: inf, 8: 6
+    tie = agree(Ballot.reduce([ballot(4, 20, {4: 3.0, 5: 3.0})]), layout, 100)
+    assert tie.count == 4  # ties: the smaller count
+    unpriced = agree(Ballot.reduce([ballot(17, 20, {})]), layout, 100)
+    assert (unpriced.count, unpriced.predicted) == (17, None)  # nothing priced: the largest need
 
 
 def test_min_count_rounds_up_to_the_vpp_group():
     plan = plan_engine_step([[10] * 12, [10] * 12], 1000, EngineLayout(pp_size=2, vpp_size=2, vpp_group=4),
                             min_count=5)
-    assert plan.count == 8
+    assert plan.count % 4 == 0 and plan.count >= 8
 
 
-def test_too_few_samples_for_the_cap_is_a_clear_error():
+def test_too_few_samples_for_the_cap_is_the_same_clear_error_on_every_rank():
+    lengths = [[9, 9, 9, 9], [9]]
     with pytest.raises(ScheduleError, match="raise max_token_len_per_gpu"):
-        plan_engine_step([[9, 9, 9, 9], [9]], 10)
+        plan_engine_step(lengths, 10)
+    reduced = Ballot.reduce([draft_rank(x, 10, rank=r).ballot.vector() for r, x in enumerate(lengths)])
+    messages = set()
+    for r in range(2):
+        with pytest.raises(ScheduleError) as err:
+            agree(reduced, EngineLayout(), 10, mine=draft_rank(lengths[r], 10, rank=r))
+        messages.add(str(err.value))
+    assert len(messages) == 1 and "a rank holds only 1 samples" in messages.pop()
+
+
+def test_a_rank_whose_draft_fails_is_named_on_every_rank_after_the_collective():
+    lengths = [[100, 200], [100, 0, 50]]  # a zero-length sample: the planner refuses it on rank 1 only
+    drafts = [draft_rank(x, 1000, rank=r) for r, x in enumerate(lengths)]
+    assert drafts[0].error is None and "DP rank 1" in drafts[1].error  # nothing raised before the collective
+    reduced = Ballot.reduce([d.ballot.vector() for d in drafts])
+    with pytest.raises(ScheduleError, match=r"DP rank 1 \(3 samples, 150 tokens.*raise max_token_len_per_gpu"):
+        agree(reduced, EngineLayout(), 1000, mine=drafts[1])
+    with pytest.raises(ScheduleError, match="DP rank 1 cannot be planned"):
+        agree(reduced, EngineLayout(), 1000, mine=drafts[0])
+    raised = Ballot.reduce([drafts[0].ballot.vector(), Ballot.failed_by(0).vector()])
+    with pytest.raises(ScheduleError, match="DP rank 0 cannot be planned"):
+        agree(raised, EngineLayout(), 1000)
 
 
 def test_pipeline_wish_gives_way_to_a_rank_with_few_samples():
@@ -76,6 +182,104 @@ def test_empty_rank_is_refused():
         plan_engine_step([[1, 2], []], 10)
 
 
+def test_ballot_round_trip_and_a_wrong_size_is_refused():
+    b = Ballot(4, 9, 0, np.linspace(1, 2, len(GRID_MULTIPLES)))
+    back = Ballot.from_vector(b.vector())
+    assert (back.need, back.samples, back.failed) == (4, 9, 0) and np.array_equal(back.spans, b.spans)
+    with pytest.raises(ScheduleError, match="same slime-ext version"):
+        Ballot.from_vector(b.vector()[:-1])
+
+
+def test_search_knobs_are_validated():
+    with pytest.raises(ValueError, match="reach"):
+        EngineSearch(reach=0.5)
+    with pytest.raises(ValueError, match="at least one Ramp"):
+        EngineSearch(ramps=())
+    with pytest.raises(ValueError, match="name one or more of"):
+        EngineSearch(orders=("sideways",))
+
+
+def test_a_tight_cap_takes_the_planners_need_with_a_pipeline():
+    # 5 x 4 tokens under cap 10: tokens / cap says 2, but 2 micro-batches of <= 10 hold only 4 samples
+    plan = plan_engine_step([[4] * 5], 10, EngineLayout(pp_size=4), cost_model=MODEL)
+    assert plan.needs == (3,) and plan.count >= 3
+    check_engine_plan(plan, [5], [[4] * 5])
+
+
+def test_a_light_rank_packs_a_count_above_its_reach_when_it_is_agreed():
+    heavy = [3000] * 12  # needs 9 micro-batches of <= 4096 tokens
+    light = [50] * 30  # needs 1; prices counts up to 1 + MIN_REACH_STEPS only
+    layout = EngineLayout(pp_size=4)
+    plan = plan_engine_step([heavy, light], 4096, layout, cost_model=MODEL)
+    drafts = [draft_rank(x, 4096, layout, rank=r, cost_model=MODEL) for r, x in enumerate([heavy, light])]
+    assert plan.count not in drafts[1].scan.spans  # agreed above the light rank's reach
+    assert plan.how[1] == "shape"
+    check_engine_plan(plan, [12, 30], [heavy, light])
+    spans = _priced(layout, MODEL, 4096, [heavy, light], plan.micro_batches)
+    assert spans[1] < spans[0]  # the light rank is not the one the step waits for
+
+
+# ---------------------------------------------------------------------------------------------- shaped packings
+def fast(n):
+    return settings(max_examples=examples(n), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@fast(60)
+@given(n=st.integers(1, 80), seed=st.integers(0, 2**31 - 1), cap=st.integers(50, 5000),
+       counts=st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_shaped_packings_hold_the_cap_and_fill_every_micro_batch(n, seed, cap, counts):
+    rng = np.random.default_rng(seed)
+    lengths = np.maximum(1, rng.lognormal(5, 1.2, n)).astype(np.int64)
+    costs = sample_costs(lengths, MODEL)
+    k = max(counts)
+    shares = np.full((len(counts) * 3, k), -1.0)
+    for i, c in enumerate(counts):
+        for j, ramp in enumerate((Ramp(0, 0, 1.0), Ramp(2, 4, 0.3), Ramp(1, 1, 0.3, grouped=True))):
+            shares[3 * i + j, :c] = ramp.weights(c, 2)
+    order = np.argsort(-costs, kind="stable")
+    bin_of, ok = pack_to_targets(lengths, costs, order, shares, cap)
+    for row in range(len(shares)):
+        c = counts[row // 3]
+        assert ((0 <= bin_of[row]) & (bin_of[row] < c)).all()
+        sizes = np.bincount(bin_of[row], minlength=c)
+        tokens = np.bincount(bin_of[row], weights=lengths, minlength=c)
+        held = ((tokens <= cap) | (sizes == 1)).all() and (sizes > 0).all()
+        assert bool(ok[row]) == bool(held)  # ok says exactly whether the packing is usable
+        if c <= n and ok[row]:
+            check_rank_plan([tuple(np.flatnonzero(bin_of[row] == b)) for b in range(c)], c, lengths, cap)
+    if max(counts) <= n and lengths.max() <= cap and lengths.sum() <= cap:  # everything fits anywhere
+        assert ok.all()
+
+
+@pytest.mark.parametrize("k,up,down", [(1, 3, 6), (2, 3, 6), (5, 1, 4), (12, 3, 8), (40, 1 << 20, 2)])
+def test_ramp_weights_sum_to_one_and_rise_then_fall(k, up, down):
+    w = ramp_weights(k, up, down, 0.3)
+    assert w.shape == (k,) and w.sum() == pytest.approx(1.0) and (w > 0).all()
+    peak = int(np.argmax(w))
+    assert (np.diff(w[:peak + 1]) >= -1e-12).all() and (np.diff(w[peak:]) <= 1e-12).all()
+
+
+@pytest.mark.parametrize("name", KNOWN_ORDERS)
+def test_run_orders_are_permutations_and_do_what_they_say(name):
+    costs = np.array([[5.0, 1.0, 9.0, 3.0, 7.0], [2.0, 2.0, 8.0, 1.0, 4.0]])
+    orders = run_orders(costs, name)
+    assert all(sorted(o) == list(range(5)) for o in orders.tolist())
+    ran = np.take_along_axis(costs, orders, axis=1)
+    if name == "heaviest":
+        assert (np.diff(ran, axis=1) <= 0).all()
+    if name == "rising":  # cheapest first, the costliest second to last
+        assert (np.diff(ran[:, :-1], axis=1) >= 0).all() and (ran[:, -2] == costs.max(axis=1)).all()
+    if name == "valley":  # the two cheapest at the ends
+        assert (np.sort(ran[:, [0, -1]], axis=1) == np.sort(costs, axis=1)[:, :2]).all()
+
+
+def test_every_ramp_gives_shares_at_every_count():
+    for ramp in RAMPS:
+        for k in (1, 2, 3, 7, 16, 33):
+            assert ramp.weights(k, 4).sum() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the switch
 @pytest.mark.parametrize("value,depth", [("1", "engine"), ("true", "engine"), ("engine", "engine"),
                                          ("trainer", "trainer"), ("", None), ("0", None), ("off", None)])
 def test_switch_values(value, depth):

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 CAP = 96
 VOCAB = 128
+#: the torch.distributed collectives counted during each prepare_micro_batches call
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "gather")
 
 
 def rank_lengths(dp_rank: int) -> list[tuple[int, int]]:
@@ -167,8 +169,24 @@ def main() -> None:
 
         def spying(fn):
             def prepare(data, **kw):
-                mbs, idx = fn(data, **kw)
-                calls.append({"indices": idx, "tokens": [int(mb["input_ids"].offsets()[-1]) for mb in mbs]})
+                counted: dict[str, int] = {}
+                saved = {name: getattr(dist, name) for name in COLLECTIVES}
+
+                def counting(name):
+                    def call(*args, **kwargs):
+                        counted[name] = counted.get(name, 0) + 1
+                        return saved[name](*args, **kwargs)
+                    return call
+
+                for name in COLLECTIVES:  # the collectives the call makes, by name
+                    setattr(dist, name, counting(name))
+                try:
+                    mbs, idx = fn(data, **kw)
+                finally:
+                    for name, original in saved.items():
+                        setattr(dist, name, original)
+                calls.append({"indices": idx, "tokens": [int(mb["input_ids"].offsets()[-1]) for mb in mbs],
+                              "collectives": counted})
                 return mbs, idx
             return prepare
 

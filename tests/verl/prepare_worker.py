@@ -37,6 +37,9 @@ def cases(dp_rank: int):
         ("bimodal", bimodal, CAP, False, True),
         ("uneven-counts", longtail[: 8 + 4 * dp_rank], CAP, True, True),
         ("static", [64] * 8, CAP, False, False),
+        # a sample of no tokens on DP rank 1 only: slime-ext's planner refuses it there; every rank must raise
+        # (after the one collective), none may hang
+        ("one-rank-fails", [40, 0, 30] if dp_rank == 1 else [40, 50, 30], CAP, False, True),
     ]
 
 
@@ -73,15 +76,39 @@ def tokens_of(mb) -> int:
     return int(mb["attention_mask"].sum())
 
 
+class CollectiveSpy:
+    """Counts the torch.distributed collectives a call makes (by name), by wrapping them while it runs."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast", "gather")
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def __enter__(self):
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name, fn in self.saved.items():
+            def counted(*args, _name=name, _fn=fn, **kwargs):
+                self.calls[_name] = self.calls.get(_name, 0) + 1
+                return _fn(*args, **kwargs)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
 def call(fn, data, dp_group, divided_by):
     from verl.utils.seqlen_balancing import restore_dynamic_batch
 
-    try:
-        mbs, idx = fn(data, dp_group=dp_group, num_batches_divided_by=divided_by, same_micro_num_in_dp=True,
-                      min_num_micro_batch=None)
-    except Exception as exc:  # verl's own function asserts on some inputs; record what it said
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    out = {"count": len(mbs), "tokens": [tokens_of(mb) for mb in mbs], "sizes": [len(mb) for mb in mbs],
+    with CollectiveSpy() as spy:
+        try:
+            mbs, idx = fn(data, dp_group=dp_group, num_batches_divided_by=divided_by, same_micro_num_in_dp=True,
+                          min_num_micro_batch=None)
+        except Exception as exc:  # verl's own function asserts on some inputs; record what it said
+            return {"error": f"{type(exc).__name__}: {exc}", "collectives": spy.calls}
+    out = {"collectives": spy.calls, "count": len(mbs), "tokens": [tokens_of(mb) for mb in mbs],
+           "sizes": [len(mb) for mb in mbs],
            "indices": None if idx is None else [list(map(int, x)) for x in idx],
            "ids": [mb["sample_id"].tolist() for mb in mbs]}
     if idx is not None:  # verl's own restore, as postprocess_batch_func does with the engine's outputs

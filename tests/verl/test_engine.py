@@ -41,6 +41,12 @@ def test_one_call_per_step_and_the_same_count_on_every_rank(ranks):
     assert counts.pop() % ranks[0]["vpp_group"] == 0, "the count is not a multiple of the VPP group"
 
 
+def test_the_ranks_agree_through_one_all_reduce_and_no_all_gather(ranks):
+    # each DP rank plans its own samples; the one collective is the ballot's all-reduce over the DP group
+    for res in ranks:
+        assert res["ours"]["calls"][0]["collectives"] == {"all_reduce": 1}, res["ours"]["calls"][0]["collectives"]
+
+
 def test_cap_held_and_each_sample_trained_once(ranks):
     for res in ranks:
         call = res["ours"]["calls"][0]

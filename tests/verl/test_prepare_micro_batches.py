@@ -34,13 +34,33 @@ def runs(tmp_path_factory):
     return grouped
 
 
+FAILING = "one-rank-fails"
+
+
 def _dynamic(runs):
-    return [(k, v) for k, v in runs.items() if v[0]["dynamic"]]
+    return [(k, v) for k, v in runs.items() if v[0]["dynamic"] and k[1] != FAILING]
 
 
 def test_every_layout_and_case_ran_on_every_process(runs):
-    assert len(runs) == 3 * 5
+    assert len(runs) == 3 * 6
     assert all(len(v) == WORLD for v in runs.values())
+
+
+def test_each_rank_plans_with_one_all_reduce_and_no_all_gather(runs):
+    # each rank plans its own samples; the DP group agrees through one all-reduce of the ballot, whatever its size
+    for key, ranks in _dynamic(runs):
+        for r in ranks:
+            assert r["engine"]["collectives"] == {"all_reduce": 1}, (key, r["engine"]["collectives"])
+
+
+def test_a_rank_that_cannot_plan_makes_every_rank_raise_after_the_collective(runs):
+    for layout in ("dp", "dp-pp2", "dp-pp2-vpp2"):
+        for r in runs[(layout, FAILING)]:  # every process got here and went on: nobody hung
+            error = r["engine"].get("error", "")
+            assert error.startswith("ScheduleError: ") and "DP rank 1" in error, (layout, r["dp_rank"], error)
+            assert r["engine"]["collectives"] == {"all_reduce": 1}, (layout, r["engine"]["collectives"])
+        failing = [r for r in runs[(layout, FAILING)] if r["dp_rank"] == 1]
+        assert failing and all("3 samples, 70 tokens" in r["engine"]["error"] for r in failing)  # its own words
 
 
 def test_engine_count_is_the_same_on_every_rank_and_aligned(runs):

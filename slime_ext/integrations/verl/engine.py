@@ -9,10 +9,12 @@ order with those indices. The replacement built here keeps that contract:
 
 1. reads each sample's length as verl does (the offsets of a nested ``input_ids``, else ``attention_mask`` sums) and
    the cap (``max_token_len_per_gpu`` times the context-parallel size verl stores as ``sp_size``);
-2. all-gathers the lengths over the DP group (the sizes, then the padded lengths);
-3. plans every rank's micro-batches identically (:func:`slime_ext.integrations.verl.plan.plan_engine_step`) with the
+2. drafts this rank's plan from its own samples only (:func:`slime_ext.integrations.verl.plan.draft_rank`) with the
    job's pipeline layout from megatron-core's parallel state and the model's cost (:func:`cost_model_for`);
-4. returns this rank's micro-batches (``tensordict_utils.index_select_tensor_dict``, verl's own) and their indices.
+3. all-reduces (MAX) the draft's ballot over the DP group (:func:`agree_over`: one collective of a few hundred
+   bytes, whatever the DP size) and reads the agreed count from it (:func:`~slime_ext.integrations.verl.plan.agree`);
+4. finishes this rank's micro-batches at that count (:func:`~slime_ext.integrations.verl.plan.finish_rank`) and
+   returns them (``tensordict_utils.index_select_tensor_dict``, verl's own) with their indices.
 
 It falls back to verl's own function, saying so once per reason, where slime-ext's plan does not apply: static
 micro-batches (``use_dynamic_bsz`` off), ``force_group_size > 1`` (reward-model pairs), or a caller that does not
@@ -30,7 +32,7 @@ from typing import Any, Callable
 
 from slime_ext.schedule import CostModel, CostProfile
 
-from .plan import EngineLayout, EnginePlan, plan_engine_step
+from .plan import Ballot, EngineLayout, RankDraft, RankPlan, agree, check_rank_plan, draft_rank, finish_rank
 
 logger = logging.getLogger("slime_ext.integrations.verl")
 
@@ -41,11 +43,11 @@ PROFILE_ENV = "SLIME_EXT_VERL_PROFILE"
 current_engine: contextvars.ContextVar[Any] = contextvars.ContextVar("slime_ext_verl_engine", default=None)
 
 _said: set[str] = set()
-_last_plan: EnginePlan | None = None
+_last_plan: RankPlan | None = None
 
 
-def last_plan() -> EnginePlan | None:
-    """The plan of the last call in this process (for logs and tests)."""
+def last_plan() -> RankPlan | None:
+    """This rank's plan of the last call in this process (for logs and tests)."""
     return _last_plan
 
 
@@ -87,29 +89,42 @@ def _cap(data: Any) -> int:
     return int(per_gpu) * int(sp_size or 1)
 
 
-def gather_lengths(lengths: list[int], dp_group: Any) -> list[list[int]]:
-    """Every DP rank's lengths, in DP rank order (this rank's alone without a group)."""
+def _device():
+    """Where verl's own collectives put their tensors: the accelerator's current device, or the CPU."""
     import torch
-    import torch.distributed as dist
     from verl.utils.device import get_device_id, get_device_name
 
-    if dp_group is None or not dist.is_initialized():
-        return [list(lengths)]
-    world = dist.get_world_size(group=dp_group)
-    if world == 1:
-        return [list(lengths)]
-    # where verl's own collectives put their tensors: the accelerator's current device, or the CPU
     name = get_device_name()
-    device = torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
-    size = torch.tensor([len(lengths)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=dp_group)
-    counts = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(counts), dtype=torch.int64, device=device)
-    padded[:len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
-    gathered = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=dp_group)
-    return [g[:c].cpu().tolist() for g, c in zip(gathered, counts)]
+    return torch.device("cpu") if name == "cpu" else torch.device(name, get_device_id())
+
+
+def all_reduce_max(vector: Any, dp_group: Any) -> Any:
+    """The element-wise MAX of every DP rank's ``vector`` (this rank's own without a group): one ``all_reduce`` of
+    float64 (MAX selects a value, so every rank gets the same bits)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    if dp_group is None or not dist.is_initialized() or dist.get_world_size(group=dp_group) == 1:
+        return np.asarray(vector, dtype=np.float64)
+    t = torch.as_tensor(np.asarray(vector, dtype=np.float64)).to(_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+    return t.cpu().numpy()
+
+
+def agree_over(draft: RankDraft | Exception, layout: EngineLayout, cap: int, rank: int, dp_group: Any) -> Any:
+    """Stage 3 over the DP group: all-reduce this rank's ballot, agree on the count. A draft that raised
+    (``draft`` is the exception) still takes part in the collective with a failed ballot, and its exception is
+    raised after it, while every other rank raises the ``ScheduleError`` :func:`agree` names: no rank is left
+    waiting in the collective."""
+    if isinstance(draft, Exception):
+        ballot = Ballot.failed_by(rank)
+    else:
+        ballot = draft.ballot
+    reduced = all_reduce_max(ballot.vector(), dp_group)
+    if isinstance(draft, Exception):
+        raise draft
+    return agree(reduced, layout, cap, mine=draft)
 
 
 def layout_now(num_batches_divided_by: int | None) -> EngineLayout:
@@ -171,13 +186,21 @@ def make_prepare_micro_batches(original: Callable) -> Callable:
         from verl.utils import tensordict_utils as tu
         import torch.distributed as dist
 
-        lengths = sample_lengths(data)
-        everyone = gather_lengths(lengths, dp_group)
-        rank = dist.get_rank(group=dp_group) if len(everyone) > 1 else 0
-        plan = plan_engine_step(everyone, _cap(data), layout_now(num_batches_divided_by),
-                                min_count=min_num_micro_batch, cost_model=cost_model_for(current_engine.get()))
+        distributed = dp_group is not None and dist.is_initialized()
+        rank = dist.get_rank(group=dp_group) if distributed else 0
+        layout = layout_now(num_batches_divided_by)
+        cap = _cap(data)
+        try:  # 1. this rank's samples only
+            draft: RankDraft | Exception = draft_rank(sample_lengths(data), cap, layout, rank=rank,
+                                                      min_count=min_num_micro_batch,
+                                                      cost_model=cost_model_for(current_engine.get()))
+        except Exception as exc:  # noqa: BLE001 -- raised after the collective (see agree_over)
+            draft = exc
+        agreement = agree_over(draft, layout, cap, rank, dp_group)  # 2.-3. one all-reduce
+        plan = finish_rank(draft, agreement)  # 4.
+        check_rank_plan(plan.micro_batches, plan.count, draft.lengths, cap, layout.align, rank)
         _last_plan = plan
-        indices = [list(mb) for mb in plan.micro_batches[rank]]
+        indices = [list(mb) for mb in plan.micro_batches]
         return [tu.index_select_tensor_dict(data, idx) for idx in indices], indices
 
     prepare_micro_batches.__slime_ext__ = True

@@ -1,43 +1,61 @@
-"""slime-ext's plans for verl, at two depths: the engine depth (:func:`plan_engine_step`: one mini-batch's
-micro-batches on every DP rank of verl's Megatron engine) and the trainer depth (:func:`plan_dispatch`: which
-samples each DP rank trains in each mini-batch, before verl dispatches them).
+"""slime-ext's plans for verl, at two depths: the engine depth (one mini-batch's micro-batches on each DP rank of
+verl's Megatron engine: :func:`draft_rank`, :func:`agree`, :func:`finish_rank`) and the trainer depth
+(:func:`plan_dispatch`: which samples each DP rank trains in each mini-batch, before verl dispatches them).
 
 **The engine depth.**
 Inside ``MegatronEngine.forward_backward_batch`` each DP rank already holds its samples (verl dispatched them), so
 the plan cannot move samples between ranks; it decides how each rank cuts its own samples into micro-batches and
-how many micro-batches every rank runs. Every rank computes the same plan from the lengths of **all** ranks
-(all-gathered by :mod:`slime_ext.integrations.verl.engine`), so the count agrees without a MAX all-reduce.
+how many micro-batches every rank runs. Each rank plans **only its own samples**; the ranks agree on the count
+through one all-reduce (MAX) of a small vector, the *ballot* (:class:`Ballot`), so a rank's work does not grow with
+the DP size.
 
 Strategy, per mini-batch:
 
-1. **Each rank's own plan.** slime-ext's planner (``slime_ext.schedule.plan_schedule``) plans the rank's samples
-   as one step of a one-replica layout with the job's pipeline (``pp_size``, ``vpp_size`` and the VPP group):
-   micro-batches under the cap, FLOP-balanced, and with ``pp_size > 1`` the count and order the pipeline model
-   predicts fastest.
-2. **One count.** ``count`` is at least what the cap needs on the fullest rank (the largest count of the ranks'
-   plans without the pipeline objective, a multiple of the VPP group) and verl's ``min_num_micro_batch`` rounded up
-   to the group. Without a pipeline it is the largest of the ranks' own counts. With one, the candidates are that
-   largest own count, the cap's need and own counts between (at most :data:`MAX_COUNT_CANDIDATES`), and the one
-   whose slowest rank the pipeline model predicts fastest wins (the step waits for the slowest replica). No
-   candidate exceeds the fewest samples a rank holds; if the cap alone needs more micro-batches than that, it is an
-   error naming the fix.
-3. **Every rank reaches that count.** A rank whose own plan has another count is re-planned by the planner into
-   exactly ``count`` capped, FLOP-balanced micro-batches (a layout of ``count`` replicas with one micro-batch each);
-   with ``pp_size > 1`` they are then put in the order the pipeline model predicts fastest.
+1. **Draft** (:func:`draft_rank`, each rank on its own samples). Without a pipeline: slime-ext's planner
+   (``plan_schedule``, one replica with the job's alignment) packs the rank's samples under the cap, FLOP-balanced;
+   its count is the rank's *need* (at least verl's ``min_num_micro_batch``, a multiple of the VPP group). With
+   ``pp_size > 1``: the rank packs its samples at every count of the ballot's grid from the fewest the cap could
+   allow (tokens / cap, and one micro-batch per sample over half the cap) up to ``reach`` times that
+   (:class:`EngineSearch`), each count with every shape of :data:`.shaped.RAMPS` (micro-batches rising and
+   falling for the pipeline, :mod:`.shaped`), and prices every packing in every run order of
+   :data:`.shaped.RUN_ORDERS` with the planner's pipeline model (``pipeline_pricing``), all counts in one call.
+   Its need is the fewest count that fits there, or the planner's count where the cap is tight.
+2. **Ballot** (what travels; :class:`Ballot`): the rank's need, minus its sample count, whether its draft failed,
+   and per count of a fixed grid (:data:`GRID_MULTIPLES`: every multiple of the VPP group up to 16 of them, then
+   each about 10% above the last) its predicted makespan, ``+inf`` where it cannot run that count (below its need,
+   above its sample count, or no packing holds the cap) and ``-inf`` where it did not price it (above its reach:
+   it raises no objection). 61 float64 (488 bytes), whatever the DP size.
+3. **Agree** (:func:`agree`, every rank on the same reduced vector, so on the same answer): the element-wise MAX
+   over the DP group gives the largest need, the fewest samples, and per count the slowest rank's makespan. The
+   count is the grid count between the two whose slowest rank is predicted fastest (ties: the smaller count);
+   without a pipeline, or where no grid count was priced by anyone and refused by no one, the largest need. A
+   need above the fewest samples, an empty rank or a failed draft is the same ``ScheduleError`` on every rank,
+   after the collective, so no rank hangs.
+4. **Finish** (:func:`finish_rank`, each rank): without a pipeline, the draft's micro-batches where their count is
+   the agreed one, else the planner re-packs the rank's samples into exactly that many (capped, FLOP-balanced).
+   With one, the draft's fastest packing at the agreed count, in its fastest order (a count above the rank's reach
+   is packed now, the same way; where no shape holds the cap there, the planner's re-packing). The slowest rank
+   (the ranks within ``polish_band`` of it) also tries the planner's pp-unaware packing where its count is the
+   agreed one, and orders the candidates by the pipeline model's order search (``best_orders``).
 
-Invariants (:func:`check_engine_plan`, run on every plan and by the tests):
+:func:`plan_engine_step` runs the four stages for all ranks in one process (tests, benchmarks); the engine
+(:mod:`.engine`) runs stages 1, 3 and 4 on each rank around one ``all_reduce``.
+
+Invariants (:func:`check_rank_plan` on every rank's plan, :func:`check_engine_plan` over all ranks in the tests):
 
 * every rank has exactly ``count`` micro-batches, the same number on every rank, a multiple of the VPP group;
 * each rank's micro-batches hold each of its local indices ``0 .. n_r - 1`` exactly once, none is empty;
 * no micro-batch holding more than one sample exceeds the cap (a sample longer than the cap sits alone).
 
-Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API (the planner, and the pipeline model's
-pricing and order search, to order re-planned ranks).
+Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API (the planner, ``sample_costs``, the
+pipeline model's pricing and order search).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -45,10 +63,33 @@ import numpy as np
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PipelinePricing, ScheduleError,
                                 best_orders, pipeline_pricing, plan_schedule, sample_costs)
 
-#: counts tried with a pipeline (the largest own count, what the cap needs, and own counts between)
-MAX_COUNT_CANDIDATES = 3
+from .shaped import KNOWN_ORDERS, RAMPS, RUN_ORDERS, Ramp, ShapeScan, run_orders, scan_shapes
 
-__all__ = ["EngineLayout", "EnginePlan", "check_engine_plan", "plan_dispatch", "plan_engine_step"]
+__all__ = ["Agreement", "Ballot", "EngineLayout", "EnginePlan", "EngineSearch", "GRID_MULTIPLES", "RankDraft",
+           "RankPlan", "agree", "check_engine_plan", "check_rank_plan", "draft_rank", "finish_rank",
+           "plan_dispatch", "plan_engine_step"]
+
+
+def _grid_multiples(dense: int = 16, growth: float = 1.1, top: int = 1024) -> tuple[int, ...]:
+    out = list(range(1, dense + 1))
+    while out[-1] < top:
+        out.append(max(out[-1] + 1, math.ceil(out[-1] * growth)))
+    return tuple(out)
+
+
+#: a rank's scan reaches at least this many counts (of the alignment) above the least it may need
+MIN_REACH_STEPS = 4
+
+#: the counts a ballot prices, as multiples of the alignment (the VPP group, else 1): every one up to 16, then each
+#: about 10% above the last, up to 1094 (58 entries); a count above the last is agreed only as the largest need
+GRID_MULTIPLES = _grid_multiples()
+
+
+@lru_cache(maxsize=64)
+def _grid(align: int) -> np.ndarray:
+    grid = np.asarray(GRID_MULTIPLES, dtype=np.int64) * align
+    grid.flags.writeable = False
+    return grid
 
 
 @dataclass(frozen=True)
@@ -67,6 +108,11 @@ class EngineLayout:
         """Every count is a multiple of this: the VPP group when verl gives one, else 1."""
         return int(self.vpp_group) if self.vpp_group else 1
 
+    @property
+    def shape_group(self) -> int:
+        """The group the interleaved schedule runs micro-batches in (grouped shapes): the VPP group under VPP."""
+        return self.align if self.vpp_size > 1 else 1
+
     def parallel(self, dp_size: int = 1, *, pipeline: bool = True) -> ParallelConfig:
         """The planner's layout (``pipeline=False``: the alignment alone, without the pipeline objective)."""
         if pipeline and self.pp_size > 1 and (self.vpp_size > 1 or self.align == 1):
@@ -77,23 +123,152 @@ class EngineLayout:
                                   microbatch_group_size_per_vp_stage=self.align)
         return ParallelConfig(dp_size=dp_size)
 
+    def grid(self) -> np.ndarray:
+        """The counts of the ballot's grid (:data:`GRID_MULTIPLES` times the alignment; read-only)."""
+        return _grid(self.align)
+
+
+@dataclass(frozen=True)
+class EngineSearch:
+    """The engine depth's pipeline search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets the numbers.
+
+    Measured with ``python -m bench.verl`` (its steps: rl-like, bimodal, long tail, 32 samples per rank, pp 4 and
+    8): these defaults predict no step slower than cfaa6b5's plan (every rank planning every rank), and each rank's
+    planning takes about 0.6 ms of CPU for 16 samples and 1.6-2 ms for 64 at pp 4 (2-core machine, shared). In
+    the runs that chose them, a smaller ``reach`` (1.6-1.8) saved under 10% of that and predicted up to 1.6% slower
+    steps than before; without the run orders other than the shape's own, or without the slowest rank's polish,
+    up to 0.25% slower."""
+
+    #: a rank prices the grid's counts from the fewest the cap allows up to ``reach`` times that (at least
+    #: MIN_REACH_STEPS counts more); the planner's own count search reaches 2.3 times its pp-unaware count
+    reach: float = 2.0
+    #: the shapes every scanned count is packed with (:mod:`.shaped`)
+    ramps: tuple[Ramp, ...] = RAMPS
+    #: the run orders every packing is priced in
+    orders: tuple[str, ...] = RUN_ORDERS
+    #: the ranks predicted within this share of the slowest at the agreed count (0: the slowest alone; negative:
+    #: none) improve their micro-batches there: the planner's pp-unaware packing where its count is the agreed one
+    #: joins the candidates, and the pipeline model's order search (``best_orders``: its heuristic orders, then pair
+    #: swaps) orders them. The step waits for the slowest replica, so that is where it pays; it costs the slowest
+    #: rank 1-3 ms more at 64 samples (``bench.verl``)
+    polish_band: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.reach, (int, float)) and not isinstance(self.reach, bool) and self.reach >= 1):
+            raise ValueError(f"EngineSearch.reach={self.reach!r} must be a number >= 1 (1 prices the need alone)")
+        if not self.ramps:
+            raise ValueError("EngineSearch.ramps needs at least one Ramp (e.g. Ramp(0, 0, 1.0): flat)")
+        if not self.orders or any(o not in KNOWN_ORDERS for o in self.orders):
+            raise ValueError(f"EngineSearch.orders={self.orders!r}: name one or more of {KNOWN_ORDERS}")
+
+
+@dataclass(frozen=True)
+class Ballot:
+    """What one rank sends, and (element-wise MAX over the DP group) what every rank gets back: one float64 vector of
+    ``HEAD + len(GRID_MULTIPLES)`` entries."""
+
+    #: the rank's need: the micro-batches its pp-unaware packing needs under the cap (>= min_count, aligned)
+    need: float
+    #: its sample count (sent negated, so that the MAX is the fewest)
+    samples: float
+    #: ``dp_rank + 1`` if its draft failed, else 0 (the MAX names the last failed rank)
+    failed: float
+    #: per grid count: its predicted makespan, ``+inf`` (cannot run it) or ``-inf`` (not priced: no objection)
+    spans: np.ndarray
+
+    HEAD = 3
+
+    def vector(self) -> np.ndarray:
+        return np.concatenate(([self.need, -self.samples, self.failed], self.spans)).astype(np.float64)
+
+    @classmethod
+    def from_vector(cls, vector: Sequence[float]) -> "Ballot":
+        v = np.asarray(vector, dtype=np.float64)
+        if v.shape != (cls.HEAD + len(GRID_MULTIPLES),):
+            raise ScheduleError(f"a ballot has {cls.HEAD + len(GRID_MULTIPLES)} entries, got shape {v.shape}: every DP "
+                                f"rank must run the same slime-ext version")
+        return cls(need=float(v[0]), samples=float(-v[1]), failed=float(v[2]), spans=v[cls.HEAD:])
+
+    @classmethod
+    def failed_by(cls, rank: int) -> "Ballot":
+        """The ballot of a rank whose draft raised: it names the rank and changes nothing else."""
+        return cls(need=-np.inf, samples=np.inf, failed=rank + 1, spans=np.full(len(GRID_MULTIPLES), -np.inf))
+
+    @staticmethod
+    def reduce(vectors: Sequence[np.ndarray]) -> np.ndarray:
+        """The collective's result, in one process: the element-wise MAX of the ranks' vectors."""
+        return np.maximum.reduce([np.asarray(v, dtype=np.float64) for v in vectors])
+
+
+@dataclass(frozen=True)
+class RankDraft:
+    """Stage 1 on one rank: its pp-unaware packing, its shaped packings at the scanned counts, and its ballot."""
+
+    rank: int
+    lengths: np.ndarray
+    cap: int
+    layout: EngineLayout
+    cost_model: CostModel | CostProfile | None
+    search: EngineSearch
+    #: the planner's pp-unaware micro-batches (local indices): empty if the draft failed, ``None`` until needed
+    #: (with a pipeline the draft needs them only where the cap is tight)
+    own: tuple[tuple[int, ...], ...] | None
+    need: int
+    ballot: Ballot
+    pricing: PipelinePricing | None = None
+    scan: ShapeScan | None = None
+    #: why the draft failed (this rank's planner error), or None
+    error: str | None = None
+    costs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Stage 3's answer, the same on every rank."""
+
+    #: micro-batches per rank
+    count: int
+    #: the slowest rank's predicted makespan at ``count`` (the ballots' estimate; the finished plans are at most
+    #: this slow), ``None`` without a pipeline or where the count is the largest need
+    predicted: float | None
+    #: the largest need and the fewest samples over the DP group
+    need: int
+    fewest: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's micro-batches for one mini-batch."""
+
+    count: int
+    #: local sample indices per micro-batch, in run order
+    micro_batches: tuple[tuple[int, ...], ...]
+    #: ``"own"`` (the draft's pp-unaware packing), ``"recount"`` (the planner re-packed it to ``count``),
+    #: ``"split"`` (micro-batches split up to ``count``) or ``"shape"`` (packed for the pipeline)
+    how: str
+    #: this rank's need (stage 1) and predicted makespan (``None`` without a pipeline)
+    need: int
+    predicted: float | None
+
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """One mini-batch's plan over the DP group."""
+    """One mini-batch's plan over the DP group (all ranks planned in one process: :func:`plan_engine_step`)."""
 
     #: micro-batches per rank, the same on every rank
     count: int
     #: ``micro_batches[r][j]``: rank ``r``'s local sample indices in its ``j``-th micro-batch, in run order
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
-    #: the count each rank's own plan chose (step 1), before the ranks agreed on ``count``
-    own_counts: tuple[int, ...]
+    #: each rank's need (stage 1), before the ranks agreed on ``count``
+    needs: tuple[int, ...]
     #: the token cap per micro-batch
     cap: int
-    #: per rank: ``"own"`` (its own plan had ``count`` micro-batches) or ``"recount"`` (re-planned to ``count``)
+    #: per rank: how its micro-batches were made (:attr:`RankPlan.how`)
     how: tuple[str, ...]
+    agreement: Agreement
 
 
+# ---------------------------------------------------------------------------------------------------- the planner
 def _batch(n: int, cap: int) -> BatchConfig:
     # one step holding the rank's whole mini-batch: each sample is its own rollout, global_batch_size = n
     return BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=cap, balance_data=True,
@@ -120,7 +295,7 @@ def _recount(lengths: np.ndarray, cap: int, count: int,
     return [tuple(p) for p in schedule.partitions]
 
 
-def _split_to(micro_batches: list[tuple[int, ...]], count: int, costs: np.ndarray) -> list[tuple[int, ...]]:
+def _split_to(micro_batches: Sequence[tuple[int, ...]], count: int, costs: np.ndarray) -> list[tuple[int, ...]]:
     """Split the costliest micro-batches holding several samples in two (heaviest samples dealt alternately) until
     there are ``count``: subsets of capped micro-batches stay under the cap. Used only if :func:`_recount` fails."""
     mbs = [list(mb) for mb in micro_batches]
@@ -137,125 +312,243 @@ def _split_to(micro_batches: list[tuple[int, ...]], count: int, costs: np.ndarra
     return [tuple(mb) for mb in mbs]
 
 
+def _sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:
+    """The planner's per-sample costs: FLOPs (tokens without a model), or a profile's per-sample seconds."""
+    if isinstance(cost_model, CostProfile):
+        return cost_model.sample_costs(lengths)
+    return sample_costs(lengths, cost_model)
+
+
 def _mb_costs(lengths: np.ndarray, micro_batches: Sequence[Sequence[int]],
               cost_model: CostModel | CostProfile | None) -> np.ndarray:
-    if isinstance(cost_model, CostProfile):
+    if isinstance(cost_model, CostProfile):  # a profile prices each micro-batch whole
         return np.array([cost_model.microbatch_time(lengths[list(mb)]) for mb in micro_batches])
     costs = sample_costs(lengths, cost_model)
     return np.array([float(costs[list(mb)].sum()) for mb in micro_batches])
 
 
-def _reach(lengths: list[np.ndarray], own: list[list[tuple[int, ...]]], count: int, cap: int,
-           pricing: PipelinePricing | None, cost_model: CostModel | CostProfile | None
-           ) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[str, ...]] | None:
-    """Every rank's micro-batches at ``count``: its own plan where that has ``count``, else re-planned to it (and
-    ordered by the pipeline model); ``None`` if a rank cannot be brought down to ``count``."""
-    plans, how = [], []
-    for x, mine in zip(lengths, own):
-        if len(mine) == count:
-            plans.append(tuple(mine))
-            how.append("own")
-            continue
-        mbs = _recount(x, cap, count, cost_model)
-        if mbs is None and len(mine) > count:
-            return None
-        if mbs is None:
-            per_sample = cost_model.sample_costs(x) if isinstance(cost_model, CostProfile) \
-                else sample_costs(x, cost_model)
-            mbs = _split_to(mine, count, per_sample)
-        if pricing is not None:
-            order, _ = best_orders(pricing, _mb_costs(x, mbs, cost_model)[None, :])
-            mbs = [mbs[j] for j in order[0]]
-        plans.append(tuple(mbs))
-        how.append("recount")
-    return tuple(plans), tuple(how)
+@lru_cache(maxsize=64)
+def _cached_pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None,
+                    cap: int) -> PipelinePricing | None:
+    return pipeline_pricing(layout.parallel(), cost_model, cap)
 
 
-def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout: EngineLayout = EngineLayout(), *,
-                     min_count: int | None = None,
-                     cost_model: CostModel | CostProfile | None = None) -> EnginePlan:
-    """Plan one mini-batch: ``lengths_per_rank[r]`` are rank ``r``'s sample lengths (tokens), in its local order.
+def _pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None, cap: int) -> PipelinePricing | None:
+    """The planner's pipeline pricing of this layout (``None`` without a pipeline), made once per layout, cost
+    model and cap (every mini-batch and pass of a job asks for the same few)."""
+    try:
+        return _cached_pricing(layout, cost_model, cap)
+    except TypeError:  # an unhashable cost model: price it afresh
+        return pipeline_pricing(layout.parallel(), cost_model, cap)
 
-    Deterministic: every rank passing the same all-gathered lengths gets the same plan. Raises
-    :class:`ScheduleError` when the cap cannot be held with one count on every rank.
-    """
-    lengths = [np.asarray(x, dtype=np.int64) for x in lengths_per_rank]
-    if not lengths or any(len(x) == 0 for x in lengths):
-        raise ScheduleError(f"every DP rank needs at least one sample; got {[len(x) for x in lengths]} samples per "
-                            f"rank")
+
+def _check_cap(cap: object) -> int:
     if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
         raise ScheduleError(f"cap={cap!r} must be a positive token count (verl's max_token_len_per_gpu * "
                             f"context-parallel size)")
-    cap, align = int(cap), layout.align
-    floor = 0 if min_count is None else -(-int(min_count) // align) * align
-    fewest = min(len(x) for x in lengths)
+    return int(cap)
 
-    # 1. each rank's own plan (with the pipeline objective when pp_size > 1)
-    parallel = layout.parallel()
-    own = []
-    for r, x in enumerate(lengths):
+
+# ---------------------------------------------------------------------------------------------------- 1. draft
+def _failed(common: dict, x: np.ndarray, spans: np.ndarray, why: str) -> RankDraft:
+    rank, cap, align = common["rank"], common["cap"], common["layout"].align
+    error = (f"DP rank {rank} ({len(x)} samples, {int(x.sum())} tokens, cap {cap}, VPP group {align}) cannot be "
+             f"planned: {why}")
+    return RankDraft(own=(), need=0, ballot=Ballot(0, len(x), rank + 1, spans), error=error, **common)
+
+
+def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLayout(), *, rank: int = 0,
+               min_count: int | None = None, cost_model: CostModel | CostProfile | None = None,
+               search: EngineSearch = EngineSearch()) -> RankDraft:
+    """Stage 1 on DP rank ``rank``: its own samples' ``lengths`` (tokens, local order) only.
+
+    A planner error on these samples does not raise here (the other ranks would wait in the collective): it is
+    recorded in the ballot and raised by :func:`agree` on every rank. A bad ``cap`` raises at once (it is the same
+    on every rank)."""
+    cap, align = _check_cap(cap), layout.align
+    floor = 0 if min_count is None else -(-int(min_count) // align) * align
+    x = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    grid = layout.grid()
+    spans = np.full(len(grid), -np.inf)
+    common = dict(rank=rank, lengths=x, cap=cap, layout=layout, cost_model=cost_model, search=search)
+    if len(x) == 0:  # agree() names the empty rank on every rank
+        return RankDraft(own=(), need=floor, ballot=Ballot(floor, 0, 0, spans), **common)
+    if int(x.min()) < 1:
+        return _failed(common, x, spans, f"sample {int(np.argmin(x))} has {int(x.min())} tokens (every sample needs "
+                                         f"at least one)")
+    pricing = _pricing(layout, cost_model, cap)
+    if pricing is None:  # no pipeline: the planner's packing and its count
         try:
-            own.append(_own_plan(x, cap, parallel, cost_model))
+            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
         except ScheduleError as exc:
-            raise ScheduleError(
-                f"DP rank {r} ({len(x)} samples, {int(x.sum())} tokens, cap {cap}, VPP group {align}) cannot be "
-                f"planned: {exc}. In verl: raise max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu), or "
-                f"give each rank more samples per mini-batch (ppo_mini_batch_size)") from exc
-    own_counts = tuple(len(p) for p in own)
-    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
-    # 2. one count for every rank: the counts the ranks' own plans chose, and what the cap alone needs
-    need = None
-    if pricing is not None or max(max(own_counts), floor) > fewest:
-        need = max(max(len(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model)) for x in lengths), floor)
-        if need > fewest:
-            raise ScheduleError(
-                f"the DP ranks need {need} micro-batches each to hold the cap {cap} (a multiple of the VPP group "
-                f"{align}), but a rank holds only {fewest} samples; raise max_token_len_per_gpu (or "
-                f"*_log_prob_max_token_len_per_gpu), or give each rank more samples per mini-batch "
-                f"(ppo_mini_batch_size)")
-    top = max(max(own_counts), floor)
-    if top > fewest:  # give up the pipeline's extra micro-batches before the cap
-        top = max(need, (fewest // align) * align)
-    candidates = [top]
-    if pricing is not None:  # with a pipeline, the count whose slowest replica the model predicts fastest
-        others = sorted({c for c in own_counts if need <= c < top} | {need}, reverse=True)
-        candidates += others[:MAX_COUNT_CANDIDATES - 1]
-    # 3. every rank reaches that count, in the pipeline's order
-    best = None
-    for count in candidates:
-        reached = _reach(lengths, own, count, cap, pricing, cost_model)
-        if reached is None:
-            continue
-        plans, how = reached
-        span = 0.0 if pricing is None else max(
-            float(pricing.makespans(_mb_costs(x, mbs, cost_model)[None, :])[0]) for x, mbs in zip(lengths, plans))
-        if best is None or span < best[0] * (1 - 1e-9):
-            best = (span, count, plans, how)
-    if best is None:
-        raise ScheduleError(f"no count in {candidates} could be planned on every DP rank under the cap {cap}; raise "
-                            f"max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu)")
-    _, count, plans, how = best
-    plan = EnginePlan(count=count, micro_batches=plans, own_counts=own_counts, cap=cap, how=tuple(how))
-    check_engine_plan(plan, [len(x) for x in lengths], lengths, align)
+            return _failed(common, x, spans, str(exc))
+        need = max(len(own), floor)
+        spans[(grid < need) | (grid > len(x))] = np.inf
+        return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), **common)
+    # the pipeline: the grid's counts from what the cap needs at least up to reach x that (and at least
+    # MIN_REACH_STEPS counts more), each packed with the scan's shapes and priced
+    least = max(floor, align * -(-max(-(-int(x.sum()) // cap), int((x > cap // 2).sum()), 1) // align))
+    top = min(len(x), max(math.floor(search.reach * least), least + MIN_REACH_STEPS * align))
+    window = (grid >= least) & (grid <= top)
+    costs = _sample_costs(x, cost_model)
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
+    scan = scan_shapes(x, costs, grid[window].tolist(), search.ramps, pricing, cap, layout.shape_group, profile,
+                       search.orders)
+    spans[window] = [scan.spans.get(int(c), np.inf) for c in grid[window]]
+    fits = [c for c, span in scan.spans.items() if np.isfinite(span)]
+    own: tuple[tuple[int, ...], ...] | None = None
+    if fits and min(fits) == least:  # the least count fits: that is the need
+        need = least
+    else:  # the cap is tight (or nothing scanned fits): the planner's packing says what it needs
+        try:
+            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
+        except ScheduleError as exc:
+            return _failed(common, x, spans, str(exc))
+        need = max(len(own), floor)
+    spans[(grid < need) | (grid > len(x))] = np.inf
+    return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), pricing=pricing, scan=scan,
+                     costs=costs, **common)
+
+
+# ---------------------------------------------------------------------------------------------------- 3. agree
+def agree(reduced: Sequence[float], layout: EngineLayout, cap: int, *, mine: RankDraft | None = None) -> Agreement:
+    """Stage 3: the count from the MAX-reduced ballots (the same on every rank, so the same answer), or the same
+    :class:`ScheduleError` on every rank. ``mine``: this rank's draft (its planner error, where it is the rank that
+    failed)."""
+    votes = Ballot.from_vector(reduced)
+    fix = ("raise max_token_len_per_gpu (or *_log_prob_max_token_len_per_gpu), or give each rank more samples per "
+           "mini-batch (ppo_mini_batch_size)")
+    if votes.failed > 0:
+        r = int(votes.failed) - 1
+        what = mine.error if mine is not None and mine.rank == r and mine.error else \
+            f"DP rank {r} cannot be planned (that rank's error names its samples)"
+        raise ScheduleError(f"{what}. In verl: {fix}")
+    need, fewest = int(votes.need), int(votes.samples)
+    if fewest < 1:
+        raise ScheduleError("every DP rank needs at least one sample; a DP rank has none in this mini-batch (verl "
+                            "dispatches equal chunks: check the batch and ppo_mini_batch_size)")
+    if need > fewest:
+        raise ScheduleError(
+            f"the DP ranks need {need} micro-batches each to hold the cap {cap} (a multiple of the VPP group "
+            f"{layout.align}), but a rank holds only {fewest} samples; {fix}")
+    grid = layout.grid()
+    usable = (grid >= need) & (grid <= fewest) & np.isfinite(votes.spans)
+    if usable.any():
+        i = int(np.flatnonzero(usable)[np.argmin(votes.spans[usable])])  # ties: the smaller count
+        return Agreement(count=int(grid[i]), predicted=float(votes.spans[i]), need=need, fewest=fewest)
+    return Agreement(count=need, predicted=None, need=need, fewest=fewest)
+
+
+# ---------------------------------------------------------------------------------------------------- 4. finish
+def _own_of(draft: RankDraft) -> tuple[tuple[int, ...], ...]:
+    """The draft's pp-unaware packing (the planner's), made now where the draft did not need it."""
+    if draft.own is None:
+        object.__setattr__(draft, "own", tuple(_own_plan(draft.lengths, draft.cap,
+                                                         draft.layout.parallel(pipeline=False), draft.cost_model)))
+    return draft.own
+
+
+def _recount_or_split(draft: RankDraft, count: int) -> tuple[list[tuple[int, ...]], str]:
+    mbs = _recount(draft.lengths, draft.cap, count, draft.cost_model)
+    if mbs is not None:
+        return mbs, "recount"
+    return _split_to(_own_of(draft), count, _sample_costs(draft.lengths, draft.cost_model)), "split"
+
+
+def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
+    """Stage 4: this rank's ``agreement.count`` micro-batches (see the module docstring)."""
+    if draft.error is not None or not len(draft.lengths):
+        raise ScheduleError(f"DP rank {draft.rank}'s draft failed; agree() raises on such ballots")
+    count, x = agreement.count, draft.lengths
+    if draft.pricing is None:
+        if len(draft.own) == count:
+            return RankPlan(count, draft.own, "own", draft.need, None)
+        mbs, how = _recount_or_split(draft, count)
+        return RankPlan(count, tuple(mbs), how, draft.need, None)
+    pricing, search, scan = draft.pricing, draft.search, draft.scan
+    candidates: list[tuple[list[tuple[int, ...]], str, float | None]] = []  # (run order, how, span if known)
+    if scan is None or count not in scan.spans:  # not scanned here (above this rank's reach): pack it now
+        profile = draft.cost_model if isinstance(draft.cost_model, CostProfile) else None
+        scan = scan_shapes(x, draft.costs, [count], search.ramps, pricing, draft.cap, draft.layout.shape_group,
+                           profile, search.orders)
+    shaped = scan.micro_batches(count)
+    if shaped is not None:  # the fastest shape in its fastest order, priced by the scan
+        candidates.append((shaped, "shape", scan.spans[count]))
+    slowest = agreement.predicted
+    polish = search.polish_band >= 0 and (
+        shaped is None or slowest is None or scan.spans[count] >= (1 - search.polish_band) * slowest)
+    if polish and draft.need == count and len(_own_of(draft)) == count:  # the planner's packing at its count
+        candidates.append((list(draft.own), "own", None))
+    if not candidates:  # no shape holds the cap at this count: the planner's packing
+        candidates.append((*_recount_or_split(draft, count), None))
+    if len(candidates) > 1 or candidates[0][2] is None or polish:
+        # the unpriced ones in every run order (one call); the fastest wins (ties: the shape)
+        costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
+        runs = np.concatenate([run_orders(costs, name) for name in search.orders])  # order-major
+        spans = pricing.makespans(np.take_along_axis(np.tile(costs, (len(search.orders), 1)), runs, axis=1))
+        for j, (mbs, how, known) in enumerate(candidates):
+            mine = spans[j::len(candidates)]
+            i = int(np.argmin(mine))
+            if known is None or mine[i] < known:
+                candidates[j] = ([mbs[b] for b in runs[i * len(candidates) + j].tolist()], how, float(mine[i]))
+        if polish:  # the pipeline model's order search from each candidate's best order
+            costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
+            order, ordered = best_orders(pricing, costs)
+            for j, (mbs, how, known) in enumerate(candidates):
+                if ordered[j] < known:
+                    candidates[j] = ([mbs[b] for b in order[j].tolist()], how, float(ordered[j]))
+    mbs, how, span = min(candidates, key=lambda c: c[2])  # ties: the earlier
+    return RankPlan(count, tuple(tuple(int(i) for i in mb) for mb in mbs), how, draft.need, span)
+
+
+# ---------------------------------------------------------------------------------------------------- all ranks
+def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout: EngineLayout = EngineLayout(), *,
+                     min_count: int | None = None, cost_model: CostModel | CostProfile | None = None,
+                     search: EngineSearch = EngineSearch()) -> EnginePlan:
+    """Stages 1-4 for every rank in one process (``lengths_per_rank[r]``: rank ``r``'s sample lengths, in its local
+    order), the collective replaced by the element-wise MAX of the ballots: exactly what the engine's ranks compute.
+    Raises :class:`ScheduleError` where the cap cannot be held with one count on every rank."""
+    if not len(lengths_per_rank):
+        raise ScheduleError("no DP ranks: pass one list of sample lengths per DP rank")
+    drafts = [draft_rank(x, cap, layout, rank=r, min_count=min_count, cost_model=cost_model, search=search)
+              for r, x in enumerate(lengths_per_rank)]
+    reduced = Ballot.reduce([d.ballot.vector() for d in drafts])
+    failed = int(Ballot.from_vector(reduced).failed)
+    agreement = agree(reduced, layout, drafts[0].cap, mine=drafts[failed - 1] if failed else None)
+    plans = [finish_rank(d, agreement) for d in drafts]
+    plan = EnginePlan(count=agreement.count, micro_batches=tuple(p.micro_batches for p in plans),
+                      needs=tuple(d.need for d in drafts), cap=drafts[0].cap, how=tuple(p.how for p in plans),
+                      agreement=agreement)
+    check_engine_plan(plan, [len(d.lengths) for d in drafts], [d.lengths for d in drafts], layout.align)
     return plan
+
+
+def check_rank_plan(micro_batches: Sequence[Sequence[int]], count: int, lengths: Sequence[int], cap: int,
+                    align: int = 1, rank: int = 0) -> None:
+    """Raise ``AssertionError`` naming the broken invariant of one rank's plan (see the module docstring)."""
+    assert count % align == 0, f"count {count} is not a multiple of the VPP group {align}"
+    assert len(micro_batches) == count, (f"rank {rank} has {len(micro_batches)} micro-batches, the agreed count is "
+                                         f"{count}")
+    n = len(lengths)
+    flat = sorted(int(i) for mb in micro_batches for i in mb)
+    assert flat == list(range(n)), f"rank {rank}'s micro-batches do not hold each of its {n} samples exactly once"
+    assert all(len(mb) > 0 for mb in micro_batches), f"rank {rank} has an empty micro-batch"
+    ln = np.asarray(lengths, dtype=np.int64)
+    for j, mb in enumerate(micro_batches):
+        tokens = int(ln[list(mb)].sum())
+        assert len(mb) == 1 or tokens <= cap, (
+            f"rank {rank} micro-batch {j} holds {len(mb)} samples, {tokens} tokens > cap {cap}")
 
 
 def check_engine_plan(plan: EnginePlan, sizes: Sequence[int], lengths: Sequence[Sequence[int]] | None = None,
                       align: int = 1) -> None:
-    """Raise ``AssertionError`` naming the broken invariant (see the module docstring)."""
+    """Raise ``AssertionError`` naming the broken invariant (see the module docstring): every rank's
+    (:func:`check_rank_plan`, with the cap where ``lengths`` are given), and one count on all."""
     assert len(plan.micro_batches) == len(sizes), f"{len(plan.micro_batches)} ranks planned, {len(sizes)} given"
-    assert plan.count % align == 0, f"count {plan.count} is not a multiple of the VPP group {align}"
     for r, (mbs, n) in enumerate(zip(plan.micro_batches, sizes)):
-        assert len(mbs) == plan.count, f"rank {r} has {len(mbs)} micro-batches, the agreed count is {plan.count}"
-        flat = sorted(i for mb in mbs for i in mb)
-        assert flat == list(range(n)), f"rank {r}'s micro-batches do not hold each of its {n} samples exactly once"
-        assert all(len(mb) > 0 for mb in mbs), f"rank {r} has an empty micro-batch"
-        if lengths is not None:
-            ln = np.asarray(lengths[r], dtype=np.int64)
-            for j, mb in enumerate(mbs):
-                tokens = int(ln[list(mb)].sum())
-                assert len(mb) == 1 or tokens <= plan.cap, (
-                    f"rank {r} micro-batch {j} holds {len(mb)} samples, {tokens} tokens > cap {plan.cap}")
+        ln = lengths[r] if lengths is not None else [0] * n
+        assert len(ln) == n, f"rank {r}: {len(ln)} lengths for {n} samples"
+        check_rank_plan(mbs, plan.count, ln, plan.cap, align, r)
 
 
 # ---------------------------------------------------------------------------------------------------- trainer depth
