@@ -18,7 +18,7 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
-from .pipeline_plan import pipeline_pricing, step_microbatch_costs
+from .pipeline_pricing import pipeline_pricing, step_microbatch_costs
 from .validate import check_int_array
 
 
