@@ -226,6 +226,10 @@ def choose_pipeline_step(search: StepSearch) -> StepPlan:
     """The search of the module docstring: every generator of ``config.candidates`` in registry order; the best
     candidate by :func:`beats` (ties: the earlier). The first generator must give a candidate (``unaware``)."""
     cfg = search.config
+    unknown = [name for name in cfg.candidates if name not in CANDIDATES]
+    if unknown:
+        raise ScheduleError(f"PlannerConfig.candidates = {cfg.candidates} names {unknown}, which the registry lacks; "
+                            f"pick from {list(CANDIDATES)}")
     found: list[StepPlan] = []  # best first
     for name in cfg.candidates:
         for cand in CANDIDATES[name](search, list(found)):

@@ -778,12 +778,14 @@ def _stage_work(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> np.ndarray:
 def bubble_fraction(fwd, bwd, spec: PipelineSpec, makespan=None):
     """``1 - (the busiest pipeline rank's work) / makespan``: the share of the step the busiest rank idles (with
     every stage alike each rank does ``sum(fwd) + sum(bwd)``; a rank's work is all of its model chunks'). The one
-    bubble definition: the planner's ``StepStats.bubble_fraction`` is this, for the slowest replica. Shapes as
+    bubble definition: the planner's ``StepStats.bubble_fraction`` is this, for the slowest replica (at least 0).
+    Shapes as
     :func:`pipeline_makespan`; ``makespan``: the replicas' makespans where the caller has them."""
     f, b, one = _as_costs(fwd, bwd)
     span = np.atleast_1d(pipeline_makespan(f, b, spec) if makespan is None else np.asarray(makespan, dtype=float))
     work = _stage_work(f, b, spec).max(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
-    out = np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0)
+    # a rank that never idles makes it 0, which rounding can turn into -2e-16: clamped at 0
+    out = np.maximum(np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0), 0.0)
     return float(out[0]) if one else out
 
 

@@ -192,7 +192,14 @@ def test_more_smaller_microbatches_when_filling_the_pipeline_pays():
     assert check_schedule(sched) == []
     assert sched.num_microbatches[0] > flat.num_microbatches[0]
     assert "count+" in sched.stats[0].strategy or "shape+" in sched.stats[0].strategy
-    assert (sched.num_microbatches[0] - flat.num_microbatches[0]) * 4 % parallel.align == 0
+    # under VPP the extra micro-batches come in whole groups: every rank's count stays a multiple of the group
+    vpp = ParallelConfig(dp_size=4, pp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=4)
+    grouped = plan_schedule(lengths.tolist(), vpp, batch, cost_model=CostModel(**DIMS))
+    assert check_schedule(grouped) == []
+    assert all(m % 4 == 0 for m in grouped.num_microbatches)
+    assert grouped.num_microbatches[0] > plan_schedule(
+        lengths.tolist(), ParallelConfig(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=4), batch,
+        cost_model=CostModel(**DIMS)).num_microbatches[0]
 
 
 def test_pricing_states_its_units_and_defaults():
