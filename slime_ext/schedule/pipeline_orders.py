@@ -12,6 +12,8 @@ Pure: standard library and numpy.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from .pipeline_pricing import Budget, PipelinePricing
@@ -44,14 +46,19 @@ def _price(pricing: PipelinePricing, budget: Budget | None, rows: np.ndarray) ->
     return pricing.makespans(rows) if budget is None else budget.price(rows)
 
 
+@lru_cache(maxsize=256)
 def swap_pairs(k: int, most: int) -> np.ndarray:
-    """``(P, 2)`` the position pairs an order improvement tries: every pair while there are at most ``most``,
-    else adjacent pairs and every position with the first and last two."""
-    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
-    if len(pairs) > most:
-        ends = {0, 1, k - 2, k - 1}
-        pairs = [(i, j) for i, j in pairs if j == i + 1 or i in ends or j in ends]
-    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    """``(P, 2)`` the position pairs an order improvement tries, in lexicographic order: every pair while there are
+    at most ``most``, else adjacent pairs and every position with the first and last two (read-only, made once)."""
+    i, j = np.triu_indices(k, 1)
+    if len(i) > most:
+        ends = np.zeros(k, dtype=bool)
+        ends[[0, 1, k - 2, k - 1]] = True
+        keep = (j == i + 1) | ends[i] | ends[j]
+        i, j = i[keep], j[keep]
+    out = np.stack((i, j), axis=1).astype(np.int64).reshape(-1, 2)
+    out.flags.writeable = False
+    return out
 
 
 def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,

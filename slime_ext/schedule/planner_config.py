@@ -83,8 +83,8 @@ class PlannerConfig:
     #: --compare``) from ~12 ms at dp 4; the issue-22 grid of ``bench.pipeline_speed`` (dp 128-512, 2,048-8,192
     #: samples) plans within cfaa6b5's time there with the per-sample part at ~1 us (the pp = 1 planning costs
     #: 0.6-1.7 us per sample)
-    budget_floor_us: float = 30000.0
-    budget_per_sample_us: float = 3.0
+    budget_floor_us: float = 24000.0
+    budget_per_sample_us: float = 1.5
     #: the share of the budget the shaped and recounted candidates leave to the refinement
     refine_share: float = 0.15
     #: the work estimate's coefficients, measured on the benches' 2-core machine (``python -m bench.pipeline_speed``
