@@ -6,6 +6,7 @@ is from its best (issue 22, item 1; made stronger by issue 29).
     python -m bench.pipeline_search --case rl-dp8-pp4 --budget 24000
     python -m bench.pipeline_search --stability           # also a 4x longer search: how far did the best move?
     python -m bench.pipeline_search --record best.json    # keep every case's best; --best best.json reuses them
+    python -m bench.pipeline_search --best bench/pipeline_search_bests.json   # against the recorded bests (fast)
     python -m bench.pipeline_search --baseline ../old     # the planner of another checkout beside this one's
     python -m bench.pipeline_search --set NAME=VALUE      # a field of the planner's config (PlannerConfig)
 
