@@ -31,7 +31,7 @@ the measured makespan is the **minimum** over the calls of the slowest stage's w
 ``forward_backward_func`` (a slow call on the shared machine is interference, not the schedule).
 Identical runs (e.g. ``after`` = ``before``) are replayed once.
 
-**Prediction**: :func:`slime_ext.schedule.pipeline.pipeline_makespan` on the same costs, with ``p2p_s`` fitted
+**Prediction**: :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` on the same costs, with ``p2p_s`` fitted
 once per layout on a separate run (uniform micro-batches) -- the schedule's per-call overhead on this machine. The
 table also shows the prediction with ``p2p_s = 0``.
 
@@ -221,14 +221,14 @@ class Row:
 
 
 def spec_for(setup: Setup, p2p_s: float = 0.0):
-    from slime_ext.schedule.pipeline import PipelineSpec
+    from slime_ext.schedule.pipeline_model import PipelineSpec
 
     lay = setup.layout
     return PipelineSpec(lay.pp, lay.vpp, p2p_s=p2p_s, overlap_p2p_comm=setup.overlap_p2p_comm)
 
 
 def plan_rows(setup: Setup, workloads: dict[str, Workload], profile, slime_build) -> list[Row]:
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     rows = []
     spec = spec_for(setup)
@@ -254,7 +254,7 @@ def plan_rows(setup: Setup, workloads: dict[str, Workload], profile, slime_build
 def scale_rows(rows: list[Row], min_op_s: float, max_run_s: float) -> list[str]:
     """Seconds per unit, one per (setup, workload): the smallest sleep of its plans lasts ``min_op_s``, unless the
     longest predicted run would exceed ``max_run_s``. Returns notes for capped scales."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     notes = []
     groups: dict[tuple[str, str], list[Row]] = {}
@@ -288,7 +288,7 @@ def calibration_run(setup: Setup, op_s: float) -> ReplayRun:
 def fit_p2p(fwd, bwd, spec_with, measured: float, offset: float = 0.0) -> float:
     """The ``p2p_s`` at which ``pipeline_makespan(fwd, bwd, spec_with(p2p_s)) + offset`` equals ``measured``
     (bisection: the makespan grows with it); 0 when the model without p2p cost is already at or above it."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     f, b = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     lo, hi = 0.0, 0.1
@@ -317,7 +317,7 @@ def replay_setup(setup: Setup, runs: list[ReplayRun], repeats: int, timeout: flo
 
 def measure(rows: list[Row], setups: tuple[Setup, ...], repeats: int, min_op_s: float) -> dict[str, float]:
     """Replay every row (identical runs once); fills measured, predicted and bound. Returns p2p_s per setup."""
-    from slime_ext.schedule.pipeline import pipeline_lower_bound, pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_lower_bound, pipeline_makespan
 
     fitted = {}
     for setup in setups:

@@ -14,7 +14,7 @@ BACKWARD_FORWARD_RATIO = 2.0
 def stage_costs(profile, micro_batches: list[list[int]], parallel, *,
                 per_stage: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-stage forward and backward of each micro-batch (lists of sample lengths), in run order, priced as the
-    planner prices them (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: the profile's seconds split
+    planner prices them (:func:`slime_ext.schedule.pipeline_pricing.pipeline_pricing`: the profile's seconds split
     ``1 : backward_forward_ratio`` and over the ``pp`` stages).
 
     Every stage alike by default: ``(M,)``, the issue-15 assumption the sleep replay runs (``bench.pipeline_stages``
@@ -22,7 +22,7 @@ def stage_costs(profile, micro_batches: list[list[int]], parallel, *,
     its model dims), ``(1, pp * vpp, M)``, ready for ``pipeline_makespan``; ``(M,)`` where the stages are even."""
     import dataclasses
 
-    from slime_ext.schedule.pipeline_plan import pipeline_pricing
+    from slime_ext.schedule.pipeline_pricing import pipeline_pricing
 
     pricing = pipeline_pricing(parallel, profile, None)
     if not per_stage:

@@ -15,7 +15,7 @@ relative to the pp-unaware plan: the same micro-batches only reordered per rank 
 pipeline-aware plan, and a bound no plan with at least the pp-unaware count beats (per step, the larger of the
 largest sample's trip through every stage forward and back, alone in its micro-batch, and a replica's mean share
 of the step's work). Pricing as the planner's (FLOPs, backward = 2 x forward, p2p 0, every micro-batch charged 2%
-of a full one: :mod:`slime_ext.schedule.pipeline_plan`). These are predictions of the model, not measurements:
+of a full one: :mod:`slime_ext.schedule.pipeline_pricing`). These are predictions of the model, not measurements:
 ``bench/pipeline.py`` replays plans through megatron-core's schedule.
 
 Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps): ``rl`` and ``heavy`` (long tail) from
@@ -33,8 +33,9 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
-from slime_ext.schedule.pipeline_plan import best_orders, pipeline_pricing, step_microbatch_costs
+from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
+from slime_ext.schedule.pipeline_orders import best_orders
+from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 

@@ -113,7 +113,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     from train_harness import assert_params_match, free_port, launch, rollout_payloads
 
     from slime_ext.schedule import ParallelConfig
-    from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
+    from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 
     profile = load_profile()
     spec = PipelineSpec(PP)

@@ -7,7 +7,7 @@ forward time and whose backward sleeps its per-chunk backward time. Megatron han
 the micro-batch id and the chunk looks its times up. Sleeps cost no CPU, so 8 stages fit on 2 cores; what remains
 is the schedule's own work (p2p over gloo, Python), which is what a model of the schedule leaves out.
 
-Costs are **per stage**, in the shapes ``slime_ext.schedule.pipeline`` takes: ``fwd[m]`` is the forward time of
+Costs are **per stage**, in the shapes ``slime_ext.schedule.pipeline_model`` takes: ``fwd[m]`` is the forward time of
 micro-batch ``m`` on every pipeline stage alike (all of that stage's chunks together; under VPP each chunk sleeps
 ``fwd[m] / vpp``), or ``fwd[s][m]`` one row per stage (uneven stages: the embedding on the first, the output layer
 and the loss on the last), or one row per virtual stage ``chunk * pp + s`` (each chunk sleeps its own row).

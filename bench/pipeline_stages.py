@@ -23,7 +23,7 @@ fastest call.
 (:func:`order_for_stages`: from the plan's order -- chosen for even stages -- the best swap of two micro-batches by
 the per-stage model, until none improves it), what a planner given per-stage costs could gain by the order alone.
 
-**Prediction**: :func:`slime_ext.schedule.pipeline.pipeline_makespan` on the per-stage costs ``(1, stages, M)``, with
+**Prediction**: :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` on the per-stage costs ``(1, stages, M)``, with
 ``p2p_s`` fitted once per layout on a uniform run (as ``bench.pipeline``); ``as even`` is the same model told every
 stage costs the stages' mean (what a model without per-stage costs predicts). Target (PASS/FAIL, not asserted in
 tests): the model within 3% of the replay on every uneven case.
@@ -104,7 +104,7 @@ def cases_for(layout: Layout, quick: bool) -> list[Case]:
 def slowest_replica(setup: Setup, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward cost (units) of each micro-batch of the pipeline-aware plan's slowest replica, in
     run order, every stage alike."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     wl = WORKLOADS["rl-like"]
     lengths = make_lengths(wl.dist, n, wl.seed)
@@ -119,7 +119,7 @@ def slowest_replica(setup: Setup, n: int) -> tuple[np.ndarray, np.ndarray]:
 def order_for_stages(fw: np.ndarray, bw: np.ndarray, spec, max_rounds: int = 100) -> np.ndarray:
     """A run order of the micro-batches for per-stage costs ``(stages, M)``: from the given order, the best swap of
     two micro-batches by the pipeline model (every swap priced in one vectorised call) until none improves it."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     m = fw.shape[1]
     order = np.arange(m)
@@ -142,7 +142,7 @@ def order_for_stages(fw: np.ndarray, bw: np.ndarray, spec, max_rounds: int = 100
 def build_runs(setup: Setup, cases: list[Case], f: np.ndarray, b: np.ndarray, min_op_s: float,
                max_run_s: float) -> float:
     """Fill each case's run (seconds); returns the scale (seconds per unit)."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     lay = setup.layout
 
@@ -178,7 +178,7 @@ def replay(setup: Setup, runs: list[ReplayRun], repeats: int, timeout: float) ->
 
 def measure(setup: Setup, cases: list[Case], repeats: int, min_op_s: float) -> float:
     """Replay the calibration run and every case; fill the predictions. Returns the fitted ``p2p_s``."""
-    from slime_ext.schedule.pipeline import pipeline_makespan
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
 
     calib = calibration_run(setup, min_op_s)
     reordered = [c for c in cases if c.reordered is not None]

@@ -20,7 +20,7 @@ case is ``better`` or ``worse`` when its steps only moved that way, ``mixed`` wh
 same refusal.
 
 ``--reprice``: the old plans of the pipeline cases (``--write-plans``: each schedule's ``to_dict``) are priced by
-the current pipeline model (:func:`slime_ext.schedule.pipeline_plan.predicted_makespans` with the current
+the current pipeline model (:func:`slime_ext.schedule.pipeline_pricing.predicted_makespans` with the current
 ``pipeline_pricing``), so that a change of the model's prices (e.g. per-stage costs) compares both plans under the
 same model rather than each under its own.
 """
@@ -34,7 +34,7 @@ import sys
 from types import SimpleNamespace
 
 from slime_ext.schedule import DPSchedule
-from slime_ext.schedule.pipeline_plan import predicted_makespans
+from slime_ext.schedule.pipeline_pricing import predicted_makespans
 
 from .plan_digest import outcomes
 from .pipeline_search import SEARCH_DIMS

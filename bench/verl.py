@@ -27,7 +27,7 @@ verl or a tree on ``PYTHONPATH``; nothing of it is copied here):
 DP ranks (the worst mini-batch; it is the dispatch's: verl's for verl and the engine depth, slime-ext's for the
 trainer depth); the predicted step time at pp 1, 4 and 8
 (each mini-batch: its slowest replica's makespan in the micro-batch order the plan runs, priced the same way for
-every plan by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`: forward FLOPs of
+every plan by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_pricing.pipeline_pricing`: forward FLOPs of
 Qwen3-8B-like dims plus 2% of a full micro-batch, backward twice forward; pp 1 is the same model with one stage),
 relative to verl's, for the engine depth before issue 30 (``before``: commit :data:`BASELINE`'s plan.py, read with
 ``git show`` and run against today's planner), the engine depth and the trainer depth; ``plan ms per rank``: each
@@ -67,8 +67,8 @@ from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayo
                                               plan_engine_step)
 from slime_ext.schedule import CostModel, ParallelConfig
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline import PipelineSpec
-from slime_ext.schedule.pipeline_plan import PipelinePricing, pipeline_pricing
+from slime_ext.schedule.pipeline_model import PipelineSpec
+from slime_ext.schedule.pipeline_pricing import PipelinePricing, pipeline_pricing
 
 from .pipeline_model_table import bimodal_lengths
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths

@@ -1,7 +1,7 @@
 """``slime-ext plan --plot-pipeline out.png``: the usual pipeline picture of one step.
 
 One row per pipeline stage, one box per forward (light) and backward (dark) of each micro-batch, labelled with the
-micro-batch's position in the step, drawn from :func:`slime_ext.schedule.pipeline.pipeline_timeline` for the
+micro-batch's position in the step, drawn from :func:`slime_ext.schedule.pipeline_model.pipeline_timeline` for the
 replica whose predicted makespan is the longest. With ``--compare``, each scheme gets a panel under ours, on one
 shared time axis, so the bubbles compare directly. matplotlib is imported lazily, object API only (as in
 :mod:`slime_ext.cli.plot`).
@@ -14,8 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from ..schedule import DPSchedule
-from ..schedule.pipeline import pipeline_timeline
-from ..schedule.pipeline_plan import PipelinePricing, pipeline_pricing, step_microbatch_costs
+from ..schedule.pipeline_model import pipeline_timeline
+from ..schedule.pipeline_pricing import PipelinePricing, pipeline_pricing, step_microbatch_costs
 from .errors import CLIError
 
 
@@ -53,7 +53,7 @@ def plot_pipelines(path: str, schedule: DPSchedule, panels: Sequence[tuple[str, 
 
     ``panels``: ``(label, view)`` pairs over ``schedule``'s samples (``view``: anything with ``partitions``,
     ``micro_batch_indices`` and ``num_microbatches``), every one priced by ``pricing``, the planner's own
-    (:func:`slime_ext.schedule.pipeline_plan.pipeline_pricing`).
+    (:func:`slime_ext.schedule.pipeline_pricing.pipeline_pricing`).
     """
     spec, unit = pricing.spec, pricing.units
     from matplotlib.backends.backend_agg import FigureCanvasAgg

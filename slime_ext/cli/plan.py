@@ -19,7 +19,7 @@ import sys
 import time
 
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
-from ..schedule.pipeline_plan import pipeline_pricing
+from ..schedule.pipeline_pricing import pipeline_pricing
 from ..schemes import BASELINES, get_dp_schedule
 from . import compare, inputs, options, pipeline_plot, plot, report
 from .errors import CLIError

@@ -40,7 +40,7 @@ class Column:
 def _columns(unit: str, piped: bool = False) -> list[Column]:
     pipeline = [
         Column("makespan", "pipeline (pp > 1): the slowest replica's predicted makespan of megatron-core's schedule "
-                           "(slime_ext.schedule.pipeline), in the cost's per-stage units (see time:)"),
+                           "(slime_ext.schedule.pipeline_model), in the cost's per-stage units (see time:)"),
         Column("bubble", "... and that replica's bubble: 1 - one stage's work / makespan"),
     ] if piped else []
     return [

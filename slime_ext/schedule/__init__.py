@@ -11,23 +11,46 @@ slime-compatible API::
 
     partitions, micro_batch_indices, num_microbatches, global_batch_sizes = build_dp_schedule(
         args, train_parallel_config, total_lengths, global_batch_size=gbs, rollout_indices=ids)
+
+**Module map** (the planner walks its stages in this order; a module imports only from those above it):
+
+========================  ===========================================================================================
+inputs                    ``config`` (ParallelConfig, BatchConfig), ``planner_config`` (PlannerConfig: every tunable),
+                          ``validate`` (the input checks), ``errors``
+cost model                ``cost`` (CostModel: FLOPs per sample; ``bin_costs``: the one bin pricing), ``profile``
+                          (CostProfile: measured seconds), ``stages`` + ``pipeline_layout`` (per-stage shares)
+1. steps                  ``steps`` (whole rollouts per step)
+2.-3. packing             ``packing`` (capped micro-batches, aligned to DP x VPP), ``bounds``
+4. distribution           ``distribute`` (equal counts per DP rank, balanced)
+5. the pipeline choice    ``pipeline_model`` (megatron-core's schedule: makespans, bound, bubble),
+                          ``pipeline_pricing`` (costs -> per-stage times; the search's work budget),
+                          ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
+                          (the candidates' pieces), ``pipeline_choice`` (the search, stated once)
+the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (plan_schedule: stages 1-5)
+its record                ``dp_schedule`` (DPSchedule, StepStats), ``payload``, ``invariants`` (check_schedule)
+slime's entry             ``compat`` (slime's args -> the planner's inputs; build_dp_schedule)
+========================  ===========================================================================================
 """
 
 from .compat import build_dp_schedule
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel, sample_costs
-from .dp_schedule import DPSchedule
+from .cost import CostModel, microbatch_costs, sample_costs
+from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .invariants import check_schedule
 from .payload import RankPayload, SampleBatch
-from .pipeline_plan import PipelinePricing, best_orders, pipeline_pricing
+from .pipeline_model import PipelineSpec, pipeline_makespan
+from .pipeline_orders import best_orders
+from .pipeline_pricing import PipelinePricing, pipeline_pricing
 from .planner import plan_schedule
+from .planner_config import PlannerConfig
 from .profile import CostProfile
 
-# the public API; the rest (StepStats, fit_profile, ...) is imported from its module. The pipeline pieces are public
-# for integrations that plan inside a host's engine (verl: one rank's micro-batches, ordered for the pipeline):
-# the pricing of a layout (pipeline_pricing -> PipelinePricing), the order search (best_orders), the per-sample
-# costs the planner balances (sample_costs)
+# The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
+# host's engine (verl: one rank's micro-batches, ordered for the pipeline), the pipeline objective:
+# pipeline_pricing(parallel, cost_model, cap) -> PipelinePricing (its makespans(mb_costs)), microbatch_costs (the
+# planner's price of micro-batches given as sample lists), best_orders (the order the model predicts fastest) and
+# sample_costs (the per-sample costs the planner balances); PipelineSpec and pipeline_makespan are the model itself.
 __all__ = [
     "BatchConfig",
     "CostModel",
@@ -35,12 +58,17 @@ __all__ = [
     "DPSchedule",
     "ParallelConfig",
     "PipelinePricing",
+    "PipelineSpec",
+    "PlannerConfig",
     "RankPayload",
     "SampleBatch",
     "ScheduleError",
+    "StepStats",
     "best_orders",
     "build_dp_schedule",
     "check_schedule",
+    "microbatch_costs",
+    "pipeline_makespan",
     "pipeline_pricing",
     "plan_schedule",
     "sample_costs",

@@ -25,6 +25,7 @@ from .cost import CostModel
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
 from .planner import plan_schedule
+from .planner_config import PlannerConfig
 from .profile import CostProfile
 from .validate import is_int
 
@@ -118,9 +119,10 @@ def build_dp_schedule(
     global_batch_size: int | None = None,
     rollout_indices: Sequence[int] | None = None,
     loss_tokens: Sequence[int] | None = None,
+    config: PlannerConfig | None = None,
 ) -> DPSchedule:
     """Plan with slime's flags read off ``args`` (any attribute object), as the slime integration does
-    (:func:`planner_inputs`).
+    (:func:`planner_inputs`); ``config``: the planner's tunables (default ``PlannerConfig()``).
 
     ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
     ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``). ``args.pipeline_model_parallel_size``
@@ -134,4 +136,4 @@ def build_dp_schedule(
     """
     inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
     return plan_schedule(total_lengths, inputs.parallel, inputs.batch, rollout_ids=rollout_indices,
-                         loss_tokens=loss_tokens, cost_model=inputs.cost_model)
+                         loss_tokens=loss_tokens, cost_model=inputs.cost_model, config=config)

@@ -78,7 +78,7 @@ class ParallelConfig:
     #: slime's dict has no pipeline size); unused (1) without VPP
     microbatch_group_size_per_vp_stage: int | None = None
     #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
-    #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline); 1 plans exactly as before
+    #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline_model); 1 plans exactly as before
     pp_size: int = 1
     #: Megatron's ``overlap_p2p_comm``: under VPP, p2p is posted early and waited just before use instead of one
     #: blocking batch per iteration (the pipeline model follows the mode); False without VPP (megatron-core refuses

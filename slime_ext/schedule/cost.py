@@ -153,3 +153,33 @@ def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None
     if cost_model is None:
         return np.asarray(lengths, dtype=np.float64)
     return cost_model.flops(lengths)
+
+
+def bin_costs(lengths: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, count: int,
+              profile: CostProfile | None = None) -> np.ndarray:
+    """The one bin pricing: ``(count,)`` the cost of each micro-batch given as labels (``bin_of[i]`` = sample i's
+    micro-batch). With a measured ``profile`` a micro-batch is priced whole (its overhead, attention over the
+    packed row: :meth:`CostProfile.bin_times`), else as the sum of its samples' ``costs`` (FLOPs or tokens)."""
+    if profile is not None:
+        return profile.bin_times(lengths, bin_of, count)
+    return np.bincount(bin_of, weights=costs, minlength=count)
+
+
+def price_sums(tokens: np.ndarray, squares: np.ndarray, sums: np.ndarray, profile: CostProfile | None) -> np.ndarray:
+    """:func:`bin_costs` of micro-batches given by their sums: tokens, squared lengths and sample costs (what a
+    search that moves single samples keeps per micro-batch)."""
+    if profile is None:
+        return np.array(sums, dtype=np.float64)  # a copy: the caller may keep both
+    return profile.price_sums(np.asarray(tokens, dtype=np.float64), np.asarray(squares, dtype=np.float64))
+
+
+def microbatch_costs(lengths: Sequence[int] | np.ndarray, micro_batches: Sequence[Sequence[int]],
+                     cost_model: CostModel | CostProfile | None) -> np.ndarray:
+    """``(M,)`` the planner's cost of each micro-batch given as lists of indices into ``lengths`` (an integration's
+    micro-batches): :func:`bin_costs` with the samples' :func:`sample_costs`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    members = np.asarray([i for mb in micro_batches for i in mb], dtype=np.int64)
+    labels = np.repeat(np.arange(len(micro_batches)), [len(mb) for mb in micro_batches])
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
+    return bin_costs(lengths[members], sample_costs(lengths[members], cost_model), labels, len(micro_batches),
+                     profile)

@@ -15,6 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from .packing import grow_to_count
+from .planner_config import DEFAULT_CONFIG
 
 
 def serpentine(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
@@ -43,19 +44,17 @@ def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
     return rank_of_bin
 
 
-#: up to this many bins per rank, refine_by_swaps scores every pair of bins at once (``per_rank**2`` memory per pair)
-DENSE_SWAP_LIMIT = 128
-
-
 def refine_by_swaps(
-    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float, max_rounds: int = 64
+    bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float,
+    max_rounds: int = DEFAULT_CONFIG.refine_rounds, dense_limit: int = DEFAULT_CONFIG.dense_swap_limit,
 ) -> np.ndarray:
     """Lower the heaviest ranks by swapping bins with light ranks; every rank keeps its number of bins.
 
     Each round pairs the i-th heaviest rank with the i-th lightest and, in every pair at once, makes the one swap
     that brings the two closest to their average (moving ``d`` with ``0 < d < gap``). Stops when the heaviest rank
     is within ``tolerance`` of the mean, a round does not lower the maximum, or after ``max_rounds`` rounds. Every
-    rank holds ``len(bin_costs) / dp_size >= 1`` bins.
+    rank holds ``len(bin_costs) / dp_size >= 1`` bins. Up to ``dense_limit`` bins per rank every pair of bins is
+    scored at once (``per_rank**2`` memory per rank pair), above it by binary search per bin (the same swaps).
     """
     count = len(bin_costs)
     per_rank = count // dp_size
@@ -70,7 +69,7 @@ def refine_by_swaps(
         heavy, light = ranked[::-1][:half], ranked[:half]
         gap = sums[heavy] - sums[light]
         ch, cl = bin_costs[by_rank[heavy]], bin_costs[by_rank[light]]  # (half, per_rank)
-        if per_rank <= DENSE_SWAP_LIMIT:
+        if per_rank <= dense_limit:
             d = ch[:, :, None] - cl[:, None, :]  # cost each swap moves from heavy to light
             score = np.abs(d - gap[:, None, None] / 2)
             score[(d <= 0) | (d >= gap[:, None, None])] = np.inf

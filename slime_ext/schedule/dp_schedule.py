@@ -59,8 +59,8 @@ class StepStats:
     #: which packing produced the step (for diagnostics): e.g. ``"rank-greedy"``, ``"lpt"``, ``"bfd"``, ``"static"``
     strategy: str = ""
     #: with pipeline parallelism (``pp_size > 1``), the slowest replica's predicted makespan of the step
-    #: (:mod:`slime_ext.schedule.pipeline`): seconds with a measured ``CostProfile``, else per-stage forward-FLOP
-    #: units (tokens without model dims; see :mod:`slime_ext.schedule.pipeline_plan`); ``None`` without
+    #: (:mod:`slime_ext.schedule.pipeline_model`): seconds with a measured ``CostProfile``, else per-stage forward-FLOP
+    #: units (tokens without model dims; see :mod:`slime_ext.schedule.pipeline_pricing`); ``None`` without
     predicted_makespan: float | None = None
     #: that replica's bubble fraction, ``1 - (one stage's work) / makespan``; ``None`` without pipeline parallelism
     bubble_fraction: float | None = None

@@ -18,7 +18,10 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
-from .pipeline_plan import pipeline_pricing, step_microbatch_costs
+from .config import LAYOUT_FLAGS
+from .pipeline_model import PipelineSpec, bubble_fraction, pipeline_makespan
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .stages import StageCosts
 from .validate import check_int_array
 
 
@@ -274,15 +277,62 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
+def _stage_shares(sched: DPSchedule, config: PlannerConfig) -> np.ndarray | None:
+    """Each virtual stage's share of a micro-batch, as documented in :mod:`.pipeline_pricing` (``None``: every
+    stage alike): the stages' coefficients weighed on ``cap`` tokens in samples of ``stage_share_sample * cap``."""
+    parallel = sched.parallel
+    try:
+        stages = StageCosts.from_model(sched.cost_model, parallel)
+    except ScheduleError:
+        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
+            raise
+        return None
+    if not stages.uneven:
+        return None
+    tokens = float(sched.cap if sched.cap is not None else config.stage_share_tokens)
+    weight = [lin * tokens + quad * tokens * tokens * config.stage_share_sample
+              for lin, quad in zip(stages.virtual_linear, stages.virtual_quadratic)]
+    return np.asarray(weight) / sum(weight)
+
+
+def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None) -> np.ndarray:
+    """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it, priced here from the
+    documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
+    (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
+    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows."""
+    config = DEFAULT_CONFIG if config is None else config
+    parallel = sched.parallel
+    pp, vpp = parallel.pp_size, parallel.vpp_size
+    lengths = np.asarray(sched.total_lengths, dtype=np.int64)
+    model = sched.cost_model
+    start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
+    whole = np.zeros((sched.dp_size, m))  # each micro-batch's forward + backward, whole model
+    for r in range(sched.dp_size):
+        part = sched.partitions[r]
+        for k, mb in enumerate(sched.micro_batch_indices[r][start:start + m]):
+            ls = lengths[[part[i] for i in mb]]
+            if isinstance(model, CostProfile):
+                whole[r, k] = model.microbatch_time(ls)
+            else:
+                linear, quadratic = model.coefficients() if model is not None else (1.0, 0.0)
+                overhead = config.microbatch_overhead * linear * sched.cap if sched.cap is not None else 0.0
+                forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
+                whole[r, k] = forward * (1 + config.backward_forward_ratio)
+    ratio = model.backward_forward_ratio if isinstance(model, CostProfile) else config.backward_forward_ratio
+    share = _stage_shares(sched, config)
+    if share is None:
+        share = np.full(pp * vpp, 1.0 / (pp * vpp))
+    forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (dp, pp * vpp, M): one chunk each
+    spec = PipelineSpec(pp, vpp, parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
+                        p2p_s=model.p2p_s if isinstance(model, CostProfile) else 0.0,
+                        overlap_p2p_comm=parallel.overlap_p2p_comm)
+    return np.atleast_1d(pipeline_makespan(forward, ratio * forward, spec)), forward, ratio, spec
+
+
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
     """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
-    prediction for the slowest replica, re-computed from the micro-batches in the order each rank runs them."""
-    try:
-        pricing = pipeline_pricing(sched.parallel, sched.cost_model, sched.cap)
-    except ScheduleError as e:
-        bad(f"step {s}: the pipeline layout is not one megatron-core runs: {e}")
-        return
-    if pricing is None:
+    prediction for the slowest replica, re-priced here (:func:`replica_makespans`)."""
+    if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but pp_size = 1 (expected None)")
@@ -291,8 +341,7 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
         bad(f"stats[{s}] has no predicted_makespan/bubble_fraction but pp_size = {sched.parallel.pp_size}")
         return
     try:
-        rows = step_microbatch_costs(sched, s)
-        spans = pricing.makespans(rows)
+        spans, forward, ratio, spec = replica_makespans(sched, s)
     except ScheduleError as e:
         bad(f"step {s}: the pipeline model refuses the step: {e}")
         return
@@ -300,9 +349,9 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
     if not _close(st.predicted_makespan, float(spans[slowest])):
         bad(f"stats[{s}].predicted_makespan = {st.predicted_makespan!r} but the schedule predicts "
             f"{float(spans[slowest])!r}")
-    if not _close(st.bubble_fraction, pricing.bubble(rows[slowest])):
-        bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts "
-            f"{pricing.bubble(rows[slowest])!r}")
+    bubble = float(bubble_fraction(forward[slowest:slowest + 1], ratio * forward[slowest:slowest + 1], spec)[0])
+    if not _close(st.bubble_fraction, bubble):
+        bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts {bubble!r}")
 
 
 def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:

@@ -15,18 +15,27 @@ This module builds such plans, vectorised over replicas and candidate shapes:
   below its target that still holds it under the token cap; the largest samples land on the first plateau
   micro-batches (the peak), the smallest fill the ramps. Micro-batches run in target order.
 
-The planner (:func:`slime_ext.schedule.pipeline_plan.plan_pipeline_step`) prices the candidates with the pipeline
+* :class:`ShapeSamples` and :func:`pack_many`: a step's samples packed for many ``(count, shape)`` combinations and
+  replicas in one :func:`shape_pack` call, every packing priced in one pass of the pipeline model.
+
+The pipeline search (:mod:`.pipeline_choice`, its ``shaped`` candidate) prices the candidates with the pipeline
 model and keeps a shaped plan only where it predicts the slowest replica faster. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 
-__all__ = ["Shape", "by_decreasing_cost", "ramp_weights", "replica_members", "shape_pack", "SHAPES", "RISING"]
+from .cost import bin_costs
+from .pipeline_pricing import Budget
+from .profile import CostProfile
+
+__all__ = ["Shape", "ShapeSamples", "by_decreasing_cost", "pack_many", "ramp_weights", "replica_members",
+           "shape_pack", "RISING"]
 
 
 @dataclass(frozen=True)
@@ -42,53 +51,66 @@ class Shape:
     #: the ramps count groups of ``microbatch_group_size_per_vp_stage`` micro-batches, alike within a group (the
     #: interleaved schedule runs a group through every model chunk together)
     grouped: bool = False
+    #: > 1: the rise is geometric, each of the ``up`` micro-batches ``1 / rise`` of the next (then ``low`` is the
+    #: last micro-batch's share only); 0: linear from ``low``
+    rise: float = 0.0
 
     def weights(self, k: int, group: int = 1) -> np.ndarray:
         """``(k,)`` target shares (read-only: one array per shape, count and group, made once)."""
         return _weights(self, k, group)
 
-    def run_order(self, bin_costs: np.ndarray) -> np.ndarray:
+    def run_order(self, mb_costs: np.ndarray) -> np.ndarray:
         """``(R, k)`` the order each row's micro-batches run in (indices into its bins)."""
-        r, k = bin_costs.shape
+        r, k = mb_costs.shape
         if self.order == "target":
             return np.broadcast_to(np.arange(k), (r, k))
-        asc = np.argsort(bin_costs, axis=1, kind="stable")
+        asc = np.argsort(mb_costs, axis=1, kind="stable")
         if k >= 2:
             asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
         return asc
 
+    @classmethod
+    def of(cls, fields: tuple) -> "Shape":
+        """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise]]])``;
+        ``up < 0`` rises over the whole step (:data:`RISING`)."""
+        up, *rest = fields
+        return cls(RISING if up < 0 else int(up), *rest)
+
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
 RISING = 1 << 20
-SHAPES = (Shape(0, 0, 1.0), Shape(1, 4, 0.3), Shape(2, 4, 0.3), Shape(2, 6, 0.5), Shape(3, 6, 0.3),
-          Shape(3, 8, 0.3), Shape(4, 8, 0.3), Shape(2, 2, 0.5), Shape(RISING, 1, 0.5), Shape(RISING, 2, 0.6),
-          Shape(0, 0, 1.0, "rising"), Shape(3, 8, 0.6), Shape(5, 10, 0.5), Shape(4, 12, 0.4),
-          Shape(1, 1, 0.3, grouped=True), Shape(1, 2, 0.3, grouped=True), Shape(2, 3, 0.3, grouped=True))
 
 
 @lru_cache(maxsize=4096)
 def _weights(shape: Shape, k: int, group: int) -> np.ndarray:
     if not shape.grouped or group <= 1:
-        w = ramp_weights(k, shape.up, shape.down, shape.low)
+        w = ramp_weights(k, shape.up, shape.down, shape.low, shape.rise)
     else:
         slots = -(-k // group)
-        w = np.repeat(ramp_weights(slots, shape.up, shape.down, shape.low), group)[:k]
+        w = np.repeat(ramp_weights(slots, shape.up, shape.down, shape.low, shape.rise), group)[:k]
         w = w / w.sum()
     w.flags.writeable = False
     return w
 
 
-def ramp_weights(k: int, up: int, down: int, low: float) -> np.ndarray:
-    """``(k,)`` target shares summing to 1: ``up`` rising from ``low`` (share of the plateau) towards 1, the
-    plateau, ``down`` falling towards ``low``. Ramps are shortened (the plateau kept >= 1) when ``k`` is small."""
+def ramp_weights(k: int, up: int, down: int, low: float, rise: float = 0.0) -> np.ndarray:
+    """``(k,)`` target shares summing to 1: ``up`` rising from ``low`` (share of the plateau) towards 1 (``rise >
+    1``: geometrically, each ``1 / rise`` of the next), the plateau, ``down`` falling towards ``low`` (``down <
+    0``: every micro-batch after the peak falls). Ramps are shortened (the plateau kept >= 1) when ``k`` is
+    small."""
     w = np.ones(k)
+    if down < 0:  # the peak, then a fall over every micro-batch after it (one at least where there are three)
+        up = min(up, max(k - 2, 0))
+        down = k - 1 - up
     up, down = min(up, k - 1), min(down, k - 1)
     while up + down >= k and (up or down):  # keep at least one plateau micro-batch
         if down >= up:
             down -= 1
         else:
             up -= 1
-    if up:
+    if up and rise > 1:
+        w[:up] = rise ** -np.arange(up, 0, -1, dtype=np.float64)
+    elif up:
         w[:up] = np.linspace(low, 1.0, up + 1)[:-1]
     if down:
         w[k - down:] = np.linspace(1.0, low, down + 1)[1:]
@@ -198,3 +220,127 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     back = np.empty_like(by_size)
     back[by_size] = np.arange(rows)
     return bin_of[back], ok[back]
+
+
+# ---------------------------------------------------------------------------------------------------- a step's samples
+@dataclass(frozen=True)
+class ShapeSamples:
+    """What shaping a step's micro-batches needs (dynamic batches only): the step's sample ``lengths`` and
+    ``costs`` (the planner's), the token ``cap``, a measured ``profile`` (micro-batches priced whole) or ``None``
+    (FLOPs: a micro-batch costs the sum of its samples), and ``step``: the per-replica count moves by multiples of
+    it (``microbatch_group_size_per_vp_stage`` under VPP, else 1)."""
+
+    lengths: np.ndarray
+    costs: np.ndarray
+    cap: int
+    profile: CostProfile | None
+    step: int
+    #: per group of samples (an array of ids; the rebalancing replaces a replica's group, never changes one in
+    #: place): its cost, its tokens and its ids cheapest first, each worked out once (:meth:`group_cost` ...)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _once(self, what: str, ids: np.ndarray, make: Callable[[], object]):
+        hit = self._memo.get((what, id(ids)))
+        if hit is None or hit[0] is not ids:  # the memo holds the array, so its id is not reused meanwhile
+            hit = (ids, make())
+            self._memo[(what, id(ids))] = hit
+        return hit[1]
+
+    @property
+    def order(self) -> np.ndarray:
+        """The step's sample ids by decreasing cost, ties by id (:func:`by_decreasing_cost`)."""
+        return self._once("by cost", self.costs, lambda: by_decreasing_cost(self.costs))
+
+    @property
+    def rank(self) -> np.ndarray:
+        """Each sample's place in :attr:`order`."""
+        def make() -> np.ndarray:
+            rank = np.empty(len(self.costs), dtype=np.int64)
+            rank[self.order] = np.arange(len(self.costs))
+            return rank
+        return self._once("rank", self.costs, make)
+
+    def group_cost(self, ids: np.ndarray) -> float:
+        return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
+
+    def group_tokens(self, ids: np.ndarray) -> int:
+        return self._once("tokens", ids, lambda: int(self.lengths[ids].sum()))
+
+    def cheapest_first(self, ids: np.ndarray) -> np.ndarray:
+        """The group's ids by increasing cost, ties by id."""
+        return self._once("order", ids, lambda: ids[np.lexsort((ids, self.costs[ids]))])
+
+    def bin_rows(self, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
+        """``(R, k)`` micro-batch costs of packed rows (:func:`shape_pack`'s ``bin_of`` over ``members``), by the
+        one bin pricing (:func:`~slime_ext.schedule.cost.bin_costs`)."""
+        rows = members.shape[0]
+        valid = members >= 0
+        flat = (np.arange(rows)[:, None] * k + bin_of)[valid]
+        ids = members[valid]
+        return bin_costs(self.lengths[ids], self.costs[ids], flat, rows * k, self.profile).reshape(rows, k)
+
+    def in_run_order(self, shape: Shape, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
+        """``bin_of`` relabelled so that bin ``j`` is the ``j``-th to run in ``shape``'s order (unchanged for the
+        shape's own target order)."""
+        if shape.order == "target":
+            return bin_of
+        rank = np.argsort(shape.run_order(self.bin_rows(members, bin_of, k)), axis=1)  # bin -> its run position
+        return np.where(bin_of >= 0, np.take_along_axis(rank, np.maximum(bin_of, 0), axis=1), -1)
+
+    def pad(self, groups: list[np.ndarray]) -> np.ndarray:
+        """Rows of sample ids by decreasing cost (ties by id), padded with -1."""
+        sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+        out = np.full((len(groups), int(sizes.max())), -1, dtype=np.int64)
+        ids = np.concatenate(groups).astype(np.int64, copy=False)
+        row = np.repeat(np.arange(len(groups)), sizes)
+        # every row at once: by row, then by the sample's place in the step's order (decreasing cost, ties by id)
+        order = np.argsort(row * len(self.costs) + self.rank[ids])
+        out[row, np.arange(len(ids)) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = ids[order]
+        return out
+
+
+def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
+              parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
+    ``weights`` in one call, each part ``(count, shape, its rows)`` relabelled to its run order, and every row priced
+    in one pass of the model (every count together, charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row
+    that does not fit is ``inf``."""
+    budget.charge_pack(*members.shape[:1], members.shape[1], weights.shape[1])
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
+    count_of = np.zeros(len(members), dtype=np.int64)
+    for k, shape, rows in parts:
+        count_of[rows] = k
+        if shape.order != "target":
+            bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
+    spans = np.full(len(members), np.inf)
+    picks, costs = [], []
+    for k in sorted({k for k, _, _ in parts}):
+        sel = (count_of == k) & ok
+        if sel.any():
+            picks.append(sel)
+            costs.append(samples.bin_rows(members[sel], bin_of[sel], k))
+    for sel, got in zip(picks, budget.price_many(costs) if costs else []):
+        spans[sel] = got
+    return spans, bin_of
+
+
+def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
+              combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of ``members`` packed for every ``(count, shape)`` of ``combos`` in one call: ``(spans (C, R),
+    bin_of (C, R, n))``; a packing that does not fit is ``inf``."""
+    # shapes whose targets coincide at a count (short ramps are cut, e.g. three VPP groups) pack alike: each
+    # distinct (count, targets, run order) is packed once and its packing stands for the others
+    first: dict[tuple, int] = {}
+    of = [first.setdefault((k, shape.order, shape.weights(k, samples.step).tobytes()), i)
+          for i, (k, shape) in enumerate(combos)]
+    distinct = sorted(first.values())
+    r, c = len(members), len(distinct)
+    width = max(combos[i][0] for i in distinct)
+    w = np.full((c, width), -1.0)
+    for j, i in enumerate(distinct):
+        k, shape = combos[i]
+        w[j, :k] = shape.weights(k, samples.step)
+    parts = [(combos[i][0], combos[i][1], slice(j * r, (j + 1) * r)) for j, i in enumerate(distinct)]
+    spans, bin_of = pack_core(budget, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
+    at = np.asarray([distinct.index(i) for i in of])
+    return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]

@@ -26,11 +26,11 @@ Strategy (one call plans a whole rollout):
   5. **Pipeline** (``pp_size > 1`` only; with ``pp_size = 1`` stages 1-4 are the whole plan, unchanged). A
      pipelined replica's step time is the makespan of megatron-core's schedule (1F1B, or interleaved under VPP with
      the configured ``microbatch_group_size_per_vp_stage`` and p2p mode), so the objective becomes the slowest
-     replica's makespan as :mod:`slime_ext.schedule.pipeline` predicts it: megatron-core's order of operations per
+     replica's makespan as :mod:`slime_ext.schedule.pipeline_model` predicts it: megatron-core's order of operations per
      stage, blocking p2p calls of ``p2p_s`` per stage boundary, one stage's forward = its share of the
      micro-batch's cost (``1 / pp`` where the stages are even; the embedding, the output layer and Megatron's
      layout flags make them uneven), backward = ``backward_forward_ratio`` x forward, nothing outside the pipeline
-     (optimizer, DP reduction). Prices (:mod:`.pipeline_plan`): a profile's
+     (optimizer, DP reduction). Prices (:mod:`.pipeline_pricing`): a profile's
      seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
      charged 2% of a full one. Candidates compared by that model, none by a fixed rule: with dynamic batches
      each replica's samples re-packed into micro-batches *shaped* for the pipeline (small ones first, rising to
@@ -57,7 +57,6 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -65,36 +64,21 @@ import numpy as np
 from .bounds import align_up, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, sample_costs
+from .cost import bin_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
 from .packing import best_fit_decreasing, bins_to_labels, grow_to_count, lpt_pack
-from .pipeline_plan import PipelinePricing, PipelineStep, ShapeSamples, pipeline_pricing, plan_pipeline_step
+from .pipeline_choice import StepSearch, choose_pipeline_step
+from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from .pipeline_shape import ShapeSamples
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .step_plan import StepPlan, search_counts
 from .steps import rollout_ordinals, split_into_steps
 from .validate import check_samples
 
 __all__ = ["plan_schedule"]
-
-#: balance_data is done once the slowest rank is within this of the best any assignment can do
-BALANCE_TOLERANCE = 2e-3
-#: swap refinement of packed bins stops this close to the mean rank cost
-REFINE_TOLERANCE = 1e-5
-#: an extra micro-batch per rank must cut the slowest rank's FLOPs by at least this much
-EXTRA_MB_MIN_GAIN = 0.01
-MAX_EXTRA_ROUNDS = 3
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step after stages 2-4: ``bin_of[i]`` is the micro-batch of the step's i-th sample and
-    ``rank_of_bin[b]`` the rank of micro-batch ``b``; ``count`` micro-batches in all, aimed at ``target``."""
-
-    bin_of: np.ndarray
-    rank_of_bin: np.ndarray
-    count: int
-    strategy: str
-    target: int
 
 
 # ---------------------------------------------------------------------------------------------------- stages 2-4
@@ -130,13 +114,15 @@ def pack_step(
 
 def _plan_dynamic(
     lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
-    profile: CostProfile | None = None,
-) -> StepPlan:
+    profile: CostProfile | None = None, config: PlannerConfig = DEFAULT_CONFIG, count: int | None = None,
+) -> StepPlan | None:
     """One dynamic step: capped bins, aligned, on ranks.
 
     With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
     (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
-    extra micro-batch is spent only when it lowers the predicted step time.
+    extra micro-batch is spent only when it lowers the predicted step time. ``count``: plan exactly that many
+    micro-batches (the pipeline search's re-packed counts, with every guard of this path), ``None`` where the
+    packing cannot reach it.
     """
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
@@ -154,6 +140,11 @@ def _plan_dynamic(
         return floor
 
     target = microbatch_target(lengths, cap, align)
+    fixed = count is not None
+    if fixed:
+        if count > n or count < target:
+            return None
+        target = count
     if n < target:
         raise ScheduleError(
             f"step {step} has {n} samples but needs at least {target} micro-batches (a multiple of "
@@ -163,21 +154,29 @@ def _plan_dynamic(
         )
     order = np.argsort(-lengths, kind="stable")  # decreasing length == decreasing cost (cost is increasing in L)
     weights = costs if batch.balance_by_flops else lengths
-    bin_of, count, strategy = pack_step(lengths, weights, order, cap, target, align, step)
+    try:
+        bin_of, got, strategy = pack_step(lengths, weights, order, cap, target, align, step)
+    except ScheduleError:
+        if not fixed:
+            raise
+        return None
+    if fixed and got != count:
+        return None
+    count = got
     if batch.balance_by_flops:
         strategy = "cost-" + strategy
     # a profile prices each micro-batch as a whole (its overhead, attention over the packed row), not as a sum
-    bin_costs = np.bincount(bin_of, weights=costs, minlength=count) if profile is None \
-        else profile.bin_times(lengths, bin_of, count)
+    prices = bin_costs(lengths, costs, bin_of, count, profile)
     if not (batch.balance_data and dp > 1):
-        return StepPlan(bin_of, serpentine(bin_costs, dp), count, strategy, target)
+        return StepPlan(bin_of, serpentine(prices, dp), count, strategy, target)
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
-    good = floor_at(count) * (1 + BALANCE_TOLERANCE)
-    rank_of_bin = refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
+    good = floor_at(count) * (1 + config.balance_tolerance)
+    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.refine_tolerance,
+                                  config.refine_rounds, config.dense_swap_limit)
     best_max = slowest(bin_of, rank_of_bin)
     if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
-        strided = serpentine(bin_costs, dp)
+        strided = serpentine(prices, dp)
         strided_max = slowest(bin_of, strided)
         if strided_max < best_max:
             rank_of_bin, best_max = strided, strided_max
@@ -187,25 +186,26 @@ def _plan_dynamic(
 
     # bins of even size cannot balance this step: choose bins per rank, spending `align` extra micro-batches at a
     # time when the ranks around a costly sample are capacity-bound and that cuts the slowest rank by > 1%
-    for extra in range(MAX_EXTRA_ROUNDS + 1):
-        k_count = target + extra * align
+    def per_rank(k_count: int) -> tuple[StepPlan, float] | None:
         if k_count > n:
-            break
+            return None
         rank_bins = build_rank_bins(lengths, costs, order, cap, dp, k_count // dp, by_cost=batch.balance_by_flops)
         if rank_bins is None:
-            continue
+            return None
         b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
-        rank_max = slowest(b_of, r_of_b)
-        # FLOPs price no micro-batch, so an extra one must win by EXTRA_MB_MIN_GAIN; a profile prices it exactly
-        min_gain = EXTRA_MB_MIN_GAIN if k_count > best.count and profile is None else 0.0
-        if rank_max < best_max * (1 - min_gain):
-            name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
-            best, best_max = StepPlan(b_of, r_of_b, k_count, name, target), rank_max
-        elif extra:
-            break  # more micro-batches stopped paying off
-        if best_max <= floor_at(k_count) * (1 + EXTRA_MB_MIN_GAIN):
-            break  # no assignment could cut the slowest rank by EXTRA_MB_MIN_GAIN any more
-    return best
+        name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
+        return StepPlan(b_of, r_of_b, k_count, name, target), slowest(b_of, r_of_b)
+
+    def better(cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
+        # FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly
+        min_gain = config.extra_microbatch_gain if cand[0].count > incumbent[0].count and profile is None else 0.0
+        return cand[1] < incumbent[1] * (1 - min_gain)
+
+    extras = 0 if fixed else config.max_extra_rounds
+    found = search_counts([target + extra * align for extra in range(extras + 1)], per_rank, better, patience=1,
+                          best=(best, best_max),  # no assignment could cut the slowest rank by the margin any more:
+                          enough=lambda b, k: b[1] <= floor_at(k) * (1 + config.extra_microbatch_gain))
+    return found[0]
 
 
 def _plan_static(
@@ -253,43 +253,20 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
 def _plan_for_pipeline(
     pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray, cap: int | None,
     parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None,
-) -> PipelineStep:
-    """Stage 5 (``pp_size > 1``): the step's order, assignment and count by the pipeline model, starting from the
-    pp-unaware ``plan``. Static batches keep their micro-batches and ranks (only the order changes); the DP
-    assignment is rebalanced only with ``balance_data``."""
-    dp, align = parallel.dp_size, parallel.align
-
-    def bin_costs_of(b_of: np.ndarray, k: int) -> np.ndarray:
-        if profile is not None:  # a profile prices each micro-batch whole
-            return profile.bin_times(lengths, b_of, k)
-        return np.bincount(b_of, weights=costs, minlength=k)
-
-    recount = None
-    if cap is not None:
-        weights = costs if batch.balance_by_flops else lengths
-        order: list[np.ndarray] = []  # the samples longest first, sorted on the first recount (small steps only)
-
-        def recount(k: int) -> tuple[np.ndarray, np.ndarray] | None:
-            if k > len(lengths):
-                return None
-            if not order:
-                order.append(np.argsort(-lengths, kind="stable"))
-            try:
-                b_of, got, _ = pack_step(lengths, weights, order[0], cap, k, align, step)
-            except ScheduleError:
-                return None
-            if got != k:
-                return None
-            bin_costs = bin_costs_of(b_of, k)
-            if batch.balance_data and dp > 1:
-                return b_of, refine_by_swaps(bin_costs, lpt_equal_count(bin_costs, dp), dp, REFINE_TOLERANCE)
-            return b_of, serpentine(bin_costs, dp)
-
-    samples = None if cap is None else ShapeSamples(lengths, costs, cap, profile, align // dp)
-    return plan_pipeline_step(pricing, plan.bin_of, plan.rank_of_bin, plan.count, dp, bin_costs_of,
-                              balance=batch.balance_data and cap is not None, recount=recount, align=align,
-                              heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted
-                              samples=samples)
+) -> StepPlan:
+    """Stage 5 (``pp_size > 1``): the step's micro-batches, count, assignment and order chosen by the pipeline search
+    (:func:`~slime_ext.schedule.pipeline_choice.choose_pipeline_step`), starting from the pp-unaware ``plan``.
+    Static batches keep their micro-batches and ranks (only the order changes)."""
+    dp = parallel.dp_size
+    search = StepSearch(
+        pricing=pricing, unaware=plan, bin_costs=bin_costs(lengths, costs, plan.bin_of, plan.count, profile),
+        heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted without a pipeline
+        dp=dp, lengths=lengths, costs=costs, profile=profile, cap=cap,
+        samples=None if cap is None else ShapeSamples(lengths, costs, cap, profile, parallel.align // dp),
+        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align,
+        recount=None if cap is None else (lambda k: _plan_dynamic(lengths, costs, cap, parallel, batch, step, profile,
+                                                                  pricing.config, count=k)))
+    return choose_pipeline_step(search)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly
@@ -342,13 +319,15 @@ def plan_schedule(
     rollout_ids: Sequence[int] | np.ndarray | None = None,
     loss_tokens: Sequence[int] | np.ndarray | None = None,
     cost_model: CostModel | CostProfile | None = None,
+    config: PlannerConfig | None = None,
 ) -> DPSchedule:
     """Plan one rollout: walk the stages of the module docstring for every step.
 
     ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
     sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
     balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
-    seconds and prices every micro-batch.
+    seconds and prices every micro-batch. ``config``: the planner's tunables (:class:`PlannerConfig`, default
+    ``PlannerConfig()``).
     """
     if not isinstance(parallel, ParallelConfig):
         raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}; "
@@ -356,6 +335,11 @@ def plan_schedule(
     parallel.require_dp_size()
     if not isinstance(batch, BatchConfig):
         raise ScheduleError(f"batch must be a BatchConfig, got {type(batch).__name__}; use BatchConfig.from_args(args)")
+    if config is None:
+        config = DEFAULT_CONFIG
+    elif not isinstance(config, PlannerConfig):
+        raise ScheduleError(f"config must be a PlannerConfig or None, got {type(config).__name__}; use "
+                            f"PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
     if cost_model is not None and not isinstance(cost_model, (CostModel, CostProfile)):
         raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}; "
                             f"use CostModel(...), CostModel.from_args(args) or CostProfile.load(path)")
@@ -366,7 +350,7 @@ def plan_schedule(
     profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
-    pricing = pipeline_pricing(parallel, cost_model, cap)  # None without pipeline parallelism
+    pricing = pipeline_pricing(parallel, cost_model, cap, config)  # None without pipeline parallelism
 
     # 1. steps of whole rollouts; the trimmed tail is reported, never silent
     steps, rollouts_per_step, dropped = split_into_steps(ordinals, lengths, parallel, batch)
@@ -392,19 +376,14 @@ def plan_schedule(
         if cap is None:
             plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile)
-        # 5. with pipeline parallelism: order, assignment and count by the slowest replica's predicted makespan
-        piped = None
+            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=config)
+        # 5. with pipeline parallelism: micro-batches, count, assignment and order by the slowest replica's
+        # predicted makespan (the pipeline search)
         if pricing is not None:
-            piped = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile)
-            strategy = plan.strategy if not piped.how else f"{plan.strategy}+pp-{piped.how}"
-            if piped.how.startswith("count"):
-                strategy = f"lpt+pp-{piped.how}"
-            plan = StepPlan(piped.bin_of, piped.rank_of_bin, piped.count, strategy, plan.target)
+            plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile)
         count = plan.count
         mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
-                                                  step_cost, partitions, micro_batch_indices,
-                                                  None if piped is None else piped.emit)
+                                                  step_cost, partitions, micro_batch_indices, plan.emit)
         per_rank = count // dp
         num_microbatches.append(per_rank)
         rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
@@ -427,8 +406,8 @@ def plan_schedule(
             microbatch_cost_max=float(mb_cost.max()),
             microbatch_cost_mean=float(mb_cost.mean()),
             strategy=plan.strategy,
-            predicted_makespan=None if piped is None else piped.slowest,
-            bubble_fraction=None if piped is None else piped.bubble,
+            predicted_makespan=None if plan.makespans is None else plan.slowest,
+            bubble_fraction=plan.bubble,
         ))
 
     return DPSchedule(

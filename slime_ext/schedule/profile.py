@@ -123,6 +123,10 @@ class CostProfile:
         L = np.asarray(lengths, dtype=np.float64)
         tokens = np.bincount(bin_of, weights=L, minlength=count)
         squares = np.bincount(bin_of, weights=L * L, minlength=count)
+        return self.price_sums(tokens, squares)
+
+    def price_sums(self, tokens: np.ndarray, squares: np.ndarray) -> np.ndarray:
+        """Predicted seconds of micro-batches of ``tokens`` tokens and ``squares = sum L**2`` each."""
         return (self.microbatch_overhead_s + self.per_token_s * tokens + self.per_sample_quadratic_s * squares
                 + self.packed_quadratic_s * tokens * tokens)
 

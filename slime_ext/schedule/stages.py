@@ -19,7 +19,7 @@ seconds for a ``CostProfile``, tokens for ``None``. Invariants (``tests/unit/tes
    virtual stages by the layout flags, the embedding on virtual stage 0, the output layer and the loss on the last.
 4. :meth:`StageCosts.forward` of ``(R, M)`` micro-batch tokens and ``sum(L**2)`` is ``(R, pp, M)`` (``virtual=True``:
    ``(R, pp * vpp, M)``, one model chunk each): the per-stage forward costs
-   :func:`slime_ext.schedule.pipeline.pipeline_makespan` takes; the backward is the planner's
+   :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` takes; the backward is the planner's
    ``backward_forward_ratio`` times them.
 
 **What is counted.** With a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq`` and its
@@ -111,7 +111,7 @@ class StageCosts:
     def forward(self, tokens, sum_squares, *, virtual: bool = False) -> np.ndarray:
         """Forward cost of micro-batches per stage: ``tokens`` and ``sum_squares`` (``sum(L**2)``) of shape
         ``(..., M)`` give ``(..., pp, M)``, or with ``virtual`` ``(..., pp * vpp, M)`` (one model chunk each):
-        the shapes :func:`slime_ext.schedule.pipeline.pipeline_makespan` takes per stage."""
+        the shapes :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` takes per stage."""
         t = np.asarray(tokens, dtype=np.float64)[..., None, :]
         q = np.asarray(sum_squares, dtype=np.float64)[..., None, :]
         lin = np.asarray(self.virtual_linear) if virtual else self.linear

@@ -8,7 +8,7 @@ import pytest
 
 from bench.pipeline import Layout, Setup, WORKLOADS, Workload, bench_profile, fit_p2p, plan_rows, spec_for
 from bench.pipeline_replay import settled
-from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
+from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 
 
 @pytest.mark.parametrize("pp, vpp, overlap", [(2, 1, False), (4, 1, False), (2, 2, True), (2, 2, False)])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
-from slime_ext.schedule.pipeline_plan import pipeline_pricing, predicted_makespans
+from slime_ext.schedule.pipeline_pricing import pipeline_pricing, predicted_makespans
 
 from test_cli import MODEL_FLAGS, parse_table, run_main
 
@@ -71,8 +71,8 @@ def test_plot_pipeline_needs_a_pipeline(tmp_path):
 
 def test_pipeline_timeline_of_the_plot_matches_the_recorded_makespan():
     """The picture is the model's own timeline: its last box ends at the step's recorded makespan."""
-    from slime_ext.schedule.pipeline import pipeline_timeline
-    from slime_ext.schedule.pipeline_plan import step_microbatch_costs
+    from slime_ext.schedule.pipeline_model import pipeline_timeline
+    from slime_ext.schedule.pipeline_pricing import step_microbatch_costs
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(200, 9000, size=96)

@@ -66,9 +66,12 @@ def test_schedule_public_api_is_the_contract_and_its_entry_points():
     assert sorted(schedule.__all__) == sorted([
         "BatchConfig", "ParallelConfig", "CostModel", "CostProfile",  # what a plan is asked for
         "plan_schedule", "build_dp_schedule", "check_schedule",  # plan (ours, slime's signature), verify
-        "DPSchedule", "RankPayload", "SampleBatch", "ScheduleError",  # what comes back
-        # for integrations that plan inside a host's engine (verl): the pipeline's pricing and order search, and
-        # the per-sample costs the planner balances
-        "PipelinePricing", "pipeline_pricing", "best_orders", "sample_costs",
+        "PlannerConfig",  # every tunable of the planner, with a default
+        "DPSchedule", "StepStats", "RankPayload", "SampleBatch", "ScheduleError",  # what comes back
+        # for integrations that plan inside a host's engine (verl): the pipeline objective (its pricing, the
+        # planner's price of micro-batches, the order search, the per-sample costs the planner balances) and the
+        # model itself
+        "PipelinePricing", "pipeline_pricing", "microbatch_costs", "best_orders", "sample_costs",
+        "PipelineSpec", "pipeline_makespan",
     ])
     assert all(getattr(schedule, name) is not None for name in schedule.__all__)

@@ -185,7 +185,7 @@ def test_split_halves_never_exceed_the_parent():
 
 @pytest.mark.parametrize("per_rank", [3, 20, 130])
 def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch):
-    """The binary-search branch (more than DENSE_SWAP_LIMIT bins per rank) makes the same swaps as the dense one;
+    """The binary-search branch (more than dense_limit bins per rank) makes the same swaps as the dense one;
     130 bins per rank reach it without the limit lowered. Sizes are kept and the maximum never rises."""
     rng = np.random.default_rng(per_rank)
     for dp in (2, 5):
@@ -193,8 +193,7 @@ def test_refine_by_swaps_both_searches_find_the_same_swaps(per_rank, monkeypatch
         start = np.repeat(np.arange(dp), per_rank)
         rng.shuffle(start)
         dense = distribute.refine_by_swaps(costs, start, dp, 1e-9)
-        monkeypatch.setattr(distribute, "DENSE_SWAP_LIMIT", 0 if per_rank <= 128 else 10**9)
-        other = distribute.refine_by_swaps(costs, start, dp, 1e-9)
+        other = distribute.refine_by_swaps(costs, start, dp, 1e-9, dense_limit=0 if per_rank <= 128 else 10**9)
         monkeypatch.undo()
         assert dense.tolist() == other.tolist()
         assert np.bincount(dense, minlength=dp).tolist() == [per_rank] * dp

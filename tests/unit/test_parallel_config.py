@@ -11,7 +11,7 @@ import pytest
 
 from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConfig, ScheduleError, build_dp_schedule,
                                 check_schedule, plan_schedule)
-from slime_ext.schedule.pipeline_plan import pipeline_pricing
+from slime_ext.schedule.pipeline_pricing import pipeline_pricing
 from slime_ext.schemes import get_dp_schedule
 
 UNRESOLVED = r"parallel.dp_size is None: resolve it with ParallelConfig.for_world\(world_size\)"

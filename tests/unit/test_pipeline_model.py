@@ -1,4 +1,4 @@
-"""The pipeline model (slime_ext.schedule.pipeline): hand-computed cases, megatron-core's order of operations, an
+"""The pipeline model (slime_ext.schedule.pipeline_model): hand-computed cases, megatron-core's order of operations, an
 independent event simulation, and the lower bound against brute force."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from slime_ext.schedule import ParallelConfig, ScheduleError
-from slime_ext.schedule.pipeline import (PipelineSpec, bubble_fraction, pipeline_lower_bound, pipeline_makespan,
+from slime_ext.schedule.pipeline_model import (PipelineSpec, bubble_fraction, pipeline_lower_bound, pipeline_makespan,
                                          pipeline_makespans, pipeline_timeline)
 
 
@@ -82,20 +82,23 @@ def test_two_stage_timeline_by_hand():
     assert pipeline_makespan([1, 2, 3], [2, 4, 6], PipelineSpec(2)) == 25
 
 
-def test_replicas_in_blocks_give_the_same_makespans(monkeypatch):
-    import slime_ext.schedule.pipeline as pipeline
+def test_replicas_in_blocks_give_the_same_makespans():
+    from slime_ext.schedule.pipeline_model import _cost_table, _spec_key, _table_makespans
+    from slime_ext.schedule.planner_config import PlannerConfig
     rng = np.random.default_rng(1)
     f = rng.random((37, 9))
     spec = PipelineSpec(3, 3, p2p_s=0.1, overlap_p2p_comm=True)
     whole = pipeline_makespan(f, 2 * f, spec)
-    monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 500)  # 162 computes: 3 replicas per block
-    np.testing.assert_array_equal(pipeline_makespan(f, 2 * f, spec), whole)
+    table, form = _cost_table(f, 2 * f, spec)
+    for config in (PlannerConfig(model_table_entries=500), PlannerConfig(model_pieces=1)):  # 162 computes: 3 per block
+        np.testing.assert_array_equal(_table_makespans([(table, form, 9)], spec, config)[0], whole)
 
 
-def test_groups_of_several_counts_in_one_pass_equal_separate_calls(monkeypatch):
+def test_groups_of_several_counts_in_one_pass_equal_separate_calls():
     # pipeline_makespans evaluates groups of different counts, replica counts and cost forms side by side: the
     # makespans must be exactly those of one call per group, also when the replicas go in blocks
-    import slime_ext.schedule.pipeline as pipeline
+    import slime_ext.schedule.pipeline_model as pipeline
+    from slime_ext.schedule.planner_config import PlannerConfig
     rng = np.random.default_rng(4)
     for spec, counts in ((PipelineSpec(4), (1, 3, 8, 20)), (PipelineSpec(2, 3, 3, p2p_s=0.05), (3, 6, 8)),
                          (PipelineSpec(4, 2, 5, overlap_p2p_comm=True), (5, 9, 15))):
@@ -108,10 +111,9 @@ def test_groups_of_several_counts_in_one_pass_equal_separate_calls(monkeypatch):
         alone = [pipeline_makespan(f, b, spec) for f, b in groups]
         for got, want in zip(pipeline_makespans(groups, spec), alone):
             np.testing.assert_array_equal(got, want)
-        monkeypatch.setattr(pipeline, "MAX_TABLE_ENTRIES", 300)
-        for got, want in zip(pipeline_makespans(groups, spec), alone):
+        tables = [(*pipeline._cost_table(f, b, spec), f.shape[-1]) for f, b in groups]
+        for got, want in zip(pipeline._table_makespans(tables, spec, PlannerConfig(model_table_entries=300)), alone):
             np.testing.assert_array_equal(got, want)
-        monkeypatch.undo()
     assert pipeline_makespans([], PipelineSpec(2)) == []
     with pytest.raises(ScheduleError, match="num_microbatches = 5 leaves a last group"):
         pipeline_makespans([(np.ones((1, 8)), np.ones((1, 8))), (np.ones((1, 5)), np.ones((1, 5)))],
@@ -226,7 +228,7 @@ def random_spec(rng, vpp_max=3):
 
 
 def test_vectorised_model_equals_the_event_simulation_on_random_cases():
-    from slime_ext.schedule.pipeline import stage_programs
+    from slime_ext.schedule.pipeline_model import stage_programs
     rng = np.random.default_rng(15)
     seen = set()
     for _ in range(300):
@@ -308,7 +310,7 @@ def test_order_of_operations_is_megatron_cores():
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from types import SimpleNamespace
 
-    from slime_ext.schedule.pipeline import stage_programs, warmup_microbatches
+    from slime_ext.schedule.pipeline_model import stage_programs, warmup_microbatches
 
     def megatron_warmup(pp, rank, m, vpp, group):
         comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda: rank),
@@ -511,7 +513,7 @@ def test_p2p_calls_are_megatron_cores(pp, vpp, group, m, overlap):
     """Our programs are megatron-core's: the same computes and the same p2p calls in the same order -- which
     transfers each call combines, whether it blocks, and which earlier transfer each wait is for -- recorded from
     megatron-core's own schedule functions."""
-    from slime_ext.schedule.pipeline import stage_programs
+    from slime_ext.schedule.pipeline_model import stage_programs
     theirs = megatron_programs(pp, vpp, group, m, overlap)
     ours = normalise(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), pp)
     for rank, (a, b) in enumerate(zip(ours, theirs)):
@@ -529,7 +531,7 @@ def random_stage_costs(rng, spec, m, per_virtual=False):
 
 
 def test_per_stage_costs_equal_the_event_simulation_on_random_cases():
-    from slime_ext.schedule.pipeline import stage_programs
+    from slime_ext.schedule.pipeline_model import stage_programs
     rng = np.random.default_rng(22)
     seen = set()
     for i in range(200):
@@ -570,8 +572,8 @@ def test_two_uneven_stages_by_hand():
     assert tl[0] == [("F", 0, 0, 0, 1), ("F", 1, 0, 1, 3), ("B", 0, 0, 8, 10), ("B", 1, 0, 15, 19)]
     assert tl[1] == [("F", 0, 0, 1, 4), ("B", 0, 0, 4, 8), ("F", 1, 0, 8, 11), ("B", 1, 0, 11, 15)]
     assert pipeline_makespan(f, b, PipelineSpec(2)) == pytest.approx([19.0])
-    # stage 0 works 9 and stage 1 14 of the 19: on average (23 / 2) / 19 busy
-    assert bubble_fraction(f, b, PipelineSpec(2)) == pytest.approx([1 - 11.5 / 19])
+    # stage 0 works 9 and stage 1 14 of the 19: the busiest stage idles 5 of them
+    assert bubble_fraction(f, b, PipelineSpec(2)) == pytest.approx([1 - 14 / 19])
     # (2) for stage 1: F_1 = min(1, 2) + its work 14 + B_1 = min(2, 4) = 17; the trip of mb 1: 2 + 3 + 4 + 4 = 13
     assert pipeline_lower_bound(f, b, PipelineSpec(2)) == pytest.approx([17.0])
 

@@ -12,8 +12,11 @@ import pytest
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, ScheduleError,
                                 check_schedule, plan_schedule)
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.pipeline_plan import (FLOPS_MICROBATCH_OVERHEAD, heuristic_orders, pipeline_pricing,
-                                              predicted_makespans)
+from slime_ext.schedule.pipeline_orders import heuristic_orders
+from slime_ext.schedule.pipeline_pricing import pipeline_pricing, predicted_makespans
+from slime_ext.schedule.planner_config import PlannerConfig
+
+FLOPS_MICROBATCH_OVERHEAD = PlannerConfig().microbatch_overhead
 
 DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
 PROFILE = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-5,
@@ -153,7 +156,7 @@ def test_order_is_chosen_by_the_model_not_heaviest_first():
     heaviest_first = np.sort(run)[::-1]
     assert not np.array_equal(run, heaviest_first)
     assert sched.stats[0].predicted_makespan < float(pricing.makespans(heaviest_first)[0]) * 0.99
-    assert sched.stats[0].strategy.endswith("+pp-order")
+    assert "+pp-order" in sched.stats[0].strategy  # the pp-unaware micro-batches, reordered (and refined)
     # and no heuristic or swap the planner tries beats the one it chose
     for cand in heuristic_orders(run[None, :]):
         assert float(pricing.makespans(run[cand])[0]) >= sched.stats[0].predicted_makespan * (1 - 1e-12)
@@ -189,7 +192,14 @@ def test_more_smaller_microbatches_when_filling_the_pipeline_pays():
     assert check_schedule(sched) == []
     assert sched.num_microbatches[0] > flat.num_microbatches[0]
     assert "count+" in sched.stats[0].strategy or "shape+" in sched.stats[0].strategy
-    assert (sched.num_microbatches[0] - flat.num_microbatches[0]) * 4 % parallel.align == 0
+    # under VPP the extra micro-batches come in whole groups: every rank's count stays a multiple of the group
+    vpp = ParallelConfig(dp_size=4, pp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=4)
+    grouped = plan_schedule(lengths.tolist(), vpp, batch, cost_model=CostModel(**DIMS))
+    assert check_schedule(grouped) == []
+    assert all(m % 4 == 0 for m in grouped.num_microbatches)
+    assert grouped.num_microbatches[0] > plan_schedule(
+        lengths.tolist(), ParallelConfig(dp_size=4, vpp_size=2, microbatch_group_size_per_vp_stage=4), batch,
+        cost_model=CostModel(**DIMS)).num_microbatches[0]
 
 
 def test_pricing_states_its_units_and_defaults():

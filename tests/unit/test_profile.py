@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, ScheduleError, plan_schedule
+from slime_ext.schedule import PlannerConfig, BatchConfig, CostModel, ParallelConfig, ScheduleError, plan_schedule
 from slime_ext.schedule.invariants import assert_valid_schedule
 from slime_ext.schedule.profile import TERM_NAMES, CostProfile, Observation, design_row, fit_profile
 
@@ -181,8 +181,7 @@ def _predicted_step(schedule, profile: CostProfile) -> float:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_planner_with_profile_is_valid_and_extra_micro_batches_never_cost_time(seed, monkeypatch):
-    import slime_ext.schedule.planner as planner
+def test_planner_with_profile_is_valid_and_extra_micro_batches_never_cost_time(seed):
 
     lengths = heavy_lengths(256, seed)
     parallel = ParallelConfig(dp_size=8)
@@ -194,9 +193,7 @@ def test_planner_with_profile_is_valid_and_extra_micro_batches_never_cost_time(s
         sched = plan_schedule(lengths, parallel, batch, cost_model=prof)
         assert_valid_schedule(sched)
         with_extra = _predicted_step(sched, prof)
-        monkeypatch.setattr(planner, "MAX_EXTRA_ROUNDS", 0)
-        without = plan_schedule(lengths, parallel, batch, cost_model=prof)
-        monkeypatch.undo()
+        without = plan_schedule(lengths, parallel, batch, cost_model=prof, config=PlannerConfig(max_extra_rounds=0))
         assert with_extra <= _predicted_step(without, prof) * (1 + 1e-12)
         if sum(sched.num_microbatches) > sum(without.num_microbatches):
             assert with_extra < _predicted_step(without, prof)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from slime_ext.schedule import CostModel, CostProfile, ParallelConfig, ScheduleError
-from slime_ext.schedule.pipeline import PipelineSpec, pipeline_makespan
+from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_layout import parse_layout, split_layers
 from slime_ext.schedule.stages import StageCosts
 

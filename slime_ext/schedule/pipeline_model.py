@@ -57,6 +57,7 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import ScheduleError
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, show
 
 __all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_makespans",
@@ -486,10 +487,6 @@ def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
-#: computes x replicas evaluated at once (8M floats, 64 MB); more replicas go in blocks
-MAX_TABLE_ENTRIES = 1 << 23
-
-
 def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
     """``(f, b, one)``: the costs as float arrays ``(R, M)`` (every stage alike) or ``(R, S, M)`` (per stage), and
     whether the input was one replica's ``(M,)``. The stage count ``S`` is checked against a spec by
@@ -673,7 +670,7 @@ def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
     of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' DAGs side by side, their
-    replicas cut into pieces of one width, :data:`MAX_PIECES`), so many small groups cost about what the largest
+    replicas cut into pieces of one width, ``PlannerConfig.model_pieces``), so many small groups cost about what the largest
     alone does; the makespans are exactly those of separate calls."""
     _check_spec(spec)
     return _makespans([_as_costs(fwd, bwd)[:2] for fwd, bwd in costs], spec)
@@ -688,24 +685,23 @@ def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) 
     return _table_makespans(tables, spec)
 
 
-#: groups of replicas evaluated together are cut into pieces of equal width (the narrowest group's, or the widest's
-#: over this many), so that a narrow group is not padded to a wide one's replicas
-MAX_PIECES = 4
-
-
-def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: PipelineSpec) -> list[np.ndarray]:
+def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: PipelineSpec,
+                     config: PlannerConfig = DEFAULT_CONFIG) -> list[np.ndarray]:
     """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_table_rows`' layouts;
-    :func:`_cost_table` writes them from costs, the planner's pricing directly)."""
+    :func:`_cost_table` writes them from costs, the planner's pricing directly). Groups evaluated together are cut
+    into pieces of one width (the narrowest group's, or the widest's over ``config.model_pieces``), so that a
+    narrow group is not padded to a wide one's replicas; a pass evaluates at most ``config.model_table_entries``
+    computes x replicas (memory). Neither changes a makespan."""
     if not tables:
         return []
     widths = [t.shape[1] for t, _, _ in tables]
-    width = max(1, min(widths), -(-max(widths) // MAX_PIECES))
+    width = max(1, min(widths), -(-max(widths) // config.model_pieces))
     pieces = []  # (group, first replica, its table's columns): every piece at most `width` replicas
     for d, (t, form, m) in enumerate(tables):
         for lo in range(0, max(widths[d], 1), width):
             pieces.append((d, lo, t[:, lo:lo + width], _spec_key(spec, m, form)))
     sweep = _sweep(tuple(key for *_, key in pieces))
-    block = max(1, MAX_TABLE_ENTRIES // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
+    block = max(1, config.model_table_entries // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
     out = [np.empty(w) for w in widths]
     for lo in range(0, width, block):
         hi = min(width, lo + block)
@@ -779,13 +775,17 @@ def _stage_work(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> np.ndarray:
     return (fv + bv).sum(axis=2).reshape(r, virtual // spec.pp_size, spec.pp_size).sum(axis=1)
 
 
-def bubble_fraction(fwd, bwd, spec: PipelineSpec):
-    """``1 - (a stage's mean work) / makespan``: the share of the step the stages idle, on average (with every
-    stage alike each does ``sum(fwd) + sum(bwd)``). Shapes as :func:`pipeline_makespan`."""
+def bubble_fraction(fwd, bwd, spec: PipelineSpec, makespan=None):
+    """``1 - (the busiest pipeline rank's work) / makespan``: the share of the step the busiest rank idles (with
+    every stage alike each rank does ``sum(fwd) + sum(bwd)``; a rank's work is all of its model chunks'). The one
+    bubble definition: the planner's ``StepStats.bubble_fraction`` is this, for the slowest replica (at least 0).
+    Shapes as
+    :func:`pipeline_makespan`; ``makespan``: the replicas' makespans where the caller has them."""
     f, b, one = _as_costs(fwd, bwd)
-    span = np.atleast_1d(pipeline_makespan(f, b, spec))
-    work = _stage_work(f, b, spec).mean(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
-    out = np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0)
+    span = np.atleast_1d(pipeline_makespan(f, b, spec) if makespan is None else np.asarray(makespan, dtype=float))
+    work = _stage_work(f, b, spec).max(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
+    # a rank that never idles makes it 0, which rounding can turn into -2e-16: clamped at 0
+    out = np.maximum(np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0), 0.0)
     return float(out[0]) if one else out
 
 

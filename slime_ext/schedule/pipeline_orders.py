@@ -1,0 +1,118 @@
+"""The run order of a replica's micro-batches under the pipeline model (free: the gradient is a sum, so any order
+trains the same).
+
+* :func:`heuristic_orders`: four orders per row: heaviest first (the pp-unaware order), ascending, cheapest at both
+  ends with the largest in the middle, the cheapest two at the ends with the rest descending;
+* :func:`heuristic_best`: the best of them per row by the model (ties: the earlier, so heaviest first wins a tie);
+* :func:`improve_orders`: pair swaps while they lower a row's makespan;
+* :func:`best_orders`: the two together. Public: integrations that order a rank's micro-batches themselves call it.
+
+Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .pipeline_pricing import Budget, PipelinePricing
+
+__all__ = ["best_orders", "heuristic_best", "heuristic_orders", "improve_orders"]
+
+
+def heuristic_orders(costs: np.ndarray) -> np.ndarray:
+    """``(H, R, K)`` candidate orders (indices into each row of ``costs``), heaviest first being the first."""
+    r, k = costs.shape
+    asc = np.argsort(costs, axis=1, kind="stable")
+    desc = np.argsort(-costs, axis=1, kind="stable")
+    # cheapest at both ends, largest in the middle: the i-th cheapest goes alternately to the front and the back
+    i = np.arange(k)
+    pos = np.where(i % 2 == 0, i // 2, k - 1 - i // 2)
+    valley = np.empty_like(asc)
+    valley[:, pos] = asc
+    # the cheapest first and the second cheapest last, the rest heaviest first
+    ends = desc
+    if k >= 3:
+        ends = np.concatenate([asc[:, :1], asc[:, :1:-1], asc[:, 1:2]], axis=1)
+    return np.stack([desc, asc, valley, ends])
+
+
+def _take(costs: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    return np.take_along_axis(costs, orders, axis=-1)
+
+
+def _price(pricing: PipelinePricing, budget: Budget | None, rows: np.ndarray) -> np.ndarray:
+    return pricing.makespans(rows) if budget is None else budget.price(rows)
+
+
+@lru_cache(maxsize=256)
+def swap_pairs(k: int, most: int) -> np.ndarray:
+    """``(P, 2)`` the position pairs an order improvement tries, in lexicographic order: every pair while there are
+    at most ``most``, else adjacent pairs and every position with the first and last two (read-only, made once)."""
+    i, j = np.triu_indices(k, 1)
+    if len(i) > most:
+        ends = np.zeros(k, dtype=bool)
+        ends[[0, 1, k - 2, k - 1]] = True
+        keep = (j == i + 1) | ends[i] | ends[j]
+        i, j = i[keep], j[keep]
+    out = np.stack((i, j), axis=1).astype(np.int64).reshape(-1, 2)
+    out.flags.writeable = False
+    return out
+
+
+def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
+                   budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` and its makespan (ties: the earlier, so
+    heaviest first wins a tie)."""
+    r, k = costs.shape
+    orders = heuristic_orders(costs)
+    h = len(orders)
+    spans = _price(pricing, budget, _take(np.broadcast_to(costs, (h, r, k)), orders).reshape(h * r, k)).reshape(h, r)
+    pick = spans.argmin(axis=0)
+    return orders[pick, np.arange(r)], spans[pick, np.arange(r)]
+
+
+def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray, span: np.ndarray,
+                   budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Swap pairs of positions (:func:`swap_pairs`) in the given rows' orders while that lowers their makespans by
+    more than ``config.tie`` (every pair of a row at once, each row taking its best swap), for at most
+    ``config.order_rounds`` rounds, and while the budget allows a round."""
+    cfg = pricing.config
+    order, span = order.copy(), span.copy()
+    r, k = costs.shape
+    pairs = swap_pairs(k, cfg.max_order_swaps)
+    p = len(pairs)
+    if not p or not r:
+        return order, span
+    a, b = pairs[:, 0], pairs[:, 1]
+    cols = np.arange(p)
+    for _ in range(cfg.order_rounds):
+        if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.charge_round_cost):
+            break
+        if budget is not None:
+            budget.charge_round()
+        cand = np.repeat(order[:, None, :], p, axis=1)  # (R, P, K)
+        cand[:, cols, a], cand[:, cols, b] = order[:, b], order[:, a]
+        c = np.take_along_axis(np.broadcast_to(costs[:, None, :], cand.shape), cand, axis=2)
+        useful = c[:, cols, a] != c[:, cols, b]  # swapping equal costs changes nothing
+        if not useful.any():
+            break
+        got = np.full((r, p), np.inf)
+        got[useful] = _price(pricing, budget, c[useful])
+        best = got.argmin(axis=1)
+        rows = np.flatnonzero(got[np.arange(r), best] < span * (1 - cfg.tie))
+        if not len(rows):
+            break
+        order[rows] = cand[rows, best[rows]]
+        span[rows] = got[rows, best[rows]]
+    return order, span
+
+
+def best_orders(pricing: PipelinePricing, costs: np.ndarray,
+                budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan: the best of
+    :func:`heuristic_orders`, improved by :func:`improve_orders`. Public: an integration that orders a rank's
+    micro-batches itself calls it (``slime_ext.schedule.best_orders``)."""
+    order, span = heuristic_best(pricing, costs, budget)
+    return improve_orders(pricing, costs, order, span, budget)

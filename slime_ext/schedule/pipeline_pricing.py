@@ -1,0 +1,274 @@
+"""The pipeline objective's prices: how the planner's micro-batch costs become per-stage forward and backward times
+for the pipeline model (:mod:`.pipeline_model`), and the predicted makespans of a schedule as planned.
+
+A micro-batch's cost ``c`` is the planner's own (:func:`slime_ext.schedule.cost.bin_costs`): forward FLOPs from the
+``CostModel`` (tokens without one), or seconds of forward + backward from a ``CostProfile`` (which prices the
+micro-batch whole, its overhead included). Per stage, where every stage costs alike:
+
+* profile: forward ``c / ((1 + r) pp)``, backward ``r`` times that, ``r = backward_forward_ratio``, p2p ``p2p_s``;
+  makespans in **seconds**;
+* FLOPs or tokens: forward ``(c + o) / pp``, backward ``PlannerConfig.backward_forward_ratio`` (2) times that,
+  p2p ``0``, where ``o`` charges every micro-batch ``PlannerConfig.microbatch_overhead`` (2%) of a full one
+  (``cap`` tokens at the linear rate), so that more, smaller micro-batches are not free; makespans in **per-stage
+  forward-FLOP units** (tokens without a model): a GPU's achieved FLOP/s turns them into seconds.
+
+Where the stages are uneven (:class:`~slime_ext.schedule.stages.StageCosts`: the embedding, the LM head, Megatron's
+layout flags) each virtual stage takes its share of ``pp`` times that forward (:attr:`PipelinePricing.stage_share`).
+
+**For integrations** (a host that plans inside its own engine, e.g. verl): :func:`pipeline_pricing` gives the
+objective of a layout, :meth:`PipelinePricing.makespans` prices micro-batch costs in run order,
+:func:`slime_ext.schedule.cost.microbatch_costs` prices micro-batches given as sample lists, and
+:func:`slime_ext.schedule.pipeline_orders.best_orders` finds the order the model predicts fastest. Pure: standard
+library and numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .config import LAYOUT_FLAGS, ParallelConfig
+from .cost import CostModel, bin_costs, sample_costs
+from .errors import ScheduleError
+from .pipeline_model import PipelineSpec, _table_makespans, bubble_fraction
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .profile import CostProfile
+from .stages import StageCosts
+
+if TYPE_CHECKING:
+    from .dp_schedule import DPSchedule
+
+__all__ = ["PipelinePricing", "pipeline_pricing", "predicted_makespans", "step_microbatch_costs"]
+
+
+@dataclass(frozen=True)
+class PipelinePricing:
+    """How the planner's micro-batch costs become per-stage forward/backward times for the pipeline model.
+
+    Every stage alike (``stage_share is None``): stage forward = ``(cost + overhead) * scale``. Uneven stages:
+    virtual stage ``k``'s forward = ``(cost + overhead) * scale * pp * stage_share[k]``, one row per virtual stage
+    (``pp * vpp`` shares summing to 1; an even split gives back the first form)."""
+
+    spec: PipelineSpec
+    backward_forward_ratio: float
+    scale: float  # per-stage forward = (cost + overhead) * scale, every stage alike
+    overhead: float  # added to every micro-batch's cost (FLOPs plans)
+    units: str  # "seconds", "forward FLOPs per stage" or "tokens per stage"
+    #: per virtual stage ``chunk * pp + rank``: its share of a micro-batch's cost; ``None`` when the stages are even
+    stage_share: tuple[float, ...] | None = None
+    #: the planner's tunables (the model's evaluation settings; the search reads the rest)
+    config: PlannerConfig = field(default=DEFAULT_CONFIG, compare=False, repr=False)
+
+    def stage_costs(self, mb_costs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward per stage: ``(..., M)`` every stage alike, or ``(..., pp * vpp, M)`` uneven."""
+        f = (np.asarray(mb_costs, dtype=np.float64) + self.overhead) * self.scale
+        if self.stage_share is not None:
+            f = f[..., None, :] * (np.asarray(self.stage_share) * self.spec.pp_size)[:, None]
+        return f, self.backward_forward_ratio * f
+
+    @property
+    def slope(self) -> float:
+        """How much a replica's makespan grows per unit of cost it gains, at a fixed count and order: the busiest
+        pipeline rank's forward and backward of it."""
+        busiest = 1.0 if self.stage_share is None else \
+            float(np.asarray(self.stage_share).reshape(-1, self.spec.pp_size).sum(axis=0).max() * self.spec.pp_size)
+        return (1.0 + self.backward_forward_ratio) * self.scale * busiest
+
+    def makespans(self, mb_costs: np.ndarray) -> np.ndarray:
+        """``(R, M)`` micro-batch costs in run order -> ``(R,)`` predicted makespans."""
+        return self.makespans_many([mb_costs])[0]
+
+    def makespans_many(self, mb_costs: list[np.ndarray]) -> list[np.ndarray]:
+        """Several groups of ``(R_i, M_i)`` micro-batch costs (each its own count) -> their ``(R_i,)`` makespans, in
+        one pass of the model (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespans`; the per-stage costs
+        are written straight into the model's cost tables, the same numbers :meth:`stage_costs` gives)."""
+        v = self.spec.chunks
+        tables = []
+        for c in mb_costs:
+            c = np.atleast_2d(np.asarray(c, dtype=np.float64))
+            f = ((c + self.overhead) * self.scale).T  # (M, R)
+            m = f.shape[0]
+            if self.stage_share is None:  # every stage alike: forwards then backwards, a chunk's share each
+                table = np.empty((2 * m, f.shape[1]))
+                table[:m] = f / v
+                table[m:] = (self.backward_forward_ratio * f) / v
+                tables.append((table, "even", m))
+                continue
+            share, kinds = self._share_kinds  # stages of equal share read one block of rows
+            rows = len(share) * m  # (kind of stage, micro-batch) x replicas: forwards, then backwards
+            table = np.empty((2 * rows, f.shape[1]))
+            np.multiply(f[None, :, :], share[:, None, None], out=table[:rows].reshape(len(share), m, -1))
+            np.multiply(self.backward_forward_ratio, table[:rows], out=table[rows:])
+            tables.append((table, ("alike", kinds), m))
+        return _table_makespans(tables, self.spec, self.config)
+
+    @cached_property
+    def _share_kinds(self) -> tuple[np.ndarray, tuple[int, ...]]:
+        """The distinct per-virtual-stage forward shares (``stage_share * pp``) and each stage's index among them."""
+        share, kinds = np.unique(np.asarray(self.stage_share) * self.spec.pp_size, return_inverse=True)
+        return share, tuple(int(x) for x in kinds)
+
+    def bubble(self, mb_costs: np.ndarray, span: float | None = None) -> float:
+        """One replica's :func:`~slime_ext.schedule.pipeline_model.bubble_fraction` (``span``: its makespan, when
+        known)."""
+        f, b = self.stage_costs(np.atleast_2d(mb_costs))
+        return float(bubble_fraction(f, b, self.spec, None if span is None else [span])[0])
+
+
+def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None, cap: int | None,
+                     config: PlannerConfig | None = None) -> PipelinePricing | None:
+    """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
+    (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
+
+    The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
+    layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
+    model's, for a micro-batch of ``T = cap`` tokens in samples of ``config.stage_share_sample * cap`` tokens
+    (``S = sum L^2``; without a cap, ``config.stage_share_tokens``). Model dims whose layers Megatron could not
+    split over this layout without the layout flags (approximate dims) are priced with every stage alike."""
+    config = DEFAULT_CONFIG if config is None else config
+    parallel.require_dp_size()
+    pp = parallel.pp_size
+    if pp == 1:
+        return None
+    vpp = parallel.vpp_size
+    group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
+    try:
+        stages = StageCosts.from_model(cost_model, parallel)
+    except ScheduleError:
+        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
+            raise  # the user placed layers: a split Megatron refuses is an error
+        stages = None  # dims that do not split evenly at this layout (approximate dims): every stage alike
+    share = None
+    if stages is not None and stages.uneven:
+        tokens = float(cap if cap is not None else config.stage_share_tokens)
+        per = np.asarray(stages.virtual_linear) * tokens \
+            + np.asarray(stages.virtual_quadratic) * tokens * tokens * config.stage_share_sample
+        share = tuple(float(x) for x in per / per.sum())
+    if isinstance(cost_model, CostProfile):
+        ratio = cost_model.backward_forward_ratio
+        spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm)
+        return PipelinePricing(spec, ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds", share, config)
+    linear = cost_model.coefficients()[0] if cost_model is not None else 1.0
+    overhead = config.microbatch_overhead * linear * cap if cap is not None else 0.0
+    spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm)
+    units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
+    return PipelinePricing(spec, config.backward_forward_ratio, 1.0 / pp, overhead, units, share, config)
+
+
+def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
+    """``(dp, M)``: each rank's micro-batch costs in ``step``, in the order the rank runs them, priced as the
+    planner prices them (:func:`~slime_ext.schedule.cost.bin_costs`)."""
+    lengths = np.asarray(schedule.total_lengths, dtype=np.int64)
+    profile = schedule.cost_model if isinstance(schedule.cost_model, CostProfile) else None
+    costs = sample_costs(lengths, schedule.cost_model)
+    start = sum(schedule.num_microbatches[:step])
+    m = schedule.num_microbatches[step]
+    members, labels = [], []
+    for r in range(schedule.dp_size):
+        part = schedule.partitions[r]
+        for k, mb in enumerate(schedule.micro_batch_indices[r][start:start + m]):
+            members += [part[i] for i in mb]
+            labels += [r * m + k] * len(mb)
+    members_a = np.asarray(members, dtype=np.int64)
+    return bin_costs(lengths[members_a], costs[members_a], np.asarray(labels, dtype=np.int64),
+                     schedule.dp_size * m, profile).reshape(schedule.dp_size, m)
+
+
+def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePricing | None = None) -> np.ndarray:
+    """``(dp,)`` each replica's predicted makespan of ``step`` as planned (``pricing``: the schedule's own by
+    default; pass another to price the same plan for another layout, e.g. a pp-unaware plan for the real one)."""
+    if pricing is None:
+        pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
+        if pricing is None:
+            raise ScheduleError("the schedule has pp_size = 1: pass the pricing of a pipelined layout "
+                                "(pipeline_pricing(ParallelConfig(..., pp_size=N), cost_model, cap))")
+    return pricing.makespans(step_microbatch_costs(schedule, step))
+
+
+class Budget:
+    """The work one step's pipeline search may spend, in estimated microseconds of this module's reference machine
+    (the 2-core machine of the benches), counted from what the search calls, never measured: the same input always
+    gets the same search.
+
+    * a call of the model on ``R`` rows of ``M`` micro-batches: ``work_level_us`` per level of the schedule's DAG
+      (about ``2 (M vpp + pp)`` levels) plus ``work_cell_us`` per row x micro-batch x virtual stage;
+    * a packing call (:func:`~slime_ext.schedule.pipeline_shape.shape_pack`) of ``R`` rows of at most ``n``
+      samples into ``k`` micro-batches: ``n`` passes of ``work_pass_us`` plus ``work_cell_us`` per row x
+      micro-batch, and ``work_round_us`` for the work around it;
+    * a round of the refinement: its model call and ``work_round_us``.
+
+    A step's budget is ``budget_floor_us / sqrt(dp) + budget_per_sample_us * samples`` (:meth:`for_step`): it grows
+    smoothly with the step, and no threshold switches a part of the search on or off; the search's parts size
+    themselves to what is left (:meth:`left`) and its loops stop when the next round does not fit
+    (:meth:`allows`)."""
+
+    def __init__(self, pricing: PipelinePricing, total_us: float) -> None:
+        self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
+        c = pricing.config
+        self._level, self._cell, self._pass, self._round = c.work_level_us, c.work_cell_us, c.work_pass_us, \
+            c.work_round_us
+        self._replica, self._sample = c.work_replica_us, c.work_sample_us
+        self._v = pricing.spec.pp_size * pricing.spec.chunks
+
+    @classmethod
+    def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
+        """``budget_floor_us / sqrt(replicas) + budget_per_sample_us * samples``: the search over every replica
+        (packing, rebalancing) grows with the samples; the search around the slowest replicas (the scan, the
+        recount, the refinement) has a fixed part that shrinks as more replicas share the step."""
+        c = pricing.config
+        return cls(pricing, c.budget_floor_us / float(replicas) ** 0.5 + c.budget_per_sample_us * samples)
+
+    def left(self) -> float:
+        return self.total - self.spent
+
+    def model_cost(self, rows: int, m: int) -> float:
+        spec = self.pricing.spec
+        return self._level * 2 * (m * spec.chunks + spec.pp_size) + self._cell * rows * m * self._v
+
+    def pack_cost(self, rows: int, n: int, k: int) -> float:
+        return n * (self._pass + self._cell * rows * k)
+
+    def allows(self, cost: float) -> bool:
+        """Whether work of this estimated cost still fits."""
+        return self.spent + cost <= self.total
+
+    def price(self, mb_costs: np.ndarray) -> np.ndarray:
+        """:meth:`PipelinePricing.makespans`, charged."""
+        mb_costs = np.atleast_2d(mb_costs)
+        self.spent += self.model_cost(*mb_costs.shape)
+        return self.pricing.makespans(mb_costs)
+
+    def price_many(self, groups: list[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`PipelinePricing.makespans_many`, charged (one call: the levels of its largest count)."""
+        groups = [np.atleast_2d(g) for g in groups]
+        if groups:
+            m = max(g.shape[1] for g in groups)
+            self.spent += self.model_cost(0, m) + self._cell * self._v * sum(g.size for g in groups)
+        return self.pricing.makespans_many(groups)
+
+    def charge_pack(self, rows: int, n: int, k: int) -> None:
+        self.spent += self.pack_cost(rows, n, k) + self._round
+
+    def refine_round_cost(self, draws: int, k: int) -> float:
+        """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
+        overhead."""
+        return self.model_cost(draws + draws // 2, k) + self._round
+
+    def sample_cost(self, samples: int) -> float:
+        """Stages 2-4 of the planner over ``samples`` (a re-packed count)."""
+        return self._sample * samples
+
+    def replica_cost(self, replicas: int) -> float:
+        """The per-replica work of a round of moving samples between replicas (water-filling)."""
+        return self._replica * replicas
+
+    @property
+    def charge_round_cost(self) -> float:
+        return self._round
+
+    def charge_round(self) -> None:
+        """The overhead of one round of a loop of the search (the model calls are charged by :meth:`price`)."""
+        self.spent += self._round

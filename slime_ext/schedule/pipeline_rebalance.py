@@ -1,0 +1,275 @@
+"""Samples moved between a step's replicas after shaping, so that the slowest replica gets faster (dynamic batches).
+
+The shaped candidate (:mod:`.pipeline_choice`) packs every replica's samples in a shape; these runs then move
+samples off the slowest replicas and re-pack the replicas they change, each in its own shape:
+
+* :func:`water_fill_run`: a few global rounds for many replicas: every replica above the level at which the
+  replicas' costs would balance hands its cheapest samples to those furthest below;
+* :func:`rebalance_run`: single moves off the slowest replica to the fastest ones;
+* :func:`dominant`: the one rule for a replica whose costliest sample is most of its work: it keeps that sample
+  with only the step's cheapest ones (its long trip through the pipeline is paid for with less else).
+
+The runs are generators that ask for re-packings (:data:`Repack`); :func:`lockstep` answers the runs of several
+counts side by side, one packing call and one pass of the model per round. Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+import numpy as np
+
+from .pipeline_pricing import Budget
+from .pipeline_shape import Shape, ShapeSamples, pack_core
+from .planner_config import PlannerConfig
+
+__all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_fill_run"]
+
+
+def dominant(top: float, total: float, cfg: PlannerConfig) -> bool:
+    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.strip_share`` of the replica's cost
+    (``total``): the replica may keep it with only the step's cheapest samples."""
+    return bool(top >= cfg.strip_share * total)
+
+
+#: a replica's packing: its sample ids by decreasing cost (ties by id) and the micro-batch of each, in run order
+Packed = tuple[np.ndarray, np.ndarray]
+#: what a rebalancing run asks for: rows of sample ids to pack, their count, each row's shape; it is answered
+#: with their makespans and packings (:func:`lockstep`)
+Repack = tuple[list[np.ndarray], int, list[Shape]]
+
+
+def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
+    """Drive rebalancing runs (generators that yield :data:`Repack` requests and return their result) side by
+    side: every round, all their requests in one packing call and one pass of the model. Each run gets exactly
+    what it would alone (rows pack and price independently of each other); returns their results."""
+    results: list = [None] * len(runs)
+    asks: dict[int, Repack] = {}
+
+    def advance(i: int, answer) -> None:
+        try:
+            asks[i] = runs[i].send(answer)
+        except StopIteration as stop:
+            results[i] = stop.value
+
+    for i in range(len(runs)):
+        advance(i, None)
+    while asks:
+        order = sorted(asks)
+        batch = [asks.pop(i) for i in order]
+        rows = [row for ask in batch for row in ask[0]]
+        members = samples.pad(rows)
+        counts = [ask[1] for ask in batch for _ in ask[0]]
+        shapes = [shape for ask in batch for shape in ask[2]]
+        w = np.full((len(rows), max(counts)), -1.0)
+        index: dict[tuple[int, Shape], list[int]] = {}
+        for i, (k, shape) in enumerate(zip(counts, shapes)):
+            index.setdefault((k, shape), []).append(i)
+        for (k, shape), idx in index.items():
+            w[idx, :k] = shape.weights(k, samples.step)
+        spans, bin_of = pack_core(budget, samples, members, w,
+                                  [(k, shape, np.asarray(idx)) for (k, shape), idx in index.items()])
+        sizes = [len(row) for row in rows]  # a row's samples come first, then its padding
+        start = 0
+        for i, ask in zip(order, batch):
+            part = range(start, start + len(ask[0]))
+            start += len(ask[0])
+            advance(i, (spans[part.start:part.stop], [(members[j, :sizes[j]], bin_of[j, :sizes[j]]) for j in part]))
+    return results
+
+
+def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> bool:
+    """Whether re-packing and pricing ``rows`` fits the budget with ``reserve`` left over."""
+    n = max(len(r) for r in rows)
+    return budget.allows(budget.pack_cost(len(rows), n, k) + budget.model_cost(len(rows), k) + reserve)
+
+
+def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
+    """Level the replicas' makespans in a few global rounds (``config.water_rounds``), for many replicas at once.
+
+    A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
+    its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
+    ``T`` at which the replicas' costs would sum to the step's, and every replica above it hands its cheapest
+    samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
+    whose costliest sample is dominant (:func:`dominant`) and whose level lies below what it would
+    keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
+    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. Its rounds are
+    charged to the budget but always run (``reserve`` is unused: the signature of every run).
+
+    A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
+    each replica's packing as far as it was re-packed (the others as given)."""
+    cfg = budget.pricing.config
+    costs, lengths = samples.costs, samples.lengths
+    slope = budget.pricing.slope
+    groups, packs = list(groups), list(packs)
+    for _ in range(cfg.water_rounds):  # its rounds always run (charged): many replicas need the leveling
+        budget.spent += budget.replica_cost(len(groups))
+        # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
+        sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+        every = np.concatenate(groups).astype(np.int64, copy=False)
+        whose = np.repeat(np.arange(len(groups)), sizes)
+        work = np.bincount(whose, weights=costs[every], minlength=len(groups))
+        held = np.bincount(whose, weights=lengths[every], minlength=len(groups))
+        by_cost_all = every[np.lexsort((every, costs[every], whose))]
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        own = spans - slope * work
+        level = (slope * work.sum() + own.sum()) / len(groups)
+        excess = work - (level - own) / slope
+        deficit = [(float(e), t) for t, e in enumerate(excess) if e < 0]
+        if not deficit:
+            break
+        heapq.heapify(deficit)  # most negative first: the replica furthest below the level
+        add: dict[int, list[int]] = {}  # replica -> samples it takes
+        drop: dict[int, list[int]] = {}  # replica -> samples it gives
+        # the cheapest samples of the replicas below the level, for a replica stripped down to a dominant sample
+        below = [t for _, t in deficit]
+        pool = np.concatenate([groups[t] for t in below])
+        owner = np.repeat(below, [len(groups[t]) for t in below])
+        by_cost: list[np.ndarray] = []  # the pool cheapest first, sorted when a replica is first stripped
+        taken = 0
+
+        spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
+        tokens = {t: int(held[t]) for t in below}
+        room = cfg.token_fill * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
+
+        def give(d: int, i: int) -> bool:
+            length = int(lengths[i])
+            t = None
+            while deficit:
+                need, u = heapq.heappop(deficit)
+                if tokens[u] + length <= room:
+                    t = u
+                    if need + costs[i] < 0:
+                        heapq.heappush(deficit, (need + float(costs[i]), u))
+                    break
+            if t is None:
+                for u in itertools.islice(spill, len(below)):
+                    if tokens[u] + length <= room:
+                        t = u
+                        break
+                else:
+                    return False  # no replica below the level has room: the sample stays
+            tokens[t] += length
+            add.setdefault(t, []).append(int(i))
+            drop.setdefault(d, []).append(int(i))
+            return True
+
+        for d in np.argsort(-excess, kind="stable"):
+            d = int(d)
+            if excess[d] <= 0 or spans[d] <= level * (1 + cfg.min_gain) or not below:
+                break
+            mine = by_cost_all[starts[d]:starts[d + 1]]
+            top = float(costs[mine[-1]])
+            if dominant(top, work[d], cfg) and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
+                    and taken + k - 1 <= len(pool):
+                # a dominant sample: keep it with the k - 1 cheapest samples of the step's light replicas, give
+                # every other sample away
+                for i in mine[:-1]:
+                    give(d, i)
+                if not by_cost:
+                    by_cost.append(np.argsort(costs[pool], kind="stable"))
+                for j in by_cost[0][taken:taken + k - 1]:
+                    add.setdefault(d, []).append(int(pool[j]))
+                    drop.setdefault(int(owner[j]), []).append(int(pool[j]))
+                taken += k - 1
+                continue
+            left = float(excess[d])
+            for i in mine[k - 1:-1] if deficit else ():  # the k - 1 cheapest and the costliest stay
+                if costs[i] > left or not deficit:
+                    break
+                if give(d, i):
+                    left -= float(costs[i])
+        if not drop:
+            break
+        changed = sorted(set(add) | set(drop))
+        # each changed replica: the samples it keeps by id (a sample is given by its own replica only), then those
+        # it takes in the order taken
+        gone = np.zeros(len(costs), dtype=bool)
+        gone[np.concatenate([np.asarray(ids, dtype=np.int64) for ids in drop.values()])] = True
+        ids = np.concatenate([groups[t] for t in changed])
+        whose = np.repeat(np.arange(len(changed)), [len(groups[t]) for t in changed])
+        stay = ~gone[ids]
+        ids, whose = ids[stay], whose[stay]
+        ids = ids[np.lexsort((ids, whose))]
+        ends = np.cumsum(np.bincount(whose, minlength=len(changed))).tolist()
+        kept = [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        rows = [np.concatenate((mine, np.asarray(add.get(t, []), dtype=np.int64))) for mine, t in zip(kept, changed)]
+        got, packed = yield rows, k, [shapes[t] for t in changed]
+        trial = spans.copy()
+        trial[changed] = got
+        if not trial.max() < spans.max() * (1 - cfg.tie):
+            break
+        for t, row, pack in zip(changed, rows, packed):
+            groups[t], packs[t] = row, pack
+        spans = trial
+    return groups, spans, packs
+
+
+def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
+                  shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
+    """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
+    makespan: a share (``config.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
+    costliest, cheapest first, dealt over the ``config.balance_partners`` fastest, each replica re-packed in its
+    own shape; at most ``config.max_shed_moves`` moves, while a move gains ``config.min_gain``. A replica holding a
+    sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
+    replica keeps at least ``k`` samples.
+
+    A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, shapes, spans, packs)``; it
+    stops early where the budget cannot pay for a re-packing and leave ``reserve``."""
+    cfg = budget.pricing.config
+    groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
+    costs = samples.costs
+    many = len(groups) > cfg.water_fill_replicas
+    if many:
+        groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs, reserve)
+    for _ in range(cfg.shed_moves_after_water if many else cfg.max_shed_moves):
+        s = int(np.argmax(spans))
+        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.balance_partners]
+        mine = samples.cheapest_first(groups[s])  # cheapest first
+        # the k - 1 cheapest stay (they fill the ramps cheaply), and so does the costliest; the next cheapest move
+        keep, movable = mine[:k - 1], mine[k - 1:-1]
+        if not partners or not len(movable):
+            break
+        cum = np.cumsum(costs[movable])
+        moves = sorted(set(np.clip(np.searchsorted(cum, np.asarray(cfg.shed_shares) * cum[-1], side="right"), 1,
+                                   len(movable)).tolist()))
+        cands = []
+        for m in moves:
+            stay = np.concatenate((keep, movable[m:], mine[-1:]))
+            cands.append({s: stay, **{t: np.concatenate((groups[t], movable[:m][i::len(partners)]))
+                                      for i, t in enumerate(partners)}})
+        if dominant(float(costs[mine[-1]]), samples.group_cost(groups[s]), cfg):
+            # a dominant sample: keep it alone with the k - 1 cheapest samples of the partners, give them the rest
+            theirs = np.concatenate([groups[t] for t in partners])
+            tiny = theirs[np.lexsort((theirs, costs[theirs]))[:k - 1]]
+            rest = mine[:-1]
+            cands.append({s: np.concatenate((tiny, mine[-1:])),
+                          **{t: np.concatenate((np.setdiff1d(groups[t], tiny), rest[i::len(partners)]))
+                             for i, t in enumerate(partners)}})
+        rows, owners = [], []
+        for c, change in enumerate(cands):
+            for t, row in change.items():
+                if len(row) < k:
+                    break
+            else:
+                for t, row in change.items():
+                    rows.append(row)
+                    owners.append((c, t))
+        if not rows:
+            break
+        moves = cands
+        if not _fits(budget, rows, k, reserve):
+            break
+        got, packed = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
+        worst = np.full(len(moves), -np.inf)
+        np.maximum.at(worst, [c for c, _ in owners], got)
+        worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
+        c = int(np.argmin(worst))
+        if not worst[c] < spans[s] * (1 - cfg.min_gain):
+            break  # the slowest replica gains (almost) nothing
+        for (ci, t), v, row, pack in zip(owners, got, rows, packed):
+            if ci == c:
+                groups[t], spans[t], packs[t] = row, v, pack
+    return groups, shapes, spans, packs

@@ -1,0 +1,285 @@
+"""Every tunable of the planner in one frozen dataclass: :class:`PlannerConfig`.
+
+The planner (:func:`slime_ext.schedule.planner.plan_schedule`) takes one with a default (``PlannerConfig()``); the
+benches set any field from the command line (``--set NAME=VALUE``, :meth:`PlannerConfig.replace_from`), so a sweep
+needs no edit. Each field says what it controls and where its value comes from: a measurement (the bench command
+that shows it), or "inherited" where the value predates the benches that could justify it (the sweep to run is
+named). A field nobody can justify is a field to remove.
+
+Pure: standard library only (the shapes are plain tuples here; :mod:`.pipeline_shape` turns them into shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .errors import ScheduleError
+
+__all__ = ["DEFAULT_CONFIG", "PlannerConfig"]
+
+
+def _doc(text: str) -> Any:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner's tunables. Sections: the objective's prices (pipeline only), the one comparison rule, the
+    pp-unaware stages 2-4, the pipeline search's work budget, and each candidate family of the pipeline search
+    (:data:`slime_ext.schedule.pipeline_choice.CANDIDATES`)."""
+
+    # ------------------------------------------------------------------ the objective's prices (pp > 1)
+    #: FLOPs or token plans charge every micro-batch this share of a full one (``cap`` tokens at the linear rate),
+    #: so that more, smaller micro-batches are not free. Not measured on hardware: a stand-in for the fixed cost of
+    #: a micro-batch (kernel launches, the optimizer's per-micro-batch work); a measured ``CostProfile`` brings its
+    #: own (``microbatch_overhead_s``) and ignores this. Changing it changes the objective, not only the search.
+    microbatch_overhead: float = 0.02
+    #: FLOPs or token plans: backward = this times forward (a matmul's backward is two matmuls of its forward's
+    #: size); a ``CostProfile`` brings its measured ratio and ignores this
+    backward_forward_ratio: float = 2.0
+    #: uneven stages: a stage's share of a micro-batch is weighed on ``cap`` tokens in samples of this share of
+    #: ``cap`` (a stage's share depends a little on the mix of linear and attention cost). Inherited (issue 22);
+    #: ``python -m bench.pipeline_stages`` measured the shares' effect within 1.5% of megatron-core's replay
+    stage_share_sample: float = 0.25
+    #: ... and without a cap (static batches) on this many tokens
+    stage_share_tokens: int = 4096
+
+    # ------------------------------------------------------------------ the one comparison rule
+    #: one candidate beats another when its slowest predicted makespan is lower by more than this share; anything
+    #: closer is a tie, won by the candidate found first. Summing the same costs in another order moves a
+    #: makespan by ~1e-15 of itself, so 1e-9 tells rounding from a real gain; every comparison of the pipeline
+    #: search (and every stop rule "while it gains") uses it (``tests/unit/test_pipeline_choice.py`` checks the
+    #: documented rule)
+    tie: float = 1e-9
+
+    # ------------------------------------------------------------------ stages 2-4 (pp-unaware; pp = 1 plans)
+    #: balance_data is done once the slowest rank is within this of the best any assignment can do (inherited;
+    #: the 484 pinned plans of ``bench.plan_digest`` are made with it)
+    balance_tolerance: float = 2e-3
+    #: swap refinement of packed bins stops this close to the mean rank cost (inherited)
+    refine_tolerance: float = 1e-5
+    #: ... or after this many rounds (inherited)
+    refine_rounds: int = 64
+    #: up to this many bins per rank the swap refinement scores every pair at once (``per_rank**2`` memory per
+    #: rank pair); above it, by binary search per bin (the same choice, less memory)
+    dense_swap_limit: int = 128
+    #: an extra ``align`` micro-batches (bins chosen per rank) must cut the slowest rank's FLOPs by this share
+    #: (inherited; a profile prices the extra micro-batch itself and needs no margin)
+    extra_microbatch_gain: float = 0.01
+    #: ... at most this many times
+    max_extra_rounds: int = 3
+
+    # ------------------------------------------------------------------ pipeline search: candidates and budget
+    #: the candidate generators that run, in registry order (:data:`slime_ext.schedule.pipeline_choice.CANDIDATES`);
+    #: the first must be "unaware" (the guard). A bench may leave one out to measure what it brings
+    candidates: tuple[str, ...] = ("unaware", "ordered", "shaped", "recounted", "refined")
+    #: the step's work budget in estimated microseconds (:class:`~slime_ext.schedule.pipeline_pricing.Budget`):
+    #: ``budget_floor_us / sqrt(dp) + budget_per_sample_us * samples``. Measured: the small pinned pipeline steps
+    #: (``bench.plan_digest``'s, dp 1-4, 8-200 samples) keep plans no slower than cfaa6b5's (``bench.plan_quality
+    #: --compare``) from ~12 ms at dp 4; the issue-22 grid of ``bench.pipeline_speed`` (dp 128-512, 2,048-8,192
+    #: samples) plans within cfaa6b5's time there with the per-sample part at ~1 us (the pp = 1 planning costs
+    #: 0.6-1.7 us per sample)
+    budget_floor_us: float = 24000.0
+    budget_per_sample_us: float = 1.5
+    #: the share of the budget the shaped and recounted candidates leave to the refinement
+    refine_share: float = 0.15
+    #: the work estimate's coefficients, measured on the benches' 2-core machine (``python -m bench.pipeline_speed``
+    #: era, 2026-12): a call of the model costs 2.2-3.0 us per level of its DAG (pp 4-8, VPP 1-3, 8-512
+    #: micro-batches) and 3-5 ns per row x micro-batch x virtual stage; a packing call 5-8 us per sample rank and
+    #: 4-7 ns per row x micro-batch and sample rank
+    work_level_us: float = 2.4
+    work_cell_us: float = 0.005
+    work_pass_us: float = 5.0
+    #: ... and the numpy work around a packing call or a round of the refinement: 150-400 us
+    work_round_us: float = 250.0
+    #: ... and a water-filling round's Python per replica: 1.7 ms per round at dp 512, 0.4 ms at dp 128
+    work_replica_us: float = 8.0
+    #: ... and stages 2-4 re-run at another count, per sample (the pp = 1 planning: 0.6-1.7 us per sample)
+    work_sample_us: float = 1.5
+
+    # ------------------------------------------------------------------ pipeline search: order
+    #: the swaps tried per rank and round when an order is improved: every pair of positions while there are at
+    #: most this many pairs (276 = every pair of 24 micro-batches), else adjacent pairs and pairs with the ends
+    max_order_swaps: int = 276
+    #: rounds of order improvement (each takes every row's best swap)
+    order_rounds: int = 6
+    #: order improvement runs on the replicas within this share of the slowest (and again while the slowest is
+    #: one it has not improved)
+    polish_band: float = 0.02
+
+    # ------------------------------------------------------------------ pipeline search: more micro-batches
+    #: re-packed counts tried (``align`` more each); the count search stops after ``extra_count_patience`` that do
+    #: not gain in a row (inherited, issue 15)
+    max_extra_count_rounds: int = 8
+    extra_count_patience: int = 2
+
+    # ------------------------------------------------------------------ pipeline search: shaped micro-batches
+    #: replicas the count is chosen on (the heaviest by cost and by largest sample), as many as the budget pays
+    #: for between these two; all replicas choose a shape. 2 at least: cfaa6b5's large steps scanned on 2
+    scan_replicas: int = 8
+    min_scan_replicas: int = 2
+    #: the scan covers as many counts as the budget pays for, at least this many (cfaa6b5's large steps: 3)
+    min_scan_counts: int = 3
+    #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
+    #: step more than the previous (capped by the samples of the smallest replica). The yardstick's best plans use
+    #: up to 2.3x the pp-unaware count (rl-like, dp 8 x pp 8: 32 per replica against 14), hence the reach to 2.6x
+    count_factors: tuple[float, ...] = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3, 2.6)
+    #: the shapes of micro-batch sizes tried (:class:`~slime_ext.schedule.pipeline_shape.Shape` fields ``(up,
+    #: down, low, order, grouped, rise)``; ``up = -1`` rises over the whole step, ``down = -1`` falls over every
+    #: micro-batch after the peak). The first 17 are issue 22's, read off the yardstick's best plans of then; the
+    #: last five (a geometric rise to an early peak, then a linear fall to 0.1 of it) are issue 29's, read off the
+    #: annealing yardstick's best plans (rl-like, dp 8 x pp 4 and pp 8: e.g. 4, 9, 20, 36, 70, 55, 44, ..., 7, 5
+    #: overheads): on the six dp 8-32 yardstick cases they moved the worst plan / best from 1.042 to 1.014
+    shapes: tuple[tuple, ...] = ((0, 0, 1.0), (1, 4, 0.3), (2, 4, 0.3), (2, 6, 0.5), (3, 6, 0.3), (3, 8, 0.3),
+                                 (4, 8, 0.3), (2, 2, 0.5), (-1, 1, 0.5), (-1, 2, 0.6), (0, 0, 1.0, "rising"),
+                                 (3, 8, 0.6), (5, 10, 0.5), (4, 12, 0.4), (1, 1, 0.3, "target", True),
+                                 (1, 2, 0.3, "target", True), (2, 3, 0.3, "target", True),
+                                 (2, -1, 0.1, "target", False, 2.0), (3, -1, 0.1, "target", False, 2.0),
+                                 (4, -1, 0.1, "target", False, 1.8), (5, -1, 0.1, "target", False, 1.6),
+                                 (6, -1, 0.1, "target", False, 1.5))
+    #: the shapes every count is scanned with (then every shape at the best counts); entries of ``shapes``: the
+    #: flat one, the rising order and two early peaks
+    scan_shapes: tuple[tuple, ...] = ((0, 0, 1.0), (0, 0, 1.0, "rising"), (3, -1, 0.1, "target", False, 2.0),
+                                      (5, -1, 0.1, "target", False, 1.6))
+    #: the scan packs every shape at every count in one call where that is at most this many rows (the same
+    #: prices, one call fewer)
+    one_scan_rows: int = 256
+    #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
+    #: are rebalanced, and the fastest after rebalancing wins
+    shaped_combos: int = 3
+    rebalanced_counts: int = 3
+
+    # ------------------------------------------------------------------ pipeline search: samples between replicas
+    #: the fastest replicas a move off the slowest one may go to (shaped rebalancing, refinement)
+    balance_partners: int = 3
+    #: sample moves off the slowest shaped replica, and the shares of its cost a move tries
+    max_shed_moves: int = 12
+    shed_shares: tuple[float, ...] = (0.02, 0.06, 0.15, 0.35, 0.8)
+    #: the search's stop rule (not a tie: ``tie`` compares candidates): a loop that moves samples (rebalancing,
+    #: refinement) stops once it lowers the slowest makespan by less than this share per move (refinement: over
+    #: its last ``refine_patience`` rounds). Inherited (issue 22's rebalancing used 1e-3)
+    min_gain: float = 1e-3
+    #: with more replicas than this, rebalancing starts with ``water_rounds`` global rounds, then
+    #: ``shed_moves_after_water`` single moves
+    water_fill_replicas: int = 16
+    water_rounds: int = 2
+    shed_moves_after_water: int = 2
+    #: water-filling gives a replica samples only up to this share of its micro-batches' token room (k * cap)
+    token_fill: float = 0.9
+    #: a sample holding this share of its replica's cost is "dominant": the replica may keep it with only the
+    #: step's cheapest samples
+    strip_share: float = 0.25
+
+    # ------------------------------------------------------------------ pipeline search: refinement
+    #: the refinement improves the best plan of each of this many counts (the best counts first)
+    finalists: int = 2
+    #: moves drawn per round of the refinement, priced in one call
+    refine_moves: int = 256
+    #: the refinement stops once its last ``refine_patience`` rounds together lowered the slowest makespan by less
+    #: than ``min_gain`` of it (with many replicas near the slowest, a round gains little: it stops early there)
+    refine_patience: int = 8
+    #: the seed of its random stream (the same input always gives the same plan)
+    refine_seed: int = 1
+
+    # ------------------------------------------------------------------ the pipeline model's evaluation
+    #: replicas are evaluated in passes of at most this many table entries (memory, not results)
+    model_table_entries: int = 1 << 23
+    #: groups of replicas evaluated together are cut into pieces of one width (the narrowest group's, or the
+    #: widest's over this many), so that a narrow group is not padded to a wide one's replicas (speed, not results)
+    model_pieces: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default
+            if isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= _LEAST.get(f.name, 1)
+            elif isinstance(default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                    and value >= 0
+                if ok:
+                    object.__setattr__(self, f.name, float(value))
+            elif isinstance(default, tuple):
+                ok = isinstance(value, (tuple, list)) and len(value) > 0
+                if ok:
+                    value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+                    object.__setattr__(self, f.name, value)
+            else:  # pragma: no cover -- every field has one of the kinds above
+                ok = True
+            if not ok:
+                raise ScheduleError(f"PlannerConfig.{f.name} = {value!r} must be {_kind(default, f.name)} (default "
+                                    f"{default!r}); see the field's documentation in "
+                                    f"slime_ext/schedule/planner_config.py")
+        for name in ("microbatch_overhead", "tie", "min_gain", "strip_share", "refine_share", "polish_band"):
+            if getattr(self, name) >= 1:
+                raise ScheduleError(f"PlannerConfig.{name} = {getattr(self, name)!r} is a share: pass a value in "
+                                    f"[0, 1)")
+        if not 0 < self.token_fill <= 1:
+            raise ScheduleError(f"PlannerConfig.token_fill = {self.token_fill!r} must lie in (0, 1]")
+        if self.backward_forward_ratio <= 0:
+            raise ScheduleError(f"PlannerConfig.backward_forward_ratio = {self.backward_forward_ratio!r} must be > 0")
+        missing = [s for s in self.scan_shapes if s not in self.shapes]
+        if missing:
+            raise ScheduleError(f"PlannerConfig.scan_shapes holds {missing}, which are not in shapes; scan a subset "
+                                f"of shapes")
+
+    # ------------------------------------------------------------------ overrides (the benches' --set)
+    def replace_from(self, items: Iterable[str]) -> "PlannerConfig":
+        """A copy with ``NAME=VALUE`` overrides (a bench's ``--set``): a number, ``true``/``false``, or JSON for a
+        tuple (``count_factors=[1.0,1.2]``, ``shapes=[[0,0,1.0],[2,6,0.5]]``). An unknown name or a value of the
+        wrong kind raises :class:`ScheduleError` naming it."""
+        changes: dict[str, Any] = {}
+        known = {f.name: f for f in dataclasses.fields(self)}
+        for item in items:
+            name, sep, text = str(item).partition("=")
+            name = name.strip()
+            if not sep or name not in known:
+                raise ScheduleError(f"--set {item!r}: expected NAME=VALUE with NAME a PlannerConfig field, one of "
+                                    f"{sorted(known)}")
+            default = known[name].default
+            try:
+                if isinstance(default, bool):
+                    if text.strip().lower() not in ("true", "false"):
+                        raise ValueError
+                    value: Any = text.strip().lower() == "true"
+                elif isinstance(default, int):
+                    value = int(text)
+                elif isinstance(default, float):
+                    value = float(text)
+                else:
+                    value = json.loads(text)
+            except ValueError:
+                raise ScheduleError(f"--set {item!r}: {name} takes {_kind(default, name)}, e.g. {name}={default!r}")
+            changes[name] = value
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> dict[str, Any]:
+        """The fields that differ from the defaults (for a bench's header)."""
+        base = PlannerConfig()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(base, f.name)}
+
+
+#: integer fields that may be 0 (a loop that does not run; the seed); every other integer is at least 1
+_LEAST = {"max_extra_rounds": 0, "order_rounds": 0, "max_shed_moves": 0, "water_rounds": 0,
+          "shed_moves_after_water": 0, "refine_patience": 0, "refine_seed": 0}
+
+
+def _kind(default: Any, name: str = "") -> str:
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, int):
+        return f"an integer >= {_LEAST.get(name, 1)}"
+    if isinstance(default, float):
+        return "a finite number >= 0"
+    return "a non-empty JSON list"
+
+
+#: the defaults, for callers that take an optional config
+DEFAULT_CONFIG = PlannerConfig()

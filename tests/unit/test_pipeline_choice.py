@@ -1,0 +1,224 @@
+"""The pipeline search's contract (``slime_ext.schedule.pipeline_choice``): the one comparison rule is the one its
+docstring states, the registry runs in order with one signature, every tunable is a documented field of
+``PlannerConfig`` (no tuned module-level constant left in ``slime_ext/schedule``), the budget grows with the step,
+the invariant checker prices pipelines independently of the planner, and the plan digests hash decisions only."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import slime_ext.schedule as schedule_pkg
+from slime_ext.schedule import (BatchConfig, CostModel, ParallelConfig, PlannerConfig, ScheduleError, check_schedule,
+                                plan_schedule)
+from slime_ext.schedule import pipeline_choice
+from slime_ext.schedule.pipeline_choice import CANDIDATES, StepSearch, beats, choose_pipeline_step
+from slime_ext.schedule.pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from slime_ext.schedule.step_plan import StepPlan, search_counts
+
+DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
+SCHEDULE = Path(schedule_pkg.__file__).parent
+
+
+def _lengths(n: int = 120, seed: int = 3) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(100, 1500, n) + np.minimum(rng.lognormal(7.0, 1.0, n), 12000)).astype(int).tolist()
+
+
+# ---------------------------------------------------------------------------------------------------- the tie rule
+def test_the_comparison_is_the_documented_rule():
+    cfg = PlannerConfig()
+    assert cfg.tie == 1e-9 and "tie" in pipeline_choice.__doc__ and "earliest in the" in pipeline_choice.__doc__
+    assert beats(1.0 - 2e-9, 1.0, cfg) and not beats(1.0 - 0.5e-9, 1.0, cfg) and not beats(1.0, 1.0, cfg)
+    assert beats(0.99, 1.0, PlannerConfig(tie=0.005)) and not beats(0.996, 1.0, PlannerConfig(tie=0.005))
+
+
+def _step(slowest: float, strategy: str) -> StepPlan:
+    return StepPlan(np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), 1, strategy, 1, np.zeros(1, int),
+                    np.array([slowest]), 0.0)
+
+
+def test_the_search_keeps_the_earliest_of_near_equal_candidates(monkeypatch):
+    """Candidates within the tie of the best so far lose to it; one faster by more than the tie replaces it; every
+    generator sees the candidates found before it, best first."""
+    seen = {}
+
+    def gen(name, spans):
+        def make(search, found):
+            seen[name] = [c.strategy for c in found]
+            return [_step(v, f"{name}{i}") for i, v in enumerate(spans)]
+        return make
+
+    monkeypatch.setitem(CANDIDATES, "a", gen("a", [1.0]))
+    monkeypatch.setitem(CANDIDATES, "b", gen("b", [1.0 - 1e-10, 1.0 + 1e-3]))  # a tie and a loser
+    monkeypatch.setitem(CANDIDATES, "c", gen("c", [0.999]))  # a real gain
+    pricing = pipeline_pricing(ParallelConfig(dp_size=1, pp_size=2), None, 4096)
+    search = StepSearch(pricing=dataclasses.replace(pricing, config=PlannerConfig(candidates=("a", "b"))),
+                        unaware=None, bin_costs=None, heaviest=None, dp=1, lengths=None, costs=None, profile=None,
+                        cap=None, samples=None, budget=None)
+    assert choose_pipeline_step(search).strategy == "a0"  # b0 is within the tie: the earlier stays
+    assert seen["b"] == ["a0"]
+    search.pricing = dataclasses.replace(pricing, config=PlannerConfig(candidates=("a", "b", "c")))
+    assert choose_pipeline_step(search).strategy == "c0"
+    assert seen["c"] == ["a0", "b0", "b1"]  # best first: b0 ties a0 and stays behind it
+    search.pricing = dataclasses.replace(pricing, config=PlannerConfig(candidates=("a", "nope")))
+    with pytest.raises(ScheduleError, match="candidates"):
+        choose_pipeline_step(search)
+
+
+def test_the_registry_runs_every_generator_with_one_signature():
+    assert list(CANDIDATES) == ["unaware", "ordered", "shaped", "recounted", "refined"]
+    assert PlannerConfig().candidates == tuple(CANDIDATES)
+    for name, gen in CANDIDATES.items():
+        assert list(gen.__code__.co_varnames[:gen.__code__.co_argcount]) == ["search", "found"], name
+        assert f"``{name}``" in pipeline_choice.__doc__  # stated in the search's docstring
+
+
+def test_leaving_a_candidate_out_changes_the_plan_and_unaware_alone_is_the_pp_unaware_plan():
+    lengths = _lengths()
+    batch = BatchConfig(global_batch_size=120, use_dynamic_batch_size=True, max_tokens_per_gpu=8192,
+                        balance_data=True)
+    parallel = ParallelConfig(dp_size=2, pp_size=4)
+    full = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))
+    alone = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS),
+                          config=PlannerConfig(candidates=("unaware",)))
+    flat = plan_schedule(lengths, ParallelConfig(dp_size=2), batch, cost_model=CostModel(**DIMS))
+    assert check_schedule(full) == [] and check_schedule(alone) == []
+    assert alone.partitions == flat.partitions and alone.micro_batch_indices == flat.micro_batch_indices
+    assert full.stats[0].predicted_makespan < alone.stats[0].predicted_makespan * 0.99
+
+
+# ---------------------------------------------------------------------------------------------------- the count search
+def test_one_count_search_stops_after_its_patience_and_never_counts_the_first_as_a_miss():
+    calls = []
+
+    def evaluate(k):
+        calls.append(k)
+        return {1: 10.0, 2: 11.0, 3: 9.0, 4: 9.5, 5: 9.6, 6: 1.0}.get(k)
+
+    better = lambda a, b: a < b  # noqa: E731
+    assert search_counts(range(1, 7), evaluate, better, patience=2) == 9.0
+    assert calls == [1, 2, 3, 4, 5]  # 4 and 5 miss in a row: 6 is never tried
+    calls.clear()
+    assert search_counts(range(1, 7), evaluate, better, patience=1, best=12.0) == 10.0  # 1 beats the incumbent
+    assert calls == [1, 2]
+    calls.clear()
+    assert search_counts(range(1, 7), evaluate, better, patience=9, enough=lambda b, k: b < 9.5) == 9.0
+    assert calls == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------- the budget
+def test_the_budget_grows_smoothly_with_the_step():
+    pricing = pipeline_pricing(ParallelConfig(dp_size=8, pp_size=4), CostModel(**DIMS), 8192)
+    totals = [Budget.for_step(pricing, n, 8).total for n in range(100, 20000, 97)]
+    steps = np.diff(totals)
+    assert (steps > 0).all() and np.allclose(steps, steps[0])  # linear in the samples: no threshold, no cliff
+    c = pricing.config
+    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(c.budget_floor_us / 2)
+    b = Budget(pricing, 1000.0)
+    got = b.price(np.ones((3, 5)))
+    assert got.shape == (3,) and b.spent == pytest.approx(b.model_cost(3, 5)) and b.allows(0) and not b.allows(1e9)
+
+
+def test_a_step_of_257_micro_batches_plans_like_one_of_256():
+    """No micro-batch threshold: the search at 257 micro-batches is the search at 256 with a little more budget
+    (issue 29: a step of 257 used to lose three candidate families at once)."""
+    rng = np.random.default_rng(1)
+    parallel = ParallelConfig(dp_size=1, pp_size=4)
+    for n in (256, 257):
+        batch = BatchConfig(global_batch_size=n, micro_batch_size=1)
+        lengths = rng.integers(100, 3000, n).tolist()
+        s = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))
+        assert check_schedule(s) == [] and "+pp-order" in s.stats[0].strategy
+
+
+# ---------------------------------------------------------------------------------------------------- the config
+def test_config_overrides_parse_and_refuse_with_the_field_named():
+    c = PlannerConfig().replace_from(["tie=1e-6", "scan_replicas=4", "count_factors=[1.0, 1.5]",
+                                      'candidates=["unaware", "ordered"]', "shapes=[[0, 0, 1.0], [2, -1, 0.1]]",
+                                      "scan_shapes=[[0, 0, 1.0]]"])
+    assert (c.tie, c.scan_replicas, c.count_factors, c.candidates) == (1e-6, 4, (1.0, 1.5), ("unaware", "ordered"))
+    assert c.describe() == {k: getattr(c, k) for k in ("tie", "count_factors", "shapes", "scan_shapes",
+                                                       "scan_replicas", "candidates")}
+    for bad, match in (("nope=1", "PlannerConfig field"), ("tie", "NAME=VALUE"), ("scan_replicas=x", "integer"),
+                       ("scan_replicas=0", "scan_replicas = 0"), ("tie=2", "share"),
+                       ('scan_shapes=[[9, 9, 0.5]]', "not in shapes")):
+        with pytest.raises(ScheduleError, match=match):
+            PlannerConfig().replace_from([bad])
+    with pytest.raises(ScheduleError, match="config must be a PlannerConfig"):
+        plan_schedule([100], ParallelConfig(dp_size=1), BatchConfig(global_batch_size=1, micro_batch_size=1),
+                      config={"tie": 1e-9})
+
+
+def test_every_config_field_is_documented_beside_its_declaration():
+    source = (SCHEDULE / "planner_config.py").read_text().splitlines()
+    for f in dataclasses.fields(PlannerConfig):
+        line = next(i for i, text in enumerate(source) if re.match(rf"\s+{f.name}: ", text))
+        above = [text.strip() for text in source[max(0, line - 12):line]]
+        assert any(t.startswith("#:") for t in above), f"PlannerConfig.{f.name} has no #: documentation"
+
+
+#: module-level numbers in slime_ext/schedule that are not tunables of the planner: the input checks' limits, the
+#: schema and file versions, a sentinel
+NOT_TUNED = {"MAX_TOKENS", "MAX_SAMPLES", "MAX_PARALLEL_SIZE", "MAX_MODEL_DIM", "INT64_MIN", "INT64_MAX",
+             "SCHEMA_VERSION", "PROFILE_VERSION", "RISING"}
+
+
+def _numeric(node: ast.AST) -> bool:
+    """A number written in the source: a literal, arithmetic of literals, or a tuple / list of them."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return bool(node.elts) and all(_numeric(e) for e in node.elts)
+    return False
+
+
+def test_no_tuned_module_level_constant_is_left_in_the_planning_layer():
+    found = []
+    for path in sorted(SCHEDULE.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _numeric(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                found += [f"{path.name}: {n}" for n in names if n.lstrip("_") not in NOT_TUNED]
+    assert found == [], f"numbers outside PlannerConfig: {found}"
+    # and the check sees one where there is one
+    assert _numeric(ast.parse("X = (0.02, 3 * 2, -1)").body[0].value)
+
+
+# ---------------------------------------------------------------------------------------------------- the checker
+def test_the_checker_catches_a_pricing_bug_the_planner_makes(monkeypatch):
+    """The invariant checker prices pipelines itself (the documented rule, the public model): a planner whose own
+    pricing is 1% off produces a schedule the checker refuses."""
+    lengths = _lengths(80, 5)
+    batch = BatchConfig(global_batch_size=80, use_dynamic_batch_size=True, max_tokens_per_gpu=8192)
+    parallel = ParallelConfig(dp_size=2, pp_size=2, vpp_size=2, microbatch_group_size_per_vp_stage=2)
+    assert check_schedule(plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))) == []
+    honest = PipelinePricing.makespans_many
+    monkeypatch.setattr(PipelinePricing, "makespans_many", lambda self, c: [x * 1.01 for x in honest(self, c)])
+    wrong = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))
+    assert any("predicted_makespan" in p for p in check_schedule(wrong))
+
+
+# ---------------------------------------------------------------------------------------------------- the digests
+def test_plan_digests_hash_the_decisions_only():
+    from bench.plan_digest import _digest
+    s = plan_schedule(_lengths(), ParallelConfig(dp_size=2, pp_size=2),
+                      BatchConfig(global_batch_size=120, use_dynamic_batch_size=True, max_tokens_per_gpu=8192))
+    nudged = dataclasses.replace(s, stats=[dataclasses.replace(st, predicted_makespan=st.predicted_makespan * (1 + 1e-12),
+                                                               rank_cost_max=st.rank_cost_max + 1e-6)
+                                           for st in s.stats])
+    assert _digest(nudged) == _digest(s)  # floats (sums in another order) do not move a digest
+    moved = dataclasses.replace(s, micro_batch_indices=[mbs[::-1] for mbs in s.micro_batch_indices])
+    assert _digest(moved) != _digest(s)  # a decision does
+    assert json.loads(json.dumps(s.to_dict()))["partitions"] == s.partitions
