@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -80,8 +81,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from slime_ext.integrations.megatron_rl.plan import plan_collection
-from slime_ext.schedule import CostModel, ParallelConfig, PipelinePricing, pipeline_pricing
-from slime_ext.schedule.pipeline import PipelineSpec
+from slime_ext.schedule import CostModel, ParallelConfig, PipelinePricing, PipelineSpec, pipeline_pricing
 
 from .pipeline_model_table import bimodal_lengths
 from .workloads import MODEL_DIMS, make_lengths
@@ -167,7 +167,7 @@ def pricing_for(dp: int, pp: int, cost_model: CostModel, cap: int) -> PipelinePr
     if pp > 1:
         return pipeline_pricing(ParallelConfig(dp_size=dp, pp_size=pp), cost_model, cap)
     two = pipeline_pricing(ParallelConfig(dp_size=dp, pp_size=2), cost_model, cap)
-    return PipelinePricing(PipelineSpec(pp_size=1), two.backward_forward_ratio, 1.0, two.overhead, two.units)
+    return dataclasses.replace(two, spec=PipelineSpec(pp_size=1), scale=1.0, stage_share=None)  # one stage
 
 
 def stage_forwards(pricing: PipelinePricing, mb_costs: np.ndarray) -> np.ndarray:
