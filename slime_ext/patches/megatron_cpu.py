@@ -71,6 +71,10 @@ How they are fixed, narrowest first:
   ``deallocate_pipeline_outputs=True``, which swaps a sent output's ``.data`` for a one-element tensor right after
   the send and would free the storage an in-flight gloo send reads, so each pending send also holds a ``detach()``
   alias of its tensor until it completes (without it DP2xPP2 RL training sent freed memory and its loss went NaN).
+  The interleaved schedule's overlapped p2p (``overlap_p2p_comm``: ``_p2p_ops``, unbatched ``isend``/``irecv``
+  whose handles the schedule waits on later) has the same hazard: its send handles are wrapped the same way, so the
+  storage lives until the schedule waits on the send (without it, Megatron-LM core_v0.16.1's DP2xPP2xVPP2 RL step
+  trained one micro-batch on an activation whose storage had been freed and reused).
   ``use_ring_exchange_p2p`` still goes to the original.
 * ``clip_grad_by_total_norm_fp32`` (as looked up by ``megatron.core.optimizer.optimizer``) is replaced by the same
   math without the CUDA type assertion: fp32 grads are scaled in place by ``max_norm / (total_norm + 1e-6)``
@@ -388,6 +392,21 @@ class _PendingSend:
             self.storage = None
 
 
+def _p2p_ops(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def p2p_ops(**kwargs):
+        """Upstream's unbatched isend/irecv (the overlapped p2p of the interleaved schedule), its send handles holding
+        the sent tensors' storage until they are waited on (:class:`_PendingSend`)."""
+        reqs = original(**kwargs)
+        sent = {"send_next": kwargs.get("tensor_send_next"), "send_prev": kwargs.get("tensor_send_prev")}
+        if isinstance(reqs, dict):
+            return {key: _PendingSend(req, sent[key].detach()) if sent.get(key) is not None else req
+                    for key, req in reqs.items()}
+        return reqs
+
+    return p2p_ops
+
+
 def _communicate_shapes(original: Callable) -> Callable:
     @functools.wraps(original)
     def communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
@@ -511,6 +530,9 @@ def build_patches() -> PatchSet:
         _mcore("p2p_batched_ops", "megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops",
                _batched_p2p_ops, "batched p2p, one tag per direction, sends complete asynchronously (gloo)",
                "batch_isend_irecv(ops)"),
+        _mcore("p2p_ops", "megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops", _p2p_ops,
+               "overlapped (unbatched) p2p: a send's handle holds the sent tensor's storage until it is waited on",
+               "reqs[\"send_next\"] = send_next_req", "reqs[\"send_prev\"] = send_prev_req"),
         _mcore("p2p_shapes", "megatron.core.pipeline_parallel.p2p_communication",
                "P2PCommunicator._communicate_shapes", _communicate_shapes,
                "shape exchange on CPU, one tag per direction, waits for receives only", "batch_isend_irecv(ops)",

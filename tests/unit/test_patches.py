@@ -397,3 +397,34 @@ def test_a_pending_send_keeps_the_sent_storage_alive():
     out.data = torch.empty((1,))  # schedules.deallocate_output_tensor
     assert pending.storage.data_ptr() == ptr and torch.equal(pending.storage, torch.arange(6.0))
     assert pending.wait() == "done" and pending.storage is None
+
+
+def test_overlapped_p2p_send_handles_keep_the_sent_storage():
+    """The interleaved schedule's overlapped p2p (``_p2p_ops``): each send handle it returns holds the sent tensor's
+    storage until waited on (Megatron frees a sent output's storage right after posting the send); receives and the
+    handles' results are upstream's own."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    posted = {}
+
+    def fake_p2p_ops(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group,
+                     prev_pipeline_rank, next_pipeline_rank):
+        reqs = {}
+        if tensor_send_next is not None:
+            reqs["send_next"] = types.SimpleNamespace(wait=lambda: "sent next")
+        if tensor_recv_prev is not None:
+            reqs["recv_prev"] = posted["recv"] = types.SimpleNamespace(wait=lambda: "received")
+        return reqs
+
+    wrapped = megatron_cpu._p2p_ops(fake_p2p_ops)
+    out = torch.arange(4.0)
+    ptr = out.data_ptr()
+    reqs = wrapped(tensor_send_prev=None, tensor_recv_prev=torch.empty(4), tensor_send_next=out,
+                   tensor_recv_next=None, group=None, prev_pipeline_rank=0, next_pipeline_rank=1)
+    out.data = torch.empty(1)  # megatron's deallocate_output_tensor
+    assert reqs["recv_prev"] is posted["recv"]
+    assert reqs["send_next"].storage.data_ptr() == ptr
+    assert torch.equal(reqs["send_next"].storage, torch.arange(4.0))
+    assert reqs["send_next"].wait() == "sent next" and reqs["send_next"].storage is None
+    assert "p2p_ops" in {p.name for p in megatron_cpu.build_patches()}
+    assert hasattr(p2p_communication, "_p2p_ops")
