@@ -184,7 +184,7 @@ def test_megatron_path_has_no_vpp(worker_run, tree):
 
 # ---------------------------------------------------------------------------------------------------- --path ext
 #: parameters after an optimizer step, slime-ext's path against Megatron-RL's (same data, same LR, other packing):
-#: measured 2.7e-7 (DP2), 3.8e-7 (DP2xPP2) at HEAD
+#: measured 2.7e-7 (DP2), 3.6e-7 (DP2xPP2) at core_v0.16.1, core_v0.19.0 and HEAD alike
 EXT_PARAM_TOL = 1e-6
 #: log-probs: |a - b| <= 1e-6 * max(1, |b|). Measured: bit-identical under identical weights (every reference pass,
 #: the old-policy pass of the first collection); after a step the weights differ by the figure above, and the
