@@ -104,34 +104,37 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     costs, lengths = samples.costs, samples.lengths
     slope = budget.pricing.slope
     groups, packs = list(groups), list(packs)
+    n_all = len(costs)
+    asc_order, asc_rank = samples.ascending
     for _ in range(cfg.water_rounds):  # its rounds always run (charged): many replicas need the leveling
         budget.spent += budget.replica_cost(len(groups))
         # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
-        sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
         every = np.concatenate(groups).astype(np.int64, copy=False)
         whose = np.repeat(np.arange(len(groups)), sizes)
         work = np.bincount(whose, weights=costs[every], minlength=len(groups))
         held = np.bincount(whose, weights=lengths[every], minlength=len(groups))
-        by_cost_all = every[np.lexsort((every, costs[every], whose))]
+        by_cost_all = asc_order[np.sort(whose * n_all + asc_rank[every]) % n_all]  # by replica, cheapest first
         starts = np.concatenate(([0], np.cumsum(sizes)))
         own = spans - slope * work
         level = (slope * work.sum() + own.sum()) / len(groups)
         excess = work - (level - own) / slope
-        deficit = [(float(e), t) for t, e in enumerate(excess) if e < 0]
-        if not deficit:
+        below_level = np.flatnonzero(excess < 0)
+        if not len(below_level):
             break
+        deficit = list(zip(excess[below_level].tolist(), below_level.tolist()))
         heapq.heapify(deficit)  # most negative first: the replica furthest below the level
         add: dict[int, list[int]] = {}  # replica -> samples it takes
         drop: dict[int, list[int]] = {}  # replica -> samples it gives
         # the cheapest samples of the replicas below the level, for a replica stripped down to a dominant sample
+        # (made when one is first stripped)
         below = [t for _, t in deficit]
-        pool = np.concatenate([groups[t] for t in below])
-        owner = np.repeat(below, [len(groups[t]) for t in below])
-        by_cost: list[np.ndarray] = []  # the pool cheapest first, sorted when a replica is first stripped
+        pooled = int(sizes[below].sum())
+        pool: list[np.ndarray] = []  # [the pool, each one's owner, the pool cheapest first]
         taken = 0
 
         spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
-        tokens = {t: int(held[t]) for t in below}
+        tokens = dict(zip(below, held[below].astype(np.int64).tolist()))
         room = cfg.token_fill * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
 
         def give(d: int, i: int) -> bool:
@@ -156,23 +159,35 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
             drop.setdefault(d, []).append(int(i))
             return True
 
-        for d in np.argsort(-excess, kind="stable"):
-            d = int(d)
-            if excess[d] <= 0 or spans[d] <= level * (1 + cfg.min_gain) or not below:
-                break
+        # the replicas above the level, by decreasing excess, up to the first within min_gain of the level; of
+        # those, the ones that act: a dominant costliest sample, or a first movable sample (after the k - 1
+        # cheapest) within the excess (the others give nothing)
+        order = np.argsort(-excess, kind="stable")
+        on = (excess[order] > 0) & (spans[order] > level * (1 + cfg.min_gain))
+        order = order[:len(order) if on.all() else int(np.argmin(on))]
+        cum = np.concatenate(([0.0], np.cumsum(costs[by_cost_all])))
+        head, top = starts[order], costs[by_cost_all[starts[order + 1] - 1]]
+        # dominant(top, work[d], cfg), and what it would keep (its k - 1 cheapest and the top) above its level:
+        # the test below, with a margin for the summation order (it decides exactly)
+        keeps = top + cum[np.minimum(head + k - 1, starts[order + 1])] - cum[head]
+        strong = (top >= cfg.strip_share * work[order]) & (work[order] - excess[order] < keeps * (1 + 1e-9))
+        first = np.where(sizes[order] > k, costs[by_cost_all[np.minimum(head + k - 1, len(every) - 1)]], np.inf)
+        for d in order[strong | (first <= excess[order])].tolist():
             mine = by_cost_all[starts[d]:starts[d + 1]]
             top = float(costs[mine[-1]])
             if dominant(top, work[d], cfg) and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
-                    and taken + k - 1 <= len(pool):
+                    and taken + k - 1 <= pooled:
                 # a dominant sample: keep it with the k - 1 cheapest samples of the step's light replicas, give
                 # every other sample away
                 for i in mine[:-1]:
                     give(d, i)
-                if not by_cost:
-                    by_cost.append(np.argsort(costs[pool], kind="stable"))
-                for j in by_cost[0][taken:taken + k - 1]:
-                    add.setdefault(d, []).append(int(pool[j]))
-                    drop.setdefault(int(owner[j]), []).append(int(pool[j]))
+                if not pool:
+                    pool += [np.concatenate([groups[t] for t in below]),
+                             np.repeat(below, [len(groups[t]) for t in below])]
+                    pool.append(np.argsort(costs[pool[0]], kind="stable"))
+                for j in pool[2][taken:taken + k - 1]:
+                    add.setdefault(d, []).append(int(pool[0][j]))
+                    drop.setdefault(int(pool[1][j]), []).append(int(pool[0][j]))
                 taken += k - 1
                 continue
             left = float(excess[d])
@@ -186,16 +201,15 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
         changed = sorted(set(add) | set(drop))
         # each changed replica: the samples it keeps by id (a sample is given by its own replica only), then those
         # it takes in the order taken
-        gone = np.zeros(len(costs), dtype=bool)
-        gone[np.concatenate([np.asarray(ids, dtype=np.int64) for ids in drop.values()])] = True
+        gone = np.zeros(n_all, dtype=bool)
+        gone[list(itertools.chain.from_iterable(drop.values()))] = True
         ids = np.concatenate([groups[t] for t in changed])
-        whose = np.repeat(np.arange(len(changed)), [len(groups[t]) for t in changed])
+        whose = np.repeat(np.arange(len(changed)), sizes[changed])
         stay = ~gone[ids]
-        ids, whose = ids[stay], whose[stay]
-        ids = ids[np.lexsort((ids, whose))]
-        ends = np.cumsum(np.bincount(whose, minlength=len(changed))).tolist()
-        kept = [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
-        rows = [np.concatenate((mine, np.asarray(add.get(t, []), dtype=np.int64))) for mine, t in zip(kept, changed)]
+        ids = np.sort(whose[stay] * n_all + ids[stay]) % n_all  # by replica, then by id
+        ends = np.cumsum(np.bincount(whose[stay], minlength=len(changed))).tolist()
+        rows = [ids[a:b] if t not in add else np.concatenate((ids[a:b], np.asarray(add[t], dtype=np.int64)))
+                for a, b, t in zip([0] + ends[:-1], ends, changed)]
         got, packed = yield rows, k, [shapes[t] for t in changed]
         trial = spans.copy()
         trial[changed] = got

@@ -201,10 +201,17 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
                 slack = size - j - (used - ((tok > 0) & ~unused).sum(axis=1))
                 slack_a = slack[:a]
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
-        # the micro-batch with the most room left that takes the sample under the cap
-        pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
+        # the micro-batch with the most room left that takes the sample under the cap: the one with the most room
+        # where it takes it (the common case: one pass), else the most room among those that take it
+        pick = room_a.argmax(axis=1)
         flat = base_a + pick
         held = flat_tok[flat]
+        over = held > allowed
+        if over.any():
+            bad = np.flatnonzero(over)
+            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+            flat[bad] = base_a[bad] + pick[bad]
+            held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
@@ -259,6 +266,16 @@ class ShapeSamples:
             rank[self.order] = np.arange(len(self.costs))
             return rank
         return self._once("rank", self.costs, make)
+
+    @property
+    def ascending(self) -> tuple[np.ndarray, np.ndarray]:
+        """The step's sample ids by increasing cost, ties by id, and each sample's place in that order."""
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            order = np.argsort(self.costs, kind="stable")
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            return order, rank
+        return self._once("ascending", self.costs, make)
 
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
