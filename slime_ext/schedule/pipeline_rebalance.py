@@ -40,10 +40,12 @@ Packed = tuple[np.ndarray, np.ndarray]
 Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
-def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
+def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float = 0.0) -> list:
     """Drive rebalancing runs (generators that yield :data:`Repack` requests and return their result) side by
     side: every round, all their requests in one packing call and one pass of the model. Each run gets exactly
-    what it would alone (rows pack and price independently of each other); returns their results."""
+    what it would alone (rows pack and price independently of each other), as far as the budget pays for the
+    round's call and leaves ``reserve``: where it cannot, the last runs are answered ``None`` (they stop) until it
+    can. Returns their results."""
     results: list = [None] * len(runs)
     asks: dict[int, Repack] = {}
 
@@ -57,6 +59,13 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
         advance(i, None)
     while asks:
         order = sorted(asks)
+        # the round's call must fit the budget: the runs of the later counts stop first (answered ``None``)
+        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order]) + reserve):
+            i = order.pop()
+            asks.pop(i)
+            advance(i, None)
+        if not order:
+            continue
         batch = [asks.pop(i) for i in order]
         rows = [row for ask in batch for row in ask[0]]
         members = samples.pad(rows)
@@ -79,6 +88,14 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
     return results
 
 
+def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
+    """What answering ``asks`` in one call costs: their packing and one pass of the model."""
+    rows = sum(len(ask[0]) for ask in asks)
+    n = max(len(row) for ask in asks for row in ask[0])
+    k = max(ask[1] for ask in asks)
+    return budget.pack_cost(rows, n, k) + budget.model_cost(rows, k)
+
+
 def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> bool:
     """Whether re-packing and pricing ``rows`` fits the budget with ``reserve`` left over."""
     n = max(len(r) for r in rows)
@@ -95,8 +112,10 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
     whose costliest sample is dominant (:func:`dominant`) and whose level lies below what it would
     keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
-    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. Its rounds are
-    charged to the budget but always run (``reserve`` is unused: the signature of every run).
+    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. A round is
+    charged (``work_replica_us`` per replica) and runs only where the budget pays for it and a small re-packing, and
+    leaves ``reserve``; its re-packing is :func:`lockstep`'s (answered ``None`` where the budget cannot pay for it:
+    the run stops).
 
     A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
     each replica's packing as far as it was re-packed (the others as given)."""
@@ -106,7 +125,12 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     groups, packs = list(groups), list(packs)
     n_all = len(costs)
     asc_order, asc_rank = samples.ascending
-    for _ in range(cfg.water_rounds):  # its rounds always run (charged): many replicas need the leveling
+    n_max = max(len(g) for g in groups)
+    for _ in range(cfg.water_rounds):
+        # the round's own work, and a re-packing of a few replicas, must fit (lockstep checks the re-packing)
+        if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
+                             + budget.model_cost(1, k)):
+            break
         budget.spent += budget.replica_cost(len(groups))
         # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
         sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
@@ -210,7 +234,10 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
         ends = np.cumsum(np.bincount(whose[stay], minlength=len(changed))).tolist()
         rows = [ids[a:b] if t not in add else np.concatenate((ids[a:b], np.asarray(add[t], dtype=np.int64)))
                 for a, b, t in zip([0] + ends[:-1], ends, changed)]
-        got, packed = yield rows, k, [shapes[t] for t in changed]
+        answer = yield rows, k, [shapes[t] for t in changed]
+        if answer is None:  # the budget cannot pay for the re-packing
+            break
+        got, packed = answer
         trial = spans.copy()
         trial[changed] = got
         if not trial.max() < spans.max() * (1 - cfg.tie):
@@ -237,8 +264,12 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     costs = samples.costs
     many = len(groups) > cfg.water_fill_replicas
     if many:
-        groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs, reserve)
+        # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
+        groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.shed_moves_after_water if many else cfg.max_shed_moves):
+        if not budget.allows(budget.charge_round_cost + reserve):
+            break
+        budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.balance_partners]
         mine = samples.cheapest_first(groups[s])  # cheapest first
@@ -276,7 +307,10 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         moves = cands
         if not _fits(budget, rows, k, reserve):
             break
-        got, packed = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
+        answer = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
+        if answer is None:  # the budget cannot pay for it
+            break
+        got, packed = answer
         worst = np.full(len(moves), -np.inf)
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples

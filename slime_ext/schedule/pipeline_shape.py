@@ -72,9 +72,14 @@ class Shape:
     @classmethod
     def of(cls, fields: tuple) -> "Shape":
         """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise]]])``;
-        ``up < 0`` rises over the whole step (:data:`RISING`)."""
-        up, *rest = fields
-        return cls(RISING if up < 0 else int(up), *rest)
+        ``up < 0`` rises over the whole step (:data:`RISING`). The same tuple gives the same object."""
+        return _shape_of(tuple(fields))
+
+
+@lru_cache(maxsize=1024)
+def _shape_of(fields: tuple) -> Shape:
+    up, *rest = fields
+    return Shape(RISING if up < 0 else int(up), *rest)
 
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
@@ -361,3 +366,20 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
     spans, bin_of = pack_core(budget, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
     at = np.asarray([distinct.index(i) for i in of])
     return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]
+
+
+def pack_rows(budget: Budget, samples: ShapeSamples, members: np.ndarray, rows: list[np.ndarray],
+              combos: list[tuple[int, Shape]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, every part in one call: per part its spans and
+    ``bin_of`` (``inf`` where a row does not fit)."""
+    sizes = [len(r) for r in rows]
+    width = max(k for k, _ in combos)
+    w = np.full((sum(sizes), width), -1.0)
+    parts, at = [], 0
+    for (k, shape), size in zip(combos, sizes):
+        w[at:at + size, :k] = shape.weights(k, samples.step)
+        parts.append((k, shape, slice(at, at + size)))
+        at += size
+    spans, bin_of = pack_core(budget, samples, members[np.concatenate(rows)], w, parts)
+    cuts = np.cumsum(sizes)[:-1]
+    return np.split(spans, cuts), np.split(bin_of, cuts)
