@@ -375,7 +375,8 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
         if dp <= cfg.water_fill_replicas:         # water-filling rounds re-packing every replica at worst, then
             return 0.0                            # its single moves (a few rows per share tried)
         water = cfg.water_rounds * (c * budget.replica_cost(dp) + work(dp * c, k))
-        moves = cfg.shed_moves_after_water * (c * budget.charge_round_cost + work(len(cfg.shed_shares) * 4 * c, k))
+        rows = len(cfg.shed_shares) * (1 + cfg.balance_partners) * c  # each share tried: the slowest, its partners
+        moves = cfg.shed_moves_after_water * (c * budget.charge_round_cost + work(rows, k))
         return water + moves
 
     def later(c: int) -> float:  # every replica in c counts, and their rebalancing
@@ -392,7 +393,7 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     # min_scan_replicas), or, where even that does not fit, as many of the first counts (at least min_scan_counts)
     scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
                               if scan_work(r, len(counts)) <= scan_allowance])
-    if dp > cfg.water_fill_replicas:  # the rebalancing levels the replicas: also typical ones (around the median)
+    if dp > cfg.water_fill_replicas:  # the rebalancing levels the replicas: also typical ones (the middle half)
         by_total = np.argsort(total, kind="stable")
         typical = by_total[np.linspace(dp // 4, 3 * dp // 4, max(1, scanned // 2)).round().astype(int)]
         pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
