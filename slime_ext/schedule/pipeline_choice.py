@@ -14,25 +14,37 @@ registry's order (``PlannerConfig.candidates`` may leave some out, e.g. for a be
 
 1. ``unaware``: the plan of stages 2-4 as it is, each rank heaviest first -- the guard: no step is predicted
    slower than its pp-unaware plan;
-2. ``ordered``: the same micro-batches, each rank in the best of four orders (:mod:`.pipeline_orders`);
+2. ``ordered``: the same micro-batches, each rank in the best of the heuristic orders (:mod:`.pipeline_orders`:
+   four, and under VPP a fifth with each of the interleaved schedule's groups rising to its peak in the middle);
 3. ``shaped`` (dynamic batches): each replica's samples re-packed into a *shape* of micro-batch sizes
-   (:mod:`.pipeline_shape`), the count and the shape scanned with the model, then samples moved off the slowest
-   replicas (:mod:`.pipeline_rebalance`);
+   (:mod:`.pipeline_shape`): the counts scanned with a few shapes on the replicas likely to be slowest, every
+   replica packed at the best counts, samples moved off the slowest replicas (:mod:`.pipeline_rebalance`), under
+   VPP each replica's groups peaked where that is faster; one candidate per count, best first
+   (:func:`shaped_step`);
 4. ``recounted`` (dynamic batches): more micro-batches, packed by stages 2-4 themselves (every guard of the
    planner's own path), each rank in its best order;
-5. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by local moves
-   on their slowest replica (:mod:`.pipeline_refine`: order swaps; with dynamic batches also single samples moved
-   or swapped, within the replica or with the fastest replicas).
+5. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by order swaps
+   on the slowest replica, each order found tried on every replica (:func:`~.pipeline_refine.polish_orders`), then
+   by local moves on the slowest replica (:func:`~.pipeline_refine.refine`: order swaps; with dynamic batches also
+   single samples moved or swapped, within the replica or with the fastest replicas).
 
 **The comparison.** One rule, one tolerance (:func:`beats`): a candidate replaces the best so far only when its
 slowest makespan is lower by more than ``PlannerConfig.tie``; so of near-equal candidates the earliest in the
-registry wins (the pp-unaware plan first). The same rule stops every loop of the search ("while a step gains").
+registry wins (the pp-unaware plan first). The same rule stops every loop of the search ("while a step gains"),
+and keeps ``found`` best first (a candidate goes before the first it beats).
 
-**When it stops.** Every generator runs once. The iterative parts (the rebalancing moves, the refinement rounds)
-stop when a round gains nothing, at their round limits, or when the step's work budget
-(:class:`~slime_ext.schedule.pipeline_pricing.Budget`: model cells, ``budget_floor + budget_per_sample * samples``)
-cannot pay for another round. The budget grows smoothly with the step: no threshold switches a part of the search
-on or off. Every model call of the search is charged to it.
+**When it stops: the budget.** Every generator runs once. Each part of the search estimates its work before it
+runs (:class:`~slime_ext.schedule.pipeline_pricing.Budget`: estimated microseconds of the model calls, packing
+calls and Python per replica it makes, fitted to measured calls), runs only where the step's budget still pays for
+it, and is charged: the scan sizes its replicas and counts, the shaped candidate its counts and the replicas that
+try every shape, the rebalancing its rounds, the refinement its rounds; loops stop when a round gains nothing, at
+their round limits, or when the next round does not fit. The parts that act on every replica (packing them all,
+rebalancing) are reserved first, the refinement keeps ``refine_share`` of the budget's fixed part. The budget is
+``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power) + budget_per_sample_us * samples +
+budget_per_replica_us * pp ** budget_pp_power * dp``: it grows smoothly with the step (no threshold switches a
+part of the search on or off), is generous for small steps (a few replicas: the search around the slowest is
+most of it) and sized to the issue-22 grid of ``bench.pipeline_speed`` for large ones (every number is a
+documented :class:`~slime_ext.schedule.planner_config.PlannerConfig` field).
 
 ``bench/pipeline_search.py`` is the yardstick (a long annealing search under the same model; the planner's gap to
 it per case), ``bench/pipeline_speed.py`` what the search costs against pp = 1 planning. Pure: standard library
@@ -48,11 +60,11 @@ import numpy as np
 
 from .errors import ScheduleError
 from .cost import bin_costs
-from .pipeline_orders import heuristic_best, heuristic_orders
+from .pipeline_orders import group_peaks, heuristic_best, heuristic_orders
 from .pipeline_pricing import Budget, PipelinePricing
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
-from .pipeline_shape import Shape, ShapeSamples, pack_many, replica_members
+from .pipeline_shape import Shape, ShapeSamples, pack_many, pack_rows, replica_members
 from .planner_config import PlannerConfig
 from .profile import CostProfile
 from .step_plan import StepPlan, search_counts
@@ -123,7 +135,8 @@ def _orders(search: StepSearch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if search.memo.get("orders") is None:
         by_rank = _heaviest_first(search)
         costs = search.bin_costs[by_rank]
-        orders = heuristic_orders(costs)
+        spec = search.pricing.spec
+        orders = heuristic_orders(costs, spec.microbatch_group_size_per_vp_stage if spec.vpp_size > 1 else 1)
         h, r, k = orders.shape
         rows = np.take_along_axis(np.broadcast_to(costs, (h, r, k)), orders, axis=-1).reshape(h * r, k)
         search.memo["orders"] = (by_rank, orders, search.budget.price(rows).reshape(h, r))
@@ -157,7 +170,7 @@ def recounted(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
     cfg, budget = search.config, search.budget
     n = len(search.lengths)
 
-    keep = cfg.refine_share * budget.total  # what the refinement keeps
+    keep = cfg.refine_share * budget.floor  # what the refinement keeps
 
     def cost(k: int) -> float:  # stages 2-4 and one call of the model
         return budget.sample_cost(n) + budget.model_cost(4 * search.dp, k // search.dp) + budget.charge_round_cost \
@@ -190,27 +203,32 @@ def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
     if search.samples is None:
         return []
     plan = search.unaware
-    got = shaped_step(search.budget, search.samples, plan.rank_of_bin[plan.bin_of], plan.count // search.dp,
-                      search.dp, plan.strategy, plan.target)
-    return [] if got is None else [got]
+    return shaped_step(search.budget, search.samples, plan.rank_of_bin[plan.bin_of], plan.count // search.dp,
+                       search.dp, plan.strategy, plan.target)
 
 
 def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
     """The best plans so far (the best of each count, up to ``config.finalists`` counts, best first), each improved
-    by order swaps (:func:`~.pipeline_refine.polish_orders`), then by :func:`~.pipeline_refine.refine` with an
-    equal share of what is left of the budget (a share one leaves unspent passes on)."""
+    by order swaps (:func:`~.pipeline_refine.polish_orders`), then by :func:`~.pipeline_refine.refine`, within its
+    share of what is left of the budget: ``config.lead_share`` for the best, the rest in equal shares (a share one
+    leaves unspent passes on)."""
+    cfg, budget = search.config, search.budget
     finalists: dict[int, StepPlan] = {}
     for plan in found:  # best first: the first of each count
-        if len(finalists) < search.config.finalists:
+        if len(finalists) < cfg.finalists:
             finalists.setdefault(plan.count, plan)
     out = []
     for n, best in enumerate(finalists.values()):
-        share = search.budget.left() / (len(finalists) - n)
+        left = len(finalists) - n
+        share = budget.left() * (1.0 if left == 1 else cfg.lead_share if n == 0 else 1 / left)
+        if not budget.allows(2 * budget.arrangement_cost(len(search.lengths), search.dp)):
+            break
+        budget.spent += 2 * budget.arrangement_cost(len(search.lengths), search.dp)  # taken apart, put together
         arr = Arrangement.from_plan(best, search.dp, search.lengths, search.costs, search.profile, search.cap,
-                                    search.budget)
-        until = search.budget.spent + share
-        polish_orders(arr)
-        refine(arr, np.random.default_rng(search.config.refine_seed), movable=search.cap is not None, until=until)
+                                    budget)
+        with budget.capped(budget.spent + share):
+            polish_orders(arr)
+            refine(arr, np.random.default_rng(cfg.refine_seed), movable=search.cap is not None)
         if beats(float(arr.spans.max()), best.slowest, search.config):
             how = "" if "+pp-" in best.strategy else "+pp"
             out.append(arr.to_plan(f"{best.strategy}{how}-refined", best.target))
@@ -233,24 +251,57 @@ def choose_pipeline_step(search: StepSearch) -> StepPlan:
     found: list[StepPlan] = []  # best first
     for name in cfg.candidates:
         for cand in CANDIDATES[name](search, list(found)):
-            if not found or beats(cand.slowest, found[0].slowest, cfg):
-                found.insert(0, cand)
-            else:
-                found.append(cand)
+            # before the first it beats: the list stays best first, and of near-equal ones the earlier first
+            at = next((i for i, old in enumerate(found) if beats(cand.slowest, old.slowest, cfg)), len(found))
+            found.insert(at, cand)
     if not found:
         raise ScheduleError(f"PlannerConfig.candidates = {cfg.candidates} made no plan; keep 'unaware' in it")
     return found[0]
 
 
 # ---------------------------------------------------------------------------------------------------- shaped
+def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve: float) -> list:
+    """Under VPP: every replica of each count's shaped plan (``(k, spans, packs)``) also priced with each of its
+    interleaved groups rising to its peak in the middle (:func:`~.pipeline_orders.group_peaks`), in one call of the
+    model; a replica takes that order where it runs faster. Skipped where the budget cannot pay for it."""
+    group = budget.pricing.spec.microbatch_group_size_per_vp_stage
+    rows_all, orders = [], []
+    for k, spans, packs in results:
+        dp = len(packs)
+        ids = np.concatenate([mem for mem, _ in packs])
+        flat = np.concatenate([t * k + labels for t, (_, labels) in enumerate(packs)])
+        rows = bin_costs(samples.lengths[ids], samples.costs[ids], flat, dp * k, samples.profile).reshape(dp, k)
+        order = group_peaks(rows, group)
+        rows_all.append(np.take_along_axis(rows, order, axis=1))
+        orders.append(order)
+    if not rows_all or not budget.allows(budget.model_cost(sum(len(r) for r in rows_all),
+                                                           max(r.shape[1] for r in rows_all)) + reserve):
+        return results
+    got_all = budget.price_many(rows_all)
+    out = []
+    for (k, spans, packs), order, got in zip(results, orders, got_all):
+        spans, packs = spans.copy(), list(packs)
+        for t in np.flatnonzero(got < spans * (1 - budget.pricing.config.tie)).tolist():
+            where = np.empty(k, dtype=np.int64)
+            where[order[t]] = np.arange(k)  # the bin at position p of the new order is the old bin order[t][p]
+            packs[t] = (packs[t][0], where[packs[t][1]])
+            spans[t] = got[t]
+        out.append((k, spans, packs))
+    return out
+
+
 def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> list[int]:
     """The per-replica counts the shaped candidate scans: ``k0`` times ``config.count_factors``, each rounded up to
-    the step and at least ``i`` steps above ``k0`` (small counts reach far enough), at most ``most`` (the smallest
+    the step and at least ``i`` steps above ``k0`` (small counts reach far enough) but not above the largest
+    factor's count or ``k0`` plus one per factor (under VPP a step is a whole group), at most ``most`` (the smallest
     replica's samples), those megatron-core accepts."""
     out = []
-    for i, f in enumerate(pricing.config.count_factors):
+    factors = pricing.config.count_factors
+    # the largest factor's count, or one more micro-batch per factor (not whole VPP groups)
+    reach = max(-(-int(round(k0 * max(factors))) // step) * step, k0 + len(factors) - 1)
+    for i, f in enumerate(factors):
         k = max(-(-int(round(k0 * f)) // step), -(-k0 // step) + i) * step
-        if k > most:
+        if k > most or k > reach:
             break
         try:
             pricing.spec.check_microbatches(k)
@@ -262,37 +313,45 @@ def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> lis
 
 
 def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
-                strategy: str, target: int) -> StepPlan | None:
-    """The best shaped plan of the step's samples, starting from each replica's samples (``replica_of``):
+                strategy: str, target: int) -> list[StepPlan]:
+    """The shaped plans of the step's samples, one per count rebalanced (fastest first, at most
+    ``config.finalists``), starting from each replica's samples (``replica_of``):
 
-    1. every count of :func:`shape_counts` with ``config.scan_shapes``, then every shape at the
-       ``config.rebalanced_counts`` best counts, on up to ``config.scan_replicas`` replicas most likely to be
-       slowest (the heaviest, those holding the costliest samples);
-    2. every replica in the ``config.shaped_combos`` best ``(count, shape)`` combinations, the best one of each of
-       the ``config.rebalanced_counts`` best counts and the first shape (flat) at those counts; per count each
-       replica keeps its fastest shape;
+    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``config.scan_shapes``,
+       on up to ``config.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
+       samples; with many replicas also typical ones, since the rebalancing levels them), then every shape at the
+       best counts on those replicas;
+    2. every replica packed in the best combination of each of the best counts (up to ``config.rebalanced_counts``;
+       where a count fails on every one, the next count scanned), and in the count's other leading combinations
+       and the flat shape (it packs wherever any does): every replica where the budget pays for it, else the slowest
+       ones (and those the count failed on); per count each replica keeps its fastest;
     3. samples moved off the slowest replicas (:func:`~.pipeline_rebalance.rebalance_run`), the counts side by side
-       (:func:`~.pipeline_rebalance.lockstep`); the count with the fastest slowest replica wins.
+       (:func:`~.pipeline_rebalance.lockstep`); under VPP each replica's groups peaked where that is faster
+       (:func:`_group_peaked`).
 
-    The work is sized to the budget, less the refinement's share (``config.refine_share``): the scan takes as many
-    replicas (at least ``config.min_scan_replicas``), then as many counts (at least ``config.min_scan_counts``), as
-    half of what is left pays for; every
-    shape at the best counts where it still fits; the rebalancing's
-    single moves stop when a re-packing no longer fits (its water-filling rounds always run). ``None`` when no count
-    fits (too few samples, the cap), or where even the smallest such search does not fit the budget."""
+    The work is sized to the budget, less what the refinement keeps (``config.refine_share`` of the budget's fixed
+    part) and under VPP the group peaks: first the full packing and rebalancing of as many counts as fit beside a
+    scan of every count on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
+    ``config.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
+    fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
+    cap), or where even the smallest such search does not fit the budget."""
     pricing = budget.pricing
     cfg = pricing.config
     shapes = [Shape.of(s) for s in cfg.shapes]
-    scan_shapes = [Shape.of(s) for s in cfg.scan_shapes]
+    scan_shapes = [Shape.of(s) for s in cfg.scan_shapes]  # the same objects (Shape.of is cached)
+    rest = [shape for shape in shapes if not any(shape is t for t in scan_shapes)]
     members = replica_members(replica_of, samples.costs, dp, samples.order)
     n_min = int((members >= 0).sum(axis=1).min())
     counts = shape_counts(k0, samples.step, n_min, pricing)
     if not counts:
-        return None
+        return []
     total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
     largest = samples.costs[np.maximum(members[:, 0], 0)]
-    budget.spent += budget.replica_cost(dp)  # the replicas' samples sorted, their totals and largest
-    keep = cfg.refine_share * budget.total  # what the refinement keeps
+    budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
+    refine_keep = cfg.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
+    # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
+    peaks = budget.model_cost(dp * cfg.rebalanced_counts, max(counts)) if pricing.spec.vpp_size > 1 else 0.0
+    keep = refine_keep + peaks
     allowance = budget.left() - keep
     n_all, k_top = members.shape[1], max(counts)
 
@@ -304,78 +363,162 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     # pipeline's fill and drain matter least)
     fewest = min(dp, cfg.min_scan_replicas)
     if work(fewest * len(scan_shapes), counts[0]) + work(dp, counts[0]) > allowance:
-        return None
+        return []
 
-    def scan_work(r: int, c: int) -> float:  # the scan of the first c counts on r replicas
+    def scan_work(r: int, c: int) -> float:  # the scan of c of the counts (spread: the last among them) on r replicas
         rows = r * c * len(scan_shapes)
         more = r * min(cfg.rebalanced_counts, c) * (len(shapes) - len(scan_shapes))
-        return work(rows, counts[c - 1]) + work(more, counts[c - 1])
+        k = counts[-1] if c > 1 else counts[0]
+        return work(rows, k) + work(more, k)
 
-    # the scan: every count on as many of the likely slowest replicas as half the allowance pays for (at least
+    def rebalancing(c: int, k: int) -> float:  # the rebalancing of c counts side by side (one call a round): its
+        if dp <= cfg.water_fill_replicas:         # water-filling rounds re-packing every replica at worst, then
+            return 0.0                            # its single moves (a few rows per share tried)
+        water = cfg.water_rounds * (c * budget.replica_cost(dp) + work(dp * c, k))
+        rows = len(cfg.shed_shares) * (1 + cfg.balance_partners) * c  # each share tried: the slowest, its partners
+        moves = cfg.shed_moves_after_water * (c * budget.charge_round_cost + work(rows, k))
+        return water + moves
+
+    def later(c: int) -> float:  # every replica in c counts, and their rebalancing
+        k = counts[len(counts) // 2]
+        return work(dp * c, k) + rebalancing(c, k)
+
+    # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
+    n_leads = cfg.rebalanced_counts
+    smallest = work(fewest * len(counts) * len(scan_shapes), counts[-1])  # every count, the scan shapes alone
+    while n_leads > 1 and smallest + later(n_leads) > allowance:
+        n_leads -= 1
+    scan_allowance = max(smallest, min(allowance * cfg.scan_share, allowance - later(n_leads)))
+    # the scan: every count on as many of the likely slowest replicas as its allowance pays for (at least
     # min_scan_replicas), or, where even that does not fit, as many of the first counts (at least min_scan_counts)
     scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
-                              if scan_work(r, len(counts)) <= allowance / 2])
-    counts = counts[:max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)
-                                                  if scan_work(scanned, c) <= allowance / 2])]
-    pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
-                                              np.argsort(-largest, kind="stable")[:scanned]))))
+                              if scan_work(r, len(counts)) <= scan_allowance])
+    if dp > cfg.water_fill_replicas:  # the rebalancing levels the replicas: also typical ones (the middle half)
+        by_total = np.argsort(total, kind="stable")
+        typical = by_total[np.linspace(dp // 4, 3 * dp // 4, max(1, scanned // 2)).round().astype(int)]
+        pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
+    else:
+        pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
+                                                  np.argsort(-largest, kind="stable")[:scanned]))))
     sub = members[np.asarray(pick[:scanned])] if dp > scanned else members
+    # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays for,
+    # spread over that range (its first and last included)
+    counts = [k for k in counts if k <= int((sub >= 0).sum(axis=1).min())] or counts[:1]
+    fit = max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (the other shapes may be cut)
+                                       if work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
+    if fit < len(counts):
+        counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
     # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept);
     # where every shape at every count is a small packing, all in one call (the same prices, one call fewer)
     combos = [(k, shape) for k in counts for shape in scan_shapes]
-    every = combos + [(k, shape) for k in counts for shape in shapes if shape not in scan_shapes]
-    if len(every) * len(sub) <= cfg.one_scan_rows and work(len(every) * len(sub), counts[-1]) <= allowance / 2:
+    every = combos + [(k, shape) for k in counts for shape in rest]
+    if len(every) * len(sub) <= cfg.one_scan_rows and work(len(every) * len(sub), counts[-1]) <= scan_allowance:
         seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
         scan = np.asarray([seen[combo] for combo in combos])
     else:
         scan = pack_many(budget, samples, sub, combos)[0].max(axis=1)
         seen = dict(zip(combos, scan))
     best_counts = list(dict.fromkeys(combos[i][0] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])))
-    combos = [(k, shape) for k in best_counts[:cfg.rebalanced_counts] for shape in shapes]
+    combos = [(k, shape) for shape in shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
     fresh = [combo for combo in combos if combo not in seen]
-    if fresh and work(len(fresh) * len(sub), max(k for k, _ in fresh)) <= budget.left() - keep:
+    room = budget.left() - keep - later(n_leads)
+    while fresh and work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
+        fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
+    if fresh:
         seen.update(zip(fresh, pack_many(budget, samples, sub, fresh)[0].max(axis=1)))
     combos = [combo for combo in combos if combo in seen]
     scan = np.asarray([seen[combo] for combo in combos])
     best_first = [combos[i] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])]
     if not best_first:
-        return None
-    # the best combinations, and the best of each of the best counts (a count can fail on a replica the scan did not
-    # see); at each of their counts also the first shape (the flat one: it packs wherever any does)
-    ranked = best_first[:cfg.shaped_combos]
-    for k in list(dict.fromkeys(k for k, _ in best_first))[:cfg.rebalanced_counts]:
-        ranked += [c for c in (next(c for c in best_first if c[0] == k), (k, shapes[0])) if c not in ranked]
-    spans, bin_of = pack_many(budget, samples, members, ranked)
+        return []
+    # per count (the ``config.rebalanced_counts`` best): its best combination, then its other leading ones (of the
+    # ``config.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps its
+    # fastest. Every replica is packed in each count's best; in the others, every replica where the budget pays for
+    # it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as it pays
+    def full_packing(leads: list[int]) -> tuple[list, np.ndarray, np.ndarray, list]:
+        """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of,
+        each replica's shape per count)``."""
+        per_count = []
+        for k in leads:
+            mine = [c for c in best_first[:cfg.shaped_combos] if c[0] == k]
+            mine = mine or [next(c for c in best_first if c[0] == k)]
+            per_count.append(mine + ([(k, shapes[0])] if (k, shapes[0]) not in mine else []))
+        first = [combos_k[0] for combos_k in per_count]
+        extras = [(c, combo) for c, combos_k in enumerate(per_count) for combo in combos_k[1:]]
+        k_max = max(leads)
+        reserve = keep + rebalancing(len(leads), k_max)  # the rebalancing comes first
+        full = work(dp * (len(first) + len(extras)), k_max)
+        if not extras or budget.allows(full + reserve):  # every replica in every combination: one call
+            spans, bin_of = pack_many(budget, samples, members, first + [combo for _, combo in extras])
+            best_span, best_bin = spans[:len(first)].copy(), bin_of[:len(first)].copy()
+            tried = [(c, np.arange(dp), spans[len(first) + i], bin_of[len(first) + i])
+                     for i, (c, _) in enumerate(extras)]
+        else:
+            best_span, best_bin = pack_many(budget, samples, members, first)
+            # as many of each count's slowest replicas as the budget pays for (the estimate is affine in the rows)
+            fixed, per_row = work(0, k_max), work(1, k_max) - work(0, k_max)
+            contenders = min(dp, max(0, int((budget.left() - reserve - fixed) / (per_row * len(extras)))))
+            # ... and at least the replicas a count failed on (rare and few: without them the count is lost)
+            contenders = max(contenders, int((~np.isfinite(best_span)).sum(axis=1).max()))
+            tried = []
+            if contenders:
+                rows = [np.argsort(-best_span[c], kind="stable")[:contenders] for c, _ in extras]
+                got_spans, got_bins = pack_rows(budget, samples, members, rows, [combo for _, combo in extras])
+                tried = [(c, r, sp, bo) for (c, _), r, sp, bo in zip(extras, rows, got_spans, got_bins)]
+        choice = [[combo[1]] * dp for combo in first]
+        for (c, (_, shape)), (_, rows, sp, bo) in zip(extras, tried):  # in order: only a faster one replaces
+            better = sp < best_span[c][rows]
+            if better.any():
+                hit = rows[better]
+                best_span[c][hit], best_bin[c][hit] = sp[better], bo[better]
+                for r in hit.tolist():
+                    choice[c][r] = shape
+        return first, best_span, best_bin, choice
+
+    ordered_counts = list(dict.fromkeys(k for k, _ in best_first))
+    leads = ordered_counts[:n_leads]
+    while len(leads) > 1 and not budget.allows(work(dp * len(leads), max(leads)) + keep):
+        leads.pop()  # every replica in each count's best: as many counts as the budget pays for
+    first, best_span, best_bin, choice = full_packing(leads)
+    # a count can fail on a replica the scan did not see (no shape packs its samples there): then the next count
+    # scanned, as far as the budget pays for it
+    following = ordered_counts[len(leads):]
+    while following and not np.isfinite(best_span).all(axis=1).any() \
+            and budget.allows(work(dp, following[0]) + keep):
+        f2, s2, b2, c2 = full_packing([following.pop(0)])
+        first, best_span, best_bin, choice = first + f2, np.vstack((best_span, s2)), np.vstack((best_bin, b2)), \
+            choice + c2
     valid = members >= 0
     start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
     runs = []  # per count: (k, its rebalancing run), or (k, the result without one)
-    for k in list(dict.fromkeys(k for k, _ in ranked))[:cfg.rebalanced_counts]:
-        idx = [i for i, (kk, _) in enumerate(ranked) if kk == k]
-        choice = np.asarray(idx)[spans[idx].argmin(axis=0)]
-        got = spans[choice, np.arange(dp)]
+    for c, (k, _) in enumerate(first):
+        got = best_span[c]
         if not np.isfinite(got).all():
             continue
-        groups, shapes_k = list(start), [ranked[i][1] for i in choice]
-        packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, bin_of[choice, np.arange(dp)])]
+        groups, shapes_k = list(start), choice[c]
+        budget.spent += budget.arrangement_cost(0, dp)  # each replica's packing, as a run takes it
+        packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, best_bin[c])]
         runs.append((k, rebalance_run(budget, samples, groups, k, shapes_k, got, packs, keep) if dp > 1
                      else (groups, shapes_k, got, packs)))
     # the counts' rebalancing side by side (one packing call and one pass of the model per round)
     moving = [i for i, (_, run) in enumerate(runs) if not isinstance(run, tuple)]
+    # (the rebalancing comes before the refinement's share: a run's own checks keep it for its single moves)
     done = dict(zip(moving, lockstep(budget, samples, [runs[i][1] for i in moving])))
-    best = None
-    for i, (k, run) in enumerate(runs):
-        _, _, got, packs = done.get(i, run)
-        if best is None or beats(got.max(), best[1].max(), cfg):
-            best = (k, got, packs)
-    if best is None:
-        return None
-    k, spans, packs = best  # each replica as last packed in its shape
-    step_bin = np.full(len(replica_of), -1, dtype=np.int64)
-    step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate([t * k + labels
-                                                                          for t, (_, labels) in enumerate(packs)])
-    count = k * dp
-    slowest = int(np.argmax(spans))
-    mem, labels = packs[slowest]
-    row = samples.bin_rows(mem[None, :], labels[None, :], k)[0]
-    return StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}", target,
-                    np.arange(count), spans, pricing.bubble(row, spans[slowest]))
+    results = [(k, *done.get(i, run)[2:]) for i, (k, run) in enumerate(runs)]
+    if pricing.spec.vpp_size > 1:
+        results = _group_peaked(budget, samples, results, refine_keep)
+    # the counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes
+    ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:cfg.finalists]
+    out = []
+    for k, spans, packs in (results[i] for i in ranked):  # each replica as last packed in its shape
+        budget.spent += budget.arrangement_cost(len(replica_of), dp)
+        step_bin = np.full(len(replica_of), -1, dtype=np.int64)
+        step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate([t * k + labels
+                                                                              for t, (_, labels) in enumerate(packs)])
+        count = k * dp
+        slowest = int(np.argmax(spans))
+        mem, labels = packs[slowest]
+        row = samples.bin_rows(mem[None, :], labels[None, :], k)[0]
+        out.append(StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}",
+                            target, np.arange(count), spans, pricing.bubble(row, spans[slowest])))
+    return out

@@ -24,6 +24,7 @@ library and numpy.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -193,43 +194,67 @@ class Budget:
     (the 2-core machine of the benches), counted from what the search calls, never measured: the same input always
     gets the same search.
 
-    * a call of the model on ``R`` rows of ``M`` micro-batches: ``work_level_us`` per level of the schedule's DAG
-      (about ``2 (M vpp + pp)`` levels) plus ``work_cell_us`` per row x micro-batch x virtual stage;
+    * a call of the model on ``R`` rows of ``M`` micro-batches: ``work_call_us`` per group of rows of one count,
+      ``work_level_us`` per level of the schedule's DAG (about ``2 (M vpp + pp)`` levels) and
+      ``work_model_cell_us`` per row x micro-batch x virtual stage;
     * a packing call (:func:`~slime_ext.schedule.pipeline_shape.shape_pack`) of ``R`` rows of at most ``n``
-      samples into ``k`` micro-batches: ``n`` passes of ``work_pass_us`` plus ``work_cell_us`` per row x
-      micro-batch, and ``work_round_us`` for the work around it;
-    * a round of the refinement: its model call and ``work_round_us``.
+      samples into ``k`` micro-batches: ``work_round_us`` for the work around it and ``n`` passes, each
+      ``work_pass_us``, ``work_pass_row_us`` per row and ``work_pack_cell_us`` per row x micro-batch;
+    * a round of the refinement or of an order improvement: its model call and ``work_round_us``; a round of
+      water-filling: ``work_replica_us`` per replica; stages 2-4 at another count: ``work_sample_us`` per sample.
 
-    A step's budget is ``budget_floor_us / sqrt(dp) + budget_per_sample_us * samples`` (:meth:`for_step`): it grows
-    smoothly with the step, and no threshold switches a part of the search on or off; the search's parts size
-    themselves to what is left (:meth:`left`) and its loops stop when the next round does not fit
-    (:meth:`allows`)."""
+    A step's budget (:meth:`for_step`) grows smoothly with the step, and no threshold switches a part of the
+    search on or off. Every part of the search asks before it runs whether its estimate fits what is left
+    (:meth:`allows`, with the shares the later parts keep) and is charged for it: the parts size themselves to the
+    budget, and the loops stop when their next round does not fit. The estimates are within about -10%/+30% of
+    the CPU time the calls take on the benches' machine (``PlannerConfig.work_*``)."""
 
-    def __init__(self, pricing: PipelinePricing, total_us: float) -> None:
+    def __init__(self, pricing: PipelinePricing, total_us: float, floor_us: float | None = None) -> None:
         self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
+        #: the budget's fixed part (the search around the slowest replicas: the refinement keeps a share of it)
+        self.floor = self.total if floor_us is None else float(floor_us)
         c = pricing.config
-        self._level, self._cell, self._pass, self._round = c.work_level_us, c.work_cell_us, c.work_pass_us, \
-            c.work_round_us
+        self._call, self._level, self._cell = c.work_call_us, c.work_level_us, c.work_model_cell_us
+        self._pass, self._pass_row, self._pack_cell = c.work_pass_us, c.work_pass_row_us, c.work_pack_cell_us
+        self._round = c.work_round_us
         self._replica, self._sample = c.work_replica_us, c.work_sample_us
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
-        """``budget_floor_us / sqrt(replicas) + budget_per_sample_us * samples``: the search over every replica
-        (packing, rebalancing) grows with the samples; the search around the slowest replicas (the scan, the
-        recount, the refinement) has a fixed part that shrinks as more replicas share the step."""
+        """``min(budget_floor_max_us, budget_floor_us / replicas ** budget_floor_power) + budget_per_sample_us *
+        samples + budget_per_replica_us * pp ** budget_pp_power * replicas``: the search around the slowest
+        replicas (the scan, the recount, the refinement) has a fixed part, generous for a few replicas and shrinking
+        as more share the step; the search over every replica (packing, rebalancing) grows with the samples and the
+        replicas (a deeper pipeline pays for more: its bubbles are longer). The fixed part is :attr:`floor`."""
         c = pricing.config
-        return cls(pricing, c.budget_floor_us / float(replicas) ** 0.5 + c.budget_per_sample_us * samples)
+        floor = min(c.budget_floor_max_us, c.budget_floor_us / float(replicas) ** c.budget_floor_power)
+        per_replica = c.budget_per_replica_us * pricing.spec.pp_size ** c.budget_pp_power
+        return cls(pricing, floor + c.budget_per_sample_us * samples + per_replica * replicas, floor)
 
     def left(self) -> float:
         return self.total - self.spent
 
-    def model_cost(self, rows: int, m: int) -> float:
+    @contextmanager
+    def capped(self, until: float):
+        """Within the block, the budget ends at ``until`` (a part of the search given a share of it)."""
+        total, self.total = self.total, min(self.total, until)
+        try:
+            yield self
+        finally:
+            self.total = total
+
+    def _levels(self, m: int) -> float:
         spec = self.pricing.spec
-        return self._level * 2 * (m * spec.chunks + spec.pp_size) + self._cell * rows * m * self._v
+        return self._call + self._level * 2 * (m * spec.chunks + spec.pp_size)
+
+    def model_cost(self, rows: int, m: int) -> float:
+        """A call of the model on ``rows`` rows of ``m`` micro-batches."""
+        return self._levels(m) + self._cell * rows * m * self._v
 
     def pack_cost(self, rows: int, n: int, k: int) -> float:
-        return n * (self._pass + self._cell * rows * k)
+        """A packing call of ``rows`` rows of at most ``n`` samples into ``k`` micro-batches (its pricing apart)."""
+        return self._round + n * (self._pass + rows * (self._pass_row + self._pack_cell * k))
 
     def allows(self, cost: float) -> bool:
         """Whether work of this estimated cost still fits."""
@@ -246,11 +271,11 @@ class Budget:
         groups = [np.atleast_2d(g) for g in groups]
         if groups:
             m = max(g.shape[1] for g in groups)
-            self.spent += self.model_cost(0, m) + self._cell * self._v * sum(g.size for g in groups)
+            self.spent += self._levels(m) + self._call * (len(groups) - 1) + self._cell * self._v * sum(g.size for g in groups)
         return self.pricing.makespans_many(groups)
 
     def charge_pack(self, rows: int, n: int, k: int) -> None:
-        self.spent += self.pack_cost(rows, n, k) + self._round
+        self.spent += self.pack_cost(rows, n, k)
 
     def refine_round_cost(self, draws: int, k: int) -> float:
         """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
@@ -260,6 +285,11 @@ class Budget:
     def sample_cost(self, samples: int) -> float:
         """Stages 2-4 of the planner over ``samples`` (a re-packed count)."""
         return self._sample * samples
+
+    def arrangement_cost(self, samples: int, replicas: int) -> float:
+        """Samples and replicas put into arrays or lists (a plan taken apart or put together, each replica's
+        packing): a vectorised pass over the samples and about ten per replica, ``work_pass_row_us`` each."""
+        return self._pass_row * (samples + 10 * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""

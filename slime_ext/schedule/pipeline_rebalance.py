@@ -40,10 +40,12 @@ Packed = tuple[np.ndarray, np.ndarray]
 Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
-def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
+def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float = 0.0) -> list:
     """Drive rebalancing runs (generators that yield :data:`Repack` requests and return their result) side by
     side: every round, all their requests in one packing call and one pass of the model. Each run gets exactly
-    what it would alone (rows pack and price independently of each other); returns their results."""
+    what it would alone (rows pack and price independently of each other), as far as the budget pays for the
+    round's call and leaves ``reserve``: where it cannot, the last runs are answered ``None`` (they stop) until it
+    can. Returns their results."""
     results: list = [None] * len(runs)
     asks: dict[int, Repack] = {}
 
@@ -57,6 +59,13 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
         advance(i, None)
     while asks:
         order = sorted(asks)
+        # the round's call must fit the budget: the runs of the later counts stop first (answered ``None``)
+        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order]) + reserve):
+            i = order.pop()
+            asks.pop(i)
+            advance(i, None)
+        if not order:
+            continue
         batch = [asks.pop(i) for i in order]
         rows = [row for ask in batch for row in ask[0]]
         members = samples.pad(rows)
@@ -79,6 +88,14 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
     return results
 
 
+def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
+    """What answering ``asks`` in one call costs: their packing and one pass of the model."""
+    rows = sum(len(ask[0]) for ask in asks)
+    n = max(len(row) for ask in asks for row in ask[0])
+    k = max(ask[1] for ask in asks)
+    return budget.pack_cost(rows, n, k) + budget.model_cost(rows, k)
+
+
 def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> bool:
     """Whether re-packing and pricing ``rows`` fits the budget with ``reserve`` left over."""
     n = max(len(r) for r in rows)
@@ -95,8 +112,10 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
     whose costliest sample is dominant (:func:`dominant`) and whose level lies below what it would
     keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
-    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. Its rounds are
-    charged to the budget but always run (``reserve`` is unused: the signature of every run).
+    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. A round is
+    charged (``work_replica_us`` per replica) and runs only where the budget pays for it and a small re-packing, and
+    leaves ``reserve``; its re-packing is :func:`lockstep`'s (answered ``None`` where the budget cannot pay for it:
+    the run stops).
 
     A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
     each replica's packing as far as it was re-packed (the others as given)."""
@@ -104,34 +123,42 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     costs, lengths = samples.costs, samples.lengths
     slope = budget.pricing.slope
     groups, packs = list(groups), list(packs)
-    for _ in range(cfg.water_rounds):  # its rounds always run (charged): many replicas need the leveling
+    n_all = len(costs)
+    asc_order, asc_rank = samples.ascending
+    n_max = max(len(g) for g in groups)
+    for _ in range(cfg.water_rounds):
+        # the round's own work, and a re-packing of a few replicas, must fit (lockstep checks the re-packing)
+        if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
+                             + budget.model_cost(1, k)):
+            break
         budget.spent += budget.replica_cost(len(groups))
         # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
-        sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
+        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
         every = np.concatenate(groups).astype(np.int64, copy=False)
         whose = np.repeat(np.arange(len(groups)), sizes)
         work = np.bincount(whose, weights=costs[every], minlength=len(groups))
         held = np.bincount(whose, weights=lengths[every], minlength=len(groups))
-        by_cost_all = every[np.lexsort((every, costs[every], whose))]
+        by_cost_all = asc_order[np.sort(whose * n_all + asc_rank[every]) % n_all]  # by replica, cheapest first
         starts = np.concatenate(([0], np.cumsum(sizes)))
         own = spans - slope * work
         level = (slope * work.sum() + own.sum()) / len(groups)
         excess = work - (level - own) / slope
-        deficit = [(float(e), t) for t, e in enumerate(excess) if e < 0]
-        if not deficit:
+        below_level = np.flatnonzero(excess < 0)
+        if not len(below_level):
             break
+        deficit = list(zip(excess[below_level].tolist(), below_level.tolist()))
         heapq.heapify(deficit)  # most negative first: the replica furthest below the level
         add: dict[int, list[int]] = {}  # replica -> samples it takes
         drop: dict[int, list[int]] = {}  # replica -> samples it gives
         # the cheapest samples of the replicas below the level, for a replica stripped down to a dominant sample
+        # (made when one is first stripped)
         below = [t for _, t in deficit]
-        pool = np.concatenate([groups[t] for t in below])
-        owner = np.repeat(below, [len(groups[t]) for t in below])
-        by_cost: list[np.ndarray] = []  # the pool cheapest first, sorted when a replica is first stripped
+        pooled = int(sizes[below].sum())
+        pool: list[np.ndarray] = []  # [the pool, each one's owner, the pool cheapest first]
         taken = 0
 
         spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
-        tokens = {t: int(held[t]) for t in below}
+        tokens = dict(zip(below, held[below].astype(np.int64).tolist()))
         room = cfg.token_fill * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
 
         def give(d: int, i: int) -> bool:
@@ -156,23 +183,35 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
             drop.setdefault(d, []).append(int(i))
             return True
 
-        for d in np.argsort(-excess, kind="stable"):
-            d = int(d)
-            if excess[d] <= 0 or spans[d] <= level * (1 + cfg.min_gain) or not below:
-                break
+        # the replicas above the level, by decreasing excess, up to the first within min_gain of the level; of
+        # those, the ones that act: a dominant costliest sample, or a first movable sample (after the k - 1
+        # cheapest) within the excess (the others give nothing)
+        order = np.argsort(-excess, kind="stable")
+        on = (excess[order] > 0) & (spans[order] > level * (1 + cfg.min_gain))
+        order = order[:len(order) if on.all() else int(np.argmin(on))]
+        cum = np.concatenate(([0.0], np.cumsum(costs[by_cost_all])))
+        head, top = starts[order], costs[by_cost_all[starts[order + 1] - 1]]
+        # dominant(top, work[d], cfg), and what it would keep (its k - 1 cheapest and the top) above its level:
+        # the test below, with a margin for the summation order (it decides exactly)
+        keeps = top + cum[np.minimum(head + k - 1, starts[order + 1])] - cum[head]
+        strong = (top >= cfg.strip_share * work[order]) & (work[order] - excess[order] < keeps * (1 + 1e-9))
+        first = np.where(sizes[order] > k, costs[by_cost_all[np.minimum(head + k - 1, len(every) - 1)]], np.inf)
+        for d in order[strong | (first <= excess[order])].tolist():
             mine = by_cost_all[starts[d]:starts[d + 1]]
             top = float(costs[mine[-1]])
             if dominant(top, work[d], cfg) and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
-                    and taken + k - 1 <= len(pool):
+                    and taken + k - 1 <= pooled:
                 # a dominant sample: keep it with the k - 1 cheapest samples of the step's light replicas, give
                 # every other sample away
                 for i in mine[:-1]:
                     give(d, i)
-                if not by_cost:
-                    by_cost.append(np.argsort(costs[pool], kind="stable"))
-                for j in by_cost[0][taken:taken + k - 1]:
-                    add.setdefault(d, []).append(int(pool[j]))
-                    drop.setdefault(int(owner[j]), []).append(int(pool[j]))
+                if not pool:
+                    pool += [np.concatenate([groups[t] for t in below]),
+                             np.repeat(below, [len(groups[t]) for t in below])]
+                    pool.append(np.argsort(costs[pool[0]], kind="stable"))
+                for j in pool[2][taken:taken + k - 1]:
+                    add.setdefault(d, []).append(int(pool[0][j]))
+                    drop.setdefault(int(pool[1][j]), []).append(int(pool[0][j]))
                 taken += k - 1
                 continue
             left = float(excess[d])
@@ -186,17 +225,19 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
         changed = sorted(set(add) | set(drop))
         # each changed replica: the samples it keeps by id (a sample is given by its own replica only), then those
         # it takes in the order taken
-        gone = np.zeros(len(costs), dtype=bool)
-        gone[np.concatenate([np.asarray(ids, dtype=np.int64) for ids in drop.values()])] = True
+        gone = np.zeros(n_all, dtype=bool)
+        gone[list(itertools.chain.from_iterable(drop.values()))] = True
         ids = np.concatenate([groups[t] for t in changed])
-        whose = np.repeat(np.arange(len(changed)), [len(groups[t]) for t in changed])
+        whose = np.repeat(np.arange(len(changed)), sizes[changed])
         stay = ~gone[ids]
-        ids, whose = ids[stay], whose[stay]
-        ids = ids[np.lexsort((ids, whose))]
-        ends = np.cumsum(np.bincount(whose, minlength=len(changed))).tolist()
-        kept = [ids[a:b] for a, b in zip([0] + ends[:-1], ends)]
-        rows = [np.concatenate((mine, np.asarray(add.get(t, []), dtype=np.int64))) for mine, t in zip(kept, changed)]
-        got, packed = yield rows, k, [shapes[t] for t in changed]
+        ids = np.sort(whose[stay] * n_all + ids[stay]) % n_all  # by replica, then by id
+        ends = np.cumsum(np.bincount(whose[stay], minlength=len(changed))).tolist()
+        rows = [ids[a:b] if t not in add else np.concatenate((ids[a:b], np.asarray(add[t], dtype=np.int64)))
+                for a, b, t in zip([0] + ends[:-1], ends, changed)]
+        answer = yield rows, k, [shapes[t] for t in changed]
+        if answer is None:  # the budget cannot pay for the re-packing
+            break
+        got, packed = answer
         trial = spans.copy()
         trial[changed] = got
         if not trial.max() < spans.max() * (1 - cfg.tie):
@@ -223,8 +264,12 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     costs = samples.costs
     many = len(groups) > cfg.water_fill_replicas
     if many:
-        groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs, reserve)
+        # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
+        groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.shed_moves_after_water if many else cfg.max_shed_moves):
+        if not budget.allows(budget.charge_round_cost + reserve):
+            break
+        budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.balance_partners]
         mine = samples.cheapest_first(groups[s])  # cheapest first
@@ -262,7 +307,10 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         moves = cands
         if not _fits(budget, rows, k, reserve):
             break
-        got, packed = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
+        answer = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
+        if answer is None:  # the budget cannot pay for it
+            break
+        got, packed = answer
         worst = np.full(len(moves), -np.inf)
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples

@@ -71,28 +71,44 @@ class Arrangement:
 
 
 def polish_orders(arr: Arrangement) -> Arrangement:
-    """Improve ``arr`` in place by order swaps alone, every pair of positions at once
-    (:func:`~slime_ext.schedule.pipeline_orders.improve_orders`), on the replicas within ``config.polish_band`` of
-    the slowest, again while the slowest is one it has not polished (the step waits for the slowest replica)."""
-    cfg = arr.budget.pricing.config
+    """Improve ``arr`` in place by order swaps alone: the slowest replica's order by pair swaps
+    (:func:`~slime_ext.schedule.pipeline_orders.improve_orders`), then the same permutation of positions tried on
+    every replica (one call of the model; a replica takes it where it runs faster: the shaped replicas' micro-batches
+    follow one shape, so an order that helps the slowest tends to help them all); again while the slowest is one
+    it has not polished (the step waits for the slowest replica), as far as the budget pays."""
+    budget = arr.budget
+    cfg = budget.pricing.config
     done = np.zeros(arr.dp, dtype=bool)
+    same = np.arange(arr.k)
     while True:
         s = int(np.argmax(arr.spans))
         if done[s]:
             return arr
-        rows = np.flatnonzero(~done & (arr.spans >= arr.spans[s] * (1 - cfg.polish_band)))
-        same = np.broadcast_to(np.arange(arr.k), (len(rows), arr.k))
-        order, spans = improve_orders(arr.budget.pricing, arr.price[rows], same.copy(), arr.spans[rows], arr.budget)
-        for r, o, span in zip(rows, order, spans):
-            if (o != np.arange(arr.k)).any():  # replica r runs its micro-batches in the order o
-                where = np.empty(arr.k, dtype=np.int64)
-                where[o] = np.arange(arr.k)
-                mine = arr.rep == r
-                arr.slot[mine] = where[arr.slot[mine]]
-                for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
-                    v[r] = v[r][o]
-                arr.spans[r] = span
-        done[rows] = True
+        done[s] = True
+        order, spans = improve_orders(budget.pricing, arr.price[s:s + 1], same[None, :].copy(), arr.spans[s:s + 1],
+                                      budget)
+        o = order[0]
+        if (o == same).all():
+            continue
+        _permute(arr, s, o, float(spans[0]))
+        others = np.flatnonzero(np.arange(arr.dp) != s)
+        if not len(others) or not budget.allows(budget.model_cost(len(others), arr.k) + budget.charge_round_cost):
+            continue
+        budget.charge_round()
+        got = budget.price(arr.price[others][:, o])
+        for r in others[got < arr.spans[others] * (1 - cfg.tie)].tolist():
+            _permute(arr, r, o, float(got[np.searchsorted(others, r)]))
+
+
+def _permute(arr: Arrangement, r: int, o: np.ndarray, span: float) -> None:
+    """Replica ``r`` runs its micro-batches in the order ``o`` (positions), with makespan ``span``."""
+    where = np.empty(arr.k, dtype=np.int64)
+    where[o] = np.arange(arr.k)
+    mine = arr.rep == r
+    arr.slot[mine] = where[arr.slot[mine]]
+    for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
+        v[r] = v[r][o]
+    arr.spans[r] = span
 
 
 def refine(arr: Arrangement, rng: np.random.Generator, movable: bool, until: float | None = None) -> Arrangement:

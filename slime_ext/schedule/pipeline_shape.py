@@ -72,9 +72,14 @@ class Shape:
     @classmethod
     def of(cls, fields: tuple) -> "Shape":
         """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise]]])``;
-        ``up < 0`` rises over the whole step (:data:`RISING`)."""
-        up, *rest = fields
-        return cls(RISING if up < 0 else int(up), *rest)
+        ``up < 0`` rises over the whole step (:data:`RISING`). The same tuple gives the same object."""
+        return _shape_of(tuple(fields))
+
+
+@lru_cache(maxsize=1024)
+def _shape_of(fields: tuple) -> Shape:
+    up, *rest = fields
+    return Shape(RISING if up < 0 else int(up), *rest)
 
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
@@ -201,10 +206,17 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
                 slack = size - j - (used - ((tok > 0) & ~unused).sum(axis=1))
                 slack_a = slack[:a]
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
-        # the micro-batch with the most room left that takes the sample under the cap
-        pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
+        # the micro-batch with the most room left that takes the sample under the cap: the one with the most room
+        # where it takes it (the common case: one pass), else the most room among those that take it
+        pick = room_a.argmax(axis=1)
         flat = base_a + pick
         held = flat_tok[flat]
+        over = held > allowed
+        if over.any():
+            bad = np.flatnonzero(over)
+            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+            flat[bad] = base_a[bad] + pick[bad]
+            held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
@@ -259,6 +271,16 @@ class ShapeSamples:
             rank[self.order] = np.arange(len(self.costs))
             return rank
         return self._once("rank", self.costs, make)
+
+    @property
+    def ascending(self) -> tuple[np.ndarray, np.ndarray]:
+        """The step's sample ids by increasing cost, ties by id, and each sample's place in that order."""
+        def make() -> tuple[np.ndarray, np.ndarray]:
+            order = np.argsort(self.costs, kind="stable")
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order))
+            return order, rank
+        return self._once("ascending", self.costs, make)
 
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
@@ -344,3 +366,20 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
     spans, bin_of = pack_core(budget, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
     at = np.asarray([distinct.index(i) for i in of])
     return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]
+
+
+def pack_rows(budget: Budget, samples: ShapeSamples, members: np.ndarray, rows: list[np.ndarray],
+              combos: list[tuple[int, Shape]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, every part in one call: per part its spans and
+    ``bin_of`` (``inf`` where a row does not fit)."""
+    sizes = [len(r) for r in rows]
+    width = max(k for k, _ in combos)
+    w = np.full((sum(sizes), width), -1.0)
+    parts, at = [], 0
+    for (k, shape), size in zip(combos, sizes):
+        w[at:at + size, :k] = shape.weights(k, samples.step)
+        parts.append((k, shape, slice(at, at + size)))
+        at += size
+    spans, bin_of = pack_core(budget, samples, members[np.concatenate(rows)], w, parts)
+    cuts = np.cumsum(sizes)[:-1]
+    return np.split(spans, cuts), np.split(bin_of, cuts)

@@ -78,38 +78,57 @@ class PlannerConfig:
     #: the first must be "unaware" (the guard). A bench may leave one out to measure what it brings
     candidates: tuple[str, ...] = ("unaware", "ordered", "shaped", "recounted", "refined")
     #: the step's work budget in estimated microseconds (:class:`~slime_ext.schedule.pipeline_pricing.Budget`):
-    #: ``budget_floor_us / sqrt(dp) + budget_per_sample_us * samples``. Measured: the small pinned pipeline steps
-    #: (``bench.plan_digest``'s, dp 1-4, 8-200 samples) keep plans no slower than cfaa6b5's (``bench.plan_quality
-    #: --compare``) from ~12 ms at dp 4; the issue-22 grid of ``bench.pipeline_speed`` (dp 128-512, 2,048-8,192
-    #: samples) plans within cfaa6b5's time there with the per-sample part at ~1 us (the pp = 1 planning costs
-    #: 0.6-1.7 us per sample)
-    budget_floor_us: float = 24000.0
-    budget_per_sample_us: float = 1.5
-    #: the share of the budget the shaped and recounted candidates leave to the refinement
+    #: ``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power) + budget_per_sample_us * samples +
+    #: budget_per_replica_us * pp ** budget_pp_power * dp``. The fixed part (the search around the slowest replicas:
+    #: the scan, the refinement) is 24 ms up to dp 12, 13 ms at dp 32, 2.3 ms at dp 128. Measured (2026-12, the
+    #: shared 2-core machine): below 24 ms at dp 1-4 a few dp 4 x VPP 2 pinned steps (``bench.plan_quality
+    #: --compare``) plan up to 1.2% slower than cfaa6b5's, and 24 ms keeps ``bench.pipeline_speed``'s static and
+    #: many-micro-batch layouts within 4x pp = 1 + 20 ms per step; at dp 32 the yardstick's tail-dp32-pp4 is 1.047 of
+    #: its best with 7 ms and 1.003 with 13 ms; the per-sample and per-replica parts put the issue-22 grid of
+    #: ``bench.pipeline_speed`` (dp 128-512, 2,048-8,192 samples) at 0.75-0.95 of cfaa6b5's planning time, pp 8
+    #: getting sqrt(2) as much per replica as pp 4 (cfaa6b5 plans pp 8 in 1.1-1.5x its pp 4 time)
+    budget_floor_us: float = 1000000.0
+    budget_floor_power: float = 1.25
+    budget_floor_max_us: float = 24000.0
+    budget_per_sample_us: float = 0.36
+    budget_per_replica_us: float = 8.5
+    budget_pp_power: float = 0.5
+    #: the share of the budget's fixed part the shaped and recounted candidates leave to the refinement
     refine_share: float = 0.15
-    #: the work estimate's coefficients, measured on the benches' 2-core machine (``python -m bench.pipeline_speed``
-    #: era, 2026-12): a call of the model costs 2.2-3.0 us per level of its DAG (pp 4-8, VPP 1-3, 8-512
-    #: micro-batches) and 3-5 ns per row x micro-batch x virtual stage; a packing call 5-8 us per sample rank and
-    #: 4-7 ns per row x micro-batch and sample rank
-    work_level_us: float = 2.4
-    work_cell_us: float = 0.005
-    work_pass_us: float = 5.0
-    #: ... and the numpy work around a packing call or a round of the refinement: 150-400 us
+    #: the work estimate's coefficients (:class:`~slime_ext.schedule.pipeline_pricing.Budget`), fitted to the
+    #: packing and model calls of ``bench.pipeline_speed``'s issue-22 grid and of the yardstick's 23 cases
+    #: (``bench.pipeline_search``), timed where they run (CPU time, 280 packing and 636 model calls of two warm
+    #: plannings each, the benches' 2-core machine shared as usual, 2026-12, numpy 2.4; least squares on the
+    #: relative error: the middle half of the calls within -10%/+20% of the estimate, the totals within 10%).
+    #: A call of the model: 40 us per group of rows of one count, 3.2 us per level of its DAG (about
+    #: ``2 (M vpp + pp)`` levels), 5.5 ns per row x micro-batch x virtual stage
+    work_call_us: float = 40.0
+    work_level_us: float = 3.2
+    work_model_cell_us: float = 0.0055
+    #: ... a packing call (:func:`~slime_ext.schedule.pipeline_shape.shape_pack`): per sample rank (a pass) 9 us,
+    #: 45 ns per row and 0.8 ns per row x micro-batch (a plan taken apart into arrays or lists costs one pass-row per
+    #: sample and ten per replica: 0.2-0.5 ms at 8,192 samples)
+    work_pass_us: float = 9.0
+    work_pass_row_us: float = 0.045
+    work_pack_cell_us: float = 0.0008
+    #: ... the numpy work around a packing call or a round of the refinement or of the order improvement:
+    #: 150-400 us
     work_round_us: float = 250.0
-    #: ... and a water-filling round's Python per replica: 1.7 ms per round at dp 512, 0.4 ms at dp 128
-    work_replica_us: float = 8.0
+    #: ... a water-filling round's Python per replica (after its vectorised prefilters): 0.3-0.4 ms per round at
+    #: dp 128, 1-1.5 ms at dp 512
+    work_replica_us: float = 3.0
     #: ... and stages 2-4 re-run at another count, per sample (the pp = 1 planning: 0.6-1.7 us per sample)
     work_sample_us: float = 1.5
 
     # ------------------------------------------------------------------ pipeline search: order
     #: the swaps tried per rank and round when an order is improved: every pair of positions while there are at
-    #: most this many pairs (276 = every pair of 24 micro-batches), else adjacent pairs and pairs with the ends
+    #: most this many pairs (276 = every pair of 24 micro-batches), else adjacent pairs and pairs with the ends, and
+    #: under VPP every pair within one of the interleaved schedule's groups and the pairs one group apart (on the
+    #: yardstick's pp 8 x VPP 2 cases, 32 micro-batches, the in-group pairs took an order search from 1.017 to
+    #: 1.008 of the best where adjacent pairs and the ends alone stopped)
     max_order_swaps: int = 276
     #: rounds of order improvement (each takes every row's best swap)
     order_rounds: int = 6
-    #: order improvement runs on the replicas within this share of the slowest (and again while the slowest is
-    #: one it has not improved)
-    polish_band: float = 0.02
 
     # ------------------------------------------------------------------ pipeline search: more micro-batches
     #: re-packed counts tried (``align`` more each); the count search stops after ``extra_count_patience`` that do
@@ -122,6 +141,11 @@ class PlannerConfig:
     #: for between these two; all replicas choose a shape. 2 at least: cfaa6b5's large steps scanned on 2
     scan_replicas: int = 8
     min_scan_replicas: int = 2
+    #: the share of the shaped candidate's allowance (the budget left, less the refinement's share) the scan sizes
+    #: itself to, beside what the full packing and the rebalancing reserve (issue 22's scan had half of it; at 0.25
+    #: the yardstick's rl-dp8-pp8 went from 1.016 to 1.070 of its best: at a few replicas the scan is the count
+    #: search)
+    scan_share: float = 0.5
     #: the scan covers as many counts as the budget pays for, at least this many (cfaa6b5's large steps: 3)
     min_scan_counts: int = 3
     #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
@@ -142,14 +166,17 @@ class PlannerConfig:
                                  (4, -1, 0.1, "target", False, 1.8), (5, -1, 0.1, "target", False, 1.6),
                                  (6, -1, 0.1, "target", False, 1.5))
     #: the shapes every count is scanned with (then every shape at the best counts); entries of ``shapes``: the
-    #: flat one, the rising order and two early peaks
+    #: flat one, the rising order, two early peaks and short ramps of whole VPP groups (added by issue 29's speed
+    #: work: where the budget leaves no room for every shape at the best counts, it took the 180 large steps of
+    #: ``bench.plan_quality --large`` under VPP from +1.2% to +0.3% of cfaa6b5's makespans, 1F1B alike)
     scan_shapes: tuple[tuple, ...] = ((0, 0, 1.0), (0, 0, 1.0, "rising"), (3, -1, 0.1, "target", False, 2.0),
-                                      (5, -1, 0.1, "target", False, 1.6))
+                                      (5, -1, 0.1, "target", False, 1.6), (1, 2, 0.3, "target", True))
     #: the scan packs every shape at every count in one call where that is at most this many rows (the same
     #: prices, one call fewer)
     one_scan_rows: int = 256
-    #: (count, shape) combinations, best by the scan first, priced on every replica; the first counts among them
-    #: are rebalanced, and the fastest after rebalancing wins
+    #: (count, shape) combinations, best by the scan first, priced on every replica (where the budget pays for
+    #: it); the counts of the best ``rebalanced_counts`` (as many as the budget pays for) are rebalanced, and the
+    #: fastest after rebalancing wins
     shaped_combos: int = 3
     rebalanced_counts: int = 3
 
@@ -177,6 +204,10 @@ class PlannerConfig:
     # ------------------------------------------------------------------ pipeline search: refinement
     #: the refinement improves the best plan of each of this many counts (the best counts first)
     finalists: int = 2
+    #: ... the best of them within this share of the budget left (the others share the rest equally). 0.5 is
+    #: equal shares for two finalists; 0.75 and 1.0 moved the yardstick's mean by under 0.001 (2026-12), and gave
+    #: the best finalist's refinement more only where the other's had found nothing
+    lead_share: float = 0.5
     #: moves drawn per round of the refinement, priced in one call
     refine_moves: int = 256
     #: the refinement stops once its last ``refine_patience`` rounds together lowered the slowest makespan by less
@@ -216,10 +247,12 @@ class PlannerConfig:
                 raise ScheduleError(f"PlannerConfig.{f.name} = {value!r} must be {_kind(default, f.name)} (default "
                                     f"{default!r}); see the field's documentation in "
                                     f"slime_ext/schedule/planner_config.py")
-        for name in ("microbatch_overhead", "tie", "min_gain", "strip_share", "refine_share", "polish_band"):
+        for name in ("microbatch_overhead", "tie", "min_gain", "strip_share", "refine_share", "scan_share"):
             if getattr(self, name) >= 1:
                 raise ScheduleError(f"PlannerConfig.{name} = {getattr(self, name)!r} is a share: pass a value in "
                                     f"[0, 1)")
+        if not 0 < self.lead_share <= 1:
+            raise ScheduleError(f"PlannerConfig.lead_share = {self.lead_share!r} must lie in (0, 1]")
         if not 0 < self.token_fill <= 1:
             raise ScheduleError(f"PlannerConfig.token_fill = {self.token_fill!r} must lie in (0, 1]")
         if self.backward_forward_ratio <= 0:

@@ -120,7 +120,12 @@ def test_the_budget_grows_smoothly_with_the_step():
     steps = np.diff(totals)
     assert (steps > 0).all() and np.allclose(steps, steps[0])  # linear in the samples: no threshold, no cliff
     c = pricing.config
-    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(c.budget_floor_us / 2)
+    floor = min(c.budget_floor_max_us, c.budget_floor_us / 4 ** c.budget_floor_power)
+    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget_per_replica_us
+                                                                 * 4 ** c.budget_pp_power)
+    # ... and continuous in the replicas: no jump between neighbouring DP sizes
+    by_dp = np.array([Budget.for_step(pricing, 4096, dp).total for dp in range(1, 600)])
+    assert (np.abs(np.diff(by_dp)) <= 0.2 * by_dp[1:]).all()
     b = Budget(pricing, 1000.0)
     got = b.price(np.ones((3, 5)))
     assert got.shape == (3,) and b.spent == pytest.approx(b.model_cost(3, 5)) and b.allows(0) and not b.allows(1e9)
@@ -222,3 +227,105 @@ def test_plan_digests_hash_the_decisions_only():
     moved = dataclasses.replace(s, micro_batch_indices=[mbs[::-1] for mbs in s.micro_batch_indices])
     assert _digest(moved) != _digest(s)  # a decision does
     assert json.loads(json.dumps(s.to_dict()))["partitions"] == s.partitions
+
+
+# ---------------------------------------------------------------------------------------------------- issue 29: speed
+def _search_of(dp: int, n: int, pp: int, vpp: int = 1, config: PlannerConfig | None = None, seed: int = 5):
+    """The planner's StepSearch of one dynamic step (the search is captured as the planner builds it)."""
+    import slime_ext.schedule.planner as planner
+    captured = []
+    original = planner.choose_pipeline_step
+
+    def capture(search):
+        captured.append(search)
+        return original(search)
+
+    planner.choose_pipeline_step = capture
+    try:
+        parallel = ParallelConfig(dp_size=dp, pp_size=pp, vpp_size=vpp,
+                                  microbatch_group_size_per_vp_stage=pp if vpp > 1 else None)
+        batch = BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=8192,
+                            balance_data=True)
+        sched = plan_schedule(_lengths(n, seed), parallel, batch, cost_model=CostModel(**DIMS), config=config)
+    finally:
+        planner.choose_pipeline_step = original
+    return captured[0], sched
+
+
+@pytest.mark.parametrize("dp,n,pp,vpp", [(32, 640, 4, 1), (32, 640, 2, 2), (4, 120, 4, 2)])
+def test_every_part_of_the_search_honours_the_budget(dp, n, pp, vpp):
+    """Each part asks before it runs and is charged: the search ends within its budget (what runs whatever the
+    budget -- the pp-unaware guard and its orders, a few lists -- aside), on a tight budget and on the default."""
+    for config in (PlannerConfig(budget_floor_us=20000.0, budget_floor_max_us=4000.0, budget_per_sample_us=0.2,
+                                 budget_per_replica_us=5.0), None):
+        search, sched = _search_of(dp, n, pp, vpp, config)
+        assert check_schedule(sched) == []
+        b = search.budget
+        guard = b.model_cost(5 * dp, search.unaware.count // dp) + 4 * b.arrangement_cost(n, dp)
+        assert b.spent <= b.total + guard, (b.spent, b.total)
+    tight = _search_of(dp, n, pp, vpp, PlannerConfig(budget_floor_us=1.0, budget_floor_max_us=1.0,
+                                                     budget_per_sample_us=0.0, budget_per_replica_us=0.0))[0]
+    assert tight.budget.spent <= tight.budget.model_cost(5 * dp, tight.unaware.count // dp) * 1.5
+
+
+def test_group_peaks_rise_to_each_groups_costliest_in_its_middle():
+    from slime_ext.schedule.pipeline_orders import group_peaks, heuristic_orders
+    rng = np.random.default_rng(2)
+    costs = rng.random((3, 16))
+    order = group_peaks(costs, 4)
+    for r in range(3):
+        for a in range(0, 16, 4):
+            pos = order[r, a:a + 4]
+            assert sorted(pos.tolist()) == list(range(a, a + 4))  # a permutation within the group
+            got = costs[r, pos]
+            assert got.argmax() == 1 and got[0] < got[1] and np.all(np.diff(got[1:]) < 0)  # up, then down
+    plain, vpp = heuristic_orders(costs), heuristic_orders(costs, 4)
+    assert len(plain) == 4 and len(vpp) == 5 and np.array_equal(plain, vpp[:4])
+    assert all(sorted(o.tolist()) == list(range(16)) for o in vpp[4])
+
+
+def test_vpp_order_swaps_reach_every_pair_within_a_group():
+    from slime_ext.schedule.pipeline_orders import swap_pairs
+    pairs = {tuple(p) for p in swap_pairs(32, 276, 8).tolist()}
+    assert all((i, j) in pairs for g in range(4) for i in range(8 * g, 8 * g + 8) for j in range(i + 1, 8 * g + 8))
+    assert (3, 11) in pairs and (3, 12) not in pairs  # one group apart, not more
+    assert {tuple(p) for p in swap_pairs(32, 276).tolist()} < pairs  # without VPP: adjacent pairs and the ends
+    assert len(swap_pairs(24, 276, 8)) == 276  # every pair while they are few
+
+
+def test_an_order_found_on_the_slowest_replica_is_tried_on_every_replica():
+    """polish_orders improves the slowest replica's order by swaps and offers the same permutation to the others:
+    replicas of the same micro-batch costs all take it."""
+    from slime_ext.schedule.pipeline_refine import Arrangement, polish_orders
+    pricing = pipeline_pricing(ParallelConfig(dp_size=3, pp_size=4), CostModel(**DIMS), 8192)
+    costs = np.array([9.0, 8.0, 7.0, 1.0, 1.0, 1.0]) * 1e9
+    lengths = np.full(18, 100)
+    rep, slot = np.repeat(np.arange(3), 6), np.tile(np.arange(6), 3)
+    arr = Arrangement(rep, slot, 3, 6, lengths, np.tile(costs, 3), None, None, Budget(pricing, float("inf")))
+    arr.spans[0] *= 1 + 1e-6  # replica 0 is the slowest; 1 and 2 run the same costs
+    before = arr.spans.copy()
+    polish_orders(arr)
+    assert (arr.spans < before * (1 - 1e-9)).all()  # every replica took the better order
+    assert np.allclose(arr.price[1], arr.price[0]) and np.allclose(arr.price[2], arr.price[0])
+
+
+def test_the_rebalancing_stops_where_the_budget_cannot_pay_for_a_repacking():
+    from slime_ext.schedule.pipeline_rebalance import lockstep, rebalance_run
+    from slime_ext.schedule.pipeline_shape import Shape, ShapeSamples, pack_many, replica_members
+    lengths = np.asarray(_lengths(640, 9))
+    model = CostModel(**DIMS)
+    from slime_ext.schedule.cost import sample_costs
+    samples = ShapeSamples(lengths, sample_costs(lengths, model), 16384, None, 1)
+    dp, k = 32, 8
+    pricing = pipeline_pricing(ParallelConfig(dp_size=dp, pp_size=4), model, 16384)
+    members = replica_members(np.arange(640) % dp, samples.costs, dp)
+    shape = Shape.of(PlannerConfig().shapes[0])
+    spans = pack_many(Budget(pricing, float("inf")), samples, members, [(k, shape)])[0][0]
+    assert np.isfinite(spans).all()
+    groups = [row[row >= 0] for row in members]
+    free = Budget(pricing, float("inf"))
+    moved = lockstep(free, samples, [rebalance_run(free, samples, groups, k, [shape] * dp, spans, [None] * dp)])[0]
+    assert moved[2].max() < spans.max()  # with a budget the rebalancing gains
+    broke = Budget(pricing, 1.0)
+    kept = lockstep(broke, samples, [rebalance_run(broke, samples, groups, k, [shape] * dp, spans, [None] * dp)])[0]
+    assert np.array_equal(kept[2], spans) and broke.spent <= broke.total  # without one it changes nothing
