@@ -547,6 +547,7 @@ class _Sweep:
     levels: tuple[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray], ...]
     new_ids: tuple[np.ndarray, ...]  # per DAG: the new number of each of its computes
     lasts: tuple[np.ndarray, ...]  # per DAG: each stage's last compute (new numbers)
+    rows: np.ndarray  # every compute's row in the stacked cost table (the levels' rows, in node order)
 
 
 def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
@@ -608,7 +609,8 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
                        np.concatenate(cols[k])))
     lasts = tuple(new_ids[d][np.asarray([nodes[-1] for nodes in dag.compute_nodes if len(nodes)], dtype=np.int64)]
                   for d, (dag, _) in enumerate(dags))
-    return _Sweep(total, tuple(levels), tuple(ids[:-1] for ids in new_ids), lasts)
+    rows = np.concatenate([level[4] for level in levels]) if levels else np.zeros(0, dtype=np.int64)
+    return _Sweep(total, tuple(levels), tuple(ids[:-1] for ids in new_ids), lasts, rows)
 
 
 def _cost_table(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, str]:
@@ -635,8 +637,9 @@ def _cost_table(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.nd
 def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
     """End time of every compute (new numbers), ``(num_nodes + 1, R)``; the last row is the sentinel 0."""
     end = np.empty((sweep.num_nodes + 1, table.shape[1]))  # nodes x replicas: a level's nodes are one slice
+    np.take(table, sweep.rows, axis=0, out=end[:-1], mode="clip")  # every compute's duration, gathered once
     end[-1] = 0.0
-    for start, stop, preds, hops, cols in sweep.levels:
+    for start, stop, preds, hops, _ in sweep.levels:  # a level's predecessors all lie in earlier levels
         before = end[preds]
         if preds.ndim == 1:
             if hops is not None and p2p:
@@ -645,7 +648,8 @@ def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
             if hops is not None and p2p:
                 before += hops * p2p
             before = before.max(axis=1)
-        np.add(before, table[cols], out=end[start:stop])
+        level = end[start:stop]
+        np.add(level, before, out=level)  # duration + the latest predecessor's end (exact: + commutes)
     return end
 
 
