@@ -541,10 +541,10 @@ class _Sweep:
     one row of a stacked cost table (DAG ``d``'s rows after those of DAGs ``0 .. d - 1``)."""
 
     num_nodes: int
-    #: per level: (first node, end, predecessors ``(n, w)`` in the new numbers (``num_nodes`` is time 0), the
-    #: transfers on the way from each ``(n, w, 1)`` (``None`` where there are none), each node's row in the
-    #: stacked cost table)
-    levels: tuple[tuple[int, int, np.ndarray, np.ndarray | None, np.ndarray], ...]
+    #: per level: (first node, end, its nodes' predecessors in the new numbers as ``w`` columns ``(n,)``
+    #: (``num_nodes`` is time 0), the transfers on the way from each as ``w`` columns ``(n, 1)`` (``None`` where
+    #: there are none), each node's row in the stacked cost table)
+    levels: tuple[tuple[int, int, tuple[np.ndarray, ...], tuple[np.ndarray, ...] | None, np.ndarray], ...]
     new_ids: tuple[np.ndarray, ...]  # per DAG: the new number of each of its computes
     lasts: tuple[np.ndarray, ...]  # per DAG: each stage's last compute (new numbers)
     rows: np.ndarray  # every compute's row in the stacked cost table (the levels' rows, in node order)
@@ -603,10 +603,11 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
             preds[row:row + len(nodes), :p.shape[1]] = new_ids[d][p]
             hops[row:row + len(nodes), :p.shape[1]] = h[:, :, 0]
             row += len(nodes)
-        if width == 1:
-            preds, hops = preds[:, 0], hops
-        levels.append((starts[k], starts[k + 1], preds, hops[:, :, None] if hops.any() else None,
-                       np.concatenate(cols[k])))
+        # one contiguous column per predecessor slot (``take`` and an element-wise max beat a gather of ``(n, w,
+        # R)`` and a reduction over its short middle axis)
+        pred_cols = tuple(np.ascontiguousarray(preds[:, i]) for i in range(width))
+        hop_cols = tuple(np.ascontiguousarray(hops[:, i:i + 1]) for i in range(width)) if hops.any() else None
+        levels.append((starts[k], starts[k + 1], pred_cols, hop_cols, np.concatenate(cols[k])))
     lasts = tuple(new_ids[d][np.asarray([nodes[-1] for nodes in dag.compute_nodes if len(nodes)], dtype=np.int64)]
                   for d, (dag, _) in enumerate(dags))
     rows = np.concatenate([level[4] for level in levels]) if levels else np.zeros(0, dtype=np.int64)
@@ -639,17 +640,16 @@ def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
     end = np.empty((sweep.num_nodes + 1, table.shape[1]))  # nodes x replicas: a level's nodes are one slice
     np.take(table, sweep.rows, axis=0, out=end[:-1], mode="clip")  # every compute's duration, gathered once
     end[-1] = 0.0
-    for start, stop, preds, hops, _ in sweep.levels:  # a level's predecessors all lie in earlier levels
-        before = end[preds]
-        if preds.ndim == 1:
-            if hops is not None and p2p:
-                before += hops[:, 0] * p2p
-        else:
-            if hops is not None and p2p:
-                before += hops * p2p
-            before = before.max(axis=1)
+    for start, stop, pred_cols, hop_cols, _ in sweep.levels:  # a level's predecessors all lie in earlier levels
+        hop = hop_cols is not None and p2p
+        latest = None
+        for i, preds in enumerate(pred_cols):  # the latest predecessor's end (+ its transfer), slot by slot
+            before = end.take(preds, axis=0)
+            if hop:
+                before += hop_cols[i] * p2p
+            latest = before if latest is None else np.maximum(latest, before, out=latest)
         level = end[start:stop]
-        np.add(level, before, out=level)  # duration + the latest predecessor's end (exact: + commutes)
+        np.add(level, latest, out=level)  # duration + the latest predecessor's end (exact: + commutes)
     return end
 
 
