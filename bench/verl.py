@@ -29,8 +29,9 @@ trainer depth); the predicted step time at pp 1, 4 and 8
 (each mini-batch: its slowest replica's makespan in the micro-batch order the plan runs, priced the same way for
 every plan by slime-ext's pipeline model, :func:`slime_ext.schedule.pipeline_pricing.pipeline_pricing`: forward FLOPs of
 Qwen3-8B-like dims plus 2% of a full micro-batch, backward twice forward; pp 1 is the same model with one stage),
-relative to verl's, for the engine depth before issue 30 (``before``: commit :data:`BASELINE`'s plan.py, read with
-``git show`` and run against today's planner), the engine depth and the trainer depth; ``plan ms per rank``: each
+relative to verl's, for the engine depth before issue 30 (``before``: commit :data:`BASELINE`'s whole ``slime_ext``,
+its plan.py and the planner it ran on, extracted with ``git archive`` and run in a subprocess: :class:`Baseline`),
+the engine depth and the trainer depth; ``plan ms per rank``: each
 rank's planning per mini-batch, CPU time (``before``: one call plans every rank, on every rank).
 
 **Planning time** (issue 30; :func:`print_planning_times`): rl-like lengths dispatched by verl's V1 functions to dp 8,
@@ -53,11 +54,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -169,28 +173,78 @@ def _balance(minis, costs) -> float:
                for ranks in minis)
 
 
-def load_baseline(rev: str) -> types.ModuleType | str:
-    """The engine-depth planner of commit ``rev`` (its ``slime_ext/integrations/verl/plan.py``, read with ``git show``
-    and run against today's ``slime_ext.schedule``), or why it cannot be loaded."""
+#: what :class:`Baseline`'s subprocess runs: JSON lines in (one mini-batch each), JSON lines out
+_BASELINE_WORKER = r"""
+import json, sys, time
+from slime_ext.integrations.verl.plan import EngineLayout, plan_engine_step
+from slime_ext.schedule import CostModel
+for line in sys.stdin:
+    ask = json.loads(line)
+    try:
+        t = time.process_time()
+        plan = plan_engine_step(ask["ranks"], ask["cap"], EngineLayout(*ask["layout"]),
+                                cost_model=CostModel(**ask["dims"]))
+        out = {"micro_batches": plan.micro_batches, "count": plan.count, "seconds": time.process_time() - t}
+    except Exception as exc:  # noqa: BLE001 -- reported by the caller
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(out), flush=True)
+"""
+
+
+class Baseline:
+    """The engine depth of commit ``rev`` as it ran then: that commit's whole ``slime_ext`` (its ``plan.py`` and
+    the planner under it), extracted with ``git archive`` and run in a subprocess of this Python, one mini-batch
+    per request; its planning time is the CPU time of the call in that process."""
+
+    def __init__(self, rev: str, tree: str, proc: subprocess.Popen) -> None:
+        self.rev, self.tree, self._proc = rev, tree, proc
+
+    def plan_engine_step(self, ranks, cap: int, pp: int, vpp: int = 1, group: int | None = None) -> dict:
+        """``{"micro_batches", "count", "seconds"}`` of the old engine depth on ``ranks`` (every rank planned)."""
+        ask = {"ranks": [[int(v) for v in x] for x in ranks], "cap": int(cap), "layout": [pp, vpp, group],
+               "dims": dict(MODEL_DIMS)}
+        self._proc.stdin.write(json.dumps(ask) + "\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.rev}'s engine depth stopped (its subprocess exited {self._proc.poll()})")
+        got = json.loads(line)
+        if "error" in got:
+            raise RuntimeError(f"{self.rev}'s engine depth failed: {got['error']}")
+        return got
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=30)
+        shutil.rmtree(self.tree, ignore_errors=True)
+
+
+def load_baseline(rev: str) -> Baseline | str:
+    """The engine depth of commit ``rev`` with the planner it ran on (:class:`Baseline`), or why it cannot be
+    loaded (no git, a shallow clone without ``rev``)."""
     root = Path(__file__).resolve().parents[1]
+    tree = tempfile.mkdtemp(prefix=f"slime-ext-{rev}-")
     try:
-        src = subprocess.run(["git", "show", f"{rev}:slime_ext/integrations/verl/plan.py"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout
+        archive = subprocess.run(["git", "archive", rev, "slime_ext"], cwd=root, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", tree], input=archive.stdout, check=True, capture_output=True)
     except (OSError, subprocess.CalledProcessError) as exc:
-        return f"cannot read {rev}'s plan.py with git ({exc}); run from a clone that has commit {rev}"
-    name = f"_verl_plan_{rev}"
-    module = types.ModuleType(name)
-    sys.modules[name] = module  # dataclasses look their module up
-    try:
-        exec(compile(src, f"{rev}:slime_ext/integrations/verl/plan.py", "exec"), module.__dict__)
-    except Exception as exc:  # noqa: BLE001 -- e.g. slime_ext.schedule's public names changed since
-        del sys.modules[name]
-        return f"{rev}'s plan.py does not run against this slime_ext ({type(exc).__name__}: {exc})"
-    return module
+        shutil.rmtree(tree, ignore_errors=True)
+        return f"cannot extract {rev}'s slime_ext with git ({exc}); run from a clone that has commit {rev}"
+    env = {**os.environ, "PYTHONPATH": tree}
+    proc = subprocess.Popen([sys.executable, "-c", _BASELINE_WORKER], cwd=tree, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    baseline = Baseline(rev, tree, proc)
+    try:  # one small mini-batch: it imports and runs
+        baseline.plan_engine_step([[100, 200], [300, 50]], 1024, 1)
+    except RuntimeError as exc:
+        baseline.close()
+        return str(exc)
+    return baseline
 
 
 def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES,
-             baseline: types.ModuleType | None = None, search: EngineSearch = EngineSearch()) -> list[dict]:
+             baseline: Baseline | None = None, search: EngineSearch = EngineSearch()) -> list[dict]:
     cost_model = CostModel(**MODEL_DIMS)
     cap = MAX_TOKENS_PER_GPU
     # verl refuses a sample longer than the cap (its config makes max prompt + response fit): clip to it
@@ -215,11 +269,9 @@ def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES,
             ours.plan_s += (CLOCK() - t) / dp  # one process plans every rank: per rank
             judge(ours, [list(map(list, p)) for p in plan.micro_batches], ranks, costs, lengths, cap, pricing)
             if baseline is not None:  # every rank planned every rank: one call is one rank's time
-                t = CLOCK()
-                old = baseline.plan_engine_step([lengths[x] for x in ranks], cap,
-                                                baseline.EngineLayout(pp_size=pp), cost_model=cost_model)
-                before.plan_s += CLOCK() - t
-                judge(before, [list(map(list, p)) for p in old.micro_batches], ranks, costs, lengths, cap, pricing)
+                old = baseline.plan_engine_step([lengths[x] for x in ranks], cap, pp)
+                before.plan_s += old["seconds"]
+                judge(before, old["micro_batches"], ranks, costs, lengths, cap, pricing)
         for ranks in trainer_minis:
             plan = plan_engine_step([lengths[x] for x in ranks], cap, EngineLayout(pp_size=pp), cost_model=cost_model,
                                     search=search)
@@ -300,7 +352,7 @@ def time_verl(ranks: list[np.ndarray], cap: int, divided_by: int | None) -> tupl
     return np.asarray(seconds), np.asarray(building)
 
 
-def planning_times(dp: int, per_rank: int, layout: EngineLayout, repeats: int, baseline: types.ModuleType | None,
+def planning_times(dp: int, per_rank: int, layout: EngineLayout, repeats: int, baseline: Baseline | None,
                    search: EngineSearch) -> dict:
     """One cell of the planning-time table: rl-like lengths (cap 16384, Qwen3-8B-like FLOPs), dispatched by verl's
     V1 functions, ``per_rank`` samples on each of ``dp`` ranks; per-rank seconds (median and max over ranks, the
@@ -315,12 +367,10 @@ def planning_times(dp: int, per_rank: int, layout: EngineLayout, repeats: int, b
     out = dict(ours_median=float(np.median(ours)), ours_max=float(ours.max()),
                verl_median=float(np.median(verl_s)), verl_max=float(verl_s.max()),
                verl_build=float(np.median(verl_build)), count=time_ours(ranks, cap, layout, cost_model, search)[1])
-    if baseline is not None:
-        t = CLOCK()
-        old = baseline.plan_engine_step(ranks, cap, baseline.EngineLayout(layout.pp_size, layout.vpp_size,
-                                                                          layout.vpp_group), cost_model=cost_model)
-        out["before"] = CLOCK() - t  # every rank runs exactly this (after its all-gathers)
-        out["before_count"] = old.count
+    if baseline is not None:  # every rank runs exactly this (after its all-gathers); CPU time in its process
+        old = baseline.plan_engine_step(ranks, cap, layout.pp_size, layout.vpp_size, layout.vpp_group)
+        out["before"] = old["seconds"]
+        out["before_count"] = old["count"]
     return out
 
 
@@ -468,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         dps, sizes = ((8, 32), (16,)) if args.quick else (TIME_DPS, TIME_SAMPLES)
         collective = None if args.no_collective else collective_times()
         print_planning_times(dps, sizes, TIME_LAYOUTS, args.repeats, baseline, search, collective)
+    if baseline is not None:
+        baseline.close()
     return 0
 
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 def test_bench_runs_verl_and_both_depths_on_a_small_step(capsys):
     from bench import verl as bench_verl
 
-    baseline = bench_verl.load_baseline(bench_verl.BASELINE)
-    rows = bench_verl.run_case("bimodal", n=256, dp=4, mini_batches=2, pp_sizes=(1, 4),
-                               baseline=None if isinstance(baseline, str) else baseline)
+    baseline = bench_verl.load_baseline(bench_verl.BASELINE)  # that commit's engine depth, in a subprocess
+    try:
+        rows = bench_verl.run_case("bimodal", n=256, dp=4, mini_batches=2, pp_sizes=(1, 4),
+                                   baseline=None if isinstance(baseline, str) else baseline)
+    finally:
+        if not isinstance(baseline, str):
+            baseline.close()
     assert [r["pp"] for r in rows] == [1, 4]
     for row in rows:  # judge() has already checked equal counts and each sample once, for every plan
         assert row["ours"].over_cap == 0 and row["trainer"].over_cap == 0
