@@ -101,7 +101,12 @@ class PlannerConfig:
     #: plannings each, the benches' 2-core machine shared as usual, 2026-12, numpy 2.4; least squares on the
     #: relative error: the middle half of the calls within -10%/+20% of the estimate, the totals within 10%).
     #: A call of the model: 40 us per group of rows of one count, 3.2 us per level of its DAG (about
-    #: ``2 (M vpp + pp)`` levels), 5.5 ns per row x micro-batch x virtual stage
+    #: ``2 (M vpp + pp)`` levels), 5.5 ns per row x micro-batch x virtual stage. Since the model's pass was made
+    #: cheaper (the same makespans; 2026-12-05) its calls take about half of these estimates (refitted on the same
+    #: calls: 32 us, 1.3 us, 2.9 ns); the estimates are kept, so a step plans exactly as before, in less time. Refitted
+    #: (``--set work_call_us=32.4 work_level_us=1.58 work_model_cell_us=0.004``, the refit scaled to the first
+    #: fit's machine state) the search spends the saving: on ``bench.pipeline_speed``'s grid that moved the step
+    #: times by -3.0% to +3.7% (mixed) at 0.75-1.00 of cfaa6b5's planning time, so it was not taken
     work_call_us: float = 40.0
     work_level_us: float = 3.2
     work_model_cell_us: float = 0.0055
