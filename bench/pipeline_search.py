@@ -25,17 +25,20 @@ by < 0.3%). ``--record`` keeps each case's best, ``--best`` measures against rec
 **How.** Simulated annealing at a fixed count, the counts chosen by successive halving:
 
 1. every count from the pp-unaware one to ``COUNT_REACH`` times it (one below it too, where the cap allows) gets a
-   plan (the pp-unaware plan with its largest micro-batches halved, or its cheapest neighbours merged) and a short
-   anneal; the better half of the counts go on with twice the batches, again and again, until ``FINALISTS`` are
-   left; those are annealed ``RESTARTS`` times more from their best, each run from a fresh random stream.
-2. One anneal: batches of ``BATCH`` random moves, each priced by the model in one vectorised call (only the
-   replicas a move touches are re-priced). The moves: a sample moved to another micro-batch (same or other
-   replica), two samples swapped, two micro-batches of a replica swapped in the run order, one micro-batch moved to
-   another place in the order. Moves start on replicas near the slowest (weights ``exp((span - max) / tau)``) and
-   end anywhere. The energy is the smooth maximum ``tau log sum exp(span / tau)``; a move is accepted by the
-   Metropolis rule at a temperature falling geometrically from ``T_START`` to ``T_END`` (shares of the seed's
-   makespan) over the run, and from one batch the accepted moves of disjoint replicas are made, best first. The
-   best plan seen (slowest makespan, then the sum) is kept.
+   plan (the pp-unaware plan with its largest micro-batches halved, or its cheapest neighbours merged, or the
+   strongest seed's so recounted where that is faster, with ``Anneal.recount_best``) and a short anneal; the better
+   half of the counts go on with twice the batches, again and again, until ``FINALISTS`` are left; those are
+   annealed ``RESTARTS`` times more from their best, each run from a fresh random stream.
+2. One anneal: batches of ``BATCH`` random moves (at least ``BATCH_PER_REPLICA`` per replica), each priced by the
+   model in one vectorised call (only the replicas a move touches are re-priced). The moves: a sample moved to another
+   micro-batch (same or other replica), two samples swapped, two micro-batches of a replica swapped in the run order,
+   one micro-batch moved to another place in the order. Moves start on replicas near the slowest (weights
+   ``exp((span - max) / tau)``) and end anywhere. The energy is the smooth maximum ``tau log sum exp(span / tau)``; a move is accepted
+   by the Metropolis rule at a temperature falling geometrically from ``T_START`` to ``T_END`` (shares of the seed's
+   makespan) over the run, and from one batch the accepted moves of disjoint replicas are made, best first (at dp 128
+   some 35 replicas move in one batch: each replica's makespan depends on its own micro-batches only, so moves on
+   disjoint replicas are independent, and the slowest of 128 near-equal replicas only drops where most of them improve).
+   The best plan seen (slowest makespan, then the sum) is kept.
 
 The budget is counted in batches (``--budget`` per case, ``--stability`` runs 4x as many), not in seconds: a case's
 best does not depend on the machine's load, and a run is reproducible from its seed.
@@ -73,7 +76,18 @@ SEARCH_DIMS = {**MODEL_DIMS, "num_layers": 32}
 class Anneal:
     """The yardstick's own settings (``--search NAME=VALUE``)."""
 
-    batch: int = 96  #: moves priced per batch
+    batch: int = 96  #: moves priced per batch (at least; see ``batch_per_replica``)
+    #: ... and at least this many per replica (96 up to dp 8, 384 at dp 32, 1,536 at dp 128). At dp 128 every
+    #: replica of a good plan sits within 0.02% of the slowest, so the slowest makespan only drops where most of
+    #: the 128 improve, and a batch makes at most one move per replica: with 96 moves per batch rl-dp128-pp8's
+    #: best stood 0.77% above the one 12 per replica finds in the same batches (2.4 ms a batch against 0.8)
+    batch_per_replica: int = 12
+    #: 1: every count also starts from the strongest seed plan (the planners' plans) recounted to it, where that
+    #: is faster than the pp-unaware plan recounted. At dp 128 the pp-unaware plan recounted starts 23-30% above
+    #: the best and the scan dropped the count the 4x search found best (rl-dp128-pp8: the 4x search moved the
+    #: best 0.334% instead of 0.369%); off (0) by default: on rl-dp8-pp4 and rl-dp8-pp8 it found bests 0.02% and
+    #: 0.06% above the recorded ones (2026-12-05)
+    recount_best: int = 0
     t_start: float = 2e-3  #: temperature at the start of a run, a share of the seed's slowest makespan
     t_end: float = 2e-6  #: ... and at its end
     tau: float = 1e-4  #: smooth-maximum width (energy and move weights), a share of the seed's slowest makespan
@@ -253,13 +267,14 @@ def anneal(plan: Plan, rng: np.random.Generator, batches: int, scale: float, s: 
     n, dp, k = len(plan.rep), plan.dp, plan.k
     lengths, costs, cap = plan.lengths, plan.costs, plan.cap
     tau = s.tau * scale
-    b = s.batch
+    b = max(s.batch, s.batch_per_replica * dp)
+    rep_type = np.int16 if dp < 2 ** 15 else np.int64
     for it in range(batches):
         temp = s.t_start * scale * (s.t_end / s.t_start) ** (it / max(1, batches - 1))
         spans = plan.spans
         top = spans.max()
         weight = np.exp((spans - top) / tau)
-        by_rep = np.argsort(plan.rep, kind="stable")
+        by_rep = np.argsort(plan.rep.astype(rep_type), kind="stable")  # (a narrow type sorts by radix)
         nrep = np.bincount(plan.rep, minlength=dp)
         start = np.concatenate(([0], np.cumsum(nrep)[:-1]))
         # the moved sample x: from a replica near the slowest, uniform within it
@@ -308,10 +323,11 @@ def anneal(plan: Plan, rng: np.random.Generator, batches: int, scale: float, s: 
         osw = kind == 2
         perm[r[osw], i[osw]], perm[r[osw], j[osw]] = j[osw], i[osw]
         omv = np.flatnonzero(kind == 3)
-        for c in omv:  # position i moves to position j
-            order = list(range(k))
-            order.insert(int(j[c]), order.pop(int(i[c])))
-            perm[c] = order
+        if len(omv):  # position i moves to position j: the positions between shift by one towards i
+            pos, io, jo = perm[omv], i[omv, None], j[omv, None]
+            lo, hi = np.minimum(io, jo), np.maximum(io, jo)
+            between = (pos >= lo) & (pos <= hi)
+            perm[omv] = np.where(pos == jo, io, np.where(between, pos + np.where(io < jo, 1, -1), pos))
         om = kind >= 2
         ra[om] = np.take_along_axis(ra[om], perm[om], axis=1)
         priced = plan.pricing.makespans(np.concatenate((ra, rb[two])))
@@ -386,8 +402,13 @@ def search(seed_plan: Plan, budget: int, step: int, seed: int = 0, settings: Ann
         counts.append(k)
         k += step
     plans = {}
+    strongest = min(more_seeds, key=Plan.key) if more_seeds and s.recount_best else None
     for k in counts:
         p = seed_plan.copy() if k == k0 else recounted(seed_plan, k)
+        if strongest is not None and k != strongest.k:  # the strongest seed at this count, where it is faster
+            q = recounted(strongest, k)
+            if q is not None and (p is None or q.key() < p.key()):
+                p = q
         if p is not None:
             plans[k] = p
     for extra in more_seeds:  # a measured plan replaces the recounted one of its count where it is faster
@@ -557,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.best) as f:
             bests = json.load(f)["best"]
     base = baseline_plans(args.baseline, cases) if args.baseline else None
-    print(f"yardstick: annealing, {budget} batches of {settings.batch} moves per case"
+    print(f"yardstick: annealing, {budget} batches of {settings.batch} moves per case (at least "
+          f"{settings.batch_per_replica} per replica)"
           f"{' (and 4x as many)' if args.stability else ''}, seeded with the pp-unaware plan, the plans measured and "
           f"this planner at {settings.seed_budget:g}x its budget; FLOPs pricing "
           f"(Qwen3-8B-like, the LM head on the last stage), overhead 2%, bwd = 2 fwd, p2p 0"

@@ -167,6 +167,59 @@ def test_yardstick_moves_keep_the_plan_valid() -> None:
     bigger.check(case.n)
 
 
+def test_yardstick_batches_over_many_replicas_keep_every_plan_valid() -> None:
+    """A batch of ``batch_per_replica`` moves per replica (here 16 x 12 = 192, over the 96 floor) makes moves on
+    many replicas at once (order moves included, their permutations built as arrays): after every batch the plan
+    is valid (every sample exactly once, the same count on every replica, no empty micro-batch, the cap held) and
+    its kept sums and makespans are exact."""
+    case = pipeline_search.SearchCase("t", "rl", dp=12, pp=4, vpp=1, per_replica=16, seed=4)
+    lengths, model, batch = case.inputs()
+    pricing = pipeline_pricing(case.parallel(), model, 16384)
+    costs = sample_costs(lengths, model)
+    unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
+    plan = pipeline_search.plan_from_schedule(unaware, 0, lengths, costs, 16384, pricing)
+    settings = pipeline_search.Anneal(batch_per_replica=16)
+    rng = np.random.default_rng(3)
+    scale = float(plan.spans.max())
+    touched = []
+    for _ in range(60):  # one batch a call: ``plan`` is changed in place, batch by batch
+        before = plan.copy()
+        pipeline_search.anneal(plan, rng, 1, scale, settings)
+        plan.check(case.n)
+        assert plan.cost.shape == (case.dp, before.k)
+        assert sorted(np.flatnonzero(plan.rep >= 0)) == list(range(case.n))
+        assert (np.bincount(plan.rep, minlength=case.dp) == plan.size.sum(axis=1)).all()
+        assert ((plan.tok <= 16384) | (plan.size == 1)).all()
+        touched.append(int((~np.all(before.cost == plan.cost, axis=1)).sum()))
+    assert max(touched) > 2  # moves on more than one or two replicas in one batch
+
+
+def test_yardstick_counts_start_from_the_strongest_seed_recounted() -> None:
+    """With ``recount_best`` every count also starts from the strongest seed recounted (valid plans at every count
+    the scan visits), and the search is never worse than its seeds."""
+    case = pipeline_search.SearchCase("t", "bimodal", dp=4, pp=4, vpp=1, per_replica=24, seed=6)
+    lengths, model, batch = case.inputs()
+    pricing = pipeline_pricing(case.parallel(), model, 16384)
+    costs = sample_costs(lengths, model)
+    unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
+    seed = pipeline_search.plan_from_schedule(unaware, 0, lengths, costs, 16384, pricing)
+    planned = pipeline_search.plan_from_schedule(plan_schedule(lengths.tolist(), case.parallel(), batch,
+                                                               cost_model=model), 0, lengths, costs, 16384, pricing)
+    made = 0
+    for k in range(max(1, seed.k - 1), int(2.2 * seed.k) + 1):
+        got = pipeline_search.recounted(planned, k)
+        if got is not None:
+            got.check(case.n)
+            assert got.k == k
+            made += 1
+    assert made >= 3
+    for flag in (0, 1):
+        best = pipeline_search.search(seed, budget=200, step=1, seed=0, more_seeds=[planned],
+                                      settings=pipeline_search.Anneal(recount_best=flag))
+        best.check(case.n)
+        assert best.key() <= min(seed.key(), planned.key())
+
+
 def test_speed_benchmark_prints_both_times_and_their_ratio(capsys) -> None:
     from bench import pipeline_speed
     assert pipeline_speed.main(["--quick", "--repeats", "1"]) == 0
