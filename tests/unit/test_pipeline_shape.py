@@ -131,19 +131,27 @@ def test_planner_with_shapes_keeps_every_invariant_and_beats_the_unaware_plan(pp
         assert sched.stats[s].predicted_makespan == pytest.approx(predicted_makespans(sched, s).max())
 
 
-def test_yardstick_search_returns_a_valid_plan_no_worse_than_its_seeds() -> None:
-    case = pipeline_search.SearchCase("t", "rl", dp=2, pp=4, vpp=1, per_replica=24, seed=5)
+def _yardstick_plans(case, planned: bool = False):
+    """The yardstick's seed plan of ``case`` (its pp-unaware schedule), and with ``planned`` this planner's plan."""
     lengths, model, batch = case.inputs()
     pricing = pipeline_pricing(case.parallel(), model, 16384)
     costs = sample_costs(lengths, model)
     unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
     seed = pipeline_search.plan_from_schedule(unaware, 0, lengths, costs, 16384, pricing)
-    planned = pipeline_search.plan_from_schedule(plan_schedule(lengths.tolist(), case.parallel(), batch,
-                                                               cost_model=model), 0, lengths, costs, 16384, pricing)
+    if not planned:
+        return seed
+    return seed, pipeline_search.plan_from_schedule(plan_schedule(lengths.tolist(), case.parallel(), batch,
+                                                                  cost_model=model), 0, lengths, costs, 16384, pricing)
+
+
+def test_yardstick_search_returns_a_valid_plan_no_worse_than_its_seeds() -> None:
+    case = pipeline_search.SearchCase("t", "rl", dp=2, pp=4, vpp=1, per_replica=24, seed=5)
+    seed, planned = _yardstick_plans(case, planned=True)
     best = pipeline_search.search(seed, budget=400, step=1, seed=0, more_seeds=[planned])
     best.check(case.n)
     assert best.key() <= min(seed.key(), planned.key())
     assert best.key()[0] < seed.key()[0] * 0.97  # the pp-unaware plan is far from the best
+    pricing = pipeline_pricing(case.parallel(), case.inputs()[1], 16384)  # priced afresh, not by the plan's own
     np.testing.assert_allclose(best.spans, pricing.makespans(best.cost_rows()), rtol=1e-12)
     # the same seed gives the same search
     again = pipeline_search.search(seed, budget=400, step=1, seed=0, more_seeds=[planned])
@@ -153,10 +161,7 @@ def test_yardstick_search_returns_a_valid_plan_no_worse_than_its_seeds() -> None
 def test_yardstick_moves_keep_the_plan_valid() -> None:
     """Every move the annealing makes leaves a valid plan whose kept sums and makespans are exact."""
     case = pipeline_search.SearchCase("t", "bimodal", dp=3, pp=2, vpp=2, per_replica=20, seed=2)
-    lengths, model, batch = case.inputs()
-    pricing = pipeline_pricing(case.parallel(), model, 16384)
-    unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
-    plan = pipeline_search.plan_from_schedule(unaware, 0, lengths, sample_costs(lengths, model), 16384, pricing)
+    plan = _yardstick_plans(case)
     rng = np.random.default_rng(1)
     for _ in range(5):
         plan = pipeline_search.anneal(plan, rng, 40, float(plan.spans.max()), pipeline_search.Anneal())
@@ -173,11 +178,7 @@ def test_yardstick_batches_over_many_replicas_keep_every_plan_valid() -> None:
     is valid (every sample exactly once, the same count on every replica, no empty micro-batch, the cap held) and
     its kept sums and makespans are exact."""
     case = pipeline_search.SearchCase("t", "rl", dp=12, pp=4, vpp=1, per_replica=16, seed=4)
-    lengths, model, batch = case.inputs()
-    pricing = pipeline_pricing(case.parallel(), model, 16384)
-    costs = sample_costs(lengths, model)
-    unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
-    plan = pipeline_search.plan_from_schedule(unaware, 0, lengths, costs, 16384, pricing)
+    plan = _yardstick_plans(case)
     settings = pipeline_search.Anneal(batch_per_replica=16)
     rng = np.random.default_rng(3)
     scale = float(plan.spans.max())
@@ -198,13 +199,7 @@ def test_yardstick_counts_start_from_the_strongest_seed_recounted() -> None:
     """With ``recount_best`` every count also starts from the strongest seed recounted (valid plans at every count
     the scan visits), and the search is never worse than its seeds."""
     case = pipeline_search.SearchCase("t", "bimodal", dp=4, pp=4, vpp=1, per_replica=24, seed=6)
-    lengths, model, batch = case.inputs()
-    pricing = pipeline_pricing(case.parallel(), model, 16384)
-    costs = sample_costs(lengths, model)
-    unaware = plan_schedule(lengths.tolist(), case.parallel(pp=1), batch, cost_model=model)
-    seed = pipeline_search.plan_from_schedule(unaware, 0, lengths, costs, 16384, pricing)
-    planned = pipeline_search.plan_from_schedule(plan_schedule(lengths.tolist(), case.parallel(), batch,
-                                                               cost_model=model), 0, lengths, costs, 16384, pricing)
+    seed, planned = _yardstick_plans(case, planned=True)
     made = 0
     for k in range(max(1, seed.k - 1), int(2.2 * seed.k) + 1):
         got = pipeline_search.recounted(planned, k)

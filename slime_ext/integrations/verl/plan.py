@@ -377,29 +377,23 @@ def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLa
         return _failed(common, x, spans, f"sample {int(np.argmin(x))} has {int(x.min())} tokens (every sample needs "
                                          f"at least one)")
     pricing = _pricing(layout, cost_model, cap)
-    if pricing is None:  # no pipeline: the planner's packing and its count
-        try:
-            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
-        except ScheduleError as exc:
-            return _failed(common, x, spans, str(exc))
-        need = max(len(own), floor)
-        spans[(grid < need) | (grid > len(x))] = np.inf
-        return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), **common)
-    # the pipeline: the grid's counts from what the cap needs at least up to reach x that (and at least
-    # MIN_REACH_STEPS counts more), each packed with the scan's shapes and priced
-    least = max(floor, align * -(-max(-(-int(x.sum()) // cap), int((x > cap // 2).sum()), 1) // align))
-    top = min(len(x), max(math.floor(search.reach * least), least + MIN_REACH_STEPS * align))
-    window = (grid >= least) & (grid <= top)
-    costs = _sample_costs(x, cost_model)
-    profile = cost_model if isinstance(cost_model, CostProfile) else None
-    scan = scan_shapes(x, costs, grid[window].tolist(), search.ramps, pricing, cap, layout.shape_group, profile,
-                       search.orders)
-    spans[window] = [scan.spans.get(int(c), np.inf) for c in grid[window]]
-    fits = [c for c, span in scan.spans.items() if np.isfinite(span)]
     own: tuple[tuple[int, ...], ...] | None = None
-    if fits and min(fits) == least:  # the least count fits: that is the need
-        need = least
-    else:  # the cap is tight (or nothing scanned fits): the planner's packing says what it needs
+    need, scan, costs = None, None, np.zeros(0)
+    if pricing is not None:
+        # the pipeline: the grid's counts from what the cap needs at least up to reach x that (and at least
+        # MIN_REACH_STEPS counts more), each packed with the scan's shapes and priced
+        least = max(floor, align * -(-max(-(-int(x.sum()) // cap), int((x > cap // 2).sum()), 1) // align))
+        top = min(len(x), max(math.floor(search.reach * least), least + MIN_REACH_STEPS * align))
+        window = (grid >= least) & (grid <= top)
+        costs = _sample_costs(x, cost_model)
+        profile = cost_model if isinstance(cost_model, CostProfile) else None
+        scan = scan_shapes(x, costs, grid[window].tolist(), search.ramps, pricing, cap, layout.shape_group,
+                           profile, search.orders)
+        spans[window] = [scan.spans.get(int(c), np.inf) for c in grid[window]]
+        fits = [c for c, span in scan.spans.items() if np.isfinite(span)]
+        if fits and min(fits) == least:  # the least count fits: that is the need
+            need = least
+    if need is None:  # no pipeline, or the cap is tight (or nothing scanned fits): the planner's packing and count
         try:
             own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
         except ScheduleError as exc:
