@@ -12,7 +12,7 @@ target                                              why
 ``megatron.rl.rl_utils.pack_all_trajectories``      plan the collection, pack this rank's micro-batches
 ``megatron.rl.rl_utils.load_packed_data_by_index``  a micro-batch cut to its own length (``train_rl`` binds this name
                                                     when it is imported: enable slime-ext first)
-``megatron.rl.rl_utils.compute_logprobs_batch``     the log-prob passes, one schedule call per step
+``megatron.rl.rl_utils.compute_logprobs_batch``     the log-prob passes, one schedule call per collection
 (``_compute_logprobs_batch`` in 0.16)
 ``megatron.rl.rl_utils.update_microbatch_calculator``  step 0's count instead of ``ceil(ratio * bins)``
 ``megatron.rl.rl_utils.get_grpo_data_iterator``     settings checked, model chunks kept, one iterator per VPP chunk
@@ -95,6 +95,13 @@ def megatron_rl_patches(runtime: Any) -> PatchSet:
                      supported=SUPPORTED, tested=TESTED, doc=doc, expect=expect, version=megatron_lm_version,
                      needed=needed)
 
+    def logprobs(name: str, attribute: str, note: str, *callers: tuple[str, str, tuple[str, ...]]) -> Patch:
+        """The log-prob pass, under the name this Megatron-LM gives it (the other name's patch is not needed)."""
+        return patch(name, RL, attribute, runtime.make_compute_logprobs_batch,
+                     f"the log-prob passes run every micro-batch of the collection in one schedule call{note}",
+                     calls((RL, attribute, ("num_microbatches=1", "forward_only=True")), *callers),
+                     needed=_has(RL, attribute))
+
     prepare = (RL, "prepare_data_for_update", ("pack_all_trajectories(", "update_microbatch_calculator(",
                                                "get_microbatch_dataloader(", "load_state_dict(ref_state_dict)",
                                                "itertools.cycle(loader)"))
@@ -106,15 +113,9 @@ def megatron_rl_patches(runtime: Any) -> PatchSet:
               "a micro-batch is cut to its own length, with its exact PackedSeqParams",
               calls((RL, "load_packed_data_by_index", ("cached_packed_seq_params[bin_idx]", "packed_trajs[idx]")),
                     (RL, "logprobs_forward_step", ("load_packed_data_by_index(",)))),
-        patch("logprobs", RL, "compute_logprobs_batch", runtime.make_compute_logprobs_batch,
-              "the log-prob passes run each step's micro-batches in one schedule call",
-              calls((RL, "compute_logprobs_batch", ("num_microbatches=1", "forward_only=True")),
-                    (RL, "prepare_data_for_update", ("compute_logprobs_batch(",))),
-              needed=_has(RL, "compute_logprobs_batch")),
-        patch("logprobs-0.16", RL, "_compute_logprobs_batch", runtime.make_compute_logprobs_batch,
-              "the log-prob passes run each step's micro-batches in one schedule call (0.16's name)",
-              calls((RL, "_compute_logprobs_batch", ("num_microbatches=1", "forward_only=True"))),
-              needed=_has(RL, "_compute_logprobs_batch")),
+        logprobs("logprobs", "compute_logprobs_batch", "",
+                 (RL, "prepare_data_for_update", ("compute_logprobs_batch(",))),
+        logprobs("logprobs-0.16", "_compute_logprobs_batch", " (0.16's name)"),
         patch("calculator", RL, "update_microbatch_calculator", runtime.make_update_microbatch_calculator,
               "the micro-batch calculator starts at the plan's step-0 count"),
         patch("iterator", RL, "get_grpo_data_iterator", runtime.make_get_grpo_data_iterator,
