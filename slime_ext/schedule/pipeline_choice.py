@@ -290,6 +290,24 @@ def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve:
     return out
 
 
+def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: PlannerConfig, dp: int) -> list[int]:
+    """The scanned counts, best first by their best combination's span (``scan``; ``inf``: did not pack), except
+    that with several replicas the counts within ``config.count_tie`` of the best come first, the most
+    micro-batches first: the scan prices each replica's own samples before the rebalancing moves any, and of counts
+    it cannot tell apart the one with more micro-batches levels the slowest replicas further (more, smaller pieces
+    to move). One replica has nothing to level: the scan's order stands."""
+    best: dict[int, float] = {}
+    for (k, _), span in zip(combos, scan.tolist()):
+        if span < best.get(k, np.inf):
+            best[k] = span
+    ranked = sorted(best, key=best.__getitem__)  # (ties: the count scanned first)
+    if not ranked:
+        return []
+    tie = cfg.count_tie if dp > 1 else 0.0
+    near = sorted((k for k in ranked if best[k] <= best[ranked[0]] * (1 + tie)), reverse=True)
+    return near + [k for k in ranked if k not in near]
+
+
 def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> list[int]:
     """The per-replica counts the shaped candidate scans: ``k0`` times ``config.count_factors``, each rounded up to
     the step and at least ``i`` steps above ``k0`` (small counts reach far enough) but not above the largest
@@ -320,7 +338,8 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``config.scan_shapes``,
        on up to ``config.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
        samples; with many replicas also typical ones, since the rebalancing levels them), then every shape at the
-       best counts on those replicas;
+       best counts on those replicas; the counts ranked by :func:`_rank_counts` (near-ties: more micro-batches
+       first);
     2. every replica packed in the best combination of each of the best counts (up to ``config.rebalanced_counts``;
        where a count fails on every one, the next count scanned), and in the count's other leading combinations
        and the flat shape (it packs wherever any does): every replica where the budget pays for it, else the slowest
@@ -337,8 +356,9 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     cap), or where even the smallest such search does not fit the budget."""
     pricing = budget.pricing
     cfg = pricing.config
-    shapes = [Shape.of(s) for s in cfg.shapes]
-    scan_shapes = [Shape.of(s) for s in cfg.scan_shapes]  # the same objects (Shape.of is cached)
+    pp = pricing.spec.pp_size
+    shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shapes))  # (per-stage ramps may meet fixed ones)
+    scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.scan_shapes))  # the same objects (cached)
     rest = [shape for shape in shapes if not any(shape is t for t in scan_shapes)]
     members = replica_members(replica_of, samples.costs, dp, samples.order)
     n_min = int((members >= 0).sum(axis=1).min())
@@ -418,7 +438,7 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     else:
         scan = pack_many(budget, samples, sub, combos)[0].max(axis=1)
         seen = dict(zip(combos, scan))
-    best_counts = list(dict.fromkeys(combos[i][0] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])))
+    best_counts = _rank_counts(combos, scan, cfg, dp)
     combos = [(k, shape) for shape in shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
     fresh = [combo for combo in combos if combo not in seen]
     room = budget.left() - keep - later(n_leads)
@@ -475,7 +495,7 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
                     choice[c][r] = shape
         return first, best_span, best_bin, choice
 
-    ordered_counts = list(dict.fromkeys(k for k, _ in best_first))
+    ordered_counts = _rank_counts(combos, scan, cfg, dp)
     leads = ordered_counts[:n_leads]
     while len(leads) > 1 and not budget.allows(work(dp * len(leads), max(leads)) + keep):
         leads.pop()  # every replica in each count's best: as many counts as the budget pays for

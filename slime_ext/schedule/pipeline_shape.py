@@ -70,16 +70,22 @@ class Shape:
         return asc
 
     @classmethod
-    def of(cls, fields: tuple) -> "Shape":
-        """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise]]])``;
-        ``up < 0`` rises over the whole step (:data:`RISING`). The same tuple gives the same object."""
-        return _shape_of(tuple(fields))
+    def of(cls, fields: tuple, pp: int = 1) -> "Shape":
+        """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise[,
+        per_stage]]]])``; ``up < 0`` rises over the whole step (:data:`RISING`). ``per_stage`` true: ``up`` and
+        ``down`` (where >= 0) count micro-batches per pipeline stage, so the ramps are as long as the pipeline of
+        ``pp`` stages is deep (rounded half up, at least one where not 0). The same tuple and depth give the same
+        object."""
+        fields = tuple(fields)
+        return _shape_of(fields, int(pp) if len(fields) > 6 and fields[6] else 1)
 
 
 @lru_cache(maxsize=1024)
-def _shape_of(fields: tuple) -> Shape:
-    up, *rest = fields
-    return Shape(RISING if up < 0 else int(up), *rest)
+def _shape_of(fields: tuple, per_stage: int) -> Shape:
+    up, down, *rest = fields[:6]
+    if len(fields) > 6 and fields[6]:  # ramps in micro-batches per stage: times the depth
+        up, down = (max(1, int(x * per_stage + 0.5)) if x > 0 else x for x in (up, down))
+    return Shape(RISING if up < 0 else int(up), int(down), *rest)
 
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)

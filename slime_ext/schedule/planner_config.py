@@ -158,24 +158,38 @@ class PlannerConfig:
     #: up to 2.3x the pp-unaware count (rl-like, dp 8 x pp 8: 32 per replica against 14), hence the reach to 2.6x
     count_factors: tuple[float, ...] = (1.0, 1.1, 1.2, 1.3, 1.45, 1.6, 1.8, 2.0, 2.3, 2.6)
     #: the shapes of micro-batch sizes tried (:class:`~slime_ext.schedule.pipeline_shape.Shape` fields ``(up,
-    #: down, low, order, grouped, rise)``; ``up = -1`` rises over the whole step, ``down = -1`` falls over every
-    #: micro-batch after the peak). The first 17 are issue 22's, read off the yardstick's best plans of then; the
-    #: last five (a geometric rise to an early peak, then a linear fall to 0.1 of it) are issue 29's, read off the
-    #: annealing yardstick's best plans (rl-like, dp 8 x pp 4 and pp 8: e.g. 4, 9, 20, 36, 70, 55, 44, ..., 7, 5
-    #: overheads): on the six dp 8-32 yardstick cases they moved the worst plan / best from 1.042 to 1.014
+    #: down, low, order, grouped, rise, per_stage)``, the last four optional; ``up = -1`` rises over the whole
+    #: step, ``down = -1`` falls over every micro-batch after the peak; ``per_stage`` true: ``up`` and ``down`` are
+    #: per pipeline stage, the ramps as long as the pipeline is deep). The first 17 are issue 22's, read off the
+    #: yardstick's best plans of then; the next five (a geometric rise to an early peak, then a linear fall to 0.1
+    #: of it) are issue 29's, read off the annealing yardstick's best plans (rl-like, dp 8 x pp 4 and pp 8: e.g. 4,
+    #: 9, 20, 36, 70, 55, 44, ..., 7, 5 overheads): on the six dp 8-32 yardstick cases they moved the worst plan /
+    #: best from 1.042 to 1.014. The last three ramp over about 1.1-1.25 micro-batches per stage from 0.05 of the
+    #: plateau (10 and 9 up, 16 or every one down at pp 8; 5 at pp 4): packed from one replica's samples of
+    #: rl-dp128-pp8 over a grid of 2,040 shapes, the best shapes at pp 8 had ramps of 8-10 up and 16 or all down,
+    #: 1.010 of the best against the fixed shapes' 1.029 (at pp 4 ramps of 5-6 up led, as the fixed ones do); with
+    #: them the dp 128 x pp 8 cases plan 36-39 micro-batches per replica (24-25 before) at 1.016 and 1.009 of the
+    #: best (1.029 and 1.023 before)
     shapes: tuple[tuple, ...] = ((0, 0, 1.0), (1, 4, 0.3), (2, 4, 0.3), (2, 6, 0.5), (3, 6, 0.3), (3, 8, 0.3),
                                  (4, 8, 0.3), (2, 2, 0.5), (-1, 1, 0.5), (-1, 2, 0.6), (0, 0, 1.0, "rising"),
                                  (3, 8, 0.6), (5, 10, 0.5), (4, 12, 0.4), (1, 1, 0.3, "target", True),
                                  (1, 2, 0.3, "target", True), (2, 3, 0.3, "target", True),
                                  (2, -1, 0.1, "target", False, 2.0), (3, -1, 0.1, "target", False, 2.0),
                                  (4, -1, 0.1, "target", False, 1.8), (5, -1, 0.1, "target", False, 1.6),
-                                 (6, -1, 0.1, "target", False, 1.5))
+                                 (6, -1, 0.1, "target", False, 1.5),
+                                 (1.25, -1, 0.05, "target", False, 0.0, True),
+                                 (1.125, 2.0, 0.05, "target", False, 0.0, True),
+                                 (1.125, -1, 0.05, "target", False, 1.5, True))
     #: the shapes every count is scanned with (then every shape at the best counts); entries of ``shapes``: the
     #: flat one, the rising order, two early peaks and short ramps of whole VPP groups (added by issue 29's speed
     #: work: where the budget leaves no room for every shape at the best counts, it took the 180 large steps of
-    #: ``bench.plan_quality --large`` under VPP from +1.2% to +0.3% of cfaa6b5's makespans, 1F1B alike)
+    #: ``bench.plan_quality --large`` under VPP from +1.2% to +0.3% of cfaa6b5's makespans, 1F1B alike), and the
+    #: ramps of 1.25 micro-batches per stage (at dp 128 the budget scans few shapes and tries no other: without it
+    #: there the deep pipeline's long ramps are never packed; in place of the early peak of 3 instead of beside it,
+    #: the pinned plans' mean against cfaa6b5 was -0.70% instead of -0.71%, the large steps' -0.50% for -0.51%)
     scan_shapes: tuple[tuple, ...] = ((0, 0, 1.0), (0, 0, 1.0, "rising"), (3, -1, 0.1, "target", False, 2.0),
-                                      (5, -1, 0.1, "target", False, 1.6), (1, 2, 0.3, "target", True))
+                                      (5, -1, 0.1, "target", False, 1.6), (1, 2, 0.3, "target", True),
+                                      (1.25, -1, 0.05, "target", False, 0.0, True))
     #: the scan packs every shape at every count in one call where that is at most this many rows (the same
     #: prices, one call fewer)
     one_scan_rows: int = 256
@@ -184,6 +198,13 @@ class PlannerConfig:
     #: fastest after rebalancing wins
     shaped_combos: int = 3
     rebalanced_counts: int = 3
+    #: counts whose best scanned span is within this share of the best count's are ranked most micro-batches
+    #: first: the scan prices each replica's own samples before the rebalancing moves any, and the rebalancing
+    #: levels the slowest replicas further with more, smaller micro-batches (``bench.pipeline_search``'s
+    #: tail-dp128-pp8: 6 and 7 micro-batches per replica scan 5e-5 apart and rebalance to 1.0200 and 1.0006 of the
+    #: best; ``bench.plan_quality --large``: the mean makespan against cfaa6b5 from -0.45% to -0.51%, steps over
+    #: 0.5% slower from 18 to 11 of 180; 3e-3: -0.50% and 16, 1e-2: -0.32% and 31)
+    count_tie: float = 1e-3
 
     # ------------------------------------------------------------------ pipeline search: samples between replicas
     #: the fastest replicas a move off the slowest one may go to (shaped rebalancing, refinement)
@@ -252,7 +273,8 @@ class PlannerConfig:
                 raise ScheduleError(f"PlannerConfig.{f.name} = {value!r} must be {_kind(default, f.name)} (default "
                                     f"{default!r}); see the field's documentation in "
                                     f"slime_ext/schedule/planner_config.py")
-        for name in ("microbatch_overhead", "tie", "min_gain", "strip_share", "refine_share", "scan_share"):
+        for name in ("microbatch_overhead", "tie", "count_tie", "min_gain", "strip_share", "refine_share",
+                     "scan_share"):
             if getattr(self, name) >= 1:
                 raise ScheduleError(f"PlannerConfig.{name} = {getattr(self, name)!r} is a share: pass a value in "
                                     f"[0, 1)")
@@ -262,6 +284,13 @@ class PlannerConfig:
             raise ScheduleError(f"PlannerConfig.token_fill = {self.token_fill!r} must lie in (0, 1]")
         if self.backward_forward_ratio <= 0:
             raise ScheduleError(f"PlannerConfig.backward_forward_ratio = {self.backward_forward_ratio!r} must be > 0")
+        for name in ("shapes", "scan_shapes"):
+            for shape in getattr(self, name):
+                problem = _shape_problem(shape)
+                if problem:
+                    raise ScheduleError(f"PlannerConfig.{name} holds {shape!r}: {problem}; a shape is (up, down, "
+                                        f"low[, order[, grouped[, rise[, per_stage]]]]), e.g. (3, 8, 0.3) or "
+                                        f"(1.25, -1, 0.05, 'target', False, 0.0, True)")
         missing = [s for s in self.scan_shapes if s not in self.shapes]
         if missing:
             raise ScheduleError(f"PlannerConfig.scan_shapes holds {missing}, which are not in shapes; scan a subset "
@@ -317,6 +346,27 @@ def _kind(default: Any, name: str = "") -> str:
     if isinstance(default, float):
         return "a finite number >= 0"
     return "a non-empty JSON list"
+
+
+def _shape_problem(shape: Any) -> str:
+    """What is wrong with one ``shapes`` entry (empty: nothing)."""
+    if not isinstance(shape, tuple) or not 3 <= len(shape) <= 7:
+        return "it needs 3 to 7 fields"
+    up, down, low, *rest = shape
+    order, grouped, rise, per_stage = (list(rest) + ["target", False, 0.0, False][len(rest):])[:4]
+    number = (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x))
+    if not isinstance(per_stage, bool) or not isinstance(grouped, bool):
+        return "grouped and per_stage are true or false"
+    for name, x in (("up", up), ("down", down)):
+        if not number(x) or x < 0 and x != -1 or not per_stage and x != int(x):
+            return f"{name} = {x!r} must be a whole number >= 0 or -1 (per stage: any number >= 0)"
+    if not number(low) or not 0 < low <= 1:
+        return f"low = {low!r} must lie in (0, 1]"
+    if order not in ("target", "rising"):
+        return f"order = {order!r} must be 'target' or 'rising'"
+    if not number(rise) or rise < 0:
+        return f"rise = {rise!r} must be a number >= 0 (> 1: geometric)"
+    return ""
 
 
 #: the defaults, for callers that take an optional config

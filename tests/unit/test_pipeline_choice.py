@@ -153,7 +153,12 @@ def test_config_overrides_parse_and_refuse_with_the_field_named():
                                                        "scan_replicas", "candidates")}
     for bad, match in (("nope=1", "PlannerConfig field"), ("tie", "NAME=VALUE"), ("scan_replicas=x", "integer"),
                        ("scan_replicas=0", "scan_replicas = 0"), ("tie=2", "share"),
-                       ('scan_shapes=[[9, 9, 0.5]]', "not in shapes")):
+                       ('scan_shapes=[[9, 9, 0.5]]', "not in shapes"), ("count_tie=1", "count_tie"),
+                       ("shapes=[[1, 2]]", r"\(1, 2\): it needs 3 to 7 fields"),
+                       ("shapes=[[1.5, 2, 0.3]]", "up = 1.5 must be a whole number"),
+                       ("shapes=[[1, 2, 0]]", r"low = 0 must lie in \(0, 1\]"),
+                       ('shapes=[[1, 2, 0.3, "up"]]', "order = 'up'"),
+                       ('shapes=[[1, 2, 0.3, "target", false, 0.0, 1]]', "per_stage are true or false")):
         with pytest.raises(ScheduleError, match=match):
             PlannerConfig().replace_from([bad])
     with pytest.raises(ScheduleError, match="config must be a PlannerConfig"):
@@ -329,3 +334,20 @@ def test_the_rebalancing_stops_where_the_budget_cannot_pay_for_a_repacking():
     broke = Budget(pricing, 1.0)
     kept = lockstep(broke, samples, [rebalance_run(broke, samples, groups, k, [shape] * dp, spans, [None] * dp)])[0]
     assert np.array_equal(kept[2], spans) and broke.spent <= broke.total  # without one it changes nothing
+
+
+def test_counts_the_scan_cannot_tell_apart_go_most_microbatches_first():
+    """``_rank_counts``: best scanned span first, except counts within ``count_tie`` of the best, which go first
+    with the most micro-batches first (the rebalancing levels further with more, smaller pieces)."""
+    from slime_ext.schedule.pipeline_choice import _rank_counts
+    from slime_ext.schedule.pipeline_shape import Shape
+    a, b = Shape.of((0, 0, 1.0)), Shape.of((2, 6, 0.5))
+    combos = [(6, a), (6, b), (7, a), (7, b), (9, a), (10, a), (11, a)]
+    scan = np.asarray([1.0004, 1.0, 1.0003, 1.0009, 1.02, 1.01, np.inf])
+    cfg = PlannerConfig()
+    assert cfg.count_tie == 1e-3
+    assert _rank_counts(combos, scan, cfg, 8) == [7, 6, 10, 9]  # 7 is 3e-4 above 6: more first; 11 never packed
+    assert _rank_counts(combos, scan, PlannerConfig(count_tie=0.0), 8) == [6, 7, 10, 9]
+    assert _rank_counts(combos, scan, cfg, 1) == [6, 7, 10, 9]  # one replica: nothing to level
+    assert _rank_counts(combos, scan, PlannerConfig(count_tie=0.015), 8) == [10, 7, 6, 9]
+    assert _rank_counts(combos, np.full(len(combos), np.inf), cfg, 8) == []

@@ -16,7 +16,8 @@ from slime_ext.schedule.pipeline_shape import (RISING, Shape, ShapeSamples, pack
                                                shape_pack)
 from slime_ext.schedule.planner_config import PlannerConfig
 
-SHAPES = [Shape.of(s) for s in PlannerConfig().shapes]
+#: every configured shape as a pipeline of 1, 4 and 8 stages resolves it (per-stage ramps scale with the depth)
+SHAPES = list(dict.fromkeys(Shape.of(s, pp) for pp in (1, 4, 8) for s in PlannerConfig().shapes))
 
 DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
 
@@ -35,6 +36,20 @@ def test_ramp_weights_are_shares_with_a_plateau(shape: Shape, k: int) -> None:
         assert w[-1] < w.max()  # the step ends below the peak
     if shape.down < 0 and k > 2:  # a fall over every micro-batch after the peak
         assert np.all(np.diff(w[peak:]) < 0)
+
+
+def test_per_stage_ramps_are_as_long_as_the_pipeline_is_deep() -> None:
+    fields = (1.25, 2.0, 0.05, "target", False, 1.5, True)
+    assert Shape.of(fields, 8) == Shape(10, 16, 0.05, "target", False, 1.5)
+    assert Shape.of(fields, 4) == Shape(5, 8, 0.05, "target", False, 1.5)
+    assert Shape.of(fields, 2) == Shape(3, 4, 0.05, "target", False, 1.5)  # rounded half up
+    assert Shape.of((0.1, -1, 0.3, "target", False, 0.0, True), 2) == Shape(1, -1, 0.3)  # at least one; -1 stays
+    assert Shape.of((0, 0.5, 0.3, "target", False, 0.0, True), 8) == Shape(0, 4, 0.3)  # no ramp stays none
+    assert Shape.of(fields, 8) is Shape.of(list(fields), 8)  # one object per tuple and depth
+    assert Shape.of((3, 8, 0.3), 8) == Shape(3, 8, 0.3) == Shape.of((3, 8, 0.3, "target", False, 0.0, False), 8)
+    w = Shape.of((1.25, -1, 0.05, "target", False, 0.0, True), 8).weights(36)
+    assert np.all(np.diff(w[:11]) > 0) and w.argmax() == 10 and np.all(np.diff(w[10:]) < 0)
+    assert w[0] == pytest.approx(0.05 * w[10])
 
 
 def test_ramp_weights_shorten_ramps_on_few_microbatches() -> None:
