@@ -40,8 +40,9 @@ by < 0.3%). ``--record`` keeps each case's best, ``--best`` measures against rec
    disjoint replicas are independent, and the slowest of 128 near-equal replicas only drops where most of them improve).
    The best plan seen (slowest makespan, then the sum) is kept.
 
-The budget is counted in batches (``--budget`` per case, ``--stability`` runs 4x as many), not in seconds: a case's
-best does not depend on the machine's load, and a run is reproducible from its seed.
+The budget is counted in batches (``--budget`` per case, times ``dp / 32`` beyond 32 replicas (``Anneal.
+budget_replicas``); ``--stability`` runs 4x as many), not in seconds: a case's best does not depend on the machine's
+load, and a run is reproducible from its seed.
 
 **Output.** Per case: the pp-unaware plan / best, the planner's plan / best, the micro-batches per replica of
 both, best / work (the mean replica's busiest-stage work) and the planning time; with ``--baseline`` the other
@@ -99,6 +100,11 @@ class Anneal:
     #: the planner given this many times its budget also seeds every search (0: no such seed); a strong start
     #: makes the best stable: a search 4x as long moves it less (issue 29's stability target)
     seed_budget: float = 20.0
+    #: beyond this many replicas a case's search runs ``dp / budget_replicas`` times the batches (dp 128: 4x). A
+    #: batch makes at most one move per replica, and at dp 128 the slowest of 128 near-equal replicas drops only
+    #: where most of them improve: with the batches of dp 32 the 4x longer search moved rl-dp128-pp8's best by
+    #: 0.38-0.41%, and runs from other random streams differed by up to 0.4% (issue 29's stability target: < 0.3%)
+    budget_replicas: int = 32
 
 
 @dataclass(frozen=True)
@@ -388,11 +394,13 @@ def _apply(plan: Plan, kind: int, x: int, y: int, a: int, b: int, i: int, j: int
 def search(seed_plan: Plan, budget: int, step: int, seed: int = 0, settings: Anneal = Anneal(),
            more_seeds: list[Plan] = ()) -> Plan:
     """The best plan found from ``seed_plan`` (the pp-unaware plan) in ``budget`` batches: counts by successive
-    halving, then restarts (module docstring). ``step``: the count moves by multiples of it (the VPP group, else
+    halving, then restarts (module docstring); beyond ``settings.budget_replicas`` replicas, ``dp /
+    budget_replicas`` times the batches. ``step``: the count moves by multiples of it (the VPP group, else
     1). ``more_seeds``: plans to start from as well (the planners' plans being measured): each stands in for the
     plan of its count."""
     rng = np.random.default_rng(seed)
     s = settings
+    budget = int(budget * max(1.0, seed_plan.dp / s.budget_replicas))
     scale = float(seed_plan.spans.max())
     k0 = seed_plan.k
     counts = []
@@ -546,7 +554,8 @@ def run_case(case: SearchCase, budget: int, settings: Anneal = Anneal(), overrid
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget", type=int, default=24000, help="annealing batches per case (default 24,000)")
+    ap.add_argument("--budget", type=int, default=24000, help="annealing batches per case (default 24,000; "
+                    "dp / 32 times that beyond 32 replicas)")
     ap.add_argument("--case", action="append", help="run only these cases (by name); repeatable")
     ap.add_argument("--quick", action="store_true", help="two small cases, 300 batches each")
     ap.add_argument("--stability", action="store_true", help="also a 4x longer search per case")
@@ -578,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.best) as f:
             bests = json.load(f)["best"]
     base = baseline_plans(args.baseline, cases) if args.baseline else None
-    print(f"yardstick: annealing, {budget} batches of {settings.batch} moves per case (at least "
+    print(f"yardstick: annealing, {budget} batches (x dp / {settings.budget_replicas} beyond "
+          f"{settings.budget_replicas} replicas) of {settings.batch} moves per case (at least "
           f"{settings.batch_per_replica} per replica)"
           f"{' (and 4x as many)' if args.stability else ''}, seeded with the pp-unaware plan, the plans measured and "
           f"this planner at {settings.seed_budget:g}x its budget; FLOPs pricing "

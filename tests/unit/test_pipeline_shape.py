@@ -358,3 +358,24 @@ def test_pricing_tables_equal_the_model_on_per_stage_costs() -> None:
         from slime_ext.schedule.pipeline_model import pipeline_makespan
         for got, c in zip(pricing.makespans_many(groups), groups):
             np.testing.assert_array_equal(got, pipeline_makespan(*pricing.stage_costs(c), pricing.spec))
+
+
+def test_yardstick_batches_grow_with_the_replicas_beyond_budget_replicas(monkeypatch) -> None:
+    """A case of more than ``Anneal.budget_replicas`` replicas searches ``dp / budget_replicas`` times the batches
+    (the slowest of many near-equal replicas drops only where most of them improve); up to it, the budget as given."""
+    runs: list[int] = []
+
+    def counted(plan, rng, batches, scale, s):  # the annealing runs' batches, the plan unchanged
+        runs.append(batches)
+        return plan.copy()
+
+    monkeypatch.setattr(pipeline_search, "anneal", counted)
+    spent = {}
+    for dp, reach in ((4, 4), (4, 2), (8, 4)):
+        case = pipeline_search.SearchCase("t", "rl", dp=dp, pp=4, vpp=1, per_replica=8, seed=7)
+        seed = _yardstick_plans(case)
+        runs.clear()
+        pipeline_search.search(seed, budget=1000, step=1, settings=pipeline_search.Anneal(budget_replicas=reach))
+        spent[dp, reach] = sum(runs)
+    assert 900 <= spent[4, 4] <= 1000  # (each round's share rounds down)
+    assert 1800 <= spent[4, 2] <= 2000 and 1800 <= spent[8, 4] <= 2000
