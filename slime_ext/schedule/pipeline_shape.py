@@ -81,10 +81,10 @@ class Shape:
 
 
 @lru_cache(maxsize=1024)
-def _shape_of(fields: tuple, per_stage: int) -> Shape:
+def _shape_of(fields: tuple, depth: int) -> Shape:
     up, down, *rest = fields[:6]
     if len(fields) > 6 and fields[6]:  # ramps in micro-batches per stage: times the depth
-        up, down = (max(1, int(x * per_stage + 0.5)) if x > 0 else x for x in (up, down))
+        up, down = (max(1, int(x * depth + 0.5)) if x > 0 else x for x in (up, down))
     return Shape(RISING if up < 0 else int(up), int(down), *rest)
 
 

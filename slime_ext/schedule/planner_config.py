@@ -168,8 +168,8 @@ class PlannerConfig:
     #: plateau (10 and 9 up, 16 or every one down at pp 8; 5 at pp 4): packed from one replica's samples of
     #: rl-dp128-pp8 over a grid of 2,040 shapes, the best shapes at pp 8 had ramps of 8-10 up and 16 or all down,
     #: 1.010 of the best against the fixed shapes' 1.029 (at pp 4 ramps of 5-6 up led, as the fixed ones do); with
-    #: them the dp 128 x pp 8 cases plan 36-39 micro-batches per replica (24-25 before) at 1.016 and 1.009 of the
-    #: best (1.029 and 1.023 before)
+    #: them the dp 128 x pp 8 cases plan 36-39 micro-batches per replica (24-25 before) at 1.017 and 1.010 of the
+    #: yardstick's bests (1.029 and 1.023 before; ``docs/pipeline.md``)
     shapes: tuple[tuple, ...] = ((0, 0, 1.0), (1, 4, 0.3), (2, 4, 0.3), (2, 6, 0.5), (3, 6, 0.3), (3, 8, 0.3),
                                  (4, 8, 0.3), (2, 2, 0.5), (-1, 1, 0.5), (-1, 2, 0.6), (0, 0, 1.0, "rising"),
                                  (3, 8, 0.6), (5, 10, 0.5), (4, 12, 0.4), (1, 1, 0.3, "target", True),
