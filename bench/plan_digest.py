@@ -124,9 +124,10 @@ _PROFILE = CostProfile(step_overhead_s=0.05, microbatch_overhead_s=0.004, per_to
                        per_sample_quadratic_s=1e-10, backward_forward_ratio=2.1, p2p_s=0.002)
 
 
-def pipeline_case(seed: int):
+def pipeline_case(seed: int, config=None):
     """``(label, thunk)`` of one seeded small workload under pipeline parallelism (the planner's stage 5: order,
-    DP assignment and count chosen by the pipeline model), priced by tokens, a FLOPs model or a profile."""
+    DP assignment and count chosen by the pipeline model), priced by tokens, a FLOPs model or a profile;
+    ``config``: the planner's ``PlannerConfig`` (``None``: its defaults)."""
     rng = np.random.default_rng(10_000 + seed)
     n = int(rng.integers(8, 200))
     if seed % 2:
@@ -154,23 +155,25 @@ def pipeline_case(seed: int):
                               overlap_p2p_comm=bool(rng.random() < 0.5))
     cost = [None, CostModel(**_MODELS[1]), _PROFILE][seed % 3]
     label = f"pipeline/{seed}/n={n},dp={dp},pp={pp},vpp={vpp},dyn={int(dynamic)},cost={type(cost).__name__}"
-    return label, lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=cost)
+    more = {} if config is None else {"config": config}
+    return label, lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=cost, **more)
 
 
-def all_cases(quick: bool = False):
+def all_cases(quick: bool = False, config=None):
     """``(label, thunk)`` of every pinned case: the benchmark cases (unless ``quick``), then the random ones, then
-    the pipeline ones."""
+    the pipeline ones (planned with ``config``; the others have no pipeline, which is all the config tunes)."""
     if not quick:
         yield from bench_cases()
     for seed in range(RANDOM_CASES):
         yield random_case(seed)
     for seed in range(PIPELINE_CASES):
-        yield pipeline_case(seed)
+        yield pipeline_case(seed, config)
 
 
-def outcomes(quick: bool = False):
-    """``(label, schedule or refusal)`` of every case: a refusal (``"Error: message"``) is part of the behaviour."""
-    for label, thunk in all_cases(quick):
+def outcomes(quick: bool = False, config=None):
+    """``(label, schedule or refusal)`` of every case: a refusal (``"Error: message"``) is part of the behaviour.
+    ``config``: the planner's ``PlannerConfig`` for the pipeline cases (``None``: its defaults)."""
+    for label, thunk in all_cases(quick, config):
         try:
             yield label, thunk()
         except Exception as e:  # noqa: BLE001 -- a refusal is a result too

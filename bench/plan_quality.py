@@ -8,6 +8,9 @@ needs (issue 10).
     python -m bench.plan_quality --write before.json --write-plans before_plans.json   # old code
     python -m bench.plan_quality --compare before.json --reprice before_plans.json     # new code
 
+    # a sweep: the new code with a PlannerConfig field set (the pipeline cases; repeatable)
+    python -m bench.plan_quality --compare before.json --set count_tie=0.003
+
     # large pipelined steps (not in the digests: 180 steps of 4,096-8,192 samples at dp 64-512, pp 4-8, VPP 1-2)
     python -m bench.plan_quality --large --write before_large.json    # old code (minutes where planning is slow)
     python -m bench.plan_quality --large --compare before_large.json  # new code
@@ -49,8 +52,9 @@ LARGE_SIZES = ((64, 4096), (128, 4096), (128, 8192), (256, 8192), (512, 8192))
 LARGE_LAYOUTS = ((4, 1), (4, 2), (8, 1), (8, 2))
 
 
-def large_outcomes():
-    """``(label, schedule)`` of every large step."""
+def large_outcomes(config=None):
+    """``(label, schedule)`` of every large step (``config``: the planner's ``PlannerConfig``, ``None``: its
+    defaults)."""
     from slime_ext.schedule import build_dp_schedule
     for dist in LARGE_DISTS:
         for seed in LARGE_SEEDS:
@@ -69,7 +73,8 @@ def large_outcomes():
                                 "microbatch_group_size_per_vp_stage": pp if vpp > 1 else None}
                     yield (f"large/{dist}/seed={seed}/dp={dp},n={n},pp={pp},vpp={vpp}",
                            build_dp_schedule(args, parallel, lengths, global_batch_size=n,
-                                             rollout_indices=list(range(n))))
+                                             rollout_indices=list(range(n)),
+                                             **({} if config is None else {"config": config})))
 
 #: relative change of the slowest rank's cost below which two steps count as equal (float summation order)
 REL_TOL = 1e-9
@@ -130,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
                                                      "(--write-plans) by the current pipeline model")
     p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     p.add_argument("--large", action="store_true", help="the large pipelined steps instead (LARGE_*)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                   help="a PlannerConfig field for this run's planner (the pipeline cases); repeatable")
     args = p.parse_args(argv)
     if args.write_plans and not args.write or args.reprice and not args.compare:
         p.error("--write-plans goes with --write, --reprice with --compare")
-    results = list(large_outcomes() if args.large else outcomes(args.quick))
+    config = None
+    if args.overrides:
+        from slime_ext.schedule import PlannerConfig
+        config = PlannerConfig().replace_from(args.overrides)
+        print(f"planner config: {config.describe()}")
+    results = list(large_outcomes(config) if args.large else outcomes(args.quick, config))
     now = {label: summary(outcome) for label, outcome in results}
     if args.write:
         with open(args.write, "w") as f:

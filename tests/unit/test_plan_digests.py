@@ -24,3 +24,24 @@ def test_the_planner_makes_every_pinned_plan():
                        f"with `python -m bench.plan_quality` that each is better, then re-record the digests in "
                        f"their own commit (`python -m bench.plan_digest --write bench/plan_digests.json`)")
     assert sum(":" in v for v in now.values()) < len(now) // 2  # mostly plans, not refusals
+
+
+def test_plan_quality_set_reaches_the_planner_of_every_pipeline_case(tmp_path, capsys):
+    """``bench.plan_quality --set NAME=VALUE`` plans the pipeline cases with that ``PlannerConfig``: with the
+    pp-unaware candidate alone no pipeline plan is chosen for the pipeline, where the defaults choose many."""
+    from bench import plan_quality
+    from bench.plan_digest import outcomes
+
+    def strategies(config=None):
+        return {label: o.stats[0].strategy for label, o in outcomes(quick=True, config=config)
+                if label.startswith("pipeline/") and not isinstance(o, str)}
+
+    from slime_ext.schedule import PlannerConfig
+    default, unaware = strategies(), strategies(PlannerConfig(candidates=("unaware",)))
+    assert default.keys() == unaware.keys() and len(default) > 20
+    assert not any("+pp" in s for s in unaware.values())
+    assert sum("+pp" in s for s in default.values()) > len(default) // 2
+    out = tmp_path / "unaware.json"
+    assert plan_quality.main(["--quick", "--write", str(out), "--set", 'candidates=["unaware"]']) == 0
+    assert "candidates" in capsys.readouterr().out
+    assert default.keys() <= json.loads(out.read_text()).keys()
