@@ -155,8 +155,7 @@ def pipeline_case(seed: int, config=None):
                               overlap_p2p_comm=bool(rng.random() < 0.5))
     cost = [None, CostModel(**_MODELS[1]), _PROFILE][seed % 3]
     label = f"pipeline/{seed}/n={n},dp={dp},pp={pp},vpp={vpp},dyn={int(dynamic)},cost={type(cost).__name__}"
-    more = {} if config is None else {"config": config}
-    return label, lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=cost, **more)
+    return label, lambda: plan_schedule(lengths, parallel, batch, rollout_ids=ids, cost_model=cost, config=config)
 
 
 def all_cases(quick: bool = False, config=None):

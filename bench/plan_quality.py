@@ -73,8 +73,7 @@ def large_outcomes(config=None):
                                 "microbatch_group_size_per_vp_stage": pp if vpp > 1 else None}
                     yield (f"large/{dist}/seed={seed}/dp={dp},n={n},pp={pp},vpp={vpp}",
                            build_dp_schedule(args, parallel, lengths, global_batch_size=n,
-                                             rollout_indices=list(range(n)),
-                                             **({} if config is None else {"config": config})))
+                                             rollout_indices=list(range(n)), config=config))
 
 #: relative change of the slowest rank's cost below which two steps count as equal (float summation order)
 REL_TOL = 1e-9
