@@ -543,8 +543,8 @@ class _Sweep:
     num_nodes: int
     #: per level: (first node, end, its nodes' predecessors in the new numbers as ``w`` columns ``(n,)``
     #: (``num_nodes`` is time 0), the transfers on the way from each as ``w`` columns ``(n, 1)`` (``None`` where
-    #: there are none), each node's row in the stacked cost table)
-    levels: tuple[tuple[int, int, tuple[np.ndarray, ...], tuple[np.ndarray, ...] | None, np.ndarray], ...]
+    #: there are none))
+    levels: tuple[tuple[int, int, tuple[np.ndarray, ...], tuple[np.ndarray, ...] | None], ...]
     new_ids: tuple[np.ndarray, ...]  # per DAG: the new number of each of its computes
     lasts: tuple[np.ndarray, ...]  # per DAG: each stage's last compute (new numbers)
     rows: np.ndarray  # every compute's row in the stacked cost table (the levels' rows, in node order)
@@ -607,10 +607,10 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
         # R)`` and a reduction over its short middle axis)
         pred_cols = tuple(np.ascontiguousarray(preds[:, i]) for i in range(width))
         hop_cols = tuple(np.ascontiguousarray(hops[:, i:i + 1]) for i in range(width)) if hops.any() else None
-        levels.append((starts[k], starts[k + 1], pred_cols, hop_cols, np.concatenate(cols[k])))
+        levels.append((starts[k], starts[k + 1], pred_cols, hop_cols))
     lasts = tuple(new_ids[d][np.asarray([nodes[-1] for nodes in dag.compute_nodes if len(nodes)], dtype=np.int64)]
                   for d, (dag, _) in enumerate(dags))
-    rows = np.concatenate([level[4] for level in levels]) if levels else np.zeros(0, dtype=np.int64)
+    rows = np.concatenate([c for level in cols for c in level]) if depth else np.zeros(0, dtype=np.int64)
     return _Sweep(total, tuple(levels), tuple(ids[:-1] for ids in new_ids), lasts, rows)
 
 
@@ -640,7 +640,7 @@ def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
     end = np.empty((sweep.num_nodes + 1, table.shape[1]))  # nodes x replicas: a level's nodes are one slice
     np.take(table, sweep.rows, axis=0, out=end[:-1], mode="clip")  # every compute's duration, gathered once
     end[-1] = 0.0
-    for start, stop, pred_cols, hop_cols, _ in sweep.levels:  # a level's predecessors all lie in earlier levels
+    for start, stop, pred_cols, hop_cols in sweep.levels:  # a level's predecessors all lie in earlier levels
         hop = hop_cols is not None and p2p
         latest = None
         for i, preds in enumerate(pred_cols):  # the latest predecessor's end (+ its transfer), slot by slot
