@@ -33,16 +33,17 @@ by < 0.3%). ``--record`` keeps each case's best, ``--best`` measures against rec
    model in one vectorised call (only the replicas a move touches are re-priced). The moves: a sample moved to another
    micro-batch (same or other replica), two samples swapped, two micro-batches of a replica swapped in the run order,
    one micro-batch moved to another place in the order. Moves start on replicas near the slowest (weights
-   ``exp((span - max) / tau)``) and end anywhere. The energy is the smooth maximum ``tau log sum exp(span / tau)``; a move is accepted
-   by the Metropolis rule at a temperature falling geometrically from ``T_START`` to ``T_END`` (shares of the seed's
-   makespan) over the run, and from one batch the accepted moves of disjoint replicas are made, best first (at dp 128
-   some 35 replicas move in one batch: each replica's makespan depends on its own micro-batches only, so moves on
-   disjoint replicas are independent, and the slowest of 128 near-equal replicas only drops where most of them improve).
+   ``exp((span - max) / tau)``) and end anywhere. The energy is the smooth maximum ``tau log sum exp(span / tau)``;
+   a move is accepted by the Metropolis rule at a temperature falling geometrically from ``T_START`` to ``T_END``
+   (shares of the seed's makespan) over the run, and from one batch the accepted moves of disjoint replicas are
+   made, best first (at dp 128 some 35 replicas move in one batch: each replica's makespan depends on its own
+   micro-batches only, so moves on disjoint replicas are independent, and the slowest of 128 near-equal replicas
+   only drops where most of them improve).
    The best plan seen (slowest makespan, then the sum) is kept.
 
-The budget is counted in batches (``--budget`` per case, times ``dp / 32`` beyond 32 replicas (``Anneal.
-budget_replicas``); ``--stability`` runs 4x as many), not in seconds: a case's best does not depend on the machine's
-load, and a run is reproducible from its seed.
+The budget is counted in batches (``--budget`` per case, times ``dp / 32`` beyond 32 replicas:
+``Anneal.budget_replicas``; ``--stability`` runs 4x as many), not in seconds: a case's best does not depend on the
+machine's load, and a run is reproducible from its seed.
 
 **Output.** Per case: the pp-unaware plan / best, the planner's plan / best, the micro-batches per replica of
 both, best / work (the mean replica's busiest-stage work) and the planning time; with ``--baseline`` the other
