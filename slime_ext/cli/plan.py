@@ -34,7 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan one rollout's schedule and print per-step stats (or validate a saved one)",
         description="Plan one rollout's micro-batch schedule with the training flags and print, per step: "
-                    "samples, micro-batches per rank vs the aligned bound, token utilisation, largest "
+                    "samples, micro-batches per rank vs the planner's target, token utilisation, largest "
                     "micro-batch vs the cap, FLOPs max/mean over DP ranks and an estimated step time.",
         epilog="synthetic SPEC: " + inputs.SYNTHETIC_HELP + ". JSONL fields: total_length or tokens (list or int), "
                "optional rollout_id, loss_tokens. Exit codes: 0 ok, 1 invalid saved schedule, 2 bad input.",
@@ -201,8 +201,6 @@ def _plan(args) -> int:
         print()
         print(compare.compare_table(runs, schedule, setup))
         panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
-        if schedule.parallel.pp_size > 1:
-            print(pipeline_plot.compare_makespans(schedule, panels))
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
