@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.verdict import unfounded
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,3 +39,4 @@ def test_quick_uneven_replay_prints_the_model_beside_the_measurement():
     assert abs(float(uneven["predicted s"]) / float(uneven["measured s"]) - 1) < \
         abs(float(uneven["as even s"]) / float(uneven["measured s"]) - 1)
     assert any(line.strip().startswith(("PASS", "FAIL")) for line in lines[lines.index("targets:") + 1:])
+    assert unfounded(res.stdout) == []  # no PASS over zero cases
