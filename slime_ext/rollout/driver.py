@@ -75,13 +75,14 @@ def start_ray(config: RunConfig, *, extra_pythonpath: Sequence[str] = ()) -> boo
 DEAD_PEER_GRACE_S = 2.0
 
 
-def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[Any]:
+def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str,
+           grace: float = DEAD_PEER_GRACE_S) -> list[Any]:
     """Results of ``calls`` (``(name, ObjectRef)``) in order; the first failure or the timeout raises at once.
 
     One exception: when a rank's process dies, its peers' collectives fail too ("connection reset by peer"), and
-    one of those may arrive first. A failure that is not a dead actor therefore waits up to
-    :data:`DEAD_PEER_GRACE_S` for another call to report a dead process, and raises that one (the cause), with the
-    first as a note.
+    one of those may arrive first. A failure that is not a dead actor therefore waits up to ``grace`` seconds
+    (:data:`DEAD_PEER_GRACE_S`) for another call to report a dead process, and raises that one (the cause), with
+    the first as a note.
     """
     import ray
 
@@ -99,7 +100,7 @@ def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[
             try:
                 results[ref] = ray.get(ref)
             except Exception as exc:
-                dead = None if isinstance(exc, ray.exceptions.RayActorError) else _dead_peer(pending)
+                dead = None if isinstance(exc, ray.exceptions.RayActorError) else _dead_peer(pending, grace)
                 if dead is not None:
                     dead_ref, dead_exc = dead
                     _note(dead_exc, f"slime-ext: raised by {names[dead_ref]} during {what}; {names[ref]} failed "
@@ -110,12 +111,12 @@ def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[
     return [results[ref] for _, ref in calls]
 
 
-def _dead_peer(pending: list) -> tuple[Any, Exception] | None:
-    """``(ref, error)`` of the first of ``pending`` to fail because its actor's process died, within
-    :data:`DEAD_PEER_GRACE_S`; ``None`` if none does."""
+def _dead_peer(pending: list, grace: float) -> tuple[Any, Exception] | None:
+    """``(ref, error)`` of the first of ``pending`` to fail because its actor's process died, within ``grace``
+    seconds; ``None`` if none does."""
     import ray
 
-    deadline = time.monotonic() + DEAD_PEER_GRACE_S
+    deadline = time.monotonic() + grace
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
