@@ -385,7 +385,8 @@ def targets(rows: list[Row]) -> list[tuple[bool | None, str, int]]:
         worst = max(sel, key=lambda r: abs(r.predicted / r.best - 1))
         e = worst.predicted / worst.best - 1
         out.append((abs(e) <= 0.03, f"model within 3% of the replay ({kind}): worst {e:+.1%} "
-                                    f"({worst.setup.name} {worst.workload} {worst.plan}) over {len(sel)} runs", len(sel)))
+                                    f"({worst.setup.name} {worst.workload} {worst.plan}) over {len(sel)} runs",
+                    len(sel)))
 
     def pair(wname: str, pp: int):
         sel = {r.plan: r for r in done if r.workload == wname and r.setup.layout == Layout(pp)}

@@ -248,7 +248,8 @@ def _targets(rows: list[Row], reference_missing: str | None = None) -> list[Targ
     out.append(Target(not above, f"#mbs = aligned bound (true bound, every step): {len(rows) - len(above)}/"
                                  f"{len(rows)}" + (f" [{', '.join(above)}]" if above else ""), len(rows), "no case"))
     issue_gap = [r for r in rows if r.ours.metrics.total_microbatches != r.ours.metrics.total_issue_bound]
-    out.append(Target(None, f"(#mbs = the issue's token-only bound: {len(rows) - len(issue_gap)}/{len(rows)}; that formula "
+    out.append(Target(None, f"(#mbs = the issue's token-only bound: {len(rows) - len(issue_gap)}/{len(rows)}; "
+                            f"that formula "
                       f"is not a lower bound once samples exceed the cap, see the legend)"))
     viol = sum(r.ours.metrics.cap_violations for r in rows)
     out.append(Target(viol == 0, f"zero cap violations (ours): {viol}", len(rows), "no case"))

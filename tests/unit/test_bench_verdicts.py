@@ -63,6 +63,7 @@ def test_quick_modes_without_upstream_print_no_pass_over_nothing(argv):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert unfounded(res.stdout) == []
     assert PASS_OVER_CASES.search(res.stdout) or "SKIP" in res.stdout, res.stdout[-2000:]
-    if argv[0] == "bench.run" and importlib.util.find_spec("slime") is None:  # the reference needs upstream slime: its comparison is skipped, saying why
+    # the reference needs upstream slime: without it, its comparison is skipped, saying why
+    if argv[0] == "bench.run" and importlib.util.find_spec("slime") is None:
         line = next(ln for ln in res.stdout.splitlines() if "FLOPs max/mean <= reference (b)" in ln)
         assert "SKIP (no cases: upstream slime is not available" in line, line
