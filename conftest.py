@@ -1,0 +1,111 @@
+"""The examples in README.md and docs/*.md run as tests, through Sybil (https://sybil.readthedocs.io).
+
+Two kinds of fenced block are run; every other block (``bash``, plain output, ...) is text only:
+
+* ``python`` blocks: executed in order, one namespace per file; a block of ``>>>`` lines is a doctest (ELLIPSIS on).
+* ``console`` blocks: ``$ command`` lines (a line ending in ``\\`` continues), each followed by the output it must
+  print. The command runs in bash at the repository root, stdout and stderr together, with ``slime-ext`` and
+  ``python`` meaning this interpreter and this checkout. The output is compared line by line after the masks below
+  (times that depend on the machine), with ``...`` matching any text, as doctest's ELLIPSIS does, so an example may
+  show only the lines it talks about.
+
+An example that needs what CI does not have (Ray's cluster, a GPU, a fetched slime or Megatron-LM checkout) is
+marked in the markdown with ``<!-- skip: next "the reason" -->`` and its text says it is not run. How to regenerate
+an example whose output changed: docs/contributing.md.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from sybil import Sybil
+from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
+
+ROOT = Path(__file__).resolve().parent
+
+#: machine-dependent parts of the CLI's output, replaced in both the expected and the printed text before comparing:
+#: wall-clock planning times. Everything else (plans, FLOPs, model-predicted step times) is deterministic and compared.
+MASKS = [
+    (re.compile(r"planned in [0-9.]+ ms"), "planned in <time> ms"),
+]
+
+_CHECKER = doctest.OutputChecker()
+_PROMPT = "$ "
+
+
+def _commands(source: str) -> list[tuple[str, str]]:
+    """``(command, expected output)`` pairs of a console block."""
+    pairs: list[tuple[str, list[str]]] = []
+    continued = False
+    for line in source.splitlines():
+        if continued:
+            pairs[-1] = (pairs[-1][0] + "\n" + line, pairs[-1][1])
+            continued = line.endswith("\\")
+        elif line.startswith(_PROMPT):
+            pairs.append((line[len(_PROMPT):], []))
+            continued = line.endswith("\\")
+        elif pairs:
+            pairs[-1][1].append(line)
+        elif line.strip():
+            raise ValueError(f"a console block must start with '{_PROMPT}command', not {line!r}")
+    return [(command, "\n".join(out)) for command, out in pairs]
+
+
+def _normalise(text: str) -> str:
+    for pattern, replacement in MASKS:
+        text = pattern.sub(replacement, text)
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines()) + "\n"
+
+
+def _shims(tmp: Path) -> Path:
+    """``slime-ext`` and ``python`` for this interpreter: the checkout under test, installed or not."""
+    shims = tmp / "doc-shims"
+    if not shims.exists():
+        shims.mkdir()
+        for name, args in (("slime-ext", "-m slime_ext.cli"), ("python", "")):
+            path = shims / name
+            path.write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+            path.chmod(0o755)
+    return shims
+
+
+def evaluate_console(example) -> str | None:
+    shims = _shims(Path(example.namespace["_docs_tmp"]))
+    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+           "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+    for command, expected in _commands(example.parsed):
+        proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, timeout=300)
+        want, got = _normalise(expected), _normalise(proc.stdout)
+        if not _CHECKER.check_output(want, got, doctest.ELLIPSIS):
+            return (f"\n$ {command}\nprinted (exit code {proc.returncode}), after the masks:\n{got}\n"
+                    f"the document expects:\n{want}")
+    return None
+
+
+def _setup(namespace: dict) -> None:
+    namespace["_docs_tmp"] = tempfile.mkdtemp(prefix="slime-ext-docs-")
+
+
+def _teardown(namespace: dict) -> None:
+    shutil.rmtree(namespace["_docs_tmp"], ignore_errors=True)
+
+
+pytest_collect_file = Sybil(
+    parsers=[
+        SkipParser(),
+        PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS),
+        CodeBlockParser(language="console", evaluator=evaluate_console),
+    ],
+    patterns=["README.md", "docs/*.md"],
+    setup=_setup,
+    teardown=_teardown,
+).pytest()
