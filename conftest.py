@@ -4,8 +4,8 @@ Two kinds of fenced block are run; every other block (``bash``, plain output, ..
 
 * ``python`` blocks: executed in order, one namespace per file; a block of ``>>>`` lines is a doctest (ELLIPSIS on).
 * ``console`` blocks: ``$ command`` lines (a line ending in ``\\`` continues), each followed by the output it must
-  print. The command runs in bash at the repository root, stdout and stderr together, with ``slime-ext`` and
-  ``python`` meaning this interpreter and this checkout. The output is compared line by line after the masks below
+  print. A block's commands run in one bash process at the repository root (a variable set by one is seen by the
+  next), stdout and stderr together, with ``slime-ext`` and ``python`` meaning this interpreter and this checkout. The output is compared line by line after the masks below
   (times that depend on the machine), with ``...`` matching any text, as doctest's ELLIPSIS does, so an example may
   show only the lines it talks about.
 
@@ -76,18 +76,26 @@ def _shims(tmp: Path) -> Path:
     return shims
 
 
+_BOUNDARY = "@@slime-ext-doc-example-boundary@@"
+
+
 def evaluate_console(example) -> str | None:
-    shims = _shims(Path(example.namespace["_docs_tmp"]))
-    env = {**os.environ, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
+    """Run a console block's commands in one bash process (so ``$ M=...`` sets a variable the next command uses),
+    each command's stdout and stderr together, and compare each command's output with the document's."""
+    pairs = _commands(example.parsed)
+    script = "".join(f"{{ {command}\n}} 2>&1\necho; echo {_BOUNDARY}\n" for command, _ in pairs)
+    env = {**os.environ, "PATH": f"{_shims(Path(example.namespace['_docs_tmp']))}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
-    for command, expected in _commands(example.parsed):
-        proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=300)
-        want, got = _normalise(expected), _normalise(proc.stdout)
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=300)
+    outputs = proc.stdout.split(_BOUNDARY + "\n")
+    if len(outputs) != len(pairs) + 1:  # every command reached its boundary, and nothing printed after the last
+        return f"the block's commands stopped early (exit code {proc.returncode}):\n{proc.stdout}"
+    for (command, expected), printed in zip(pairs, outputs):
+        want, got = _normalise(expected), _normalise(printed)
         if not _CHECKER.check_output(want, got, doctest.ELLIPSIS):
-            return (f"\n$ {command}\nprinted (exit code {proc.returncode}), after the masks:\n{got}\n"
-                    f"the document expects:\n{want}")
+            return f"\n$ {command}\nprinted, after the masks:\n{got}\nthe document expects:\n{want}"
     return None
 
 
