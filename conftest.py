@@ -23,10 +23,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import unittest
 from pathlib import Path
 
-from sybil import Sybil
-from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
+import pytest
+
+try:
+    from sybil import Sybil
+    from sybil.example import SybilFailure
+    from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
+except ImportError as exc:  # the other tests still run; each document fails, saying why (never a silent pass)
+    _SYBIL_MISSING: ImportError | None = exc
+else:
+    _SYBIL_MISSING = None
 
 ROOT = Path(__file__).resolve().parent
 
@@ -107,13 +116,60 @@ def _teardown(namespace: dict) -> None:
     shutil.rmtree(namespace["_docs_tmp"], ignore_errors=True)
 
 
-pytest_collect_file = Sybil(
+class DocumentExamples(pytest.Item):
+    """One test per document: its examples evaluated in order, in one namespace. (Sybil's own pytest integration makes
+    one test per example; under pytest-xdist or a random test order those would run apart from the examples that
+    set up their namespace.) An example marked ``skip`` is listed in the report, not run."""
+
+    def __init__(self, *, sybil, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sybil = sybil
+
+    def runtest(self) -> None:
+        document = self.sybil.parse(self.path)
+        _setup(document.namespace)
+        not_run = []
+        try:
+            for example in document.examples():
+                try:
+                    example.evaluate()
+                except unittest.SkipTest as exc:
+                    not_run.append(f"line {example.line}: {exc}")
+        finally:
+            _teardown(document.namespace)
+        if not_run:
+            self.add_report_section("call", "examples not run", "\n".join(not_run))
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, SybilFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, 0, f"{self.path.name}: its examples"
+
+
+class DocumentFile(pytest.File):
+    def collect(self):
+        if _SYBIL_MISSING is not None:
+            pytest.fail(f"the documentation's examples need Sybil ({_SYBIL_MISSING}): "
+                        "pip install -e '.[test]' (ci/test installs it)", pytrace=False)
+        if any(True for _ in _SYBIL.parse(self.path).examples()):  # a page without examples is no test
+            yield DocumentExamples.from_parent(self, name="examples", sybil=_SYBIL)
+
+
+def _is_document(path: Path) -> bool:
+    return path.suffix == ".md" and (path == ROOT / "README.md" or path.parent == ROOT / "docs")
+
+
+def pytest_collect_file(file_path: Path, parent):
+    return DocumentFile.from_parent(parent, path=file_path) if _is_document(file_path) else None
+
+
+_SYBIL = None if _SYBIL_MISSING is not None else Sybil(
     parsers=[
         SkipParser(),
         PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS),
         CodeBlockParser(language="console", evaluator=evaluate_console),
     ],
-    patterns=["README.md", "docs/*.md"],
-    setup=_setup,
-    teardown=_teardown,
-).pytest()
+)
