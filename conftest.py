@@ -5,13 +5,14 @@ Two kinds of fenced block are run; every other block (``bash``, plain output, ..
 * ``python`` blocks: executed in order, one namespace per file; a block of ``>>>`` lines is a doctest (ELLIPSIS on).
 * ``console`` blocks: ``$ command`` lines (a line ending in ``\\`` continues), each followed by the output it must
   print. A block's commands run in one bash process at the repository root (a variable set by one is seen by the
-  next), stdout and stderr together, with ``slime-ext`` and ``python`` meaning this interpreter and this checkout. The output is compared line by line after the masks below
-  (times that depend on the machine), with ``...`` matching any text, as doctest's ELLIPSIS does, so an example may
-  show only the lines it talks about.
+  next), stdout and stderr together, with ``slime-ext`` and ``python`` meaning this interpreter and this checkout.
+  The output is compared line by line after the masks below (times that depend on the machine), with ``...``
+  matching any text, as doctest's ELLIPSIS does, so an example may show only the lines it talks about.
 
-An example that needs what CI does not have (Ray's cluster, a GPU, a fetched slime or Megatron-LM checkout) is
-marked in the markdown with ``<!-- skip: next "the reason" -->`` and its text says it is not run. How to regenerate
-an example whose output changed: docs/contributing.md.
+Each document with examples is one test (``README.md::examples``), its examples evaluated in order by Sybil. An
+example that needs what CI does not have (Ray's cluster, a GPU, a fetched slime or Megatron-LM checkout) is marked
+in the markdown with ``<!-- skip: next "the reason" -->``, its text says it is not run, and the test's report lists
+it. How to regenerate an example whose output changed: docs/contributing.md.
 """
 
 from __future__ import annotations
