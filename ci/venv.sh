@@ -60,7 +60,7 @@ ensure_venv() {
   fi
   rm -f "$stamp"
   echo "ci: installing into $VENV: $TORCH_PIN${megatron_pin:+ $megatron_pin} and slime-ext[$extras] (editable)"
-  echo "ci: torch installed now: $(_installed torch) (- = none; a first install of PyPI's CUDA build downloads ~1.45 GB)"
+  echo "ci: torch installed now: $(_installed torch) (- = none; PyPI's CUDA build downloads ~1.45 GB)"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
   # shellcheck disable=SC2086
   "$PY" -m pip install --disable-pip-version-check --progress-bar off "$TORCH_PIN" $megatron_pin -e ".[$extras]"

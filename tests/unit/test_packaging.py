@@ -152,7 +152,7 @@ print(json.dumps(found))
 @pytest.mark.parametrize("script", sorted(ENTRY_POINTS["console_scripts"]))
 def test_each_console_script_answers_help(script):
     module, _, attr = ENTRY_POINTS["console_scripts"][script].partition(":")
-    proc = subprocess.run([sys.executable, "-c", f"import sys; from {module} import {attr}; sys.exit({attr}(['--help']))"],
-                          capture_output=True, text=True, cwd=ROOT)
+    call = f"import sys; from {module} import {attr}; sys.exit({attr}(['--help']))"
+    proc = subprocess.run([sys.executable, "-c", call], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "usage:" in proc.stdout.lower(), proc.stdout
