@@ -46,6 +46,10 @@ MASKS = [
     (re.compile(r"planned in [0-9.]+ ms"), "planned in <time> ms"),
 ]
 
+#: documents that must hold examples: a page whose examples were all turned into plain text would otherwise pass
+#: by having no test at all
+MUST_HAVE_EXAMPLES = ("README.md", "docs/cli.md", "docs/planner.md")
+
 _CHECKER = doctest.OutputChecker()
 _PROMPT = "$ "
 
@@ -155,8 +159,12 @@ class DocumentFile(pytest.File):
         if _SYBIL_MISSING is not None:
             pytest.fail(f"the documentation's examples need Sybil ({_SYBIL_MISSING}): "
                         "pip install -e '.[test]' (ci/test installs it)", pytrace=False)
-        if any(True for _ in _SYBIL.parse(self.path).examples()):  # a page without examples is no test
+        if any(True for _ in _SYBIL.parse(self.path).examples()):
             yield DocumentExamples.from_parent(self, name="examples", sybil=_SYBIL)
+        elif self.path.relative_to(ROOT).as_posix() in MUST_HAVE_EXAMPLES:
+            pytest.fail(f"{self.path.name} has no example that runs (python or console blocks); "
+                        "see docs/contributing.md", pytrace=False)
+        # any other page without examples is no test
 
 
 def _is_document(path: Path) -> bool:
