@@ -84,12 +84,12 @@ def _planner_priced_forward_only():
         planner.pipeline_pricing = saved
 
 
-def plan_log_probs(lengths: np.ndarray, parallel: ParallelConfig, batch: BatchConfig,
-                   config: PlannerConfig | None) -> DPSchedule:
+def plan_log_probs(lengths: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, config: PlannerConfig | None,
+                   cost_model: CostModel | CostProfile | None = PROFILE) -> DPSchedule:
     """The forward-only plan of a log-prob pass: the planner at the log-prob cap (``batch``), priced forward-only.
     (At merge this call becomes the request's: ``plan(PlanRequest(..., forward_only=True))``.)"""
     with _planner_priced_forward_only():
-        return plan_schedule(lengths, parallel, batch, rollout_ids=np.arange(len(lengths)), cost_model=PROFILE,
+        return plan_schedule(lengths, parallel, batch, rollout_ids=np.arange(len(lengths)), cost_model=cost_model,
                              config=config)
 
 

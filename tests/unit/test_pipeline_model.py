@@ -391,10 +391,11 @@ def pg_collection(**groups):
     return collection
 
 
-def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
-    """Every rank's operations as megatron-core's own schedule function issues them: its forward/backward and p2p
-    calls are recorded (compute replaced by tags, the communicator by a recorder that keeps megatron-core's public
-    send/recv methods and their first/last-stage guards), in the normalised form of :func:`normalise`."""
+def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool, forward_only: bool = False):
+    """Every rank's operations as megatron-core's own schedule function issues them (``forward_only``: its
+    forward-only path): its forward/backward and p2p calls are recorded (compute replaced by tags, the communicator
+    by a recorder that keeps megatron-core's public send/recv methods and their first/last-stage guards), in the
+    normalised form of :func:`normalise`."""
     torch = pytest.importorskip("torch")
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from types import SimpleNamespace
@@ -475,7 +476,7 @@ def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
             mp.setattr(torch.distributed, "is_initialized", lambda: True)  # the fake groups' ranks count
             run(forward_step_func=None, data_iterator=[iter(())] * vpp if vpp > 1 else iter(()),
                 model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=4, micro_batch_size=1,
-                p2p_communicator=Recorder(), pg_collection=groups)
+                forward_only=forward_only, p2p_communicator=Recorder(), pg_collection=groups)
         programs.append(ops)
     return programs
 
