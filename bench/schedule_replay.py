@@ -282,6 +282,42 @@ def grid_errors(seed: int = 0, forward_only: bool = True) -> list[tuple[str, flo
     return out
 
 
+#: the sleep replay's cases: (label, layout, costs in units); the notes' order case at pp 4 and under VPP
+SLEEP_ORDERS = (("rising", np.arange(2.0, 10.0)), ("valley", np.array([9.0, 7, 5, 3, 2, 4, 6, 8])))
+SLEEP_LAYOUTS = ((4, 1), (2, 2))
+
+
+def sleep_check(unit_s: float = 0.025, repeats: int = 3, timeout: float = 600.0) -> list[tuple[str, float, float]]:
+    """Wall-clock check on this machine: megatron-core's real forward-only schedule over gloo (one process per
+    stage, this repo's CPU patches, every forward a sleep of ``cost * unit_s``), with sends completed in the
+    background (the CPU patch) and with every blocking call waiting for its sends (as on GPU); ``(label, measured
+    s, model s)`` per run, the measured makespan the fastest of the repeats."""
+    import sys
+    from pathlib import Path
+
+    from slime_ext.schedule.pipeline_model import pipeline_makespan
+
+    from .pipeline_replay import replay_job
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+    from train_harness import free_port, launch
+
+    out = []
+    for pp, vpp in SLEEP_LAYOUTS:
+        layout = Layout(pp, vpp)
+        runs = [ReplayRun(f"{layout.name} {name} {'blocking' if block else 'background'}",
+                          tuple((costs * unit_s).tolist()), tuple(np.zeros(len(costs)).tolist()),
+                          forward_only=True, sends_block=block)
+                for name, costs in SLEEP_ORDERS for block in (True, False)]
+        port = free_port()
+        results = launch([(replay_job, (rank, pp, port, layout, runs, repeats, 2 * repeats, 0.01))
+                          for rank in range(pp)], timeout=timeout)
+        spec = PipelineSpec(pp, vpp, forward_only=True)
+        for run, result in zip(runs, results[0], strict=True):
+            out.append((run.label, result.best, float(pipeline_makespan(np.asarray(run.fwd), None, spec))))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -289,7 +325,14 @@ def main(argv: list[str] | None = None) -> int:
                                              "virtual time, over a grid of layouts, counts and random costs.")
     ap.add_argument("--training", action="store_true", help="training passes instead of forward-only ones")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sleep", action="store_true", help="instead: megatron-core's real forward-only schedule over "
+                    "gloo with sleeps, sends in the background and blocking (wall clock, about 2 minutes)")
     args = ap.parse_args(argv)
+    if args.sleep:
+        print(f"{'run':<28}{'measured s':>12}{'model s':>10}{'error':>8}")
+        for label, measured, model in sleep_check():
+            print(f"{label:<28}{measured:>12.3f}{model:>10.3f}{(model - measured) / measured:>+8.1%}")
+        return 0
     errors = grid_errors(args.seed, forward_only=not args.training)
     for case, error in errors:
         print(f"{case:<32} {error:.1e}")
