@@ -116,7 +116,9 @@ def _backward_step(input_tensor, output_tensor, output_tensor_grad, *model_type_
     return [torch.zeros(1)] if isinstance(input_tensor, list) else torch.zeros(1)
 
 
-class _Group:
+class Group:
+    """A process group as a schedule function reads it (its size and this rank): nothing is sent through it."""
+
     def __init__(self, size: int, rank: int = 0) -> None:
         self._size, self._rank = size, rank
 
@@ -136,7 +138,7 @@ def _communicator(rank: int, pp: int, vpp: int, config, links: _Links, state: _R
         their first/last-stage guards) are upstream's."""
 
         def __init__(self) -> None:  # no process group
-            self.pp_group, self.config = _Group(pp, rank), config
+            self.pp_group, self.config = Group(pp, rank), config
             self.next_rank, self.prev_rank = (rank + 1) % pp, (rank - 1) % pp
             self.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
 
@@ -161,8 +163,9 @@ def _communicator(rank: int, pp: int, vpp: int, config, links: _Links, state: _R
     return VirtualTimeCommunicator()
 
 
-def _collection(pp: int, rank: int):
-    groups = dict(tp=_Group(1), cp=_Group(1), embd=None, pos_embd=None, pp=_Group(pp, rank), dp_cp=_Group(1))
+def pg_collection(**groups):
+    """megatron-core's ``ProcessGroupCollection`` with these groups (0.19 accepts nothing else; its fields are set
+    after construction), or a namespace where the class does not exist."""
     try:
         from megatron.core.process_groups_config import ProcessGroupCollection
     except ImportError:
@@ -173,42 +176,66 @@ def _collection(pp: int, rank: int):
     return collection
 
 
-def _run_rank(rank: int, spec: PipelineSpec, m: int, run: ReplayRun, links: _Links, out: list) -> None:
+def rank_groups(pp: int, rank: int):
+    """The groups a schedule function reads on pipeline rank ``rank`` of ``pp`` (no TP, CP or DP)."""
+    return pg_collection(tp=Group(1), cp=Group(1), embd=None, pos_embd=None, pp=Group(pp, rank), dp_cp=Group(1))
+
+
+def schedule_config(spec: PipelineSpec):
+    """The ``TransformerConfig`` a schedule function reads for ``spec``'s layout and p2p mode (a tiny model)."""
     import torch
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    pp, vpp = spec.pp_size, spec.chunks
+    overlap = spec.overlap_p2p_comm and vpp > 1
+    return TransformerConfig(num_layers=pp * vpp, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                             pipeline_model_parallel_size=pp,
+                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                             microbatch_group_size_per_vp_stage=spec.group if vpp > 1 else None,
+                             overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
+
+
+def model_chunks(config, vpp: int) -> list:
+    """``vpp`` empty model chunks as a schedule function reads them (their config and model type)."""
+    import torch
+    from megatron.core.enums import ModelType
+
+    chunks = []
+    for _ in range(vpp):
+        chunk = torch.nn.Module()
+        chunk.config, chunk.model_type = config, ModelType.encoder_or_decoder
+        chunk.set_input_tensor = lambda tensor: None
+        chunks.append(chunk)
+    return chunks
+
+
+def schedule_function(spec: PipelineSpec):
+    """The schedule function megatron-core's ``get_forward_backward_func`` selects for ``spec``."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if spec.pp_size == 1:
+        return schedules.forward_backward_no_pipelining
+    if spec.chunks > 1:
+        return schedules.forward_backward_pipelining_with_interleaving
+    return schedules.forward_backward_pipelining_without_interleaving
+
+
+def _run_rank(rank: int, spec: PipelineSpec, m: int, run: ReplayRun, links: _Links, out: list) -> None:
     from slime_ext.patches.megatron_cpu import cpu_device_context
 
     pp, vpp = spec.pp_size, spec.chunks
     try:
         state = _Rank(rank, [run.chunk_times(rank, c, Layout(pp, vpp)) for c in range(vpp)])
         _local.rank = state
-        config = TransformerConfig(num_layers=pp * vpp, hidden_size=8, num_attention_heads=1,
-                                   pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                                   microbatch_group_size_per_vp_stage=spec.group if vpp > 1 else None,
-                                   overlap_p2p_comm=spec.overlap_p2p_comm and vpp > 1,
-                                   batch_p2p_comm=not (spec.overlap_p2p_comm and vpp > 1))
-        chunks = []
-        for _ in range(vpp):
-            chunk = torch.nn.Module()
-            chunk.config, chunk.model_type = config, ModelType.encoder_or_decoder
-            chunk.set_input_tensor = lambda tensor: None
-            chunks.append(chunk)
-        if pp == 1:
-            run_schedule = schedules.forward_backward_no_pipelining
-        elif vpp > 1:
-            run_schedule = schedules.forward_backward_pipelining_with_interleaving
-        else:
-            run_schedule = schedules.forward_backward_pipelining_without_interleaving
+        config = schedule_config(spec)
+        chunks = model_chunks(config, vpp)
+        run_schedule = schedule_function(spec)
         with cpu_device_context():  # megatron-core's literal CUDA devices (thread-local: entered per rank)
             run_schedule(forward_step_func=None, data_iterator=[iter(())] * vpp if vpp > 1 else iter(()),
                          model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=4,
                          micro_batch_size=1, forward_only=spec.forward_only,
                          p2p_communicator=_communicator(rank, pp, vpp, config, links, state),
-                         pg_collection=_collection(pp, rank))
+                         pg_collection=rank_groups(pp, rank))
         out[rank] = state.clock
     except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
         out[rank] = e
