@@ -726,7 +726,7 @@ def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.nda
 def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
-    of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' DAGs side by side, their
+    of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
     replicas cut into pieces of one width, ``PlannerConfig.model_pieces``), so many small groups cost about what the largest
     alone does; the makespans are exactly those of separate calls."""
     return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
@@ -790,7 +790,8 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     * ``(R, pp * vpp, M)``: virtual stage ``k = chunk * pp + s``'s (one model chunk's) forward/backward.
 
     Returns ``(R,)`` makespans, or a float for 1-D input: the time the last operation of any stage ends. Per-stage
-    costs that are equal on every stage give the same makespans as the 2-D form (to rounding).
+    costs that are equal on every stage give the same makespans as the 2-D form (to rounding). On a forward-only
+    pass (``spec.forward_only``) ``bwd`` is not read and may be ``None``.
     """
     f, b, one = _pass_costs(fwd, bwd, spec)
     out = _makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
