@@ -295,11 +295,14 @@ def _stage_shares(sched: DPSchedule, config: PlannerConfig) -> np.ndarray | None
     return np.asarray(weight) / sum(weight)
 
 
-def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None) -> np.ndarray:
+def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
+                      forward_only: bool = False) -> np.ndarray:
     """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it, priced here from the
     documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
     (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
-    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows."""
+    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
+    ``forward_only``: the step priced as a forward-only pass (the same forwards, no backward, the forward-only
+    schedule); the returned ratio is then 0."""
     config = DEFAULT_CONFIG if config is None else config
     parallel = sched.parallel
     pp, vpp = parallel.pp_size, parallel.vpp_size
@@ -325,7 +328,8 @@ def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None
     forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (dp, pp * vpp, M): one chunk each
     spec = PipelineSpec(pp, vpp, parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
                         p2p_s=model.p2p_s if isinstance(model, CostProfile) else 0.0,
-                        overlap_p2p_comm=parallel.overlap_p2p_comm)
+                        overlap_p2p_comm=parallel.overlap_p2p_comm, forward_only=forward_only)
+    ratio = 0.0 if forward_only else ratio
     return np.atleast_1d(pipeline_makespan(forward, ratio * forward, spec)), forward, ratio, spec
 
 
