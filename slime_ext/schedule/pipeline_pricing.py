@@ -120,9 +120,10 @@ class PipelinePricing:
 
 
 def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None, cap: int | None,
-                     config: PlannerConfig | None = None) -> PipelinePricing | None:
+                     config: PlannerConfig | None = None, *, forward_only: bool = False) -> PipelinePricing | None:
     """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
     (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
+    ``forward_only``: price megatron-core's forward-only schedule (a log-prob pass) instead of training's.
 
     The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
     layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
@@ -134,6 +135,8 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
     pp = parallel.pp_size
     if pp == 1:
         return None
+    if forward_only:
+        raise ScheduleError("forward-only pricing is not available")
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
     try:

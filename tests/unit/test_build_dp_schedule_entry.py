@@ -69,7 +69,7 @@ def test_the_library_and_the_integration_plan_pipelines_alike(megatron, tpc):
     assert spans == [s.predicted_makespan for s in integration.stats]
     assert all(span is not None and span > 0 for span in spans)  # planned for the pipeline
     # slime's own signature unpacks to the same plan
-    assert planner.build_dp_schedule(args, tpc, lengths, global_batch_size=args.global_batch_size,
+    assert planner.slime_dp_schedule(args, tpc, lengths, global_batch_size=args.global_batch_size,
                                      rollout_indices=ids) == (library.partitions, library.micro_batch_indices,
                                                               library.num_microbatches, library.rollouts_per_step)
 

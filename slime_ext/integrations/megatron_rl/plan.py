@@ -5,8 +5,8 @@ Megatron-RL (``train_rl.py``, ``megatron/rl``) turns one rollout collection into
 rollout, or one per turn of a multi-turn rollout that cannot be collapsed), pads the row count with all-pad rows to a
 multiple of ``dp * micro_batch_size``, and trains the collection in ``1 / ratio`` optimizer steps
 (``ratio = global_batch_size / (grpo_prompts_per_step * grpo_group_size)``), ``grpo_iterations`` times over.
-:func:`plan_collection` plans all of it at once with slime-ext's planner (:func:`slime_ext.schedule.plan_schedule`,
-its public entry point):
+:func:`plan_collection` plans all of it at once with slime-ext's planner (one
+:class:`~slime_ext.schedule.PlanRequest`, planned by :func:`slime_ext.schedule.plan`):
 
 1. **Rows.** The rows of length 0 are Megatron-RL's padding rows: they are not samples and are not planned (they
    carry no token and no loss). Every other row is planned exactly once. A row's length is its token count rounded
@@ -16,8 +16,8 @@ its public entry point):
    holds ``num_steps * global_batch_size`` rows (the normal case); otherwise (failed episodes dropped, turns
    expanded) the first ``rows % num_steps`` steps hold one row more. No row is left out and none is repeated, so a
    pass over the collection trains every sample exactly once.
-3. **Micro-batches.** Each step is one planner step (the rows of a step share a planner "rollout id", so a step is
-   exactly one planner step): micro-batches of real tokens under the cap (``cap``, rounded down to a multiple of
+3. **Micro-batches.** The steps are the request's explicit steps (``PlanRequest.step_of``: the step of every row):
+   micro-batches of real tokens under the cap (``cap``, rounded down to a multiple of
    ``token_multiple`` and of ``cp``, so that the tail padding a micro-batch may need -- sequence parallelism needs a
    row length divisible by ``tp`` -- never takes it over the cap), the same count on every DP rank (a multiple of
    the VPP group), balanced by estimated FLOPs, and with pipeline parallelism the count and order the planner's
@@ -35,8 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, ScheduleError,
-                                plan_schedule)
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlanRequest,
+                                ScheduleError, plan)
 
 __all__ = ["CollectionPlan", "check_collection_plan", "plan_collection", "round_up", "split_rows_into_steps"]
 
@@ -167,12 +167,11 @@ def plan_collection(
             f"--global-batch-size to at least {align} samples per step (it is {num_steps} steps of the "
             f"{real.size} samples collected), or lower the data-parallel size"
         )
-    batch = BatchConfig(global_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=planner_cap // cp,
-                        balance_data=True, disable_rollout_trim_samples=True)
-    schedule = plan_schedule(slots[real], parallel, batch, rollout_ids=step_of, cost_model=cost_model)
-    if schedule.dropped or len(schedule.num_microbatches) != num_steps:
-        raise ScheduleError(f"internal: the planner made {len(schedule.num_microbatches)} steps and dropped "
-                            f"{len(schedule.dropped)} samples for {num_steps} steps of {real.size} samples")
+    # the steps are given (step_of), so global_batch_size is not used to cut them: the largest step's rows
+    batch = BatchConfig(global_batch_size=len(steps[0]), use_dynamic_batch_size=True,
+                        max_tokens_per_gpu=planner_cap // cp, balance_data=True)
+    schedule = plan(PlanRequest(lengths=slots[real], parallel=parallel, batch=batch, step_of=step_of,
+                                cost_model=cost_model))
     dp = parallel.dp_size
     starts = np.cumsum([0, *schedule.num_microbatches])
     micro_batches, tokens = [], []
@@ -182,15 +181,15 @@ def plan_collection(
         micro_batches.append(tuple(tuple(mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
         tokens.append(tuple(tuple(round_up(int(slots[list(mb)].sum()), unit)
                                   for mb in mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
-    plan = CollectionPlan(
+    collection = CollectionPlan(
         micro_batches=tuple(micro_batches), micro_batch_tokens=tuple(tokens),
         step_rows=tuple(tuple(int(real[i]) for i in rows) for rows in steps),
         num_microbatches=tuple(int(n) for n in schedule.num_microbatches),
         samples_per_step=tuple(len(rows) for rows in steps), padding_rows=tuple(int(i) for i in padding),
         slot_lengths=tuple(int(x) for x in slots), cap=planner_cap, seq_length_multiple=int(seq_length_multiple),
         token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule)
-    check_collection_plan(plan, lengths, align=align)
-    return plan
+    check_collection_plan(collection, lengths, align=align)
+    return collection
 
 
 def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align: int) -> None:
