@@ -22,6 +22,11 @@ multiple of ``dp * micro_batch_size``, and trains the collection in ``1 / ratio`
    row length divisible by ``tp`` -- never takes it over the cap), the same count on every DP rank (a multiple of
    the VPP group), balanced by estimated FLOPs, and with pipeline parallelism the count and order the planner's
    pipeline model predicts fastest.
+4. **The log-prob pass.** Megatron-RL's old-policy and reference log-prob passes run every micro-batch of the
+   collection through one forward-only call of megatron-core's schedule, and its loss reads their results in the
+   training micro-batches' layout; so the pass runs those micro-batches (every sample once, under the same cap),
+   each rank in the order the pipeline model predicts fastest for the **forward-only** schedule
+   (:func:`logprob_order`; with one pipeline stage the plan order).
 
 The result, :class:`CollectionPlan`, is a pure description (row ids); :mod:`.runtime` turns it into Megatron-RL's
 packed tensors. Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
@@ -36,9 +41,10 @@ from typing import Sequence
 import numpy as np
 
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlanRequest,
-                                ScheduleError, plan)
+                                ScheduleError, best_orders, microbatch_costs, pipeline_pricing, plan)
 
-__all__ = ["CollectionPlan", "check_collection_plan", "plan_collection", "round_up", "split_rows_into_steps"]
+__all__ = ["CollectionPlan", "check_collection_plan", "logprob_order", "plan_collection", "round_up",
+           "split_rows_into_steps"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -72,6 +78,9 @@ class CollectionPlan:
       tail padding up to a multiple of ``row_multiple``.
     * ``padding_rows``: rows of length 0 (Megatron-RL's padding), planned nowhere, trained nowhere.
     * ``schedule``: the planner's record (``stats[s].predicted_makespan`` etc.).
+    * ``logprob_order[r]``: the order DP rank ``r`` runs its micro-batches (indices into
+      :meth:`rank_micro_batches`) in the one forward-only log-prob call; ``logprob_makespan``: the slowest rank's
+      predicted forward-only makespan of that call (``None`` with one pipeline stage).
     """
 
     micro_batches: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
@@ -87,6 +96,8 @@ class CollectionPlan:
     #: a micro-batch's row length is a multiple of this: ``lcm(token_multiple, cp, seq_length_multiple)``
     row_multiple: int
     schedule: DPSchedule
+    logprob_order: tuple[tuple[int, ...], ...] = ()
+    logprob_makespan: float | None = None
 
     @property
     def dp_size(self) -> int:
@@ -181,15 +192,34 @@ def plan_collection(
         micro_batches.append(tuple(tuple(mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
         tokens.append(tuple(tuple(round_up(int(slots[list(mb)].sum()), unit)
                                   for mb in mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
+    order, makespan = logprob_order([[mb for step in rank for mb in step] for rank in micro_batches], slots, parallel,
+                                    cost_model, planner_cap)
     collection = CollectionPlan(
         micro_batches=tuple(micro_batches), micro_batch_tokens=tuple(tokens),
         step_rows=tuple(tuple(int(real[i]) for i in rows) for rows in steps),
         num_microbatches=tuple(int(n) for n in schedule.num_microbatches),
         samples_per_step=tuple(len(rows) for rows in steps), padding_rows=tuple(int(i) for i in padding),
         slot_lengths=tuple(int(x) for x in slots), cap=planner_cap, seq_length_multiple=int(seq_length_multiple),
-        token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule)
+        token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule, logprob_order=order,
+        logprob_makespan=makespan)
     check_collection_plan(collection, lengths, align=align)
     return collection
+
+
+def logprob_order(rank_micro_batches: Sequence[Sequence[Sequence[int]]], slots: Sequence[int] | np.ndarray,
+                  parallel: ParallelConfig, cost_model: CostModel | CostProfile | None,
+                  cap: int) -> tuple[tuple[tuple[int, ...], ...], float | None]:
+    """``(order per rank, slowest predicted makespan)`` of the one forward-only log-prob call: each rank's
+    micro-batches (``rank_micro_batches[r]``: rows, every step's in plan order; ``slots``: each row's aligned
+    length) priced as the planner prices them and ordered by :func:`slime_ext.schedule.best_orders` under the
+    **forward-only** pipeline pricing (:func:`slime_ext.schedule.pipeline_pricing` with ``forward_only=True``).
+    With one pipeline stage no order is faster than another: the plan order, makespan ``None``."""
+    pricing = pipeline_pricing(parallel, cost_model, cap, forward_only=True)
+    if pricing is None:
+        return tuple(tuple(range(len(mbs))) for mbs in rank_micro_batches), None
+    costs = np.stack([microbatch_costs(slots, mbs, cost_model) for mbs in rank_micro_batches])
+    order, spans = best_orders(pricing, costs)
+    return tuple(tuple(int(k) for k in row) for row in order), float(np.max(spans))
 
 
 def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align: int) -> None:
@@ -201,7 +231,8 @@ def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align
     * per step, every DP rank has ``num_microbatches[s]`` micro-batches (a positive multiple of ``align / dp``),
       none empty, and the step's micro-batches over all ranks hold exactly the step's rows;
     * a micro-batch of more than one row computes at most ``cap`` tokens; every micro-batch computes its rows'
-      aligned lengths rounded up to ``row_multiple`` (the tail padding), nothing more.
+      aligned lengths rounded up to ``row_multiple`` (the tail padding), nothing more;
+    * the log-prob call runs every micro-batch of a rank exactly once (``logprob_order[r]`` is a permutation).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     real = [int(i) for i in np.flatnonzero(lengths > 0)]
@@ -236,3 +267,8 @@ def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align
             held += [i for mb in mbs for i in mb]
         if sorted(held) != sorted(step):
             raise ScheduleError(f"plan: step {s}'s micro-batches do not hold exactly the step's rows")
+    for r in range(dp):
+        total = sum(plan.num_microbatches)
+        if len(plan.logprob_order) != dp or sorted(plan.logprob_order[r]) != list(range(total)):
+            raise ScheduleError(f"plan: the log-prob order of DP rank {r} does not run each of its {total} "
+                                f"micro-batches exactly once")
