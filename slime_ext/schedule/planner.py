@@ -57,8 +57,6 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .bounds import align_up, bin_lower_bound, microbatch_target
@@ -76,9 +74,6 @@ from .pipeline_shape import ShapeSamples
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .step_plan import StepPlan, search_counts
 from .steps import rollout_ordinals, split_into_steps
-
-if TYPE_CHECKING:
-    from .request import PlanRequest
 
 __all__ = ["check_fixed_count", "plan_steps", "request_steps"]
 
@@ -315,8 +310,9 @@ def _emit_step(
 
 
 # ---------------------------------------------------------------------------------------------------- the planner
-def request_steps(request: "PlanRequest", ordinals: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
-    """Stage 1 for a request: ``(sample indices of each step, rollouts per step, dropped sample indices)``.
+def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """Stage 1 for a :class:`~.request.PlanRequest`: ``(sample indices of each step, rollouts per step, dropped
+    sample indices)``.
 
     Explicit steps (``request.step_of``): step ``s`` holds exactly the samples whose step is ``s``, grouped by rollout
     in first-occurrence order (as :func:`~.steps.split_into_steps` orders a step), nothing dropped; its rollout
@@ -363,8 +359,9 @@ def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: P
             f"microbatches_per_rank to at least {least} or raise max_tokens_per_gpu")
 
 
-def plan_steps(request: "PlanRequest") -> DPSchedule:
-    """Plan one validated :class:`~.request.PlanRequest`: walk the stages of the module docstring for every step
+def plan_steps(request) -> DPSchedule:
+    """Plan one validated :class:`~.request.PlanRequest` (``request``; :mod:`.request` sits above this module):
+    walk the stages of the module docstring for every step
     (the public entry is :func:`slime_ext.schedule.request.plan`)."""
     lengths, ids, loss = request.lengths, request.rollout_ids, request.loss_tokens
     parallel, batch, cost_model, config = request.parallel, request.batch, request.cost_model, request.config
