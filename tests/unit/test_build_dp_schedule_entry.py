@@ -1,6 +1,8 @@
 """One entry point (issue 22, item 4): ``slime_ext.schedule.build_dp_schedule(args, train_parallel_config, ...)``
 reads slime's and Megatron's flags off ``args`` exactly as the slime integration does, pipeline size included, so
-the library and the integration plan alike; a layout field given two different ways is refused, not guessed."""
+the library and the integration plan alike (both build one ``PlanRequest`` with ``compat.request_from_args``; the
+library's ``build_dp_schedule`` is the only one, and slime's hook gets its plain 4-tuple from
+``planner.slime_dp_schedule``); a layout field given two different ways is refused, not guessed."""
 
 from __future__ import annotations
 

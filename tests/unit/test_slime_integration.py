@@ -129,7 +129,7 @@ def test_launcher_without_a_script_prints_how_to_use_it(capsys):
 
 
 # ------------------------------------------------------------------------------------------------ planner
-def test_build_dp_schedule_keeps_slimes_arity_keyword_and_units(caplog):
+def test_slime_dp_schedule_keeps_slimes_arity_keyword_and_units(caplog):
     # rollouts of 3, 1, 2, 2, 1 samples; 2 rollouts per step: 2 steps, the fifth rollout is trimmed
     ids = [0, 0, 0, 1, 2, 2, 3, 3, 4]
     lengths = [30, 20, 10, 50, 40, 40, 25, 25, 60]
@@ -165,7 +165,28 @@ def test_the_pipeline_size_and_p2p_mode_come_from_megatrons_args():
                      global_batch_size=12, rollout_indices=list(range(12)))
 
 
-def test_build_dp_schedule_refuses_like_slime():
+def test_the_integration_plans_the_librarys_request(monkeypatch):
+    """No copy of the library's reading of slime's flags: every plan is one PlanRequest (the library's
+    request_from_args), planned by slime_ext.schedule.plan; the v0.2.4 rule only sets its batch flag."""
+    from slime_ext import schedule as library
+
+    seen = []
+    real = library.plan
+
+    def record(request):
+        seen.append(request)
+        return real(request)
+
+    monkeypatch.setattr(library, "plan", record)
+    ids, lengths = list(range(8)), [30, 20, 10, 50, 40, 40, 25, 25]
+    out = planner.slime_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=4, rollout_indices=ids)
+    assert len(seen) == 1 and isinstance(seen[0], library.PlanRequest)
+    direct = library.build_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=4, rollout_indices=ids)
+    assert out == (direct.partitions, direct.micro_batch_indices, direct.num_microbatches, direct.rollouts_per_step)
+    assert type(out) is tuple and all(type(part) is list for part in out)  # slime gets plain lists
+
+
+def test_slime_dp_schedule_refuses_like_slime():
     with pytest.raises(AssertionError):  # slime's callers catch its asserts
         planner.slime_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=4, rollout_indices=[0, 0, 1, 1])
     with pytest.raises(ScheduleError, match="exactly one of"):
