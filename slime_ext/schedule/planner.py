@@ -1,11 +1,14 @@
 """Rollout-side global micro-batch scheduling: which DP rank trains which sample in which micro-batch of which step.
 
-Strategy (one call plans a whole rollout):
+Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollout):
 
-  1. **Steps.** Group samples by rollout id (first-occurrence order; all samples of a rollout stay in one step)
-     and cut the rollouts into steps of ``global_batch_size`` rollouts (one step with
-     ``use_dynamic_global_batch_size``). Trailing rollouts that do not fill a step are dropped and reported in
-     ``DPSchedule.dropped``; with ``disable_rollout_trim_samples`` an incomplete step is an error instead.
+  1. **Steps.** Explicit steps (``PlanRequest.step_of``) are taken as given, nothing dropped. Else: group samples
+     by rollout id (first-occurrence order; all samples of a rollout stay in one step) and cut the rollouts into
+     steps of ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``). Trailing rollouts
+     that do not fill a step are dropped and reported in ``DPSchedule.dropped``; with
+     ``disable_rollout_trim_samples`` an incomplete step is an error instead. A request's
+     ``microbatches_per_rank`` fixes every step's count below (stages 2-5 search shapes, ranks and order at that
+     count only).
   2. **Pack first.** Per step, group the samples into micro-batches: fixed ``micro_batch_size`` chunks (static), or
      bins of at most ``cap = max_tokens_per_gpu * cp_size`` tokens (dynamic). The dynamic count is the aligned
      token bound ``ceil(ceil(tokens / cap) / align) * align`` (raised where packing provably needs more), reached
@@ -40,7 +43,8 @@ Strategy (one call plans a whole rollout):
      gradient is a sum, so any order trains the same); and on small steps also the older candidates (pair swaps,
      bins moved between ranks, more micro-batches re-packed). The pp-unaware plan of stages 1-4, heaviest first,
      is always a candidate, so a step is never predicted slower than it. Each step records its
-     ``predicted_makespan`` and ``bubble_fraction``.
+     ``predicted_makespan`` and ``bubble_fraction``. A forward-only request (``PlanRequest.forward_only``) is
+     priced with megatron-core's forward-only schedule instead of training's.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
@@ -50,19 +54,21 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
   - the partitions are disjoint and their union plus ``dropped`` is every sample, each exactly once;
   - dynamic: every micro-batch holds ``<= cap`` tokens unless it is a single oversize sample -- in every mode;
     static: every micro-batch holds ``micro_batch_size`` samples (the last of a step may hold fewer);
-  - all samples of a rollout are in one step; steps hold whole rollouts in order, ``dropped`` only trailing ones;
+  - derived steps: all samples of a rollout are in one step; steps hold whole rollouts in order, ``dropped`` only
+    trailing ones; explicit steps: every sample in the step it was given, nothing dropped;
+  - a fixed ``microbatches_per_rank``: every step has exactly that many micro-batches per rank;
   - the same input gives the same schedule.
 """
 
 from __future__ import annotations
 
 import heapq
+
 import numpy as np
 
 from .bounds import align_up, bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel, sample_costs
-from .cost import bin_costs
+from .cost import bin_costs, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
