@@ -42,7 +42,8 @@ __all__ = ["PlanRequest", "plan", "plan_schedule"]
 class PlanRequest:
     """One planning request (the module docstring). Sequences are stored as int64 arrays once checked."""
 
-    #: total tokens of every sample (prompt and response), each in ``[1, MAX_TOKENS]``
+    #: total tokens of every sample (prompt and response), each in ``[1, MAX_TOKENS]`` (its refusals call it
+    #: ``total_lengths``, slime's name, as every entry point does)
     lengths: Sequence[int] | np.ndarray
     #: the layout: dp (resolved), cp, pp, vpp and its group, Megatron's layout flags, the p2p mode
     parallel: ParallelConfig
