@@ -9,7 +9,8 @@ only, megatron-core's schedule with ``forward_only=True``. slime reuses the trai
 forward-only plan instead packs the same samples under the log-prob cap (``--log-probs-max-tokens-per-gpu``: 1x,
 2x, 4x the training cap of 16,384 tokens; a forward keeps no activations, so it fits larger micro-batches) and
 chooses count, packing and order for the forward-only makespan (:func:`slime_ext.schedule.pipeline_pricing.
-pipeline_pricing` with ``forward_only=True``). Both are planned by :func:`slime_ext.schedule.plan_schedule`:
+pipeline_pricing` with ``forward_only=True``). Both are planned through the planner's request
+(:class:`slime_ext.schedule.PlanRequest`; the log-prob pass with ``forward_only=True``):
 ``dp = 8``, ``balance_data``, one step of the whole rollout, the workloads of :mod:`bench.workloads` (``rl``,
 ``heavy``, ``uniform``, ``bimodal``; ``n`` samples, seed 1).
 
@@ -35,13 +36,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 
-from slime_ext.schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, PlannerConfig, plan_schedule
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PlanRequest, PlannerConfig, plan,
+                                plan_schedule)
 from slime_ext.schedule.dp_schedule import DPSchedule
 from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
@@ -71,26 +71,12 @@ def _profile() -> CostProfile:
 PROFILE = _profile()
 
 
-@contextmanager
-def _planner_priced_forward_only():
-    """The planner's pipeline pricing made forward-only for the block (only until the planner's request carries
-    the pass: see :func:`plan_log_probs`)."""
-    from slime_ext.schedule import planner
-    saved = planner.pipeline_pricing
-    planner.pipeline_pricing = partial(pipeline_pricing, forward_only=True)
-    try:
-        yield
-    finally:
-        planner.pipeline_pricing = saved
-
-
 def plan_log_probs(lengths: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, config: PlannerConfig | None,
                    cost_model: CostModel | CostProfile | None = PROFILE) -> DPSchedule:
-    """The forward-only plan of a log-prob pass: the planner at the log-prob cap (``batch``), priced forward-only.
-    (At merge this call becomes the request's: ``plan(PlanRequest(..., forward_only=True))``.)"""
-    with _planner_priced_forward_only():
-        return plan_schedule(lengths, parallel, batch, rollout_ids=np.arange(len(lengths)), cost_model=cost_model,
-                             config=config)
+    """The forward-only plan of a log-prob pass: the planner's request at the log-prob cap (``batch``), priced
+    forward-only."""
+    return plan(PlanRequest(lengths=lengths, parallel=parallel, batch=batch, rollout_ids=np.arange(len(lengths)),
+                            forward_only=True, cost_model=cost_model, config=config))
 
 
 def choose_log_prob_plan(searched: DPSchedule, training: DPSchedule, parallel: ParallelConfig) -> DPSchedule:

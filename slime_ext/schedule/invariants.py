@@ -375,7 +375,8 @@ def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None
 
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
     """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
-    prediction for the slowest replica, re-priced here (:func:`replica_makespans`)."""
+    prediction for the slowest replica, re-priced here (:func:`replica_makespans`) for the schedule's pass (training,
+    or forward-only: ``DPSchedule.forward_only``)."""
     if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:
@@ -385,7 +386,7 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
         bad(f"stats[{s}] has no predicted_makespan/bubble_fraction but pp_size = {sched.parallel.pp_size}")
         return
     try:
-        spans, forward, ratio, spec = replica_makespans(sched, s)
+        spans, forward, ratio, spec = replica_makespans(sched, s, forward_only=sched.forward_only)
     except ScheduleError as e:
         bad(f"step {s}: the pipeline model refuses the step: {e}")
         return

@@ -130,7 +130,6 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
                      config: PlannerConfig | None = None, *, forward_only: bool = False) -> PipelinePricing | None:
     """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
     (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
-    ``forward_only``: price megatron-core's forward-only schedule (a log-prob pass) instead of training's.
 
     ``forward_only``: price a forward-only pass (log-prob and reference passes; the module docstring): forwards
     only, megatron-core's forward-only schedule; ``cap`` is that pass's token cap. ``False`` (default): a training
@@ -147,8 +146,6 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
     pp = parallel.pp_size
     if pp == 1:
         return None
-    if forward_only:
-        raise ScheduleError("forward-only pricing is not available")
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
     try:

@@ -19,7 +19,6 @@ from bench.megatron_rl import (HOW, MicroBatch, Run, bin_cost, bin_segments, col
                                ours_run, pricing_for, segments_from_cu_seqlens, stage_forwards)
 from bench.workloads import MODEL_DIMS
 from slime_ext.schedule import CostModel
-from tests.forward_only import needs_forward_only_pricing  # the log-prob call is ordered forward-only
 
 S = 16384
 CM = CostModel(**MODEL_DIMS)
@@ -128,7 +127,7 @@ def test_megatron_rls_log_prob_pass_is_one_bin_at_a_time_and_ours_is_pipelined()
     assert piped < 0.5 * mrl.logprob_time
 
 
-@pytest.mark.parametrize("pp, steps", [(1, 1), pytest.param(4, 4, marks=needs_forward_only_pricing)])
+@pytest.mark.parametrize("pp, steps", [(1, 1), (4, 4)])
 def test_ours_is_priced_as_the_planner_prices_it(pp, steps):
     lengths = collection("long tail", 8, S)[:512]
     run, _ = ours_run(lengths, 8, pp, steps, S, CM)

@@ -16,7 +16,6 @@ from slime_ext.integrations.megatron_rl.plan import (CollectionPlan, check_colle
 from slime_ext.integrations.megatron_rl.settings import MegatronRLSettingError, Options, PlanSettings
 from slime_ext.schedule import CostModel, ParallelConfig, ScheduleError
 from slime_ext.schedule import microbatch_costs, pipeline_pricing
-from tests.forward_only import forward_only_pricing_available, needs_forward_only_pricing
 
 MODEL = CostModel(hidden_size=256, num_layers=8, num_attention_heads=8, vocab_size=32000)
 
@@ -48,7 +47,6 @@ def test_uneven_collection_splits_into_steps_that_differ_by_one():
     assert plan.samples_per_step == (17, 17, 16, 16)
 
 
-@needs_forward_only_pricing  # the log-prob call's order
 def test_pipeline_and_vpp_counts_align_to_the_group():
     lengths = rollout_lengths(256, 2)
     parallel = ParallelConfig.from_megatron(4, pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
@@ -78,7 +76,6 @@ def test_a_row_longer_than_the_cap_sits_alone():
     assert alone == [(0,)]
 
 
-@needs_forward_only_pricing
 def test_plan_is_deterministic():
     lengths = rollout_lengths(128, 3)
     parallel = ParallelConfig.from_megatron(4, pipeline_model_parallel_size=2)
@@ -132,7 +129,7 @@ def test_plan_invariants_over_layouts(data):
     inside plan_collection) and these assertions must hold."""
     dp = data.draw(st.sampled_from([1, 2, 4]), label="dp")
     # (pipelined plans order the log-prob call forward-only: drawn once this tree prices forward-only pipelines)
-    pp = data.draw(st.sampled_from([1, 2, 4] if forward_only_pricing_available() else [1]), label="pp")
+    pp = data.draw(st.sampled_from([1, 2, 4]), label="pp")
     vpp = data.draw(st.sampled_from([1, 2]), label="vpp") if pp > 1 else 1
     cp = data.draw(st.sampled_from([1, 2]), label="cp")
     steps = data.draw(st.integers(1, 3), label="steps")
@@ -174,7 +171,6 @@ def test_one_pipeline_stage_keeps_the_plan_order_for_log_probs():
     assert plan.logprob_makespan is None
 
 
-@needs_forward_only_pricing
 def test_the_log_prob_call_is_ordered_for_the_forward_only_pipeline():
     """Pipelined: each rank's order is the forward-only model's best (priced here through the public API, apart
     from the plan), never predicted slower than the plan order, and every micro-batch runs once."""

@@ -218,8 +218,7 @@ def test_every_candidate_plans_forward_only(candidates):
         batch = BatchConfig(global_batch_size=len(lengths), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                             balance_data=True)
         sched = plan_log_probs(lengths, parallel, batch, config, cost_model=model)
-        problems = [p for p in check_schedule(sched) if "predicted_makespan" not in p and "bubble" not in p]
-        assert problems == []
+        assert sched.forward_only and check_schedule(sched) == []  # re-priced for the pass it records
         spans = replica_makespans(sched, 0, forward_only=True)[0]
         assert np.isfinite(spans).all() and (spans > 0).all()
         assert sched.stats[0].predicted_makespan == pytest.approx(float(spans.max()), rel=1e-9)

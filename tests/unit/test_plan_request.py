@@ -19,7 +19,6 @@ from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConf
 from slime_ext.schedule.bounds import align_up, bin_lower_bound
 from slime_ext.schedule.compat import request_from_args
 from slime_ext.schedule.steps import rollout_ordinals, split_into_steps
-from tests.forward_only import forward_only_pricing_available, needs_forward_only_pricing
 
 MODEL = CostModel(hidden_size=512, num_layers=8, num_attention_heads=8, vocab_size=32000)
 DYNAMIC = BatchConfig(global_batch_size=4, use_dynamic_batch_size=True, max_tokens_per_gpu=1000, balance_data=True)
@@ -197,13 +196,6 @@ def test_the_pass_is_recorded_and_survives_a_round_trip():
     assert (same.partitions, same.micro_batch_indices) == (training.partitions, training.micro_batch_indices)
 
 
-@pytest.mark.skipif(forward_only_pricing_available(), reason="this tree prices forward-only pipelines")
-def test_a_pipelined_forward_only_request_needs_the_forward_only_model():
-    with pytest.raises(ScheduleError, match="forward-only pricing is not available"):
-        plan(request(parallel=ParallelConfig(dp_size=2, pp_size=2), forward_only=True))
-
-
-@needs_forward_only_pricing
 def test_a_pipelined_forward_only_plan_keeps_every_sample_once_and_the_fixed_count():
     lengths = lengths_of(64, 9)
     s = plan(PlanRequest(lengths, ParallelConfig(dp_size=2, pp_size=4), DYNAMIC, step_of=np.zeros(64, np.int64),
