@@ -273,8 +273,10 @@ def ours_run(lengths: np.ndarray, dp: int, pp: int, num_steps: int, seq_length: 
     steps = tuple(tuple(tuple(MicroBatch(mb, int(tokens), micro_batch_cost(slots[list(mb)], tokens, cost_model))
                               for mb, tokens in zip(plan.micro_batches[r][s], plan.micro_batch_tokens[r][s]))
                         for r in range(dp)) for s in range(num_steps))
-    # the log-prob passes: one forward-only schedule call over all the collection's micro-batches, steps in order
-    calls = tuple(((*(mb.flops for s in range(num_steps) for mb in steps[s][r]),),) for r in range(dp))
+    # the log-prob passes: one forward-only schedule call over all the collection's micro-batches, each rank in the
+    # order the integration runs them (plan.logprob_order: the forward-only model's best)
+    flops = [[mb.flops for s in range(num_steps) for mb in steps[s][r]] for r in range(dp)]
+    calls = tuple(((*(flops[r][k] for k in plan.logprob_order[r]),),) for r in range(dp))
     return Run("ours", steps, calls), seconds
 
 

@@ -35,8 +35,16 @@ class ReplayRun:
     fwd: tuple[float, ...] | tuple[tuple[float, ...], ...]
     bwd: tuple[float, ...] | tuple[tuple[float, ...], ...]
     overlap_p2p_comm: bool = False
+    #: megatron-core's ``forward_only=True`` (``bwd`` is not slept)
+    forward_only: bool = False
+    #: forward-only runs: every blocking p2p call also waits for its sends (megatron-core's behaviour on GPU, where a
+    #: send of a large activation completes only when received) instead of the CPU patch's background sends
+    sends_block: bool = False
 
     def __post_init__(self) -> None:
+        if self.sends_block and not self.forward_only:
+            raise ValueError(f"{self.label}: sends_block needs forward_only (gloo deadlocks a training schedule "
+                             f"whose blocking calls wait for their sends; see slime_ext/patches/megatron_cpu.py)")
         f, b = np.asarray(self.fwd, dtype=float), np.asarray(self.bwd, dtype=float)
         if f.shape != b.shape or f.ndim not in (1, 2) or not f.size:
             raise ValueError(f"{self.label}: fwd and bwd need one entry per micro-batch (or one row per stage), got "
@@ -161,6 +169,28 @@ def settled(makespans: list[float], min_repeats: int, max_repeats: int, toleranc
     return b <= a * (1 + tolerance)
 
 
+#: whether the current run's blocking p2p calls wait for their sends (:attr:`ReplayRun.sends_block`)
+_SENDS_BLOCK = [False]
+
+
+def _wait_for_sends_in_blocking_calls() -> None:
+    """In this replay process only: after a p2p call megatron-core waits on (``wait_on_reqs``), also wait for the
+    sends the CPU patch left in flight, when the current run asks for it (:data:`_SENDS_BLOCK`)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from slime_ext.patches.megatron_cpu import drain_pending_sends
+
+    communicate = P2PCommunicator._communicate
+
+    def blocking_communicate(self, *args, wait_on_reqs=True, **kwargs):
+        out = communicate(self, *args, wait_on_reqs=wait_on_reqs, **kwargs)
+        if wait_on_reqs and _SENDS_BLOCK[0]:
+            drain_pending_sends()
+        return out
+
+    P2PCommunicator._communicate = blocking_communicate
+
+
 def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list[ReplayRun],
                min_repeats: int, max_repeats: int, tolerance: float = 0.005) -> list[ReplayResult] | None:
     """One pipeline stage: replay every run until :func:`settled` (the first call of the launch is a warm-up).
@@ -175,6 +205,7 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
     from slime_ext.patches import megatron_cpu
 
     megatron_cpu.apply_if_no_gpu()
+    _wait_for_sends_in_blocking_calls()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=120))
     try:
@@ -195,6 +226,7 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
         for run in runs:
             config.overlap_p2p_comm = run.overlap_p2p_comm
             config.batch_p2p_comm = not run.overlap_p2p_comm
+            _SENDS_BLOCK[0] = run.sends_block
             for v, chunk in enumerate(chunks):
                 chunk.times = run.chunk_times(rank, v, layout)
             result = ReplayResult(run.label)
@@ -206,7 +238,7 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
                                  data_iterator=iterators if layout.vpp > 1 else iterators[0],
                                  model=chunks if layout.vpp > 1 else chunks[0],
                                  num_microbatches=run.num_microbatches, seq_length=1, micro_batch_size=1,
-                                 forward_only=False)
+                                 forward_only=run.forward_only)
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if warm:

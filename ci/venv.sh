@@ -6,7 +6,13 @@
 #                   (already installed wins), i.e. the newest supported release for the interpreter.
 #
 # torch is pinned to 2.13.0: on Python 3.11 that is the CPU build lying on this machine's disk; elsewhere PyPI's
-# (CUDA) build, which imports and trains on a CPU-only host. Never an unpinned torch (a multi-GB download).
+# (CUDA) build for Linux x86_64, ~1.45 GB plus its nvidia-* wheels (a Python 3.12 venv is ~5 GB), which imports and
+# trains on a CPU-only host. Never an unpinned torch (a multi-GB download). To get the CPU build instead, install it
+# first (`$VENV/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu`): the pin is then met
+# by the torch already installed and pip keeps it.
+#
+# The install prints pip's progress (a line per package collected, downloaded and installed): a first run downloads for
+# minutes.
 #
 # The install is skipped when nothing changed: a stamp in the venv holds a hash of pyproject.toml, the interpreter
 # (`python -VV`), the clone's path (the editable install points there), the extras, the torch pin and the installed
@@ -53,9 +59,12 @@ ensure_venv() {
     return 0
   fi
   rm -f "$stamp"
+  echo "ci: installing into $VENV: $TORCH_PIN${megatron_pin:+ $megatron_pin} and slime-ext[$extras] (editable)"
+  echo "ci: torch installed now: $(_installed torch) (- = none; PyPI's CUDA build downloads ~1.45 GB)"
   "$PY" -m pip install -q --disable-pip-version-check --upgrade pip
   # shellcheck disable=SC2086
-  "$PY" -m pip install -q --disable-pip-version-check "$TORCH_PIN" $megatron_pin -e ".[$extras]"
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "$TORCH_PIN" $megatron_pin -e ".[$extras]"
+  echo "ci: installed torch $(_installed torch), megatron-core $(_installed megatron-core)"
   _install_key "$extras" > "$stamp"
 }
 

@@ -192,12 +192,12 @@ def _keep_all_samples(enabled: Callable[[Any], bool], original: Callable) -> Cal
 
 
 def _build_dp_schedule(enabled: Callable[[Any], bool], planner: Any, original: Callable) -> Callable:
-    def build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs):
+    def planned_by_slime_ext(args, train_parallel_config, total_lengths, **kwargs):
         if not enabled(args):
             return original(args, train_parallel_config, total_lengths, **kwargs)
-        return planner.build_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
+        return planner.slime_dp_schedule(args, train_parallel_config, total_lengths, **kwargs)
 
-    return functools.wraps(original)(build_dp_schedule)
+    return functools.wraps(original)(planned_by_slime_ext)  # keeps slime's name, build_dp_schedule
 
 
 def _log_metrics_after(enabled: Callable[[Any], bool], planner: Any, original: Callable) -> Callable:

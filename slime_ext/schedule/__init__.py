@@ -1,11 +1,21 @@
 """Pure planning layer: standard library + numpy only (no torch, ray or megatron -- a test enforces it).
 
-Rich API::
+The one request (what a host means: the samples, the steps, the layout and cap, the pass, optionally a fixed
+micro-batch count per rank)::
 
-    from slime_ext.schedule import BatchConfig, ParallelConfig, CostModel, plan_schedule
-    schedule = plan_schedule(lengths, ParallelConfig(dp_size=8), BatchConfig(global_batch_size=64,
-                             use_dynamic_batch_size=True, max_tokens_per_gpu=16384, balance_data=True),
-                             rollout_ids=ids, loss_tokens=loss_tokens, cost_model=CostModel(...))
+    from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, PlanRequest, plan
+    schedule = plan(PlanRequest(lengths, ParallelConfig(dp_size=8, pp_size=4),
+                                BatchConfig(global_batch_size=64, use_dynamic_batch_size=True,
+                                            max_tokens_per_gpu=16384, balance_data=True),
+                                step_of=steps,               # explicit steps (None: whole rollouts per step)
+                                forward_only=False,          # True: a log-prob pass, priced forward-only
+                                microbatches_per_rank=None,  # k: exactly k micro-batches per rank, every step
+                                cost_model=CostModel(...)))
+
+The keyword form (steps of whole rollouts; the same request underneath)::
+
+    schedule = plan_schedule(lengths, parallel, batch, rollout_ids=ids, loss_tokens=loss_tokens,
+                             cost_model=CostModel(...))
 
 slime-compatible API::
 
@@ -26,9 +36,10 @@ cost model                ``cost`` (CostModel: FLOPs per sample; ``bin_costs``: 
                           ``pipeline_pricing`` (costs -> per-stage times; the search's work budget),
                           ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
                           (the candidates' pieces), ``pipeline_choice`` (the search, stated once)
-the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (plan_schedule: stages 1-5)
+the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (stages 1-5 of one request)
 its record                ``dp_schedule`` (DPSchedule, StepStats), ``payload``, ``invariants`` (check_schedule)
-slime's entry             ``compat`` (slime's args -> the planner's inputs; build_dp_schedule)
+the request               ``request`` (PlanRequest, checked on construction; plan: the entry point; plan_schedule)
+slime's entry             ``compat`` (slime's args -> a PlanRequest; build_dp_schedule)
 ========================  ===========================================================================================
 """
 
@@ -42,9 +53,9 @@ from .payload import RankPayload, SampleBatch
 from .pipeline_model import PipelineSpec, pipeline_makespan
 from .pipeline_orders import best_orders
 from .pipeline_pricing import PipelinePricing, pipeline_pricing
-from .planner import plan_schedule
 from .planner_config import PlannerConfig
 from .profile import CostProfile
+from .request import PlanRequest, plan, plan_schedule
 
 # The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
 # host's engine (verl: one rank's micro-batches, ordered for the pipeline), the pipeline objective:
@@ -59,6 +70,7 @@ __all__ = [
     "ParallelConfig",
     "PipelinePricing",
     "PipelineSpec",
+    "PlanRequest",
     "PlannerConfig",
     "RankPayload",
     "SampleBatch",
@@ -70,6 +82,7 @@ __all__ = [
     "microbatch_costs",
     "pipeline_makespan",
     "pipeline_pricing",
+    "plan",
     "plan_schedule",
     "sample_costs",
 ]

@@ -1,8 +1,9 @@
-"""slime's flags -> the planner's inputs, and the slime-compatible entry point built on them.
+"""slime's flags -> the planner's request, and the slime-compatible entry point built on it.
 
 One reading of slime's ``args`` for every caller: :func:`build_dp_schedule` here (the library's drop-in for upstream's
 ``slime.utils.dp_schedule.build_dp_schedule``) and the slime integration (:mod:`slime_ext.integrations.slime.planner`)
-both take the planner's inputs from :func:`planner_inputs`, so they plan alike:
+both build their :class:`~.request.PlanRequest` with :func:`request_from_args` (its inputs from
+:func:`planner_inputs`), so they plan alike:
 
 * the layout (:func:`parallel_from_args`): slime's ``train_parallel_config`` dict, which has no pipeline size,
   p2p mode or layout flags (``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout``,
@@ -24,9 +25,9 @@ from .config import LAYOUT_FLAGS, BatchConfig, ParallelConfig
 from .cost import CostModel
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
-from .planner import plan_schedule
 from .planner_config import PlannerConfig
 from .profile import CostProfile
+from .request import PlanRequest, plan
 from .validate import is_int
 
 #: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from:
@@ -88,7 +89,7 @@ def cost_from_args(args: Any) -> CostModel | CostProfile | None:
 
 @dataclass(frozen=True)
 class PlannerInputs:
-    """What :func:`plan_schedule` takes besides the samples, read off slime's ``args``."""
+    """What a :class:`~.request.PlanRequest` takes besides the samples, read off slime's ``args``."""
 
     parallel: ParallelConfig
     batch: BatchConfig
@@ -111,6 +112,24 @@ def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | Paralle
                          cost_model=cost_from_args(args))
 
 
+def request_from_args(
+    args: Any,
+    train_parallel_config: Mapping[str, Any] | ParallelConfig,
+    total_lengths: Sequence[int],
+    *,
+    global_batch_size: int | None = None,
+    rollout_indices: Sequence[int] | None = None,
+    loss_tokens: Sequence[int] | None = None,
+    config: PlannerConfig | None = None,
+) -> PlanRequest:
+    """The :class:`~.request.PlanRequest` of one slime rollout: its steps derived from whole rollouts, the layout,
+    batch flags and cost read off ``args`` (:func:`planner_inputs`); ``config``: the planner's tunables."""
+    inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
+    return PlanRequest(lengths=total_lengths, parallel=inputs.parallel, batch=inputs.batch,
+                       rollout_ids=rollout_indices, loss_tokens=loss_tokens, cost_model=inputs.cost_model,
+                       config=config)
+
+
 def build_dp_schedule(
     args: Any,
     train_parallel_config: Mapping[str, Any] | ParallelConfig,
@@ -121,8 +140,9 @@ def build_dp_schedule(
     loss_tokens: Sequence[int] | None = None,
     config: PlannerConfig | None = None,
 ) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (any attribute object), as the slime integration does
-    (:func:`planner_inputs`); ``config``: the planner's tunables (default ``PlannerConfig()``).
+    """Plan with slime's flags read off ``args`` (any attribute object): :func:`~.request.plan` of
+    :func:`request_from_args`, as the slime integration plans; ``config``: the planner's tunables (default
+    ``PlannerConfig()``).
 
     ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
     ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``). ``args.pipeline_model_parallel_size``
@@ -132,8 +152,8 @@ def build_dp_schedule(
     the FLOPs model with measured seconds.
 
     The result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``
-    and is also the full :class:`DPSchedule`.
+    and is also the full :class:`DPSchedule` (slime's rollout hook hands slime plain lists:
+    :func:`slime_ext.integrations.slime.planner.slime_dp_schedule`).
     """
-    inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
-    return plan_schedule(total_lengths, inputs.parallel, inputs.batch, rollout_ids=rollout_indices,
-                         loss_tokens=loss_tokens, cost_model=inputs.cost_model, config=config)
+    return plan(request_from_args(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
+                                  rollout_indices=rollout_indices, loss_tokens=loss_tokens, config=config))

@@ -14,8 +14,8 @@ from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
 from .profile import CostProfile, is_profile_dict
 from .errors import ScheduleError
-from .validate import (INT64_MAX, INT64_MIN, check_int, check_mapping, check_number, check_samples, int_list,
-                       is_int, nested_int_lists, show)
+from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int, check_mapping, check_number,
+                       check_samples, int_list, is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
 
 SCHEMA_VERSION = 3  # 2: StepStats.aligned_lower_bound renamed packing_target; 3: rank_flops_* -> rank_cost_*
@@ -118,6 +118,15 @@ class DPSchedule:
     cost_model: CostModel | CostProfile | None = None
     #: global sample indices of step ``s`` in rollout order (before distribution); handy for ledgers
     step_samples: list[list[int]] = field(default_factory=list)
+    #: the explicit steps the request gave (``PlanRequest.step_of``: the step of every sample), ``None`` where the
+    #: steps were derived from whole rollouts and ``global_batch_size``
+    step_of: list[int] | None = None
+    #: the pass this plan is for: ``False`` training (forward and backward), ``True`` forward-only (log-prob
+    #: passes); with pipeline parallelism its count and order were chosen for that pass
+    forward_only: bool = False
+    #: the micro-batch count per DP rank the request fixed for every step (``PlanRequest.microbatches_per_rank``),
+    #: ``None`` where the planner chose it
+    microbatches_per_rank: int | None = None
 
     # ------------------------------------------------------------------ views
     @property
@@ -194,6 +203,9 @@ class DPSchedule:
             "loss_tokens_per_step": None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
             "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
             "step_samples": [list(s) for s in self.step_samples],
+            "step_of": None if self.step_of is None else list(self.step_of),
+            "forward_only": self.forward_only,
+            "microbatches_per_rank": self.microbatches_per_rank,
         }
 
     @classmethod
@@ -290,6 +302,11 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
         else int_list("loss_tokens_per_step", d["loss_tokens_per_step"], **n_max),
         cost_model=_cost_from_dict(cost_model),
         step_samples=nested_int_lists("step_samples", d.get("step_samples", []), 1, **n_max),
+        step_of=None if d.get("step_of") is None
+        else int_list("step_of", d["step_of"], minimum=0, maximum=len(lengths)),
+        forward_only=check_bool("forward_only", d.get("forward_only", False)),
+        microbatches_per_rank=None if d.get("microbatches_per_rank") is None
+        else check_int("microbatches_per_rank", d["microbatches_per_rank"], maximum=MAX_SAMPLES),
     )
 
 

@@ -144,6 +144,29 @@ def check_schedule(
     if lost:
         bad(f"{len(lost)} samples are neither scheduled nor reported dropped, e.g. {sorted(lost)[:5]}")
 
+    fixed = sched.microbatches_per_rank
+    if fixed is not None and any(m != fixed for m in sched.num_microbatches):
+        bad(f"num_microbatches={sched.num_microbatches} but the request fixed microbatches_per_rank={fixed}")
+    if sched.step_of is not None:
+        _check_explicit_steps(sched, rids, step_members, dropped, bad)
+    else:
+        _check_rollout_steps(sched, rids, step_of_sample, step_members, dropped, bad)
+    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
+        if len(sched.step_samples) != num_steps:
+            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
+        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
+            if sorted(recorded) != sorted(members):
+                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
+    if not out:
+        _check_stats(sched, measured, bad)
+    return out
+
+
+def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dict[int, int | None],
+                         step_members: list[list[int]], dropped: set[int], bad) -> None:
+    """Steps derived from whole rollouts: rollout groups in one step, in first-occurrence order, ``global_batch_size``
+    rollouts each (or one step with ``use_dynamic_global_batch_size``), only trailing rollouts dropped."""
+    num_steps, dp, n = len(sched.num_microbatches), sched.parallel.dp_size, len(sched.total_lengths)
     # rollout groups in one step; steps hold whole rollouts in first-occurrence order; dropped = trailing rollouts
     first_seen: dict[int, int] = {}
     for i, rid in enumerate(rids):
@@ -167,15 +190,7 @@ def check_schedule(
             bad(f"step {s} does not hold consecutive whole rollouts (rollout ordinals {ords[0]}..{ords[-1]})")
         if ords:
             prev_max = ords[-1]
-        if s < len(sched.samples_per_step) and sched.samples_per_step[s] != len(step_members[s]):
-            bad(f"step {s}: samples_per_step={sched.samples_per_step[s]} but {len(step_members[s])} scheduled")
-        if s < len(sched.rollouts_per_step) and sched.rollouts_per_step[s] != len(ords):
-            bad(f"step {s}: rollouts_per_step={sched.rollouts_per_step[s]} but {len(ords)} rollouts scheduled")
-        if sched.loss_tokens is not None and sched.loss_tokens_per_step is not None and s < len(
-                sched.loss_tokens_per_step):
-            got = sum(sched.loss_tokens[g] for g in step_members[s])
-            if got != sched.loss_tokens_per_step[s]:
-                bad(f"step {s}: loss_tokens_per_step={sched.loss_tokens_per_step[s]} but the samples hold {got}")
+        _check_step_counts(sched, s, step_members[s], len(ords), bad)
     if any(ordinal[rids[g]] <= prev_max for g in dropped):
         bad("dropped holds samples of a rollout before the last scheduled one (only trailing rollouts may drop)")
     if not sched.batch.use_dynamic_global_batch_size:
@@ -194,15 +209,39 @@ def check_schedule(
                 f"count rounded down to a multiple of dp_size), not {n - len(dropped)}")
     if sched.batch.disable_rollout_trim_samples and dropped:
         bad("disable_rollout_trim_samples is set but samples were dropped")
-    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
-        if len(sched.step_samples) != num_steps:
-            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
-        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
-            if sorted(recorded) != sorted(members):
-                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
-    if not out:
-        _check_stats(sched, measured, bad)
-    return out
+
+
+def _check_explicit_steps(sched: DPSchedule, rids: list[int], step_members: list[list[int]], dropped: set[int],
+                          bad) -> None:
+    """Explicit steps (``PlanRequest.step_of``): step ``s`` holds exactly the samples given to it, nothing is
+    dropped (with the checks above: every sample is in the step it was given), and its rollout count is the number
+    of distinct rollout ids in it."""
+    step_of, n = sched.step_of, len(sched.total_lengths)
+    if len(step_of) != n:
+        bad(f"step_of has {len(step_of)} entries for {n} samples")
+        return
+    if dropped:
+        bad(f"explicit steps drop nothing, but {len(dropped)} samples are dropped")
+    for s, members in enumerate(step_members):
+        wrong = [g for g in members if step_of[g] != s]
+        if wrong:
+            bad(f"step {s} holds sample {wrong[0]}, whose step_of is {step_of[wrong[0]]}")
+        _check_step_counts(sched, s, members, len({rids[g] for g in members}), bad)
+    if max(step_of, default=-1) >= len(step_members):
+        bad(f"step_of names step {max(step_of)} but the schedule has {len(step_members)} steps")
+
+
+def _check_step_counts(sched: DPSchedule, s: int, members: list[int], rollouts: int, bad) -> None:
+    """Step ``s``'s recorded sample, rollout and loss-token counts against its samples."""
+    if s < len(sched.samples_per_step) and sched.samples_per_step[s] != len(members):
+        bad(f"step {s}: samples_per_step={sched.samples_per_step[s]} but {len(members)} scheduled")
+    if s < len(sched.rollouts_per_step) and sched.rollouts_per_step[s] != rollouts:
+        bad(f"step {s}: rollouts_per_step={sched.rollouts_per_step[s]} but {rollouts} rollouts scheduled")
+    if sched.loss_tokens is not None and sched.loss_tokens_per_step is not None and s < len(
+            sched.loss_tokens_per_step):
+        got = sum(sched.loss_tokens[g] for g in members)
+        if got != sched.loss_tokens_per_step[s]:
+            bad(f"step {s}: loss_tokens_per_step={sched.loss_tokens_per_step[s]} but the samples hold {got}")
 
 
 def input_problem(sched: DPSchedule) -> str | None:
@@ -252,7 +291,8 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
             "total_microbatches": sched.num_microbatches[s] * dp,
             "cap": cap,
             "num_rollouts": sched.rollouts_per_step[s],
-            "packing_target": (microbatch_target(lengths[members], cap, align) if cap is not None
+            "packing_target": (sched.microbatches_per_rank * dp if sched.microbatches_per_rank is not None
+                               else microbatch_target(lengths[members], cap, align) if cap is not None
                                else -(-len(members) // sched.batch.micro_batch_size)),
             "largest_bin_tokens": max(t for _, t, _ in mbs),
             "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
@@ -295,11 +335,14 @@ def _stage_shares(sched: DPSchedule, config: PlannerConfig) -> np.ndarray | None
     return np.asarray(weight) / sum(weight)
 
 
-def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None) -> np.ndarray:
+def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
+                      forward_only: bool = False) -> np.ndarray:
     """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it, priced here from the
     documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
     (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
-    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows."""
+    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
+    ``forward_only``: the step priced as a forward-only pass (the same forwards, no backward, the forward-only
+    schedule); the returned ratio is then 0."""
     config = DEFAULT_CONFIG if config is None else config
     parallel = sched.parallel
     pp, vpp = parallel.pp_size, parallel.vpp_size
@@ -325,13 +368,15 @@ def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None
     forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (dp, pp * vpp, M): one chunk each
     spec = PipelineSpec(pp, vpp, parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
                         p2p_s=model.p2p_s if isinstance(model, CostProfile) else 0.0,
-                        overlap_p2p_comm=parallel.overlap_p2p_comm)
+                        overlap_p2p_comm=parallel.overlap_p2p_comm, forward_only=forward_only)
+    ratio = 0.0 if forward_only else ratio
     return np.atleast_1d(pipeline_makespan(forward, ratio * forward, spec)), forward, ratio, spec
 
 
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
     """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
-    prediction for the slowest replica, re-priced here (:func:`replica_makespans`)."""
+    prediction for the slowest replica, re-priced here (:func:`replica_makespans`) for the schedule's pass (training,
+    or forward-only: ``DPSchedule.forward_only``)."""
     if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:
@@ -341,7 +386,7 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
         bad(f"stats[{s}] has no predicted_makespan/bubble_fraction but pp_size = {sched.parallel.pp_size}")
         return
     try:
-        spans, forward, ratio, spec = replica_makespans(sched, s)
+        spans, forward, ratio, spec = replica_makespans(sched, s, forward_only=sched.forward_only)
     except ScheduleError as e:
         bad(f"step {s}: the pipeline model refuses the step: {e}")
         return

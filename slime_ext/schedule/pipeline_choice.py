@@ -103,6 +103,9 @@ class StepSearch:
     recount: Callable[[int], StepPlan | None] | None = None
     #: the count moves by multiples of this (``dp_size * microbatch_group_size_per_vp_stage`` under VPP)
     align: int = 1
+    #: the request fixed the count (``PlanRequest.microbatches_per_rank``): every candidate keeps ``unaware.count``
+    #: (the shaped candidate is scanned at that count alone; no ``recount``)
+    fixed_count: bool = False
     #: what several generators share (the heuristic orders' prices)
     memo: dict = field(default_factory=dict)
 
@@ -204,7 +207,7 @@ def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
         return []
     plan = search.unaware
     return shaped_step(search.budget, search.samples, plan.rank_of_bin[plan.bin_of], plan.count // search.dp,
-                       search.dp, plan.strategy, plan.target)
+                       search.dp, plan.strategy, plan.target, fixed_count=search.fixed_count)
 
 
 def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
@@ -331,7 +334,7 @@ def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> lis
 
 
 def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
-                strategy: str, target: int) -> list[StepPlan]:
+                strategy: str, target: int, fixed_count: bool = False) -> list[StepPlan]:
     """The shaped plans of the step's samples, one per count rebalanced (fastest first, at most
     ``config.finalists``), starting from each replica's samples (``replica_of``):
 
@@ -353,7 +356,8 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     scan of every count on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
     ``config.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
     fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
-    cap), or where even the smallest such search does not fit the budget."""
+    cap), or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only
+    count (a request's ``microbatches_per_rank``)."""
     pricing = budget.pricing
     cfg = pricing.config
     pp = pricing.spec.pp_size
@@ -363,6 +367,8 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     members = replica_members(replica_of, samples.costs, dp, samples.order)
     n_min = int((members >= 0).sum(axis=1).min())
     counts = shape_counts(k0, samples.step, n_min, pricing)
+    if fixed_count:
+        counts = counts[:1] if counts and counts[0] == k0 else []
     if not counts:
         return []
     total = np.bincount(replica_of, weights=samples.costs, minlength=dp)

@@ -12,6 +12,14 @@ in ``megatron/core/pipeline_parallel/schedules.py``, written here in our own wor
   makes: ``recv_forward``, ``send_forward``, ``send_forward_recv_backward`` (one batch),
   ``send_backward_recv_forward`` (one batch), ``recv_backward``, ``send_backward``.
 * Interleaved (``vpp_size > 1``): see :func:`interleaved_programs`.
+* Forward-only (``PipelineSpec.forward_only``, megatron-core's ``forward_only=True``: log-prob and reference
+  passes): the same schedule functions' forward-only paths. Without VPP every rank runs, per micro-batch in order,
+  a blocking ``recv_forward``, the forward and a blocking ``send_forward``; under VPP every virtual micro-batch is
+  a warm-up forward in the schedule table's order, each followed by one blocking send-output/receive-next-input
+  call, in both p2p modes. No backward, no 1F1B steady state, no gradient transfer; backward costs are not read.
+  Because every send blocks until the next stage posts its receive (see *Time*), the stages form a flow shop
+  with no buffer between them, and the order of the micro-batches changes the makespan (with equal costs and
+  ``p2p_s = 0`` it is ``(M + pp - 1) f`` without VPP).
 
 ``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions (compute replaced by tags, the
 communicator by a recorder) and checks that every rank's computes, p2p calls (which transfers each combines,
@@ -46,6 +54,12 @@ it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` i
   that consumes it).
 * Nothing else on the critical path: no optimizer, no DP gradient reduction, no kernel launch or wake-up latency.
   Measured on megatron-core's real schedule (``bench/pipeline.py``, the notes), such a model is a few percent low.
+* Forward-only: a send completes only when its receiver posts the receive (megatron-core's defaults on GPU,
+  ``batch_p2p_comm`` with ``batch_p2p_sync``, wait on every request of a call, sends included, and activations are
+  far larger than NCCL's eager p2p buffers). ``bench/schedule_replay.py`` runs megatron-core's own schedule
+  functions under exactly these semantics (injected durations, virtual time) and ``tests/unit/
+  test_pipeline_forward_only.py`` compares the two; a transport that completes sends in the background (this
+  repo's CPU patch over gloo) is a flow shop with unbounded buffers instead, which this model does not describe.
 """
 
 from __future__ import annotations
@@ -78,6 +92,9 @@ class PipelineSpec:
     #: interleaved schedule only: Megatron's ``overlap_p2p_comm`` (posted early, waited just before use; Megatron-LM
     #: training's default with VPP) instead of one blocking batch of sends and receives per iteration
     overlap_p2p_comm: bool = False
+    #: megatron-core's ``forward_only=True`` (log-prob and reference passes): every micro-batch's forward only, no
+    #: backward and no 1F1B steady state; backward costs are not read
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         for name, fix in (("pp_size", "pass the pipeline-parallel size (>= 1)"),
@@ -98,6 +115,7 @@ class PipelineSpec:
         object.__setattr__(self, "p2p_s", float(p2p))
         object.__setattr__(self, "overlap_p2p_comm", check_bool("PipelineSpec.overlap_p2p_comm",
                                                                 self.overlap_p2p_comm))
+        object.__setattr__(self, "forward_only", check_bool("PipelineSpec.forward_only", self.forward_only))
 
     @property
     def chunks(self) -> int:
@@ -184,12 +202,23 @@ class _Program:
         return h.get(send)
 
 
-def one_f_one_b_programs(pp: int, m: int) -> list[list[tuple]]:
-    """The non-interleaved schedule's programs, rank by rank (``forward_backward_pipelining_without_interleaving``)."""
+def one_f_one_b_programs(pp: int, m: int, forward_only: bool = False) -> list[list[tuple]]:
+    """The non-interleaved schedule's programs, rank by rank (``forward_backward_pipelining_without_interleaving``).
+
+    ``forward_only``: its forward-only path. The warm-up forwards and the steady loop's forwards then run alike:
+    every micro-batch is ``recv_forward``, forward, ``send_forward`` (each call blocking), in micro-batch order,
+    and nothing follows the last one (``pp = 1``: ``forward_backward_no_pipelining``, the forwards alone)."""
     programs = []
     for s in range(pp):
         p = _Program(s, pp)
         first, last = s == 0, s == pp - 1
+        if forward_only:
+            for i in range(m):
+                p.comm(recv_prev=not first)  # recv_forward
+                p.compute("F", i)
+                p.comm(send_next=not last)  # send_forward
+            programs.append(p.ops)
+            continue
         warmup = min(pp - s - 1, m)
         remaining = m - warmup
         for i in range(warmup):
@@ -234,9 +263,15 @@ def warmup_microbatches(pp: int, rank: int, m: int, vpp: int = 1, group: int | N
     return min(2 * (pp - rank - 1) + (vpp - 1) * (pp if group is None else group), m * vpp)
 
 
-def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool) -> list[list[tuple]]:
+def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool,
+                         forward_only: bool = False) -> list[list[tuple]]:
     """The interleaved schedule's programs (``forward_backward_pipelining_with_interleaving``, default flags:
     ``overlap_p2p_comm_warmup_flush`` off, no MoE overlap).
+
+    ``forward_only``: its forward-only path. Every virtual micro-batch is a warm-up forward, in the schedule
+    table's order: one blocking ``recv_forward`` of chunk 0's first input, then per forward one blocking call that
+    sends its output and receives the next input -- in both p2p modes (the forward-only path never posts a
+    transfer early: ``overlap_p2p_comm`` changes nothing) -- and no backward, no cool-down.
 
     Virtual micro-batch ``k`` is forward ``schedule_table[k]`` and backward of the same micro-batch in chunk
     ``vpp - 1 - chunk``. Rank ``r`` runs :func:`warmup_microbatches` forwards, then one forward and one backward per
@@ -285,7 +320,7 @@ def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool) -
         def B(k: int) -> None:
             p.compute("B", table[k][0], chunk(k, False))
 
-        warmup = warmup_microbatches(pp, r, m, vpp, group)
+        warmup = total if forward_only else warmup_microbatches(pp, r, m, vpp, group)
         all_warmup = warmup == total
         remaining = total - warmup
         recv_prev_handles: list[int] = []
@@ -319,6 +354,9 @@ def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool) -
                 F(fk)
                 B(k)
                 p.comm(send_next=sends_output(fk), recv_prev=recv_prev, send_prev=sends_grad(k), recv_next=recv_next)
+        if forward_only:
+            programs.append(p.ops)
+            continue
         if all_warmup:
             p.comm(recv_next=not last)  # recv_backward
         for k in range(remaining, total):
@@ -336,8 +374,9 @@ def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple
     """Every rank's program for ``num_microbatches`` micro-batches (see the comment above :class:`_Program`)."""
     spec.check_microbatches(num_microbatches)
     if spec.vpp_size == 1 or spec.pp_size == 1:
-        return one_f_one_b_programs(spec.pp_size, num_microbatches)
-    return interleaved_programs(spec.pp_size, spec.vpp_size, num_microbatches, spec.group, spec.overlap_p2p_comm)
+        return one_f_one_b_programs(spec.pp_size, num_microbatches, spec.forward_only)
+    return interleaved_programs(spec.pp_size, spec.vpp_size, num_microbatches, spec.group, spec.overlap_p2p_comm,
+                                spec.forward_only)
 
 
 # ---------------------------------------------------------------------------------------------------- the DAG
@@ -481,9 +520,10 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
 
 
 @lru_cache(maxsize=256)
-def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int) -> _Dag:
-    """The compiled schedule; it depends on the layout and the count, not on the costs or ``p2p_s``."""
-    return _compile(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), m)
+def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int, forward_only: bool = False) -> _Dag:
+    """The compiled schedule; it depends on the layout, the pass and the count, not on the costs or ``p2p_s``."""
+    return _compile(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap,
+                                                forward_only=forward_only), m), m)
 
 
 # ---------------------------------------------------------------------------------------------------- evaluation
@@ -513,6 +553,17 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
     if one:
         f, b = f[None, :], b[None, :]
     return f, b, one
+
+
+def _pass_costs(fwd, bwd, spec) -> tuple[np.ndarray, np.ndarray, bool]:
+    """:func:`_as_costs` for ``spec``'s pass: on a forward-only pass the backward costs are zero (``bwd`` may be
+    ``None`` there; given, it is checked but not read)."""
+    _check_spec(spec)
+    if bwd is None and not spec.forward_only:
+        raise ScheduleError("bwd is None on a training pass; pass the backward costs, or "
+                            "PipelineSpec(..., forward_only=True) for a forward-only (log-prob) pass")
+    f, b, one = _as_costs(fwd, fwd if bwd is None else bwd)
+    return (f, np.zeros_like(f), one) if spec.forward_only else (f, b, one)
 
 
 def _check_spec(spec) -> None:
@@ -570,8 +621,9 @@ def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.nd
 
 @lru_cache(maxsize=256)
 def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
-    """The DAGs of ``keys`` (``(pp, vpp, group, overlap, M, form)`` each) compiled for one evaluation."""
-    dags = [(_compiled(*key[:5]), key[5]) for key in keys]
+    """The DAGs of ``keys`` (``(pp, vpp, group, overlap, M, form, forward_only)`` each) compiled for one
+    evaluation."""
+    dags = [(_compiled(*key[:5], key[6]), key[5]) for key in keys]
     depth = max(len(dag.levels) for dag, _ in dags)
     sizes = [dag.num_nodes for dag, _ in dags]
     total = sum(sizes)
@@ -654,10 +706,11 @@ def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
 
 
 def _spec_key(spec: PipelineSpec, m: int, form) -> tuple:
-    """A DAG's key in :func:`_sweep`: the layout, the count and the form of its cost table (:func:`_table_rows`)."""
+    """A DAG's key in :func:`_sweep`: the layout, the count, the form of its cost table (:func:`_table_rows`) and
+    the pass (``overlap_p2p_comm`` changes neither a forward-only pass nor one without VPP)."""
     spec.check_microbatches(m)
     return (spec.pp_size, spec.chunks, spec.group if spec.chunks > 1 else 1,
-            spec.overlap_p2p_comm and spec.chunks > 1, m, form)
+            spec.overlap_p2p_comm and spec.chunks > 1 and not spec.forward_only, m, form, spec.forward_only)
 
 
 def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
@@ -667,17 +720,16 @@ def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.nda
     key = _spec_key(spec, f.shape[-1], form)
     sweep = _sweep((key,))
     end = _sweep_ends(sweep, table, spec.p2p_s)
-    return end[np.append(sweep.new_ids[0], sweep.num_nodes)].T, _compiled(*key[:5])
+    return end[np.append(sweep.new_ids[0], sweep.num_nodes)].T, _compiled(*key[:5], key[6])
 
 
 def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
-    of ``(R_i,)`` makespans. One level-by-level pass evaluates every group (the groups' DAGs side by side, their
+    of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
     replicas cut into pieces of one width, ``PlannerConfig.model_pieces``), so many small groups cost about what the largest
     alone does; the makespans are exactly those of separate calls."""
-    _check_spec(spec)
-    return _makespans([_as_costs(fwd, bwd)[:2] for fwd, bwd in costs], spec)
+    return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
 
 
 def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) -> list[np.ndarray]:
@@ -738,10 +790,10 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     * ``(R, pp * vpp, M)``: virtual stage ``k = chunk * pp + s``'s (one model chunk's) forward/backward.
 
     Returns ``(R,)`` makespans, or a float for 1-D input: the time the last operation of any stage ends. Per-stage
-    costs that are equal on every stage give the same makespans as the 2-D form (to rounding).
+    costs that are equal on every stage give the same makespans as the 2-D form (to rounding). On a forward-only
+    pass (``spec.forward_only``) ``bwd`` is not read and may be ``None``.
     """
-    f, b, one = _as_costs(fwd, bwd)
-    _check_spec(spec)
+    f, b, one = _pass_costs(fwd, bwd, spec)
     out = _makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
@@ -750,7 +802,7 @@ def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
     """One replica's timeline: per stage, ``(kind, mb, chunk, start, end)`` of each forward/backward in run order.
 
     Costs ``(M,)`` (or ``(1, M)``) every stage alike, or ``(1, pp, M)`` / ``(1, pp * vpp, M)`` per stage."""
-    f, b, _ = _as_costs(fwd, bwd)
+    f, b, _ = _pass_costs(fwd, bwd, spec)
     if f.shape[0] != 1:
         raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,) or (1, pp, M); got {f.shape}")
     end, dag = _node_ends(f, b, spec)
@@ -785,7 +837,7 @@ def bubble_fraction(fwd, bwd, spec: PipelineSpec, makespan=None):
     bubble definition: the planner's ``StepStats.bubble_fraction`` is this, for the slowest replica (at least 0).
     Shapes as
     :func:`pipeline_makespan`; ``makespan``: the replicas' makespans where the caller has them."""
-    f, b, one = _as_costs(fwd, bwd)
+    f, b, one = _pass_costs(fwd, bwd, spec)
     span = np.atleast_1d(pipeline_makespan(f, b, spec) if makespan is None else np.asarray(makespan, dtype=float))
     work = _stage_work(f, b, spec).max(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
     # a rank that never idles makes it 0, which rounding can turn into -2e-16: clamped at 0
@@ -829,13 +881,17 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     hold for every order, so their maximum does. With every stage alike, ``F_s``, ``B_s`` and ``s c`` grow with
     ``s`` while ``W_s = W``, so ``s = pp - 1`` gives the largest (2). ∎
 
+    **Forward-only** (``spec.forward_only``): the same with ``b = 0`` and one transfer per boundary instead of
+    two (no gradient comes back): (1) is ``max_m sum_k f[k, m] + (V - 1) c``, (2) ``max_s min_m F_s(m) + s c +
+    W_s``; the proof is the forward half of the one above.
+
     Shapes as :func:`pipeline_makespan`. ``tests/unit/test_pipeline_model.py`` checks it against the best
     makespan over all orders of small cases, with every stage alike and with uneven stages.
     """
-    f, b, one = _as_costs(fwd, bwd)
-    _check_spec(spec)
+    f, b, one = _pass_costs(fwd, bwd, spec)
     spec.check_microbatches(f.shape[-1])
-    pp, v, c = spec.pp_size, spec.chunks, spec.p2p_s
+    pp, v = spec.pp_size, spec.chunks
+    c = spec.p2p_s / 2 if spec.forward_only else spec.p2p_s  # 2 c per boundary below: one transfer forward-only
     if f.ndim == 3:
         fv, bv = _per_virtual_stage(f, spec), _per_virtual_stage(b, spec)
         trip = (fv + bv).sum(axis=1).max(axis=1) + 2 * (v * pp - 1) * c

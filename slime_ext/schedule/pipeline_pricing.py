@@ -12,6 +12,12 @@ micro-batch whole, its overhead included). Per stage, where every stage costs al
   (``cap`` tokens at the linear rate), so that more, smaller micro-batches are not free; makespans in **per-stage
   forward-FLOP units** (tokens without a model): a GPU's achieved FLOP/s turns them into seconds.
 
+**Forward-only passes** (``forward_only=True``: log-prob and reference passes, megatron-core's
+``forward_only=True``): the same forward per stage (a profile's measured ``1 : r`` split is used as such: its
+forward part, ``c / ((1 + r) pp)``), backward ``0`` (``backward_forward_ratio = 0``), and the model's forward-only
+schedule (:attr:`PipelineSpec.forward_only <slime_ext.schedule.pipeline_model.PipelineSpec>`). The FLOPs overhead
+``o`` is charged at the pass's own cap. Makespans are in the same units as a training pass's.
+
 Where the stages are uneven (:class:`~slime_ext.schedule.stages.StageCosts`: the embedding, the LM head, Megatron's
 layout flags) each virtual stage takes its share of ``pp`` times that forward (:attr:`PipelinePricing.stage_share`).
 
@@ -38,6 +44,7 @@ from .pipeline_model import PipelineSpec, _table_makespans, bubble_fraction
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
 from .stages import StageCosts
+from .validate import check_bool
 
 if TYPE_CHECKING:
     from .dp_schedule import DPSchedule
@@ -54,7 +61,7 @@ class PipelinePricing:
     (``pp * vpp`` shares summing to 1; an even split gives back the first form)."""
 
     spec: PipelineSpec
-    backward_forward_ratio: float
+    backward_forward_ratio: float  # 0 on a forward-only pass (``spec.forward_only``)
     scale: float  # per-stage forward = (cost + overhead) * scale, every stage alike
     overhead: float  # added to every micro-batch's cost (FLOPs plans)
     units: str  # "seconds", "forward FLOPs per stage" or "tokens per stage"
@@ -120,9 +127,13 @@ class PipelinePricing:
 
 
 def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None, cap: int | None,
-                     config: PlannerConfig | None = None) -> PipelinePricing | None:
+                     config: PlannerConfig | None = None, *, forward_only: bool = False) -> PipelinePricing | None:
     """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
     (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
+
+    ``forward_only``: price a forward-only pass (log-prob and reference passes; the module docstring): forwards
+    only, megatron-core's forward-only schedule; ``cap`` is that pass's token cap. ``False`` (default): a training
+    pass, exactly as before the keyword existed.
 
     The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
     layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
@@ -130,6 +141,7 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
     (``S = sum L^2``; without a cap, ``config.stage_share_tokens``). Model dims whose layers Megatron could not
     split over this layout without the layout flags (approximate dims) are priced with every stage alike."""
     config = DEFAULT_CONFIG if config is None else config
+    forward_only = check_bool("pipeline_pricing(forward_only)", forward_only)
     parallel.require_dp_size()
     pp = parallel.pp_size
     if pp == 1:
@@ -149,14 +161,18 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
             + np.asarray(stages.virtual_quadratic) * tokens * tokens * config.stage_share_sample
         share = tuple(float(x) for x in per / per.sum())
     if isinstance(cost_model, CostProfile):
-        ratio = cost_model.backward_forward_ratio
-        spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm)
-        return PipelinePricing(spec, ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds", share, config)
+        ratio = cost_model.backward_forward_ratio  # the measured split: a forward is 1 / (1 + ratio) of the seconds
+        spec = PipelineSpec(pp, vpp, group, p2p_s=cost_model.p2p_s, overlap_p2p_comm=parallel.overlap_p2p_comm,
+                            forward_only=forward_only)
+        return PipelinePricing(spec, 0.0 if forward_only else ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds",
+                               share, config)
     linear = cost_model.coefficients()[0] if cost_model is not None else 1.0
     overhead = config.microbatch_overhead * linear * cap if cap is not None else 0.0
-    spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm)
+    spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm,
+                        forward_only=forward_only)
     units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
-    return PipelinePricing(spec, config.backward_forward_ratio, 1.0 / pp, overhead, units, share, config)
+    return PipelinePricing(spec, 0.0 if forward_only else config.backward_forward_ratio, 1.0 / pp, overhead, units,
+                           share, config)
 
 
 def step_microbatch_costs(schedule: "DPSchedule", step: int) -> np.ndarray:
@@ -195,7 +211,7 @@ class Budget:
     gets the same search.
 
     * a call of the model on ``R`` rows of ``M`` micro-batches: ``work_call_us`` per group of rows of one count,
-      ``work_level_us`` per level of the schedule's DAG (about ``2 (M vpp + pp)`` levels) and
+      ``work_level_us`` per level of the schedule's DAG (about ``2 (M vpp + pp)`` levels, half forward-only) and
       ``work_model_cell_us`` per row x micro-batch x virtual stage;
     * a packing call (:func:`~slime_ext.schedule.pipeline_shape.shape_pack`) of ``R`` rows of at most ``n``
       samples into ``k`` micro-batches: ``work_round_us`` for the work around it and ``n`` passes, each
@@ -247,7 +263,8 @@ class Budget:
 
     def _levels(self, m: int) -> float:
         spec = self.pricing.spec
-        return self._call + self._level * 2 * (m * spec.chunks + spec.pp_size)
+        passes = 1 if spec.forward_only else 2  # a forward-only DAG has about half the levels
+        return self._call + self._level * passes * (m * spec.chunks + spec.pp_size)
 
     def model_cost(self, rows: int, m: int) -> float:
         """A call of the model on ``rows`` rows of ``m`` micro-batches."""

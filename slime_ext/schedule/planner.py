@@ -1,11 +1,14 @@
 """Rollout-side global micro-batch scheduling: which DP rank trains which sample in which micro-batch of which step.
 
-Strategy (one call plans a whole rollout):
+Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollout):
 
-  1. **Steps.** Group samples by rollout id (first-occurrence order; all samples of a rollout stay in one step)
-     and cut the rollouts into steps of ``global_batch_size`` rollouts (one step with
-     ``use_dynamic_global_batch_size``). Trailing rollouts that do not fill a step are dropped and reported in
-     ``DPSchedule.dropped``; with ``disable_rollout_trim_samples`` an incomplete step is an error instead.
+  1. **Steps.** Explicit steps (``PlanRequest.step_of``) are taken as given, nothing dropped. Else: group samples
+     by rollout id (first-occurrence order; all samples of a rollout stay in one step) and cut the rollouts into
+     steps of ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``). Trailing rollouts
+     that do not fill a step are dropped and reported in ``DPSchedule.dropped``; with
+     ``disable_rollout_trim_samples`` an incomplete step is an error instead. A request's
+     ``microbatches_per_rank`` fixes every step's count below (stages 2-5 search shapes, ranks and order at that
+     count only).
   2. **Pack first.** Per step, group the samples into micro-batches: fixed ``micro_batch_size`` chunks (static), or
      bins of at most ``cap = max_tokens_per_gpu * cp_size`` tokens (dynamic). The dynamic count is the aligned
      token bound ``ceil(ceil(tokens / cap) / align) * align`` (raised where packing provably needs more), reached
@@ -40,7 +43,8 @@ Strategy (one call plans a whole rollout):
      gradient is a sum, so any order trains the same); and on small steps also the older candidates (pair swaps,
      bins moved between ranks, more micro-batches re-packed). The pp-unaware plan of stages 1-4, heaviest first,
      is always a candidate, so a step is never predicted slower than it. Each step records its
-     ``predicted_makespan`` and ``bubble_fraction``.
+     ``predicted_makespan`` and ``bubble_fraction``. A forward-only request (``PlanRequest.forward_only``) is
+     priced with megatron-core's forward-only schedule instead of training's.
 
 Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
 
@@ -50,21 +54,21 @@ Invariants (checked for every schedule the tests build, by :func:`slime_ext.sche
   - the partitions are disjoint and their union plus ``dropped`` is every sample, each exactly once;
   - dynamic: every micro-batch holds ``<= cap`` tokens unless it is a single oversize sample -- in every mode;
     static: every micro-batch holds ``micro_batch_size`` samples (the last of a step may hold fewer);
-  - all samples of a rollout are in one step; steps hold whole rollouts in order, ``dropped`` only trailing ones;
+  - derived steps: all samples of a rollout are in one step; steps hold whole rollouts in order, ``dropped`` only
+    trailing ones; explicit steps: every sample in the step it was given, nothing dropped;
+  - a fixed ``microbatches_per_rank``: every step has exactly that many micro-batches per rank;
   - the same input gives the same schedule.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
 
 import numpy as np
 
-from .bounds import align_up, microbatch_target
+from .bounds import align_up, bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel, sample_costs
-from .cost import bin_costs
+from .cost import bin_costs, sample_costs
 from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
@@ -76,9 +80,8 @@ from .pipeline_shape import ShapeSamples
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .step_plan import StepPlan, search_counts
 from .steps import rollout_ordinals, split_into_steps
-from .validate import check_samples
 
-__all__ = ["plan_schedule"]
+__all__ = ["check_fixed_count", "plan_steps", "request_steps"]
 
 
 # ---------------------------------------------------------------------------------------------------- stages 2-4
@@ -121,8 +124,9 @@ def _plan_dynamic(
     With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
     (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
     extra micro-batch is spent only when it lowers the predicted step time. ``count``: plan exactly that many
-    micro-batches (the pipeline search's re-packed counts, with every guard of this path), ``None`` where the
-    packing cannot reach it.
+    micro-batches (the pipeline search's re-packed counts, or a request's fixed count, with every guard of this
+    path; a count below the aligned target is packed at that count as well), ``None`` where the packing cannot
+    reach it.
     """
     n = len(lengths)
     align, dp = parallel.align, parallel.dp_size
@@ -142,7 +146,7 @@ def _plan_dynamic(
     target = microbatch_target(lengths, cap, align)
     fixed = count is not None
     if fixed:
-        if count > n or count < target:
+        if count > n or count < bin_lower_bound(lengths, cap):
             return None
         target = count
     if n < target:
@@ -253,20 +257,21 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
 
 def _plan_for_pipeline(
     pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray, cap: int | None,
-    parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None,
+    parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None, fixed_count: bool = False,
 ) -> StepPlan:
     """Stage 5 (``pp_size > 1``): the step's micro-batches, count, assignment and order chosen by the pipeline search
     (:func:`~slime_ext.schedule.pipeline_choice.choose_pipeline_step`), starting from the pp-unaware ``plan``.
-    Static batches keep their micro-batches and ranks (only the order changes)."""
+    Static batches keep their micro-batches and ranks (only the order changes). ``fixed_count``: the search keeps
+    ``plan.count`` (shapes, assignment and order only)."""
     dp = parallel.dp_size
     search = StepSearch(
         pricing=pricing, unaware=plan, bin_costs=bin_costs(lengths, costs, plan.bin_of, plan.count, profile),
         heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted without a pipeline
         dp=dp, lengths=lengths, costs=costs, profile=profile, cap=cap,
         samples=None if cap is None else ShapeSamples(lengths, costs, cap, profile, parallel.align // dp),
-        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align,
-        recount=None if cap is None else (lambda k: _plan_dynamic(lengths, costs, cap, parallel, batch, step, profile,
-                                                                  pricing.config, count=k)))
+        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count,
+        recount=None if cap is None or fixed_count else (
+            lambda k: _plan_dynamic(lengths, costs, cap, parallel, batch, step, profile, pricing.config, count=k)))
     return choose_pipeline_step(search)
 
 
@@ -312,49 +317,73 @@ def _emit_step(
 
 
 # ---------------------------------------------------------------------------------------------------- the planner
-def plan_schedule(
-    total_lengths: Sequence[int] | np.ndarray,
-    parallel: ParallelConfig,
-    batch: BatchConfig,
-    *,
-    rollout_ids: Sequence[int] | np.ndarray | None = None,
-    loss_tokens: Sequence[int] | np.ndarray | None = None,
-    cost_model: CostModel | CostProfile | None = None,
-    config: PlannerConfig | None = None,
-) -> DPSchedule:
-    """Plan one rollout: walk the stages of the module docstring for every step.
+def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """Stage 1 for a :class:`~.request.PlanRequest`: ``(sample indices of each step, rollouts per step, dropped
+    sample indices)``.
 
-    ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
-    sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
-    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
-    seconds and prices every micro-batch. ``config``: the planner's tunables (:class:`PlannerConfig`, default
-    ``PlannerConfig()``).
+    Explicit steps (``request.step_of``): step ``s`` holds exactly the samples whose step is ``s``, grouped by rollout
+    in first-occurrence order (as :func:`~.steps.split_into_steps` orders a step), nothing dropped; its rollout
+    count is the number of distinct rollout ids in it. Else the steps of whole rollouts and ``global_batch_size``.
     """
-    if not isinstance(parallel, ParallelConfig):
-        raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}; "
-                            f"use ParallelConfig.from_dict(train_parallel_config)")
-    parallel.require_dp_size()
-    if not isinstance(batch, BatchConfig):
-        raise ScheduleError(f"batch must be a BatchConfig, got {type(batch).__name__}; use BatchConfig.from_args(args)")
-    if config is None:
-        config = DEFAULT_CONFIG
-    elif not isinstance(config, PlannerConfig):
-        raise ScheduleError(f"config must be a PlannerConfig or None, got {type(config).__name__}; use "
-                            f"PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
-    if cost_model is not None and not isinstance(cost_model, (CostModel, CostProfile)):
-        raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}; "
-                            f"use CostModel(...), CostModel.from_args(args) or CostProfile.load(path)")
-    lengths, ids, loss = check_samples(total_lengths, rollout_ids, loss_tokens)  # types and ranges, once
+    if request.step_of is None:
+        return split_into_steps(ordinals, request.lengths, request.parallel, request.batch)
+    step_of = request.step_of
+    order = np.lexsort((np.arange(len(step_of)), ordinals, step_of))  # by step, then rollout, then index
+    bounds = np.searchsorted(step_of[order], np.arange(int(step_of.max()) + 2))
+    steps = [order[bounds[s]:bounds[s + 1]] for s in range(len(bounds) - 1)]
+    return steps, [len(np.unique(ordinals[x])) for x in steps], np.zeros(0, dtype=np.int64)
+
+
+def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: ParallelConfig,
+                      batch: BatchConfig) -> None:
+    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``):
+    too few samples to give each micro-batch one, more tokens than that many capped micro-batches can hold, or a
+    static batch whose ``micro_batch_size`` gives another count. The message names the field, the value and the
+    fix."""
+    dp, n = parallel.dp_size, len(lengths)
+    count = per_rank * dp
+    field = f"microbatches_per_rank = {per_rank}"
+    if n < count:
+        raise ScheduleError(
+            f"{field}: step {step} has {n} samples but {per_rank} x dp_size {dp} = {count} micro-batches each need "
+            f"one; lower microbatches_per_rank to at most {n // dp} or put more samples in the step")
+    cap = batch.cap(parallel.cp_size)
+    if cap is None:
+        got = -(-n // batch.micro_batch_size)
+        if got != count:
+            raise ScheduleError(
+                f"{field}: step {step} has {n} samples = {got} micro-batches of micro_batch_size="
+                f"{batch.micro_batch_size}, not {count} ({per_rank} per rank x dp_size {dp}); pass "
+                f"microbatches_per_rank = {got / dp:g} where that is whole, a micro_batch_size that gives {count}, "
+                f"or use dynamic batches (use_dynamic_batch_size with max_tokens_per_gpu)")
+        return
+    need = bin_lower_bound(lengths, cap)
+    if need > count:
+        least = -(-align_up(need, parallel.align) // dp)
+        raise ScheduleError(
+            f"{field}: step {step}'s {int(lengths.sum())} tokens need at least {need} micro-batches of at most "
+            f"{cap} tokens (max_tokens_per_gpu x cp_size), more than {per_rank} x dp_size {dp} = {count}; raise "
+            f"microbatches_per_rank to at least {least} or raise max_tokens_per_gpu")
+
+
+def plan_steps(request) -> DPSchedule:
+    """Plan one validated :class:`~.request.PlanRequest` (``request``; :mod:`.request` sits above this module):
+    walk the stages of the module docstring for every step
+    (the public entry is :func:`slime_ext.schedule.request.plan`)."""
+    lengths, ids, loss = request.lengths, request.rollout_ids, request.loss_tokens
+    parallel, batch, cost_model, config = request.parallel, request.batch, request.cost_model, request.config
+    fixed = request.microbatches_per_rank
     n = len(lengths)
     ordinals = rollout_ordinals(ids, n)
     costs = sample_costs(lengths, cost_model)  # a CostProfile gives seconds (its per-sample part)
     profile = cost_model if isinstance(cost_model, CostProfile) else None
     cap = batch.cap(parallel.cp_size)
     dp = parallel.dp_size
-    pricing = pipeline_pricing(parallel, cost_model, cap, config)  # None without pipeline parallelism
+    # None without pipeline parallelism; with it, the pass's schedule (training, or forward-only) is priced
+    pricing = pipeline_pricing(parallel, cost_model, cap, config, forward_only=request.forward_only)
 
-    # 1. steps of whole rollouts; the trimmed tail is reported, never silent
-    steps, rollouts_per_step, dropped = split_into_steps(ordinals, lengths, parallel, batch)
+    # 1. steps: given, or of whole rollouts (the trimmed tail is reported, never silent)
+    steps, rollouts_per_step, dropped = request_steps(request, ordinals)
     if len(steps[0]) < dp:  # before any per-rank allocation: dp_size can be huge (the step loop repeats this)
         raise ScheduleError(
             f"step 0 has {len(steps[0])} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
@@ -373,15 +402,24 @@ def plan_schedule(
                 f"raise --global-batch-size or collect more samples per rollout"
             )
         step_len, step_cost = lengths[step_idx], costs[step_idx]
+        if fixed is not None:
+            check_fixed_count(s, step_len, fixed, parallel, batch)
         # 2.-4. pack, align, distribute: bin_of[i] = micro-batch of the step's i-th sample, rank_of_bin[b] = rank
         if cap is None:
             plan = _plan_static(n_s, step_cost, parallel, batch, s)
         else:
-            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=config)
+            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=config,
+                                 count=None if fixed is None else fixed * dp)
+            if plan is None:
+                raise ScheduleError(
+                    f"microbatches_per_rank = {fixed}: the packing found no {fixed * dp} micro-batches of at most "
+                    f"{cap} tokens for step {s} ({n_s} samples, {int(step_len.sum())} tokens); raise "
+                    f"microbatches_per_rank or max_tokens_per_gpu")
         # 5. with pipeline parallelism: micro-batches, count, assignment and order by the slowest replica's
-        # predicted makespan (the pipeline search)
+        # predicted makespan (the pipeline search; a fixed count stays fixed)
         if pricing is not None:
-            plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile)
+            plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile,
+                                      fixed_count=fixed is not None)
         count = plan.count
         mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
                                                   step_cost, partitions, micro_batch_indices, plan.emit)
@@ -427,4 +465,7 @@ def plan_schedule(
         loss_tokens_per_step=None if loss is None else [int(loss[x].sum()) for x in steps],
         cost_model=cost_model,
         step_samples=[x.tolist() for x in steps],
+        step_of=None if request.step_of is None else request.step_of.tolist(),
+        forward_only=request.forward_only,
+        microbatches_per_rank=fixed,
     )

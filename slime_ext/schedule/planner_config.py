@@ -1,6 +1,6 @@
 """Every tunable of the planner in one frozen dataclass: :class:`PlannerConfig`.
 
-The planner (:func:`slime_ext.schedule.planner.plan_schedule`) takes one with a default (``PlannerConfig()``); the
+The planner (:func:`slime_ext.schedule.plan`) takes one with a default (``PlannerConfig()``); the
 benches set any field from the command line (``--set NAME=VALUE``, :meth:`PlannerConfig.replace_from`), so a sweep
 needs no edit. Each field says what it controls and where its value comes from: a measurement (the bench command
 that shows it), or "inherited" where the value predates the benches that could justify it (the sweep to run is

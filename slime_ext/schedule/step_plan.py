@@ -1,4 +1,4 @@
-"""One step's plan, the record every stage of the planner passes on (:func:`slime_ext.schedule.planner.plan_schedule`).
+"""One step's plan, the record every stage of the planner passes on (:func:`slime_ext.schedule.plan`).
 
 Stages 2-4 make one (pp-unaware), and with pipeline parallelism every candidate of the pipeline search
 (:mod:`.pipeline_choice`) is one, with its run order and predicted makespans. Pure: standard library and numpy.

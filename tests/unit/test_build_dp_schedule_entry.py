@@ -1,6 +1,8 @@
 """One entry point (issue 22, item 4): ``slime_ext.schedule.build_dp_schedule(args, train_parallel_config, ...)``
 reads slime's and Megatron's flags off ``args`` exactly as the slime integration does, pipeline size included, so
-the library and the integration plan alike; a layout field given two different ways is refused, not guessed."""
+the library and the integration plan alike (both build one ``PlanRequest`` with ``compat.request_from_args``; the
+library's ``build_dp_schedule`` is the only one, and slime's hook gets its plain 4-tuple from
+``planner.slime_dp_schedule``); a layout field given two different ways is refused, not guessed."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def test_the_library_and_the_integration_plan_pipelines_alike(megatron, tpc):
     assert spans == [s.predicted_makespan for s in integration.stats]
     assert all(span is not None and span > 0 for span in spans)  # planned for the pipeline
     # slime's own signature unpacks to the same plan
-    assert planner.build_dp_schedule(args, tpc, lengths, global_batch_size=args.global_batch_size,
+    assert planner.slime_dp_schedule(args, tpc, lengths, global_batch_size=args.global_batch_size,
                                      rollout_indices=ids) == (library.partitions, library.micro_batch_indices,
                                                               library.num_microbatches, library.rollouts_per_step)
 

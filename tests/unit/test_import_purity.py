@@ -65,7 +65,8 @@ def test_schedule_public_api_is_the_contract_and_its_entry_points():
 
     assert sorted(schedule.__all__) == sorted([
         "BatchConfig", "ParallelConfig", "CostModel", "CostProfile",  # what a plan is asked for
-        "plan_schedule", "build_dp_schedule", "check_schedule",  # plan (ours, slime's signature), verify
+        "PlanRequest", "plan",  # the one request and its entry point
+        "plan_schedule", "build_dp_schedule", "check_schedule",  # its keyword form, slime's signature; verify
         "PlannerConfig",  # every tunable of the planner, with a default
         "DPSchedule", "StepStats", "RankPayload", "SampleBatch", "ScheduleError",  # what comes back
         # for integrations that plan inside a host's engine (verl): the pipeline objective (its pricing, the

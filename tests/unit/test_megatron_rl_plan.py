@@ -15,6 +15,7 @@ from slime_ext.integrations.megatron_rl.plan import (CollectionPlan, check_colle
                                                      split_rows_into_steps)
 from slime_ext.integrations.megatron_rl.settings import MegatronRLSettingError, Options, PlanSettings
 from slime_ext.schedule import CostModel, ParallelConfig, ScheduleError
+from slime_ext.schedule import microbatch_costs, pipeline_pricing
 
 MODEL = CostModel(hidden_size=256, num_layers=8, num_attention_heads=8, vocab_size=32000)
 
@@ -116,6 +117,9 @@ def test_the_checker_catches_a_broken_plan():
     too_big = dataclasses.replace(plan, cap=1)
     with pytest.raises(ScheduleError, match="above the cap"):
         check_collection_plan(too_big, lengths, align=2)
+    twice = dataclasses.replace(plan, logprob_order=((0, 0, *plan.logprob_order[0][2:]), *plan.logprob_order[1:]))
+    with pytest.raises(ScheduleError, match="log-prob order of DP rank 0"):
+        check_collection_plan(twice, lengths, align=2)
 
 
 @hsettings(max_examples=25, deadline=None)
@@ -124,6 +128,7 @@ def test_plan_invariants_over_layouts(data):
     """Draws the DP, pipeline, VPP and CP sizes, the steps, the cap and padding rows; the plan's own checker (run
     inside plan_collection) and these assertions must hold."""
     dp = data.draw(st.sampled_from([1, 2, 4]), label="dp")
+    # (pipelined plans order the log-prob call forward-only: drawn once this tree prices forward-only pipelines)
     pp = data.draw(st.sampled_from([1, 2, 4]), label="pp")
     vpp = data.draw(st.sampled_from([1, 2]), label="vpp") if pp > 1 else 1
     cp = data.draw(st.sampled_from([1, 2]), label="cp")
@@ -142,6 +147,44 @@ def test_plan_invariants_over_layouts(data):
     assert trained == list(range(n))
     assert all(c % group == 0 for c in plan.num_microbatches)
     assert sum(plan.samples_per_step) == n and max(plan.samples_per_step) - min(plan.samples_per_step) <= 1
+    for r in range(dp):  # the log-prob call runs each of the rank's micro-batches once
+        assert sorted(plan.logprob_order[r]) == list(range(sum(plan.num_microbatches)))
+
+
+def test_the_steps_are_the_requests_explicit_steps():
+    """The collection's steps reach the planner as steps (PlanRequest.step_of), not as rollouts of one sample:
+    the schedule records them, drops nothing, and step s plans exactly the rows of step s."""
+    lengths = rollout_lengths(66, 5, pad=3)
+    plan = plan_collection(lengths, parallel=ParallelConfig(dp_size=2), num_steps=4, cap=4096, cost_model=MODEL)
+    schedule = plan.schedule
+    real = np.flatnonzero(lengths > 0)
+    assert schedule.step_of == [s for s, rows in enumerate(plan.step_rows) for _ in rows]
+    assert schedule.dropped == [] and schedule.num_steps == 4
+    for s, rows in enumerate(plan.step_rows):
+        assert sorted(int(real[i]) for i in schedule.step_samples[s]) == list(rows)
+    assert schedule.rollout_ids is None  # no rollout ids disguise the steps
+
+
+def test_one_pipeline_stage_keeps_the_plan_order_for_log_probs():
+    plan = plan_collection(rollout_lengths(64, 6), parallel=ParallelConfig(dp_size=2), num_steps=2, cap=4096)
+    assert plan.logprob_order == tuple(tuple(range(sum(plan.num_microbatches))) for _ in range(2))
+    assert plan.logprob_makespan is None
+
+
+def test_the_log_prob_call_is_ordered_for_the_forward_only_pipeline():
+    """Pipelined: each rank's order is the forward-only model's best (priced here through the public API, apart
+    from the plan), never predicted slower than the plan order, and every micro-batch runs once."""
+    lengths = rollout_lengths(192, 7)
+    parallel = ParallelConfig.from_megatron(2, pipeline_model_parallel_size=4)
+    plan = plan_collection(lengths, parallel=parallel, num_steps=2, cap=4096, cost_model=MODEL)
+    pricing = pipeline_pricing(parallel, MODEL, plan.cap, forward_only=True)
+    slots = np.asarray(plan.slot_lengths)
+    costs = np.stack([microbatch_costs(slots, plan.rank_micro_batches(r), MODEL) for r in range(2)])
+    in_plan_order = pricing.makespans(costs)
+    chosen = pricing.makespans(np.take_along_axis(costs, np.asarray(plan.logprob_order), axis=1))
+    assert np.all(chosen <= in_plan_order * (1 + 1e-12))
+    assert plan.logprob_makespan == pytest.approx(float(chosen.max()))
+    assert np.isfinite(plan.logprob_makespan)
 
 
 # ---------------------------------------------------------------------------------------------------- settings

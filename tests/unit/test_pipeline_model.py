@@ -376,50 +376,22 @@ def test_bubble_fraction_is_idle_share_of_a_stage():
     np.testing.assert_allclose(rows, [1 - 24 / 33, 1 - 24 / 33])
 
 
-def pg_collection(**groups):
-    """megatron-core's ``ProcessGroupCollection`` with these groups (0.19 accepts nothing else; its fields are set
-    after construction), or a namespace where the class does not exist."""
-    from types import SimpleNamespace
-
-    try:
-        from megatron.core.process_groups_config import ProcessGroupCollection
-    except ImportError:
-        return SimpleNamespace(**groups)
-    collection = ProcessGroupCollection()
-    for name, group in groups.items():
-        setattr(collection, name, group)
-    return collection
-
-
-def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
-    """Every rank's operations as megatron-core's own schedule function issues them: its forward/backward and p2p
-    calls are recorded (compute replaced by tags, the communicator by a recorder that keeps megatron-core's public
-    send/recv methods and their first/last-stage guards), in the normalised form of :func:`normalise`."""
+def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool, forward_only: bool = False):
+    """Every rank's operations as megatron-core's own schedule function issues them (``forward_only``: its
+    forward-only path): its forward/backward and p2p calls are recorded (compute replaced by tags, the communicator
+    by a recorder that keeps megatron-core's public send/recv methods and their first/last-stage guards), in the
+    normalised form of :func:`normalise`."""
     torch = pytest.importorskip("torch")
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     from types import SimpleNamespace
 
-    from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from bench.schedule_replay import Group, model_chunks, rank_groups, schedule_config, schedule_function
     from slime_ext.patches.megatron_cpu import cpu_device_context
 
-    config = TransformerConfig(num_layers=pp * vpp, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
-                               pipeline_model_parallel_size=pp,
-                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                               microbatch_group_size_per_vp_stage=group if vpp > 1 else None,
-                               overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
-
-    class Group:
-        def __init__(self, size, rank=0):
-            self._size, self._rank = size, rank
-
-        def size(self):
-            return self._size
-
-        def rank(self):
-            return self._rank
+    spec = PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap, forward_only=forward_only)
+    config = schedule_config(spec)
 
     programs = []
     for rank in range(pp):
@@ -459,23 +431,16 @@ def megatron_programs(pp: int, vpp: int, group: int, m: int, overlap: bool):
             ops.append(("C", "B") + (output_tensor[0] if isinstance(output_tensor, list) else output_tensor).tag)
             return [torch.zeros(1)] if isinstance(input_tensor, list) else torch.zeros(1)
 
-        chunks = []
-        for _ in range(vpp):
-            chunk = torch.nn.Module()
-            chunk.config, chunk.model_type = config, ModelType.encoder_or_decoder
-            chunk.set_input_tensor = lambda tensor: None
-            chunks.append(chunk)
-        groups = pg_collection(tp=Group(1), cp=Group(1), embd=None, pos_embd=None, pp=Group(pp, rank),
-                               dp_cp=Group(1))
-        run = (schedules.forward_backward_pipelining_with_interleaving if vpp > 1
-               else schedules.forward_backward_pipelining_without_interleaving)
+        chunks = model_chunks(config, vpp)
+        groups = rank_groups(pp, rank)
+        run = schedule_function(spec)
         with pytest.MonkeyPatch.context() as mp, cpu_device_context():
             mp.setattr(schedules, "forward_step", forward_step)
             mp.setattr(schedules, "backward_step", backward_step)
             mp.setattr(torch.distributed, "is_initialized", lambda: True)  # the fake groups' ranks count
             run(forward_step_func=None, data_iterator=[iter(())] * vpp if vpp > 1 else iter(()),
                 model=chunks if vpp > 1 else chunks[0], num_microbatches=m, seq_length=4, micro_batch_size=1,
-                p2p_communicator=Recorder(), pg_collection=groups)
+                forward_only=forward_only, p2p_communicator=Recorder(), pg_collection=groups)
         programs.append(ops)
     return programs
 

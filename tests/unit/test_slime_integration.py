@@ -129,19 +129,19 @@ def test_launcher_without_a_script_prints_how_to_use_it(capsys):
 
 
 # ------------------------------------------------------------------------------------------------ planner
-def test_build_dp_schedule_keeps_slimes_arity_keyword_and_units(caplog):
+def test_slime_dp_schedule_keeps_slimes_arity_keyword_and_units(caplog):
     # rollouts of 3, 1, 2, 2, 1 samples; 2 rollouts per step: 2 steps, the fifth rollout is trimmed
     ids = [0, 0, 0, 1, 2, 2, 3, 3, 4]
     lengths = [30, 20, 10, 50, 40, 40, 25, 25, 60]
     with caplog.at_level(logging.INFO, logger="slime_ext.integrations.slime"):
-        out = planner.build_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=2, rollout_indices=ids)
+        out = planner.slime_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=2, rollout_indices=ids)
     partitions, micro_batch_indices, num_microbatches, global_batch_sizes = out
     assert global_batch_sizes == [2, 2]  # rollouts per step: what slime's trainer steps LR and loss by
     assert sorted(i for p in partitions for i in p) == list(range(8))
     assert [len(m) for m in micro_batch_indices] == [sum(num_microbatches)] * 2
     assert any("dropped 1 samples of 1 trailing rollouts" in r.getMessage() for r in caplog.records)
     assert planner.last_report.dropped_samples == 1 and planner.last_report.num_steps == 2
-    again = planner.build_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=2, group_indices=ids)
+    again = planner.slime_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=2, group_indices=ids)
     assert again == out
 
 
@@ -165,11 +165,32 @@ def test_the_pipeline_size_and_p2p_mode_come_from_megatrons_args():
                      global_batch_size=12, rollout_indices=list(range(12)))
 
 
-def test_build_dp_schedule_refuses_like_slime():
+def test_the_integration_plans_the_librarys_request(monkeypatch):
+    """No copy of the library's reading of slime's flags: every plan is one PlanRequest (the library's
+    request_from_args), planned by slime_ext.schedule.plan; the v0.2.4 rule only sets its batch flag."""
+    from slime_ext import schedule as library
+
+    seen = []
+    real = library.plan
+
+    def record(request):
+        seen.append(request)
+        return real(request)
+
+    monkeypatch.setattr(library, "plan", record)
+    ids, lengths = list(range(8)), [30, 20, 10, 50, 40, 40, 25, 25]
+    out = planner.slime_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=4, rollout_indices=ids)
+    assert len(seen) == 1 and isinstance(seen[0], library.PlanRequest)
+    direct = library.build_dp_schedule(slime_args(), PARALLEL, lengths, global_batch_size=4, rollout_indices=ids)
+    assert out == (direct.partitions, direct.micro_batch_indices, direct.num_microbatches, direct.rollouts_per_step)
+    assert type(out) is tuple and all(type(part) is list for part in out)  # slime gets plain lists
+
+
+def test_slime_dp_schedule_refuses_like_slime():
     with pytest.raises(AssertionError):  # slime's callers catch its asserts
-        planner.build_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=4, rollout_indices=[0, 0, 1, 1])
+        planner.slime_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=4, rollout_indices=[0, 0, 1, 1])
     with pytest.raises(ScheduleError, match="exactly one of"):
-        planner.build_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=1)
+        planner.slime_dp_schedule(slime_args(), PARALLEL, [5] * 4, global_batch_size=1)
 
 
 def test_rank_payloads_keep_the_v024_layout():
@@ -203,7 +224,7 @@ def test_issue16_dynamic_global_batch_size_counts_samples_not_rollouts():
     args = slime_args(global_batch_size=8, use_dynamic_batch_size=True, max_tokens_per_gpu=4096,
                       use_dynamic_global_batch_size=True)
     tpc = {"dp_size": 4, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
-    partitions, mbi, num_mbs, gbs = planner.build_dp_schedule(args, tpc, [500] * 12, global_batch_size=8,
+    partitions, mbi, num_mbs, gbs = planner.slime_dp_schedule(args, tpc, [500] * 12, global_batch_size=8,
                                                               rollout_indices=[0] * 4 + [1] * 4 + [2] * 4)
     assert gbs == [3] and num_mbs == [1] and sorted(i for p in partitions for i in p) == list(range(12))
     # v0.2.4 (rank_payloads): slime's own sample rounding, 12 -> 12 at dp = 4: nothing dropped either
@@ -227,7 +248,7 @@ def test_issue16_v024_dynamic_global_batch_size_follows_slimes_sample_rounding(c
     assert payloads[0][planner.SCHEDULE_KEY]["samples_per_step"] == [12]
     assert any("outside --use-dynamic-global-batch-size's step" in r.getMessage() for r in caplog.records)
     # the same rollout through slime >= v0.3.0's entry keeps every rollout (slime has no such flag there)
-    *_, gbs = planner.build_dp_schedule(args, tpc, [100] * 15, global_batch_size=1,
+    *_, gbs = planner.slime_dp_schedule(args, tpc, [100] * 15, global_batch_size=1,
                                         rollout_indices=[i // 3 for i in range(15)])
     assert gbs == [5]
 
@@ -309,7 +330,7 @@ def test_pipelined_plans_put_each_steps_predicted_makespan_bubble_and_count_into
     rng = np.random.default_rng(4)
     lengths = rng.integers(100, 4000, size=32).tolist()
     args = slime_args(pipeline_model_parallel_size=4, max_tokens_per_gpu=4096)
-    planner.build_dp_schedule(args, PARALLEL, lengths, global_batch_size=16, rollout_indices=list(range(32)))
+    planner.slime_dp_schedule(args, PARALLEL, lengths, global_batch_size=16, rollout_indices=list(range(32)))
     report = planner.last_report
     schedule = planner.plan(args, PARALLEL, lengths, global_batch_size=16, rollout_indices=list(range(32)))
     assert report.num_steps == 2 and len(report.predicted_makespans) == 2
@@ -323,6 +344,6 @@ def test_pipelined_plans_put_each_steps_predicted_makespan_bubble_and_count_into
         sum(s.predicted_makespan for s in schedule.stats))
     assert min(report.bubble_fractions) <= metrics["rollout/slime_ext/pipeline_bubble"] <= max(report.bubble_fractions)
     # without a pipeline, no pipeline keys
-    planner.build_dp_schedule(slime_args(max_tokens_per_gpu=4096), PARALLEL, lengths, global_batch_size=16,
+    planner.slime_dp_schedule(slime_args(max_tokens_per_gpu=4096), PARALLEL, lengths, global_batch_size=16,
                               rollout_indices=list(range(32)))
     assert not any("pipeline" in k or "/step_" in k for k in planner.last_report.metrics())

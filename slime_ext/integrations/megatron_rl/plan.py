@@ -5,8 +5,8 @@ Megatron-RL (``train_rl.py``, ``megatron/rl``) turns one rollout collection into
 rollout, or one per turn of a multi-turn rollout that cannot be collapsed), pads the row count with all-pad rows to a
 multiple of ``dp * micro_batch_size``, and trains the collection in ``1 / ratio`` optimizer steps
 (``ratio = global_batch_size / (grpo_prompts_per_step * grpo_group_size)``), ``grpo_iterations`` times over.
-:func:`plan_collection` plans all of it at once with slime-ext's planner (:func:`slime_ext.schedule.plan_schedule`,
-its public entry point):
+:func:`plan_collection` plans all of it at once with slime-ext's planner (one
+:class:`~slime_ext.schedule.PlanRequest`, planned by :func:`slime_ext.schedule.plan`):
 
 1. **Rows.** The rows of length 0 are Megatron-RL's padding rows: they are not samples and are not planned (they
    carry no token and no loss). Every other row is planned exactly once. A row's length is its token count rounded
@@ -16,12 +16,17 @@ its public entry point):
    holds ``num_steps * global_batch_size`` rows (the normal case); otherwise (failed episodes dropped, turns
    expanded) the first ``rows % num_steps`` steps hold one row more. No row is left out and none is repeated, so a
    pass over the collection trains every sample exactly once.
-3. **Micro-batches.** Each step is one planner step (the rows of a step share a planner "rollout id", so a step is
-   exactly one planner step): micro-batches of real tokens under the cap (``cap``, rounded down to a multiple of
+3. **Micro-batches.** The steps are the request's explicit steps (``PlanRequest.step_of``: the step of every row):
+   micro-batches of real tokens under the cap (``cap``, rounded down to a multiple of
    ``token_multiple`` and of ``cp``, so that the tail padding a micro-batch may need -- sequence parallelism needs a
    row length divisible by ``tp`` -- never takes it over the cap), the same count on every DP rank (a multiple of
    the VPP group), balanced by estimated FLOPs, and with pipeline parallelism the count and order the planner's
    pipeline model predicts fastest.
+4. **The log-prob pass.** Megatron-RL's old-policy and reference log-prob passes run every micro-batch of the
+   collection through one forward-only call of megatron-core's schedule, and its loss reads their results in the
+   training micro-batches' layout; so the pass runs those micro-batches (every sample once, under the same cap),
+   each rank in the order the pipeline model predicts fastest for the **forward-only** schedule
+   (:func:`logprob_order`; with one pipeline stage the plan order).
 
 The result, :class:`CollectionPlan`, is a pure description (row ids); :mod:`.runtime` turns it into Megatron-RL's
 packed tensors. Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
@@ -35,10 +40,11 @@ from typing import Sequence
 
 import numpy as np
 
-from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, ScheduleError,
-                                plan_schedule)
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlanRequest,
+                                ScheduleError, best_orders, microbatch_costs, pipeline_pricing, plan)
 
-__all__ = ["CollectionPlan", "check_collection_plan", "plan_collection", "round_up", "split_rows_into_steps"]
+__all__ = ["CollectionPlan", "check_collection_plan", "logprob_order", "plan_collection", "round_up",
+           "split_rows_into_steps"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -72,6 +78,9 @@ class CollectionPlan:
       tail padding up to a multiple of ``row_multiple``.
     * ``padding_rows``: rows of length 0 (Megatron-RL's padding), planned nowhere, trained nowhere.
     * ``schedule``: the planner's record (``stats[s].predicted_makespan`` etc.).
+    * ``logprob_order[r]``: the order DP rank ``r`` runs its micro-batches (indices into
+      :meth:`rank_micro_batches`) in the one forward-only log-prob call; ``logprob_makespan``: the slowest rank's
+      predicted forward-only makespan of that call (``None`` with one pipeline stage).
     """
 
     micro_batches: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
@@ -87,6 +96,8 @@ class CollectionPlan:
     #: a micro-batch's row length is a multiple of this: ``lcm(token_multiple, cp, seq_length_multiple)``
     row_multiple: int
     schedule: DPSchedule
+    logprob_order: tuple[tuple[int, ...], ...] = ()
+    logprob_makespan: float | None = None
 
     @property
     def dp_size(self) -> int:
@@ -167,12 +178,11 @@ def plan_collection(
             f"--global-batch-size to at least {align} samples per step (it is {num_steps} steps of the "
             f"{real.size} samples collected), or lower the data-parallel size"
         )
-    batch = BatchConfig(global_batch_size=1, use_dynamic_batch_size=True, max_tokens_per_gpu=planner_cap // cp,
-                        balance_data=True, disable_rollout_trim_samples=True)
-    schedule = plan_schedule(slots[real], parallel, batch, rollout_ids=step_of, cost_model=cost_model)
-    if schedule.dropped or len(schedule.num_microbatches) != num_steps:
-        raise ScheduleError(f"internal: the planner made {len(schedule.num_microbatches)} steps and dropped "
-                            f"{len(schedule.dropped)} samples for {num_steps} steps of {real.size} samples")
+    # the steps are given (step_of), so global_batch_size is not used to cut them: the largest step's rows
+    batch = BatchConfig(global_batch_size=len(steps[0]), use_dynamic_batch_size=True,
+                        max_tokens_per_gpu=planner_cap // cp, balance_data=True)
+    schedule = plan(PlanRequest(lengths=slots[real], parallel=parallel, batch=batch, step_of=step_of,
+                                cost_model=cost_model))
     dp = parallel.dp_size
     starts = np.cumsum([0, *schedule.num_microbatches])
     micro_batches, tokens = [], []
@@ -182,15 +192,34 @@ def plan_collection(
         micro_batches.append(tuple(tuple(mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
         tokens.append(tuple(tuple(round_up(int(slots[list(mb)].sum()), unit)
                                   for mb in mbs[starts[s]:starts[s + 1]]) for s in range(num_steps)))
-    plan = CollectionPlan(
+    order, makespan = logprob_order([[mb for step in rank for mb in step] for rank in micro_batches], slots, parallel,
+                                    cost_model, planner_cap)
+    collection = CollectionPlan(
         micro_batches=tuple(micro_batches), micro_batch_tokens=tuple(tokens),
         step_rows=tuple(tuple(int(real[i]) for i in rows) for rows in steps),
         num_microbatches=tuple(int(n) for n in schedule.num_microbatches),
         samples_per_step=tuple(len(rows) for rows in steps), padding_rows=tuple(int(i) for i in padding),
         slot_lengths=tuple(int(x) for x in slots), cap=planner_cap, seq_length_multiple=int(seq_length_multiple),
-        token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule)
-    check_collection_plan(plan, lengths, align=align)
-    return plan
+        token_multiple=int(token_multiple), row_multiple=unit, schedule=schedule, logprob_order=order,
+        logprob_makespan=makespan)
+    check_collection_plan(collection, lengths, align=align)
+    return collection
+
+
+def logprob_order(rank_micro_batches: Sequence[Sequence[Sequence[int]]], slots: Sequence[int] | np.ndarray,
+                  parallel: ParallelConfig, cost_model: CostModel | CostProfile | None,
+                  cap: int) -> tuple[tuple[tuple[int, ...], ...], float | None]:
+    """``(order per rank, slowest predicted makespan)`` of the one forward-only log-prob call: each rank's
+    micro-batches (``rank_micro_batches[r]``: rows, every step's in plan order; ``slots``: each row's aligned
+    length) priced as the planner prices them and ordered by :func:`slime_ext.schedule.best_orders` under the
+    **forward-only** pipeline pricing (:func:`slime_ext.schedule.pipeline_pricing` with ``forward_only=True``).
+    With one pipeline stage no order is faster than another: the plan order, makespan ``None``."""
+    pricing = pipeline_pricing(parallel, cost_model, cap, forward_only=True)
+    if pricing is None:
+        return tuple(tuple(range(len(mbs))) for mbs in rank_micro_batches), None
+    costs = np.stack([microbatch_costs(slots, mbs, cost_model) for mbs in rank_micro_batches])
+    order, spans = best_orders(pricing, costs)
+    return tuple(tuple(int(k) for k in row) for row in order), float(np.max(spans))
 
 
 def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align: int) -> None:
@@ -202,7 +231,8 @@ def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align
     * per step, every DP rank has ``num_microbatches[s]`` micro-batches (a positive multiple of ``align / dp``),
       none empty, and the step's micro-batches over all ranks hold exactly the step's rows;
     * a micro-batch of more than one row computes at most ``cap`` tokens; every micro-batch computes its rows'
-      aligned lengths rounded up to ``row_multiple`` (the tail padding), nothing more.
+      aligned lengths rounded up to ``row_multiple`` (the tail padding), nothing more;
+    * the log-prob call runs every micro-batch of a rank exactly once (``logprob_order[r]`` is a permutation).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     real = [int(i) for i in np.flatnonzero(lengths > 0)]
@@ -237,3 +267,8 @@ def check_collection_plan(plan: CollectionPlan, lengths: Sequence[int], *, align
             held += [i for mb in mbs for i in mb]
         if sorted(held) != sorted(step):
             raise ScheduleError(f"plan: step {s}'s micro-batches do not hold exactly the step's rows")
+    for r in range(dp):
+        total = sum(plan.num_microbatches)
+        if len(plan.logprob_order) != dp or sorted(plan.logprob_order[r]) != list(range(total)):
+            raise ScheduleError(f"plan: the log-prob order of DP rank {r} does not run each of its {total} "
+                                f"micro-batches exactly once")

@@ -14,9 +14,10 @@ The flow of one rollout collection, in Megatron-RL's own order (``rl_utils.prepa
    aligned to ``2 * cp``, plus the tail padding sequence parallelism needs), and its ``PackedSeqParams`` list exactly
    its sequences. No empty micro-batch exists.
 2. ``compute_logprobs_batch`` (``_compute_logprobs_batch`` in 0.16) -> :func:`compute_logprobs_batch`: the old-policy
-   and reference log-prob passes run every micro-batch of the collection (its steps' micro-batches in plan order)
-   through **one** call of megatron-core's schedule, forward only (pipelined; under VPP the interleaved schedule over
-   every model chunk), with Megatron-RL's own ``logprobs_forward_step``. The result has Megatron-RL's layout (``[micro-batches, seq_length - 1]``, broadcast from
+   and reference log-prob passes run every micro-batch of the collection once through **one** call of
+   megatron-core's schedule, forward only (pipelined; under VPP the interleaved schedule over every model chunk), in
+   the order the forward-only pipeline model predicts fastest (:func:`.plan.logprob_order`), with Megatron-RL's own
+   ``logprobs_forward_step``. The result has Megatron-RL's layout (``[micro-batches, seq_length - 1]``, broadcast from
    the last pipeline stage), so Megatron-RL's loss reads it unchanged.
 3. ``load_packed_data_by_index`` -> :func:`load_packed_data_by_index`: Megatron-RL's own slicing, cut to the
    micro-batch's ``L`` tokens (``L - 1`` log-probs), with its exact ``PackedSeqParams``.
@@ -396,7 +397,8 @@ def make_compute_logprobs_batch(original: Callable) -> Callable:
         extra = dict(adjust_tensor_shapes_fn=None)
         if "collect_non_loss_data" in kwargs:
             extra["collect_non_loss_data"] = kwargs["collect_non_loss_data"]
-        ids = range(len(collection.bins))  # every micro-batch of every step, in plan order: one schedule call
+        # every micro-batch of every step, once, in the order the forward-only pipeline model predicts fastest
+        ids = list(collection.plan.logprob_order[collection.dp_rank])
         with _reference_weights(chunks, reference):
             iterators = [iter([(torch.tensor([b]),) for b in ids]) for _ in chunks]
             outputs = forward_backward_func(

@@ -7,9 +7,14 @@ Two shapes of slime, both served here:
   replaces that split: every rank's dict keeps slime's v0.2.4 layout (``partition``, per-sample lists in partition
   order, ``raw_reward``/``total_lengths`` whole) plus one extra entry, :data:`SCHEDULE_KEY`, that the train-side
   adapter (:mod:`.trainer`) consumes and removes before slime's own code sees the dict.
-* **v0.3.0 and later** (slime's own rollout-side planner): :func:`build_dp_schedule` has slime's signature and
-  return value, ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``; slime's trainer
-  consumes it unchanged. The grouping keyword is ``group_indices`` at v0.3.0 and ``rollout_indices`` later.
+* **v0.3.0 and later** (slime's own rollout-side planner): :func:`slime_dp_schedule` replaces slime's
+  ``build_dp_schedule``: slime's signature and return value, ``(partitions, micro_batch_indices, num_microbatches,
+  global_batch_sizes)`` as plain lists; slime's trainer consumes it unchanged. The grouping keyword is
+  ``group_indices`` at v0.3.0 and ``rollout_indices`` later.
+
+Every plan is the library's: :func:`slime_ext.schedule.compat.request_from_args` reads slime's ``args`` into a
+:class:`~slime_ext.schedule.PlanRequest` (as :func:`slime_ext.schedule.build_dp_schedule` does) and
+:func:`slime_ext.schedule.plan` plans it.
 
 Trailing rollouts that do not fill a step are dropped as slime drops them, but never silently: each plan is
 logged (logger ``slime_ext.integrations.slime``) and its :class:`PlanReport` is kept for slime's metrics
@@ -23,8 +28,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError, plan_schedule
-from slime_ext.schedule.compat import planner_inputs
+from slime_ext import schedule as library
+from slime_ext.schedule import DPSchedule, ParallelConfig, ScheduleError
+from slime_ext.schedule.compat import request_from_args
 from slime_ext.schedule.config import LAYOUT_FLAGS
 
 logger = logging.getLogger("slime_ext.integrations.slime")
@@ -92,8 +98,8 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
          dynamic_rounds_samples: bool = False) -> DPSchedule:
     """slime-ext's schedule for one rollout, read off slime's ``args`` (``--balance-data``,
     ``--use-dynamic-batch-size``, ``--max-tokens-per-gpu``, ``--micro-batch-size``, the model dims, the pipeline
-    size, ...) exactly as the library's :func:`slime_ext.schedule.build_dp_schedule` reads them
-    (:func:`slime_ext.schedule.compat.planner_inputs`).
+    size, ...) exactly as the library's :func:`slime_ext.schedule.build_dp_schedule` reads them: the request of
+    :func:`slime_ext.schedule.compat.request_from_args`, planned by :func:`slime_ext.schedule.plan`.
 
     ``dynamic_rounds_samples``: ``--use-dynamic-global-batch-size`` follows slime v0.2.4's rule for it (the sample
     count rounded down to a multiple of dp_size, whole rollouts inside it; see
@@ -102,12 +108,12 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     gbs = global_batch_size if global_batch_size is not None else getattr(args, "global_batch_size", None)
     ids = _dense_ids(rollout_indices)
     try:
-        inputs = planner_inputs(args, train_parallel_config, global_batch_size=gbs)
-        batch = inputs.batch
-        if dynamic_rounds_samples and batch.use_dynamic_global_batch_size:
-            batch = dataclasses.replace(batch, dynamic_global_batch_rounds_samples=True)
-        schedule = plan_schedule(list(total_lengths), inputs.parallel, batch, rollout_ids=ids,
-                                 loss_tokens=loss_tokens, cost_model=inputs.cost_model)
+        request = request_from_args(args, train_parallel_config, list(total_lengths), global_batch_size=gbs,
+                                    rollout_indices=ids, loss_tokens=loss_tokens)
+        if dynamic_rounds_samples and request.batch.use_dynamic_global_batch_size:
+            request = dataclasses.replace(request, batch=dataclasses.replace(
+                request.batch, dynamic_global_batch_rounds_samples=True))
+        schedule = library.plan(request)
     except ScheduleError as exc:
         raise SlimePlanError(str(exc)) from None
     last_report = _report(schedule, ids)
@@ -115,13 +121,14 @@ def plan(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Seq
     return schedule
 
 
-def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
+def slime_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any], total_lengths: Sequence[int], *,
                       global_batch_size: int, rollout_indices: Sequence[Any] | None = None,
                       group_indices: Sequence[Any] | None = None
                       ) -> tuple[list[list[int]], list[list[list[int]]], list[int], list[int]]:
-    """Drop-in for ``slime.utils.dp_schedule.build_dp_schedule`` (v0.3.0: ``group_indices=``; later:
-    ``rollout_indices=``). ``global_batch_sizes[s]`` is the number of rollouts in step ``s``: slime's trainer
-    steps the LR scheduler by it and normalises the loss with it."""
+    """What slime's rollout hook calls in place of ``slime.utils.dp_schedule.build_dp_schedule`` (v0.3.0:
+    ``group_indices=``; later: ``rollout_indices=``): :func:`plan` as slime's plain 4-tuple.
+    ``global_batch_sizes[s]`` is the number of rollouts in step ``s``: slime's trainer steps the LR scheduler by it
+    and normalises the loss with it."""
     if (rollout_indices is None) == (group_indices is None):
         raise SlimePlanError("build_dp_schedule takes exactly one of rollout_indices= and group_indices=")
     ids = rollout_indices if rollout_indices is not None else group_indices

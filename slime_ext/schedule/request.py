@@ -1,0 +1,167 @@
+"""The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
+
+A host (slime, Megatron-RL, verl, NeMo-RL, a bench) states what it wants planned in one :class:`PlanRequest`:
+
+* **the samples**: ``lengths`` (tokens per sample), optionally ``rollout_ids`` and ``loss_tokens``;
+* **the steps**: ``step_of`` (the optimizer step of every sample, ``0..S-1``), or ``None`` for the steps derived
+  from whole rollouts and ``batch.global_batch_size`` (slime's rule: :func:`~.steps.split_into_steps`);
+* **the layout and the cap**: ``parallel`` (dp, pp, vpp, group, layout flags, p2p mode) and ``batch`` (the token cap
+  ``max_tokens_per_gpu`` with dynamic batches, or ``micro_batch_size``; balancing flags);
+* **the pass**: ``forward_only`` -- a training pass (forward and backward) or a forward-only pass (log-probs); with
+  pipeline parallelism the count and order are chosen for that pass's schedule;
+* optionally **a fixed count**: ``microbatches_per_rank`` micro-batches on every DP rank in every step;
+* the **cost** (``cost_model``: FLOPs from model dims, or a measured ``CostProfile``) and the tunables (``config``).
+
+The request checks itself on construction (:class:`ScheduleError` naming the field, the value and the fix), so a
+request that exists can be planned or refused only for what the packing itself finds. :func:`plan` returns the
+:class:`~.dp_schedule.DPSchedule`, which records the pass (``forward_only``), the explicit steps (``step_of``) and
+the fixed count. :func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's
+flags read off ``args``) build a request and call :func:`plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .config import BatchConfig, ParallelConfig
+from .cost import CostModel
+from .dp_schedule import DPSchedule
+from .errors import ScheduleError
+from .planner import check_fixed_count, plan_steps
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .profile import CostProfile
+from .validate import MAX_SAMPLES, check_bool, check_int, check_int_array, check_samples
+
+__all__ = ["PlanRequest", "plan", "plan_schedule"]
+
+
+@dataclass(frozen=True, eq=False)
+class PlanRequest:
+    """One planning request (the module docstring). Sequences are stored as int64 arrays once checked."""
+
+    #: total tokens of every sample (prompt and response), each in ``[1, MAX_TOKENS]`` (its refusals call it
+    #: ``total_lengths``, slime's name, as every entry point does)
+    lengths: Sequence[int] | np.ndarray
+    #: the layout: dp (resolved), cp, pp, vpp and its group, Megatron's layout flags, the p2p mode
+    parallel: ParallelConfig
+    #: the cap (``max_tokens_per_gpu`` with ``use_dynamic_batch_size``) or ``micro_batch_size``, the balancing
+    #: flags, and ``global_batch_size`` (rollouts per step; not used with explicit ``step_of``)
+    batch: BatchConfig
+    #: the rollout of every sample (samples of one rollout stay in one derived step); ``None``: one per sample
+    rollout_ids: Sequence[int] | np.ndarray | None = None
+    #: loss-mask tokens of every sample (``0 <= loss_tokens[i] <= lengths[i]``): ``loss_tokens_per_step``
+    loss_tokens: Sequence[int] | np.ndarray | None = None
+    #: explicit steps: the optimizer step of every sample, ``0..S-1``, every step holding at least ``dp_size``
+    #: samples; ``None``: steps of whole rollouts and ``global_batch_size`` as slime derives them
+    step_of: Sequence[int] | np.ndarray | None = None
+    #: the pass: ``False`` training (forward and backward), ``True`` forward-only (a log-prob pass)
+    forward_only: bool = False
+    #: micro-batches per DP rank in every step, fixed (a multiple of the VPP group under VPP); ``None``: the
+    #: planner chooses each step's count
+    microbatches_per_rank: int | None = None
+    #: FLOPs from model dims (``CostModel``), measured seconds (``CostProfile``), or ``None``: tokens
+    cost_model: CostModel | CostProfile | None = None
+    #: the planner's tunables; ``None``: ``PlannerConfig()``
+    config: PlannerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ScheduleError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}; "
+                                f"use ParallelConfig.from_dict(train_parallel_config)")
+        self.parallel.require_dp_size()
+        if not isinstance(self.batch, BatchConfig):
+            raise ScheduleError(f"batch must be a BatchConfig, got {type(self.batch).__name__}; use "
+                                f"BatchConfig.from_args(args)")
+        if self.config is None:
+            object.__setattr__(self, "config", DEFAULT_CONFIG)
+        elif not isinstance(self.config, PlannerConfig):
+            raise ScheduleError(f"config must be a PlannerConfig or None, got {type(self.config).__name__}; use "
+                                f"PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
+        if self.cost_model is not None and not isinstance(self.cost_model, (CostModel, CostProfile)):
+            raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got "
+                                f"{type(self.cost_model).__name__}; use CostModel(...), CostModel.from_args(args) "
+                                f"or CostProfile.load(path)")
+        lengths, ids, loss = check_samples(self.lengths, self.rollout_ids, self.loss_tokens)  # types, ranges, once
+        for name, value in (("lengths", lengths), ("rollout_ids", ids), ("loss_tokens", loss)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "forward_only", check_bool(
+            "forward_only", self.forward_only, "pass True for a forward-only (log-prob) pass, False for training"))
+        self._check_count()
+        if self.step_of is not None:
+            object.__setattr__(self, "step_of", self._checked_steps())
+
+    def _check_count(self) -> None:
+        k = self.microbatches_per_rank
+        if k is None:
+            return
+        k = check_int("microbatches_per_rank", k, maximum=MAX_SAMPLES,
+                      fix="pass the micro-batches every DP rank runs per step (>= 1), or None to let the planner "
+                          "choose")
+        object.__setattr__(self, "microbatches_per_rank", k)
+        group = self.parallel.align // self.parallel.dp_size
+        if k % group:
+            raise ScheduleError(
+                f"microbatches_per_rank = {k} is not a multiple of microbatch_group_size_per_vp_stage = {group}: "
+                f"megatron-core's interleaved schedule runs whole groups; pass a multiple of {group} (e.g. "
+                f"{-(-k // group) * group})")
+
+    def _checked_steps(self) -> np.ndarray:
+        n, dp = len(self.lengths), self.parallel.dp_size
+        if self.batch.use_dynamic_global_batch_size:
+            raise ScheduleError(
+                "step_of gives the steps, but batch.use_dynamic_global_batch_size asks the planner to derive one "
+                "step; pass one of them (leave use_dynamic_global_batch_size False with explicit steps)")
+        step_of = check_int_array("step_of", self.step_of, n=n, minimum=0, maximum=n - 1,
+                                  what="step indices (0..S-1, one per sample)")
+        sizes = np.bincount(step_of)
+        empty = np.flatnonzero(sizes == 0)
+        if len(empty):
+            raise ScheduleError(
+                f"step_of has no sample in step {int(empty[0])} (steps 0..{len(sizes) - 1} are numbered, each must "
+                f"hold samples); number the steps 0..S-1 without gaps")
+        small = np.flatnonzero(sizes < dp)
+        if len(small):
+            s = int(small[0])
+            raise ScheduleError(
+                f"step_of: step {s} has {int(sizes[s])} samples but dp_size = {dp}: every rank needs at least one "
+                f"micro-batch; give each step at least {dp} samples (merge step {s} with another) or lower dp_size")
+        if self.microbatches_per_rank is not None:
+            by_step = np.split(self.lengths[np.argsort(step_of, kind="stable")], np.cumsum(sizes)[:-1])
+            for s, step_lengths in enumerate(by_step):
+                check_fixed_count(s, step_lengths, self.microbatches_per_rank, self.parallel, self.batch)
+        return step_of
+
+
+def plan(request: PlanRequest) -> DPSchedule:
+    """The plan of ``request``: which DP rank runs which sample in which micro-batch of which step (the stages of
+    :mod:`.planner`). Raises :class:`ScheduleError` where the packing cannot honour the request."""
+    if not isinstance(request, PlanRequest):
+        raise ScheduleError(f"plan takes a PlanRequest, got {type(request).__name__}; build one: "
+                            f"PlanRequest(lengths=..., parallel=ParallelConfig(...), batch=BatchConfig(...))")
+    return plan_steps(request)
+
+
+def plan_schedule(
+    total_lengths: Sequence[int] | np.ndarray,
+    parallel: ParallelConfig,
+    batch: BatchConfig,
+    *,
+    rollout_ids: Sequence[int] | np.ndarray | None = None,
+    loss_tokens: Sequence[int] | np.ndarray | None = None,
+    cost_model: CostModel | CostProfile | None = None,
+    config: PlannerConfig | None = None,
+) -> DPSchedule:
+    """Plan one rollout of training steps derived from whole rollouts: :func:`plan` of the same
+    :class:`PlanRequest` (``total_lengths`` is its ``lengths``).
+
+    ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
+    sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
+    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
+    seconds and prices every micro-batch. ``config``: the planner's tunables (:class:`PlannerConfig`, default
+    ``PlannerConfig()``).
+    """
+    return plan(PlanRequest(lengths=total_lengths, parallel=parallel, batch=batch, rollout_ids=rollout_ids,
+                            loss_tokens=loss_tokens, cost_model=cost_model, config=config))
