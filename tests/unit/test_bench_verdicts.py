@@ -21,6 +21,7 @@ QUICK_MODES = [
     ["bench.run", "--quick", "--repeats", "1"],
     ["bench.pipeline_speed", "--quick", "--repeats", "1"],
     ["bench.pipeline_search", "--quick"],
+    ["bench.log_probs", "--quick"],
 ]
 
 
