@@ -167,7 +167,7 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
             if s >= len(r.metrics.steps):
                 continue
             m = r.metrics.steps[s]
-            rows.append([str(s), r.name, str(m.total_microbatches // dp), str(m.valid_bound // dp),
+            rows.append([str(s), r.name, str(m.total_microbatches // dp), _bound(m.valid_bound // dp, m.cap_violations),
                          fmt_pct(r.step_tokens[s] / (m.total_microbatches * cap)),
                          fmt_largest(m.largest_microbatch_tokens, cap), str(m.cap_violations),
                          fmt_cost(m.rank_cost_max, tok), fmt_cost(m.rank_cost_mean, tok), f"{m.imbalance:.3f}",
@@ -177,7 +177,7 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
         st = r.metrics.steps
         fmax, fmean = sum(m.rank_cost_max for m in st), sum(m.rank_cost_mean for m in st)
         rows.append(["all", r.name, str(r.metrics.total_microbatches // dp),
-                     str(sum(m.valid_bound // dp for m in st)),
+                     _bound(sum(m.valid_bound // dp for m in st), r.metrics.cap_violations),
                      fmt_pct(sum(r.step_tokens) / (r.metrics.total_microbatches * cap)),
                      fmt_largest(r.metrics.largest_microbatch_tokens, cap), str(r.metrics.cap_violations),
                      fmt_cost(fmax, tok), fmt_cost(fmean, tok), f"{fmax / fmean if fmean else 1.0:.3f}",
@@ -187,8 +187,9 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
                   if pipe else "time_s = the slowest rank's cost in seconds, as in the table above")
     lines = [f"compare on the same input: every scheme measured by slime_ext.metrics.measure with the same cost "
              f"({unit}); {time_basis}",
-             f"bound/rank = true lower bound on micro-batches per rank; over_cap = micro-batches of several samples "
-             f"above the cap {cap}; imbal_lb as in the table above"]
+             f"bound/rank = true lower bound on micro-batches per rank of a schedule within the cap (- where the "
+             f"scheme broke it); over_cap = micro-batches of several samples above the cap {cap}; imbal_lb as in the "
+             f"table above"]
     if rows:
         table = render_table(rows, headers).splitlines()
         # a rule between the steps and the totals
@@ -197,6 +198,11 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
         lines += ["", *table]
     lines += ["", *_verdicts(runs, schedule, setup)]
     return "\n".join(lines)
+
+
+def _bound(bound_per_rank: int, cap_violations: int) -> str:
+    """The lower bound binds a schedule that keeps the cap; a scheme that broke it (over_cap) may go below: '-'."""
+    return "-" if cap_violations else str(bound_per_rank)
 
 
 def _total_cost(r: SchemeRun, schedule: DPSchedule) -> float | None:

@@ -33,6 +33,9 @@ def plans(draw):
     flags = ["--dp-size", dp, "--pipeline-model-parallel-size", pp, "--use-dynamic-batch-size",
              "--max-tokens-per-gpu", draw(st.sampled_from([4096, 8192, 16384])), "--global-batch-size", gbs,
              "--compare", "legacy", "--no-legend", "-q"]
+    if pp == 2 and draw(st.booleans()):  # interleaved: 4 layers over 2 stages x 2 chunks
+        flags += ["--vpp-size", 2]
+    flags += ["--cp-size", draw(st.sampled_from([1, 2]))]
     if draw(st.booleans()):
         flags.append("--balance-data")
     if draw(st.booleans()):
@@ -43,6 +46,9 @@ def plans(draw):
 def _check_rows(rows: list[dict[str, str]], bound: str) -> None:
     for row in rows:
         assert _num(row["imbal_lb"]) <= _num(row["imbal"]), row
+        if row[bound] == "-":  # --compare: a scheme that broke the cap, which the bound assumes
+            assert int(row["over_cap"]) > 0, row
+            continue
         assert int(row[bound]) <= int(row["mbs/rank"]), row
 
 
@@ -86,3 +92,16 @@ def test_the_all_rows_bound_is_pooled_not_the_largest_steps():
     assert max(b for b, _ in steps) > pooled_ratio
     assert pooled_balance_bound(steps) <= pooled_ratio + 1e-12
     assert pooled_balance_bound([]) == 1.0
+
+
+def test_a_scheme_that_breaks_the_cap_gets_no_bound(tmp_path):
+    """legacy deals a step into even-token micro-batches with no cap: the bound, which assumes the cap, does not
+    bind it (it can train fewer micro-batches than the bound), so its cell is '-' beside its over_cap count."""
+    path = tmp_path / "lengths.npy"
+    np.save(path, np.random.default_rng(33).integers(1, 40_000, size=125))
+    out = run_main("plan", path, "--dp-size", "1", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
+                   "--global-batch-size", "20", "--balance-data", "--compare", "legacy", "--no-legend", "-q").stdout
+    rows = parse_compare_table(out)
+    broke = [row for (_, scheme), row in rows.items() if scheme == "legacy" and int(row["over_cap"]) > 0]
+    assert broke and all(row["bound/rank"] == "-" for row in broke), out
+    assert all(row["bound/rank"] != "-" for (_, scheme), row in rows.items() if scheme == "ours")
