@@ -12,7 +12,7 @@ import pytest
 
 from slime_ext.integrations import slime as integration
 from slime_ext.integrations.slime import planner, trainer
-from slime_ext.patches import PatchError, slime_host
+from slime_ext.patches import PatchError, on_import, slime_host
 from slime_ext.schedule import ParallelConfig, ScheduleError
 from slime_ext.schedule.compat import parallel_from_args
 
@@ -117,7 +117,7 @@ def test_the_patch_lands_before_any_importer_sees_the_module(tmp_path, monkeypat
 
         assert importer_for_test.f() == "patched"
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, integration._AfterImport)]
+        on_import.remove(integration.HOOK_OWNER)
 
 
 def test_launcher_without_a_script_prints_how_to_use_it(capsys):

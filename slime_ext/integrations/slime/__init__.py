@@ -26,14 +26,12 @@ refused with a ``PatchError`` that says what was expected.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.util
 import logging
-import sys
-from typing import Any, Callable
+from typing import Any
 
 from slime_ext.patches import PatchError
-from slime_ext.patches import slime_host
+from slime_ext.patches import on_import, slime_host
 from slime_ext.schemes import DEFAULT, DP_SCHEDULES, get_dp_schedule
 
 logger = logging.getLogger("slime_ext.integrations.slime")
@@ -148,55 +146,16 @@ def _patch_rollout(module: Any) -> None:
         logger.info(f"slime-ext: patched slime {revision.version} ({len(patch_set.patches)} patches)")
 
 
+#: the name slime's import hook goes by (:mod:`slime_ext.patches.on_import`)
+HOOK_OWNER = "slime"
 #: module -> what to do right after it is imported (or at once, if it already is)
-_ON_IMPORT: dict[str, Callable[[Any], None]] = {
+_ON_IMPORT: dict[str, on_import.Action] = {
     "slime.utils.arguments": _patch_arguments,
     "slime.ray.rollout": _patch_rollout,
 }
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``_ON_IMPORT[name]`` right after module ``name`` executes, before any importer sees it."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _ON_IMPORT:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                loader = spec.loader
-                exec_module = loader.exec_module
-
-                def exec_then_patch(module, _exec=exec_module, _name=fullname):
-                    _exec(module)
-                    _ON_IMPORT[_name](module)
-
-                spec.loader = _Wrapped(loader, exec_then_patch)
-                return spec
-        return None
-
-
-class _Wrapped(importlib.abc.Loader):
-    def __init__(self, loader, exec_module):
-        self._loader, self._exec = loader, exec_module
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._exec(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
 def enable() -> None:
     """Switch slime-ext on in this (driver) process: patch slime's parser and RolloutManager now if they are
     imported, else the moment they are. Idempotent. Raises ``PatchError`` for a slime it does not know."""
-    for name, action in _ON_IMPORT.items():
-        if name in sys.modules:
-            action(sys.modules[name])
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    on_import.arrange(HOOK_OWNER, _ON_IMPORT)

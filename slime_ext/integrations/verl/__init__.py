@@ -22,13 +22,12 @@ A process of your own calls :func:`enable` (and :func:`disable` to undo).
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import logging
 import os
-import sys
 from typing import Any
 
-from slime_ext.patches import PatchError, PatchSet
+from slime_ext.patches import PatchError, PatchSet, on_import
 
 logger = logging.getLogger("slime_ext.integrations.verl")
 
@@ -41,6 +40,8 @@ _VALUES = {"1": "engine", "true": "engine", "on": "engine", "yes": "engine", "en
 
 __all__ = ["DEPTHS", "ENV", "PatchError", "disable", "enable", "enabled", "switch_from_env"]
 
+#: the name verl's import hook goes by (:mod:`slime_ext.patches.on_import`)
+HOOK_OWNER = "verl"
 #: the applied patch sets, by depth
 _applied: dict[str, PatchSet] = {}
 
@@ -96,8 +97,7 @@ def disable() -> None:
         if part in _applied:
             _applied[part].undo()
             del _applied[part]
-    for finder in [f for f in sys.meta_path if isinstance(f, _PatchOnImport)]:
-        sys.meta_path.remove(finder)
+    on_import.remove(HOOK_OWNER)
 
 
 def enable_on_import(depth: str = "engine", error: Exception | None = None) -> None:
@@ -107,52 +107,15 @@ def enable_on_import(depth: str = "engine", error: Exception | None = None) -> N
     from .patches import MODULE, TRAINER_MODULE
 
     _check_depth(depth)
-    targets = {MODULE: "engine"}
+    parts = {MODULE: "engine"}
     if depth == "trainer":
-        targets[TRAINER_MODULE] = "trainer"
-    waiting = {}
-    for module, part in targets.items():
-        if module in sys.modules:
-            if error is not None:
-                raise error
-            _apply(part)
-        else:
-            waiting[module] = part
-    if waiting and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(waiting, error))
+        parts[TRAINER_MODULE] = "trainer"
+    on_import.arrange(HOOK_OWNER, {module: functools.partial(_after_import, part, error)
+                                   for module, part in parts.items()})
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies a depth's patches right after its target module executes, before the importer sees the module."""
-
-    def __init__(self, parts: dict[str, str], error: Exception | None) -> None:
-        self.parts, self.error = parts, error
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.parts:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _ThenPatch(spec.loader, self.parts[fullname], self.error)
-                return spec
-        return None
-
-
-class _ThenPatch(importlib.abc.Loader):
-    def __init__(self, loader: Any, part: str, error: Exception | None) -> None:
-        self._loader, self._part, self._error = loader, part, error
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        if self._error is not None:
-            raise self._error
-        _apply(self._part)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
+def _after_import(part: str, error: Exception | None, module: Any) -> None:
+    """What runs when a target module of ``part`` is imported: the deferred ``error`` if any, else the patches."""
+    if error is not None:
+        raise error
+    _apply(part)
