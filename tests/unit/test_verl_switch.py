@@ -11,7 +11,7 @@ import pytest
 
 import slime_ext.integrations.verl as sv
 from slime_ext.patches import on_import
-from slime_ext.integrations.verl.patches import MODULE, TRAINER_MODULE
+from slime_ext.patches.verl_host import MODULE, TRAINER_MODULE
 
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with tomllib")

@@ -11,9 +11,9 @@ worker)::
 ``pip install`` registers :mod:`slime_ext.integrations.verl.plugin` in verl's ``verl.plugins`` entry-point group,
 which ``import verl`` loads in every process. With ``SLIME_EXT_VERL`` unset or ``0`` the plugin does nothing and
 verl is untouched. With ``1`` (or ``engine``) it patches ``verl.workers.engine.megatron.transformer_impl`` as soon as
-that module is imported (:mod:`.patches`): verl's ``prepare_micro_batches`` is replaced by slime-ext's engine-depth
-plan (:mod:`.engine`, :mod:`.plan`). With ``trainer`` it also patches the V1 trainer's ``_balance_batch`` when
-``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other value, or a verl this integration does
+that module is imported (the patches: :mod:`slime_ext.patches.verl_host`): verl's ``prepare_micro_batches`` is
+replaced by slime-ext's engine-depth plan (:mod:`.engine`, :mod:`.plan`). With ``trainer`` it also patches the V1
+trainer's ``_balance_batch`` when ``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other value, or a verl this integration does
 not recognise, fails that import with an error naming the fix (verl swallows errors raised while it loads plugins,
 so the plugin defers them to the import that needs the patch).
 
@@ -69,9 +69,11 @@ def _check_depth(depth: str) -> None:
 
 def _apply(part: str) -> PatchSet:
     if part not in _applied:
-        from .patches import trainer_patches, verl_patches
+        from slime_ext.patches import verl_host
 
-        patches = verl_patches() if part == "engine" else trainer_patches()
+        from . import engine, trainer
+
+        patches = verl_host.verl_patches(engine) if part == "engine" else verl_host.trainer_patches(trainer)
         patches.apply()
         _applied[part] = patches
         import verl
@@ -104,7 +106,7 @@ def enable_on_import(depth: str = "engine", error: Exception | None = None) -> N
     """Apply the patches of ``depth`` right after the verl modules they target execute (now, for those already
     imported); with ``error``, raise it there instead (the plugin defers its errors to those imports, which verl does
     not swallow)."""
-    from .patches import MODULE, TRAINER_MODULE
+    from slime_ext.patches.verl_host import MODULE, TRAINER_MODULE
 
     _check_depth(depth)
     parts = {MODULE: "engine"}
