@@ -430,7 +430,9 @@ def _p2p_rank(rank: int, port: int, backend: str, shape: tuple[int, ...], dtype:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # the parent serves the store (host_store): every rank joins it as a client
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     try:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
@@ -461,10 +463,10 @@ def measure_p2p(hidden_size: int, tokens: int, *, dtype: str = "float32", repeat
     """``(seconds, how)``: one send/recv of one micro-batch's activation (``tokens x hidden_size``) between two
     processes, the least of ``repeats`` ping-pongs (half a round trip). On a GPU machine it needs two GPUs (NCCL
     cannot put two ranks on one device): with one, ``(0.0, why)``."""
-    import socket
-
     import torch
     import torch.multiprocessing as mp
+
+    from .parallel import host_store
 
     if torch.cuda.is_available():
         if torch.cuda.device_count() < 2:
@@ -472,12 +474,11 @@ def measure_p2p(hidden_size: int, tokens: int, *, dtype: str = "float32", repeat
         backend = "nccl"
     else:
         backend = "gloo"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store()  # bound on port 0 before the ranks learn its port: no other process can take it
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_p2p_rank, args=(r, port, backend, (tokens, 1, hidden_size), dtype, repeats, out))
+    procs = [ctx.Process(target=_p2p_rank, args=(r, store.port, backend, (tokens, 1, hidden_size), dtype, repeats,
+                                                 out))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -488,6 +489,7 @@ def measure_p2p(hidden_size: int, tokens: int, *, dtype: str = "float32", repeat
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+        del store
     return float(seconds), f"{backend}: {tokens} x {hidden_size} {dtype}, min of {repeats} ping-pongs / 2"
 
 
@@ -525,8 +527,6 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
     much the repeats disagree (:attr:`RepeatTimings.spread`). Several processes may measure at once (with different
     ``seed``) and pool their observations into one fit -- e.g. one per core, as the job will run; or one
     process may time several draws of the design (``seed`` a sequence), interleaved in one :func:`time_steps`."""
-    import socket
-
     import torch
 
     from slime_ext.train_config import load_train_config
@@ -540,9 +540,7 @@ def measure(config: Any, *, max_tokens: int, repeats: int = 3, min_length: int =
                       seq_length=max(cfg.model.seq_length, max_tokens),
                       max_position_embeddings=max(cfg.model.max_positions, max_tokens))
     if master_port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            master_port = s.getsockname()[1]
+        master_port = 0  # one process: it serves its rendezvous store on a port the OS gives it
     seeds = [seed] if isinstance(seed, int) else list(seed)
     steps = [step for sd in seeds for step in calibration_design(max_tokens, min_length=min_length, seed=sd)]
     timer = timer or default_timer()

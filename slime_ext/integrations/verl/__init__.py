@@ -13,9 +13,9 @@ which ``import verl`` loads in every process. With ``SLIME_EXT_VERL`` unset or `
 verl is untouched. With ``1`` (or ``engine``) it patches ``verl.workers.engine.megatron.transformer_impl`` as soon as
 that module is imported (the patches: :mod:`slime_ext.patches.verl_host`): verl's ``prepare_micro_batches`` is
 replaced by slime-ext's engine-depth plan (:mod:`.engine`, :mod:`.plan`). With ``trainer`` it also patches the V1
-trainer's ``_balance_batch`` when ``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other value, or a verl this integration does
-not recognise, fails that import with an error naming the fix (verl swallows errors raised while it loads plugins,
-so the plugin defers them to the import that needs the patch).
+trainer's ``_balance_batch`` when ``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other
+value, or a verl this integration does not recognise, fails that import with an error naming the fix (verl swallows
+errors raised while it loads plugins, so the plugin defers them to the import that needs the patch).
 
 A process of your own calls :func:`enable` (and :func:`disable` to undo).
 """
