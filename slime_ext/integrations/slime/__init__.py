@@ -12,8 +12,10 @@ That runs slime's ``train.py`` unchanged after :func:`enable`, which
    are parsed like every slime flag;
 2. patches slime's RolloutManager in the driver, before Ray ships it to its actor (see
    :mod:`slime_ext.patches.slime_host` for why it must be the driver): it plans each rollout with slime-ext;
-3. for slime v0.2.4, whose trainer plans on its own, sets ``--custom-megatron-init-path`` to :func:`megatron_init`
-   (chaining a hook the user gave), which switches each train actor to the sent schedule;
+3. sets ``--custom-megatron-init-path`` to :func:`megatron_init` (chaining a hook the user gave), which in each
+   train actor switches slime v0.2.4's trainer (it plans on its own) to the sent schedule, and, where
+   ``--log-probs-max-tokens-per-gpu`` is set apart from ``--max-tokens-per-gpu``, plans the log-prob passes under
+   that cap (:mod:`.log_probs`);
 4. on a machine without TransformerEngine, when the user gave no ``--spec``, sets slime's ``--spec`` to
    :data:`THD_LAYER_SPEC` (:func:`set_default_layer_spec`): slime packs micro-batches as THD, which megatron-core's
    local attention refuses.
@@ -25,6 +27,7 @@ refused with a ``PatchError`` that says what was expected.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -118,6 +121,16 @@ def megatron_init(args: Any) -> None:
         patch_set = slime_host.train_patches(slime_host.train_revision(), enabled, trainer)
         patch_set.apply()
         _applied["train"] = patch_set
+    if enabled(args) and "log_probs" not in _applied:
+        from . import log_probs
+
+        if log_probs.log_probs_cap(args) is not None:
+            patch_set = slime_host.log_prob_patches(slime_host.train_revision(),
+                                                    functools.partial(log_probs.wrap_compute_log_prob, enabled))
+            patch_set.apply()
+            _applied["log_probs"] = patch_set
+            logger.info(f"slime-ext: the log-prob passes are planned apart, under --log-probs-max-tokens-per-gpu "
+                        f"{args.log_probs_max_tokens_per_gpu}")
     user_hook = getattr(args, USER_INIT_ATTR, None)
     if user_hook:
         module, _, name = user_hook.rpartition(".")
