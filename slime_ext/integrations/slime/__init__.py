@@ -114,7 +114,8 @@ def _finish(args: Any) -> None:
 
 def megatron_init(args: Any) -> None:
     """slime's ``--custom-megatron-init-path`` hook, run in every train actor: switch v0.2.4's trainer to the
-    sent schedule (later trainers consume it natively), then run the user's own hook, if any."""
+    sent schedule (later trainers consume it natively), plan the log-prob passes apart where
+    ``--log-probs-max-tokens-per-gpu`` is set apart (:mod:`.log_probs`), then run the user's own hook, if any."""
     if enabled(args) and "train" not in _applied:
         from . import trainer
 

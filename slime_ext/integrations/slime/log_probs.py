@@ -115,7 +115,7 @@ def rank_plan(args: Any, lengths: Sequence[int], cap: int, agree: Agree) -> LogP
     most, fewest = agree(len(draft), "max"), agree(len(lengths), "min")
     count = min(most, fewest // align * align)
     plan = to_count(draft, lengths, count, cap) if count > 0 else None
-    if agree(int(plan is None), "max"):
+    if agree(int(plan is None), "max") or plan is None:
         return None
     return LogProbPlan(micro_batch_indices=plan, num_microbatches=[count])
 
@@ -136,17 +136,18 @@ def agree_over_dp(value: int, op: str) -> int:
     return int(tensor.item())
 
 
-def wrap_compute_log_prob(enabled: Callable[[Any], bool], original: Callable, agree: Agree = agree_over_dp
+def wrap_compute_log_prob(enabled: Callable[[Any], bool], original: Callable, agree: Agree | None = None
                           ) -> Callable:
     """slime's ``compute_log_prob(self, data_iterator, num_microbatches, store_prefix="")`` on the log-prob plan
     (:func:`rank_plan`, made once per rollout and kept on the iterators) where the cap is set apart; slime's own
-    call, untouched, everywhere else."""
+    call, untouched, everywhere else. ``agree``: :func:`agree_over_dp` (looked up at each call)."""
 
     def compute_log_prob(self, data_iterator, num_microbatches, store_prefix="", **kwargs):
         cap = log_probs_cap(self.args) if enabled(self.args) else None
         if cap is None:
             return original(self, data_iterator, num_microbatches, store_prefix, **kwargs)
-        iterators, counts = log_prob_iterators(self.args, data_iterator, num_microbatches, cap, agree)
+        iterators, counts = log_prob_iterators(self.args, data_iterator, num_microbatches, cap,
+                                               agree or agree_over_dp)
         return original(self, iterators, counts, store_prefix, **kwargs)
 
     return functools.wraps(original)(compute_log_prob)
