@@ -13,30 +13,12 @@ slime's real split, ``process_rollout_data``, ``get_data_iterator`` and ``Megatr
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from probe_runs import run_probe
 
-PROBE = Path(__file__).resolve().parent / "slime_probe.py"
 pytestmark = pytest.mark.timeout(1800)
-_probed: dict[str, dict] = {}
-
-
-def probe_log_probs(slime_env: dict) -> dict:
-    tag = slime_env["tag"]
-    if tag not in _probed:
-        proc = subprocess.run([sys.executable, str(PROBE), "log_probs"], env=slime_env["env"], capture_output=True,
-                              text=True, timeout=1500)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SLIME_PROBE_JSON ")]
-        if not lines:
-            raise AssertionError(f"the log-prob probe failed at {tag} (exit {proc.returncode}):\n"
-                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-        _probed[tag] = json.loads(lines[-1][len("SLIME_PROBE_JSON "):])
-    return _probed[tag]
 
 
 def _walked(log_pass: dict) -> list[list[int]]:
@@ -46,7 +28,7 @@ def _walked(log_pass: dict) -> list[list[int]]:
 
 @pytest.mark.parametrize("case", ["multi_sample", "vpp2"])
 def test_log_probs_cap_set_apart_plans_the_passes_apart_and_unset_changes_nothing(slime_env, case):
-    out = probe_log_probs(slime_env)[case]
+    out = run_probe(slime_env, "log_probs")[case]
     if "skip" in out:
         pytest.skip(out["skip"])
     assert out["target"] == "slime.backends.megatron_utils.actor.MegatronTrainRayActor.compute_log_prob"
