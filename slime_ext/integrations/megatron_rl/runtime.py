@@ -56,6 +56,8 @@ from typing import Any, Callable
 
 import torch
 
+from slime_ext.training.lr import StepSizedScheduler
+
 from .plan import CollectionPlan, plan_collection
 from .settings import MegatronRLSettingError, Options, PlanSettings
 
