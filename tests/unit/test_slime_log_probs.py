@@ -89,12 +89,21 @@ def test_a_rank_that_cannot_reach_the_agreed_count_keeps_every_rank_on_the_train
     assert plans == [None, None]
 
 
-def test_to_count_halves_the_fullest_and_merges_the_lightest_under_the_cap():
-    lengths = [10, 20, 30, 40, 5]
-    assert log_probs.to_count([[0, 1, 2, 3], [4]], lengths, 3, cap=100) == [[3, 1], [2, 0], [4]]
-    assert log_probs.to_count([[0], [1]], lengths, 3, cap=100) is None
-    assert log_probs.to_count([[3], [0], [1], [4]], lengths, 3, cap=100) == [[3], [0], [1, 4]]
-    assert log_probs.to_count([[3], [2]], lengths, 1, cap=60) is None
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_rank_off_the_agreed_count_is_planned_again_at_it_by_the_planners_request(pp):
+    """The lighter rank's own plan has fewer micro-batches than the heavier rank's: it is planned again at the agreed
+    count (the request's microbatches_per_rank), every sample once, the cap held; the heavier rank keeps its draft."""
+    args = slime_args(pipeline_model_parallel_size=pp)
+    heavy, light = [90] * 8 + [60] * 8, [20] * 16
+    own = [len(log_probs.plan_forward_only(args, lengths, 200)) for lengths in (heavy, light)]
+    assert own[0] > own[1]  # the ranks' own plans disagree
+    plans = _plans_over_dp(args, [heavy, light], cap=200)
+    assert [p.num_microbatches for p in plans] == [[own[0]], [own[0]]]
+    for plan, lengths in zip(plans, [heavy, light], strict=True):
+        assert len(plan.micro_batch_indices) == own[0]
+        assert sorted(i for mb in plan.micro_batch_indices for i in mb) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in mb) <= 200 for mb in plan.micro_batch_indices if len(mb) > 1)
+    assert plans[0].micro_batch_indices == log_probs.plan_forward_only(args, heavy, 200)
 
 
 def _compute(args, iterators, counts, agree=lambda value, op: value):  # one DP rank

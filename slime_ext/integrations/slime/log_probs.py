@@ -9,10 +9,11 @@ slime-ext planning (``--dp-schedule rollout``) and dynamic batches:
   plan's micro-batches, bit for bit: slime's "true on-policy" modes (log-probs reused by the loss, routing replay)
   need the log-prob pass packed exactly as the training pass.
 * **the cap set apart**: each DP rank's samples (its training partition: the log-prob results land where the
-  sample trains) are planned anew as one forward-only step under that cap (:func:`plan_forward_only`), with the
-  same micro-batch count on every DP rank (:func:`rank_plan`: the ranks agree on a count, and a rank off it splits
-  its fullest or merges its lightest micro-batches, the cap held). Where no such plan exists, every rank keeps the
-  training plan, and says so.
+  sample trains) are planned anew as one forward-only step under that cap (:func:`plan_forward_only`, the
+  planner's request with ``forward_only=True``), with the same micro-batch count on every DP rank (:func:`rank_plan`:
+  the ranks agree on a count, and a rank off it is planned again at that count, the request's
+  ``microbatches_per_rank``, the cap held). Where no such plan exists, every rank keeps the training plan, and says
+  so.
 
 :func:`wrap_compute_log_prob` is what replaces slime's ``MegatronTrainRayActor.compute_log_prob`` in each train actor
 (:func:`slime_ext.patches.slime_host.log_prob_patches`); slime's ``forward_only`` puts each sample's result back in
@@ -28,7 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from slime_ext.schedule import ParallelConfig, ScheduleError, plan_schedule
+from slime_ext.schedule import PlanRequest, ScheduleError, plan
 from slime_ext.schedule.compat import PlannerInputs, planner_inputs
 
 from .planner import v024_parallel_config
@@ -71,53 +72,39 @@ def _replica(args: Any, cap: int) -> PlannerInputs:
     return dataclasses.replace(inputs, batch=batch)
 
 
-def plan_forward_only(args: Any, lengths: Sequence[int], cap: int) -> list[list[int]]:
+def plan_forward_only(args: Any, lengths: Sequence[int], cap: int, count: int | None = None) -> list[list[int]]:
     """One DP rank's samples as one forward-only step under ``cap`` tokens per micro-batch, ordered for one replica's
-    pipeline (``pp``/``vpp`` of ``args``); micro-batches as indices into ``lengths``.
+    pipeline (``pp``/``vpp`` of ``args``); micro-batches as indices into ``lengths``. ``count``: exactly that many
+    micro-batches (the request's ``microbatches_per_rank``); ``None``: the planner chooses. Raises
+    :class:`ScheduleError` where the samples cannot be packed at ``count`` under ``cap``.
 
-    The one planning call of the log-prob passes: ``plan_schedule`` over one replica (:func:`_replica`). It prices
-    the step as training until the planner takes a forward-only request (``PlanRequest(..., forward_only=True)``,
-    with the agreed count as its fixed micro-batch count): switch to it here, and :func:`to_count` goes."""
+    The one planning call of the log-prob passes: the planner's request over one replica (:func:`_replica`)."""
     inputs = _replica(args, cap)
-    schedule = plan_schedule(list(lengths), inputs.parallel, inputs.batch, rollout_ids=list(range(len(lengths))),
-                             cost_model=inputs.cost_model)
+    schedule = plan(PlanRequest(lengths=list(lengths), parallel=inputs.parallel, batch=inputs.batch,
+                                rollout_ids=list(range(len(lengths))), forward_only=True,
+                                microbatches_per_rank=count, cost_model=inputs.cost_model))
     order = schedule.partitions[0]
     return [[int(order[i]) for i in mb] for mb in schedule.micro_batch_indices[0]]
-
-
-def to_count(micro_batches: list[list[int]], lengths: Sequence[int], count: int, cap: int) -> list[list[int]] | None:
-    """``micro_batches`` brought to ``count``: while fewer, the one holding the most samples is halved (each half
-    beside the other, under the cap its whole was under); while more, the two lightest neighbours in order whose sum
-    fits ``cap`` are merged. ``None`` where neither move is left (single samples only, or no pair fits)."""
-    out = [list(mb) for mb in micro_batches]
-    tokens = lambda mb: sum(lengths[k] for k in mb)  # noqa: E731
-    while len(out) < count:
-        i = max(range(len(out)), key=lambda j: (len(out[j]), tokens(out[j])))
-        if len(out[i]) < 2:
-            return None
-        mb = sorted(out[i], key=lambda k: -lengths[k])
-        out[i:i + 1] = [mb[0::2], mb[1::2]]
-    while len(out) > count:
-        pairs = [j for j in range(len(out) - 1) if tokens(out[j]) + tokens(out[j + 1]) <= cap]
-        if not pairs:
-            return None
-        j = min(pairs, key=lambda j: tokens(out[j]) + tokens(out[j + 1]))
-        out[j:j + 2] = [out[j] + out[j + 1]]
-    return out
 
 
 def rank_plan(args: Any, lengths: Sequence[int], cap: int, agree: Agree) -> LogProbPlan | None:
     """This DP rank's log-prob plan at the count every rank agrees on, or ``None`` on every rank when one rank cannot
     reach it. The count: the largest any rank's plan chose, but no more than the fewest samples a rank holds (in
-    whole rounds of the virtual-pipeline group). ``agree`` is asked three times, in the same order on every rank."""
+    whole rounds of the virtual-pipeline group); a rank whose own plan has another count is planned again at it.
+    ``agree`` is asked three times, in the same order on every rank."""
     draft = plan_forward_only(args, lengths, cap)
     align = _replica(args, cap).parallel.align
     most, fewest = agree(len(draft), "max"), agree(len(lengths), "min")
     count = min(most, fewest // align * align)
-    plan = to_count(draft, lengths, count, cap) if count > 0 else None
-    if agree(int(plan is None), "max") or plan is None:
+    mine: list[list[int]] | None = draft if len(draft) == count else None
+    if mine is None and count > 0:
+        try:
+            mine = plan_forward_only(args, lengths, cap, count)
+        except ScheduleError as exc:  # this rank cannot reach the count: every rank keeps the training plan
+            logger.info(f"slime-ext: log-prob plan at {count} micro-batches refused: {exc}")
+    if agree(int(mine is None), "max") or mine is None:
         return None
-    return LogProbPlan(micro_batch_indices=plan, num_microbatches=[count])
+    return LogProbPlan(micro_batch_indices=mine, num_microbatches=[count])
 
 
 def agree_over_dp(value: int, op: str) -> int:
@@ -182,4 +169,4 @@ def log_prob_iterators(args: Any, data_iterator: Sequence[Any], num_microbatches
 
 
 __all__ = ["LogProbPlan", "agree_over_dp", "log_prob_iterators", "log_probs_cap", "plan_forward_only", "rank_plan",
-           "to_count", "wrap_compute_log_prob"]
+           "wrap_compute_log_prob"]
