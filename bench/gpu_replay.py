@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     why = reference.missing()
     say(f"- reference: skipped: {why}" if why else f"- reference: upstream slime from {reference.source()}")
     schemes = [s for s in SCHEMES if not why or s != "reference"]
-    worker = TrainWorker({**config, "dp_schedule": "rollout"}, 0, 1, "127.0.0.1", _free_port())
+    worker = TrainWorker({**config, "dp_schedule": "rollout"}, 0, 1, "127.0.0.1", 0)  # its own store, port 0
     worker.setup()
     results: dict[tuple[str, str], dict] = {}
     try:
@@ -167,14 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as fh:
             fh.write("\n".join(lines) + "\n")
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

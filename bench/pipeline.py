@@ -307,12 +307,12 @@ def fit_p2p(fwd, bwd, spec_with, measured: float, offset: float = 0.0) -> float:
 def replay_setup(setup: Setup, runs: list[ReplayRun], repeats: int, timeout: float) -> list[list[float]]:
     """Makespans of each run on ``setup``'s pipeline: after one warm-up call, ``repeats`` calls, more (up to
     ``MAX_REPEATS_FACTOR`` times as many) until the two fastest agree within :data:`NOISE`."""
-    from train_harness import free_port, launch
+    from train_harness import launch, rendezvous
 
     pp = setup.layout.pp
-    port = free_port()
-    results = launch([(replay_job, (rank, pp, port, setup.layout, runs, repeats, MAX_REPEATS_FACTOR * repeats,
-                                    NOISE)) for rank in range(pp)], timeout=timeout)
+    with rendezvous() as port:
+        results = launch([(replay_job, (rank, pp, port, setup.layout, runs, repeats, MAX_REPEATS_FACTOR * repeats,
+                                        NOISE)) for rank in range(pp)], timeout=timeout)
     return [r.makespans for r in results[0]]
 
 

@@ -86,7 +86,7 @@ def real_job(rank: int, port: int, config: dict, runs: list[dict], repeats: int)
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
-    worker = TrainWorker(config, rank, PP, "127.0.0.1", port)
+    worker = TrainWorker(config, rank, PP, "127.0.0.1", port, store_hosted=True)
     worker.setup()
     initial = worker.param_snapshot()
     seconds: dict[str, list[float]] = {r["label"]: [] for r in runs}
@@ -110,7 +110,7 @@ def real_job(rank: int, port: int, config: dict, runs: list[dict], repeats: int)
 
 def real_section(repeats: int = REPEATS) -> list[str]:
     """Run the real-compute comparison and print its table; returns the table lines."""
-    from train_harness import assert_params_match, free_port, launch, rollout_payloads
+    from train_harness import assert_params_match, launch, rendezvous, rollout_payloads
 
     from slime_ext.schedule import ParallelConfig
     from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
@@ -135,8 +135,8 @@ def real_section(repeats: int = REPEATS) -> list[str]:
             runs.append({"label": label, "payload": payload})
     config["max_tokens_per_gpu"] = max(w.cap for w in WORKLOADS)
     t0 = time.perf_counter()
-    port = free_port()
-    results = launch([(real_job, (rank, port, config, runs, repeats)) for rank in range(PP)], timeout=900)
+    with rendezvous() as port:
+        results = launch([(real_job, (rank, port, config, runs, repeats)) for rank in range(PP)], timeout=900)
     print(f"\nreal compute, DP=1 x PP=2 (tiny GPT {MODEL}, 1 thread per stage): {time.perf_counter() - t0:.0f}s")
     seconds = {label: min(v) for label, v in results[0]["seconds"].items()}
     spread = {label: max(v) / min(v) - 1 for label, v in results[0]["seconds"].items()}

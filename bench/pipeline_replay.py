@@ -203,11 +203,13 @@ def replay_job(rank: int, world_size: int, port: int, layout: Layout, runs: list
     from megatron.core.transformer import TransformerConfig
 
     from slime_ext.patches import megatron_cpu
+    from slime_ext.training.parallel import join_store
 
     megatron_cpu.apply_if_no_gpu()
     _wait_for_sends_in_blocking_calls()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+    # the launcher serves the store (tests/e2e/train_harness.rendezvous): every rank joins it
+    store = join_store("127.0.0.1", port, rank, world_size, store_hosted=True, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
         parallel_state.initialize_model_parallel(
             pipeline_model_parallel_size=layout.pp,

@@ -168,12 +168,12 @@ def build_runs(setup: Setup, cases: list[Case], f: np.ndarray, b: np.ndarray, mi
 
 def replay(setup: Setup, runs: list[ReplayRun], repeats: int, timeout: float) -> list[list[float]]:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-    from train_harness import free_port, launch
+    from train_harness import launch, rendezvous
 
     pp = setup.layout.pp
-    port = free_port()
-    results = launch([(replay_job, (rank, pp, port, setup.layout, runs, repeats, MAX_REPEATS_FACTOR * repeats,
-                                    NOISE)) for rank in range(pp)], timeout=timeout)
+    with rendezvous() as port:
+        results = launch([(replay_job, (rank, pp, port, setup.layout, runs, repeats, MAX_REPEATS_FACTOR * repeats,
+                                        NOISE)) for rank in range(pp)], timeout=timeout)
     return [r.makespans for r in results[0]]
 
 

@@ -327,7 +327,7 @@ def sleep_check(unit_s: float = 0.025, repeats: int = 3, timeout: float = 600.0)
     from .pipeline_replay import replay_job
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
-    from train_harness import free_port, launch
+    from train_harness import launch, rendezvous
 
     out = []
     for pp, vpp in SLEEP_LAYOUTS:
@@ -336,9 +336,9 @@ def sleep_check(unit_s: float = 0.025, repeats: int = 3, timeout: float = 600.0)
                           tuple((costs * unit_s).tolist()), tuple(np.zeros(len(costs)).tolist()),
                           forward_only=True, sends_block=block)
                 for name, costs in SLEEP_ORDERS for block in (True, False)]
-        port = free_port()
-        results = launch([(replay_job, (rank, pp, port, layout, runs, repeats, 2 * repeats, 0.01))
-                          for rank in range(pp)], timeout=timeout)
+        with rendezvous() as port:  # the store is served here, on a port bound once (the ranks join it)
+            results = launch([(replay_job, (rank, pp, port, layout, runs, repeats, 2 * repeats, 0.01))
+                              for rank in range(pp)], timeout=timeout)
         spec = PipelineSpec(pp, vpp, forward_only=True)
         for run, result in zip(runs, results[0], strict=True):
             out.append((run.label, result.best, float(pipeline_makespan(np.asarray(run.fwd), None, spec))))

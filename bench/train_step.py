@@ -171,15 +171,14 @@ def calibrate_job(config: dict, max_tokens: int, repeats: int) -> dict:
     return {"observations": obs, "meta": meta}
 
 
-def replay_job(config: dict, steps: list[list[list[int]]], design: list[list[list[int]]], repeats: int,
-               port: int) -> dict:
-    """One process, world size 1: the min over ``repeats`` of each step's thread CPU time. The calibration
-    ``design`` is timed again in the same run, interleaved with the replayed ``steps``, so a profile fitted on it saw
-    the same machine load as the steps it predicts."""
+def replay_job(config: dict, steps: list[list[list[int]]], design: list[list[list[int]]], repeats: int) -> dict:
+    """One process, world size 1 (its own rendezvous store, on a port the OS gives it): the min over ``repeats`` of
+    each step's thread CPU time. The calibration ``design`` is timed again in the same run, interleaved with the
+    replayed ``steps``, so a profile fitted on it saw the same machine load as the steps it predicts."""
     from slime_ext.training.calibrate import time_steps
     from slime_ext.training.worker import TrainWorker
 
-    worker = TrainWorker(config, 0, 1, "127.0.0.1", port)
+    worker = TrainWorker(config, 0, 1, "127.0.0.1", 0)
     worker.setup()
     try:
         obs = time_steps(worker, list(design) + list(steps), repeats=repeats, timer="thread", statistic="min",
@@ -212,7 +211,7 @@ def bench_job(rank: int, world_size: int, port: int, config: dict, runs: list[di
 
     from slime_ext.training.worker import TrainWorker
 
-    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port)
+    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port, store_hosted=True)
     layout = worker.setup()
     out: dict = {"layout": layout, "runs": [], "invariance": []}
     initial = worker.param_snapshot()
@@ -412,7 +411,7 @@ def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths
 
 
 def run(argv: list[str] | None = None) -> int:
-    from train_harness import free_port, launch
+    from train_harness import launch, rendezvous
 
     from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
     from slime_ext.schemes import BASELINES
@@ -493,7 +492,7 @@ def run(argv: list[str] | None = None) -> int:
                      "use_dynamic_global_batch_size": True}
     design = [step for sd in CALIBRATION_SEEDS for step in calibration_design(cap, seed=sd)]
     t0 = time.perf_counter()
-    (replayed,) = launch([(replay_job, (replay_config, steps, design, replay_repeats, free_port()))], timeout=3600)
+    (replayed,) = launch([(replay_job, (replay_config, steps, design, replay_repeats))], timeout=3600)
     seconds = replayed["seconds"]
     for k in keys:
         replay[k]["seconds"], seconds = seconds[:replay_dp], seconds[replay_dp:]
@@ -522,10 +521,10 @@ def run(argv: list[str] | None = None) -> int:
                 runs.append(dict(scheme=scheme, workload=w.name, changes=changes, payloads=payloads))
         # no batch keys: every run's reset() brings its own (TrainConfig.batch is None until then)
         config = {**base, "pipeline_model_parallel_size": pp, "dist_timeout_seconds": 600.0}
-        port = free_port()
         t0 = time.perf_counter()
-        results = launch([(bench_job, (r, dp * pp, port, config, runs, repeats_of[pp])) for r in range(dp * pp)],
-                         timeout=1800)
+        with rendezvous() as port:
+            results = launch([(bench_job, (r, dp * pp, port, config, runs, repeats_of[pp]))
+                              for r in range(dp * pp)], timeout=1800)
         say(f"\n## Concurrent {layout_name} ({dp * pp} processes, {time.perf_counter() - t0:.0f} s)")
         analyse(say, layout_name, results, profile, lengths_of, dp, pp, targets, summary)
         if dp == replay_dp:  # the replay timed what the ranks really trained

@@ -24,7 +24,13 @@ Modules:
 * :mod:`slime_ext.patches.megatron_cpu` -- what megatron-core 0.16 to 0.19 needs to train on a CPU-only host with
   gloo;
 * :mod:`slime_ext.patches.slime_host` -- where slime-ext's schedule enters slime (github.com/THUDM/slime), by
-  revision; applied by :mod:`slime_ext.integrations.slime`.
+  revision; applied by :mod:`slime_ext.integrations.slime`;
+* :mod:`slime_ext.patches.verl_host` -- where slime-ext enters verl's Megatron engine and V1 trainer
+  (github.com/verl-project/verl), by version; applied by :mod:`slime_ext.integrations.verl`;
+* :mod:`slime_ext.patches.megatron_rl` -- where slime-ext enters Megatron-LM's RL loop; applied by
+  :mod:`slime_ext.integrations.megatron_rl`;
+* :mod:`slime_ext.patches.on_import` -- the one import hook that applies a host's patches the moment the target
+  module is imported (slime's and verl's integrations use it).
 """
 
 from __future__ import annotations

@@ -252,6 +252,34 @@ def train_patches(revision: SlimeRevision, enabled: Callable[[Any], bool], train
     return PatchSet("slime_train[0.2.4]", patches)
 
 
+#: the parameters of slime's ``MegatronTrainRayActor.compute_log_prob`` the replacement takes, at every tag
+LOG_PROB_PARAMETERS = ("self", "data_iterator", "num_microbatches", "store_prefix")
+
+
+def _expect_log_prob_pass(original: Any) -> str | None:
+    params = tuple(inspect.signature(original).parameters)
+    if params != LOG_PROB_PARAMETERS:
+        return f"its parameters are {params}, the replacement takes {LOG_PROB_PARAMETERS}"
+    missing = source_contains("forward_only(", "num_microbatches")(original)
+    if missing:
+        return missing
+    # slime's forward_only puts each result back in the rank's sample order by the iterators' micro-batch indices
+    model = importlib.import_module("slime.backends.megatron_utils.model")
+    reorder = source_contains("data_iterator[0].micro_batch_indices")(model.forward_only)
+    return f"slime.backends.megatron_utils.model.forward_only: {reorder}" if reorder else None
+
+
+def log_prob_patches(revision: SlimeRevision, wrap: Callable[[Callable], Callable]) -> PatchSet:
+    """In-actor patch of the log-prob passes (``--log-probs-max-tokens-per-gpu`` set apart from
+    ``--max-tokens-per-gpu``): ``MegatronTrainRayActor.compute_log_prob`` runs on the iterators and counts ``wrap``
+    gives it (:func:`slime_ext.integrations.slime.log_probs.wrap_compute_log_prob`); same shape at every tag."""
+    return PatchSet(f"slime_log_probs[{revision.version}]", [_slime_patch(
+        revision, ">=0.2.4", ("0.2.4", "0.3.0", "0.3.1"), name="slime_compute_log_prob",
+        module="slime.backends.megatron_utils.actor", attribute="MegatronTrainRayActor.compute_log_prob", make=wrap,
+        expect=_expect_log_prob_pass,
+        doc="the log-prob passes walk their own forward-only plan under --log-probs-max-tokens-per-gpu")])
+
+
 def _get_data_iterator(enabled: Callable[[Any], bool], trainer: Any, data_module: Any, original: Callable) -> Callable:
     def get_data_iterator(args, model, rollout_data):
         if not enabled(args):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import socket
 import time
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping
@@ -24,6 +23,7 @@ from typing import Any, Callable, Mapping
 from slime_ext.schemes import PlanInfo, RankResult
 
 from .dispatch import plan_rollout
+from .rendezvous import host_store
 from .train_data import flatten_samples, samples_to_train_data
 
 logger = logging.getLogger("slime_ext.rollout")
@@ -91,20 +91,23 @@ class TrainActor:
         self.info: dict = {}
 
     def address(self) -> tuple[str, int]:
-        """This node's loopback address and a free port (rank 0 hosts the torch.distributed rendezvous)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return "127.0.0.1", s.getsockname()[1]
+        """Serve the torch.distributed rendezvous store from this actor (rank 0's) and return this node's loopback
+        address and the store's port: bound on port 0 before any rank learns it, so no other process can take it.
+        Every rank then joins with ``setup(addr, port, store_hosted=True)``."""
+        self._store = host_store()
+        return "127.0.0.1", self._store.port
 
-    def setup(self, master_addr: str, master_port: int) -> dict:
-        """Build the worker and join the process groups; returns the rank's layout, backend and pid."""
+    def setup(self, master_addr: str, master_port: int, store_hosted: bool = False) -> dict:
+        """Build the worker and join the process groups; returns the rank's layout, backend and pid.
+        ``store_hosted``: the launcher (or rank 0's actor, :meth:`address`) serves the rendezvous store."""
         import torch
         import torch.distributed as dist
 
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         cls = load_object(self.worker_class)
-        self.worker = cls(self.train_config, self.rank, self.world_size, master_addr, master_port)
+        self.worker = cls(self.train_config, self.rank, self.world_size, master_addr, master_port,
+                          store_hosted=store_hosted)
         layout = dict(self.worker.setup())
         import slime_ext
 

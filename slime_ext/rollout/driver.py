@@ -179,7 +179,7 @@ class TrainGroup:
         try:
             addr, port = gather([("train rank 0", actors[0].address.remote())], config.options["setup_timeout_seconds"],
                                 "the rendezvous")[0]
-            group._setup_refs = [a.setup.remote(addr, port) for a in actors]
+            group._setup_refs = [a.setup.remote(addr, port, True) for a in actors]  # rank 0's actor serves it
         except BaseException:
             group.kill()
             raise

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Iterator, Sequence
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 from .actors import RolloutManager, TrainActor
 from .config import RunConfig
 from .harness import HEADER, LEGEND, Phases, RunResult, StepTimeout, describe, finish_rollout, worker_env
+from .rendezvous import host_store
 
 #: how often a wait looks at the processes' liveness
 _POLL_S = 0.2
@@ -79,12 +79,6 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProcessTrainGroup:
@@ -170,9 +164,9 @@ class ProcessTrainGroup:
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self) -> list[dict]:
-        port = _free_port()
+        self._store = host_store()  # this process serves the rendezvous: every rank joins it
         world = len(self.procs)
-        self.layouts = self.call("setup", [("127.0.0.1", port)] * world,
+        self.layouts = self.call("setup", [("127.0.0.1", self._store.port, True)] * world,
                                  self.config.options["setup_timeout_seconds"], "set-up")
         return self.layouts
 

@@ -31,11 +31,15 @@ from slime_ext.train_config import RESETTABLE_KEYS, TrainConfig, TrainConfigErro
 
 class TrainWorker:
     def __init__(self, config: Any, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                 master_port: int = 29500):
+                 master_port: int = 29500, *, store_hosted: bool = False):
+        """``store_hosted``: the launcher serves the rendezvous store at ``master_addr:master_port``
+        (:func:`slime_ext.training.parallel.host_store`); else rank 0 serves it (``master_port=0``: a free port of
+        its own, for a job of one process)."""
         self.config: TrainConfig = load_train_config(config)
         self.layout_info = self.config.layout(rank, world_size)  # rejects a bad world size before any rendezvous
         self.rank, self.world_size = rank, world_size
         self.master_addr, self.master_port = master_addr, int(master_port)
+        self.store_hosted = store_hosted
         self.state = None
         self._cpu_patched = False
 
@@ -48,7 +52,8 @@ class TrainWorker:
             raise RuntimeError("TrainWorker.setup() was already called")
         self._cpu_patched = megatron_cpu.apply_if_no_gpu()
         torch.manual_seed(self.config.seed)
-        layout = init_parallel(self.config, self.rank, self.world_size, self.master_addr, self.master_port)
+        layout = init_parallel(self.config, self.rank, self.world_size, self.master_addr, self.master_port,
+                               store_hosted=self.store_hosted)
         self._build(layout)
         return dataclasses.asdict(layout)
 

@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from train_harness import MODEL, OPTIM, free_port, launch, make_samples, plan, rollout_payloads
+from train_harness import MODEL, OPTIM, join, launch, make_samples, plan, rendezvous, rollout_payloads
 
 pytestmark = pytest.mark.e2e
 
@@ -24,9 +24,7 @@ def _payloads():
 
 def _fault_job(rank: int, port: int, payloads: list, fault: str) -> dict:
     """Rank 1 misbehaves after setup (``hang``: stops participating; ``die``: exits); rank 0 trains."""
-    from slime_ext.training.worker import TrainWorker
-
-    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker = join(CONFIG, rank, 2, port)
     worker.setup()
     if rank == 1:
         if fault == "die":
@@ -41,10 +39,11 @@ def _fault_job(rank: int, port: int, payloads: list, fault: str) -> dict:
 
 @pytest.mark.parametrize("fault", ["hang", "die"])
 def test_a_stuck_or_dead_peer_fails_the_step_within_the_timeout(fault):
-    port, payloads = free_port(), _payloads()
+    payloads = _payloads()
     # the harness's own deadline (120 s) would raise in launch(): rank 0 failing by itself is the outcome
-    result, _ = launch([(_fault_job, (rank, port, payloads, fault)) for rank in range(2)], timeout=120,
-                       wait_for=[0])
+    with rendezvous() as port:
+        result, _ = launch([(_fault_job, (rank, port, payloads, fault)) for rank in range(2)], timeout=120,
+                           wait_for=[0])
     assert result["error"] is not None, "training went on without its peer"
     if fault == "hang":
         assert "Timed out" in result["error"] or "timeout" in result["error"].lower(), result["error"]
@@ -53,11 +52,9 @@ def test_a_stuck_or_dead_peer_fails_the_step_within_the_timeout(fault):
 def _late_join_job(rank: int, port: int, payloads: list, late_s: float) -> int:
     """Rank 1 starts ``late_s`` after rank 0 (longer than the collective timeout); both train the rollout and
     return its step count."""
-    from slime_ext.training.worker import TrainWorker
-
     if rank == 1:
         time.sleep(late_s)
-    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker = join(CONFIG, rank, 2, port)
     worker.setup()
     return len(worker.train_rollout(payloads[worker.layout.dp_rank]))
 
@@ -65,16 +62,16 @@ def _late_join_job(rank: int, port: int, payloads: list, late_s: float) -> int:
 def test_a_rank_starting_later_than_the_collective_timeout_still_joins():
     """Joining is bounded by the rendezvous timeout, not by ``dist_timeout_seconds`` (which bounds collectives
     only): ranks of a real job start seconds apart, and that must not fail a job with a short collective timeout."""
-    port, payloads = free_port(), _payloads()
-    results = launch([(_late_join_job, (rank, port, payloads, 2 * TIMEOUT_S)) for rank in range(2)], timeout=120)
+    payloads = _payloads()
+    with rendezvous() as port:
+        results = launch([(_late_join_job, (rank, port, payloads, 2 * TIMEOUT_S)) for rank in range(2)],
+                         timeout=120)
     steps = len(payloads[0].num_microbatches)
     assert steps > 0 and results == [steps, steps], results
 
 
 def _disagree_job(rank: int, port: int, payloads: list) -> str:
-    from slime_ext.training.worker import TrainWorker
-
-    worker = TrainWorker(CONFIG, rank, 2, "127.0.0.1", port)
+    worker = join(CONFIG, rank, 2, port)
     worker.setup()
     try:
         worker.train_rollout(payloads[worker.layout.dp_rank])
@@ -92,7 +89,7 @@ def test_ranks_with_different_micro_batch_counts_are_stopped_before_the_schedule
     assert len(first) > 1
     bad = dataclasses.replace(good, micro_batch_indices=[first[:1], first[1:], *rest],
                               num_microbatches=[good.num_microbatches[0] + 1, *good.num_microbatches[1:]])
-    port = free_port()
-    errors = launch([(_disagree_job, (rank, port, [payloads[0], bad])) for rank in range(2)], timeout=60)
+    with rendezvous() as port:
+        errors = launch([(_disagree_job, (rank, port, [payloads[0], bad])) for rank in range(2)], timeout=60)
     for err in errors:
         assert "RolloutDataError: ranks disagree on num_microbatches" in err, err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_train_invariance import DYNAMIC, REFERENCE_CONFIG, check_invariance, check_ledger, rollout_scenario
-from train_harness import free_port, group_job, launch, make_samples, reference_job
+from train_harness import group_job, launch, make_samples, reference_job, rendezvous
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,9 +27,9 @@ def test_gpu_nccl_matches_the_reference(parallel, world_size):
     sc = rollout_scenario("dynamic_balanced", samples, dict(DYNAMIC, use_dynamic_global_batch_size=True,
                                                             balance_data=True), parallel, world_size)
     config = {**REFERENCE_CONFIG, **parallel, "dist_backend": "nccl"}
-    port, ref_port = free_port(), free_port()
-    jobs = [(group_job, (rank, world_size, port, config, [sc.job])) for rank in range(world_size)]
-    *group, reference = launch(jobs + [(reference_job, (ref_port, REFERENCE_CONFIG, [sc.reference]))],
-                               timeout=300, gpu=True)
+    with rendezvous() as port:
+        jobs = [(group_job, (rank, world_size, port, config, [sc.job])) for rank in range(world_size)]
+        *group, reference = launch(jobs + [(reference_job, (REFERENCE_CONFIG, [sc.reference]))],
+                                   timeout=300, gpu=True)
     check_invariance(group, reference, sc)
     check_ledger(group, sc)

@@ -19,8 +19,9 @@ import time
 
 import numpy as np
 import pytest
-from train_harness import (CAP, MODEL, OPTIM, assert_params_match, free_port, group_job, launch, legacy_payloads,
-                           legacy_step_samples, make_samples, merged_params, plan, reference_job, rollout_payloads)
+from train_harness import (CAP, MODEL, OPTIM, assert_params_match, group_job, launch, legacy_payloads,
+                           legacy_step_samples, make_samples, merged_params, plan, reference_job, rendezvous,
+                           rollout_payloads)
 
 from slime_ext.schemes import ForwardResult, LegacyStepRecord, RolloutStepRecord
 
@@ -65,11 +66,12 @@ def legacy_scenario(name, samples_list, batch, dp_size):
 
 def run_layout(parallel: dict, world_size: int, scenarios: list[Scenario], timeout: float = 240.0):
     config = {**REFERENCE_CONFIG, **parallel, "dist_timeout_seconds": 30}
-    port, ref_port = free_port(), free_port()
-    jobs = [(group_job, (rank, world_size, port, config, [s.job for s in scenarios])) for rank in range(world_size)]
-    jobs.append((reference_job, (ref_port, REFERENCE_CONFIG, [s.reference for s in scenarios])))
     start = time.perf_counter()
-    *group, reference = launch(jobs, timeout=timeout)
+    with rendezvous() as port:
+        jobs = [(group_job, (rank, world_size, port, config, [s.job for s in scenarios]))
+                for rank in range(world_size)]
+        jobs.append((reference_job, (REFERENCE_CONFIG, [s.reference for s in scenarios])))
+        *group, reference = launch(jobs, timeout=timeout)
     print(f"\n{parallel} x{world_size}: {len(scenarios)} scenarios in {time.perf_counter() - start:.1f}s")
     return group, reference
 

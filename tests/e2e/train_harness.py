@@ -8,17 +8,17 @@ deadline is killed and fails with the jobs still running.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 import traceback
 from types import SimpleNamespace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -44,10 +44,25 @@ def _context():
     return _CTX
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def rendezvous() -> Iterator[int]:
+    """The port of a rendezvous store this process serves while the ``with`` block runs (bound on port 0, the port
+    read back, so no other process can take it between picking and binding); the ranks join it with
+    ``TrainWorker(..., port, store_hosted=True)`` (:func:`join`)."""
+    from slime_ext.training.parallel import host_store
+
+    store = host_store()
+    try:
+        yield store.port
+    finally:
+        del store
+
+
+def join(config: Any, rank: int, world_size: int, port: int):
+    """This rank's ``TrainWorker`` for the store :func:`rendezvous` serves (not set up yet)."""
+    from slime_ext.training.worker import TrainWorker
+
+    return TrainWorker(config, rank, world_size, "127.0.0.1", port, store_hosted=True)
 
 
 def _job_main(fn: Callable, args: tuple, out_path: str, gpu: bool) -> None:
@@ -198,10 +213,9 @@ def legacy_step_samples(payloads: list[dict], global_batch_size: int) -> list[li
 
 # ---------------------------------------------------------------------------------------------------- group jobs
 def group_job(rank: int, world_size: int, port: int, config: dict, scenarios: list[dict]) -> dict:
-    """One rank: for each scenario, reset, optionally log-probs of the initial model, train its rollouts."""
-    from slime_ext.training.worker import TrainWorker
-
-    worker = TrainWorker(config, rank, world_size, "127.0.0.1", port)
+    """One rank (of the store :func:`rendezvous` serves at ``port``): for each scenario, reset, optionally log-probs
+    of the initial model, train its rollouts."""
+    worker = join(config, rank, world_size, port)
     layout = worker.setup()
     out = {"layout": layout, "scenarios": {}}
     try:
@@ -220,8 +234,9 @@ def group_job(rank: int, world_size: int, port: int, config: dict, scenarios: li
     return out
 
 
-def reference_job(port: int, config: dict, scenarios: list[dict]) -> dict:
-    """Single process, no schedule: each step's samples one by one, plain autograd, then the same optimizer.
+def reference_job(config: dict, scenarios: list[dict]) -> dict:
+    """Single process, no schedule: each step's samples one by one, plain autograd, then the same optimizer. It
+    serves its own rendezvous store on a port the OS gives it (port 0).
 
     ``scenarios[i]["samples"]``: one sample list per rollout; ``scenarios[i]["reference_steps"]``: list of
     ``(rollout index, global sample ids, lr increment)``; ``scenarios[i]["forward_only"]``: sample ids of rollout 0
@@ -232,7 +247,7 @@ def reference_job(port: int, config: dict, scenarios: list[dict]) -> dict:
     from slime_ext.training.model import param_snapshot
     from slime_ext.training.worker import TrainWorker
 
-    worker = TrainWorker(config, 0, 1, "127.0.0.1", port)
+    worker = TrainWorker(config, 0, 1, "127.0.0.1", 0)
     worker.setup()
     state = worker.state
     out: dict = {"initial": {k: v.numpy() for k, v in param_snapshot(state.model).items()}, "scenarios": {}}

@@ -201,6 +201,110 @@ def run_ledger(case_name: str) -> dict:
             "log": list(records)}
 
 
+#: the log-prob cases: a ledger case, and the log-prob cap set apart from its --max-tokens-per-gpu
+LOG_PROB_CASES = {"multi_sample": 2, "vpp2": 3}
+
+
+def run_log_probs(case_name: str) -> dict:
+    """slime's log-prob passes for one ledger case, through slime's real ``MegatronTrainRayActor.compute_log_prob``
+    (patched in this "train actor" by slime-ext's ``megatron_init`` hook) with slime's ``forward_only`` replaced by a
+    recorder of what the iterators it is handed yield. Three runs: ``--log-probs-max-tokens-per-gpu`` unset (slime
+    sets it to ``--max-tokens-per-gpu``) before the patch exists, set apart, unset again through the patch. The DP
+    ranks' agreement (an all-reduce in a real job) is played out over the ranks of this process."""
+    from slime_ext.integrations import slime as integration
+    from slime_ext.integrations.slime import log_probs
+    from slime_ext.patches import slime_host
+
+    integration.enable()
+    import slime.ray.rollout as rollout_module
+    from slime.utils.data import process_rollout_data
+
+    try:
+        actor_module = __import__("slime.backends.megatron_utils.actor", fromlist=["x"])
+    except ImportError as exc:
+        return {"skip": f"slime's trainer needs megatron.training (set MEGATRON_LM_GIT): {exc}"}
+    data_module = __import__("slime.backends.megatron_utils.data", fromlist=["x"])
+    import ray
+    from megatron.core import parallel_state as mpu
+
+    revision = slime_host.detect_revision()
+    case = CASES[case_name]
+    args = make_args(case, revision=revision.version)
+    data, _ = train_data(case, revision.version)
+    dp, vpp = case["dp"], case.get("vpp") or 1
+    manager = object.__new__(slime_host.rollout_manager_classes(rollout_module)[0])
+    manager.args, manager.rollout_id = args, 0
+    manager.train_parallel_config = {"dp_size": dp, "cp_size": case.get("cp", 1), "vpp_size": vpp,
+                                     "microbatch_group_size_per_vp_stage": case.get("mb_group") or 1}
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    refs = manager._split_train_data_by_dp(data, dp) if revision.version == "0.2.4" else \
+        manager._split_train_data_by_dp(data)
+    mpu.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    calls: list = []
+
+    def recorder(f, args_, model, data_iterator, num_microbatches, store_prefix="", **kwargs):
+        stages = []
+        for it in data_iterator:
+            it.reset()
+            stages.append([[[int(t[0]) for t in it.get_next(["tokens"])["tokens"]] for _ in range(count)]
+                           for count in num_microbatches])
+        calls.append({"prefix": store_prefix, "counts": list(num_microbatches), "stages": stages,
+                      "order": [i for mb in data_iterator[0].micro_batch_indices for i in mb]})
+        return {}
+
+    actor_module.forward_only = recorder  # what slime's compute_log_prob calls, by its module-global name
+
+    def rank_runs(answers):
+        """Every rank's two passes (reference, then actor), each all-reduce answered from ``answers``."""
+        out, asked = [], []
+        for r in range(dp):
+            rollout_data = process_rollout_data(args, refs, r, dp)
+            if revision.plans_on_train_side:
+                iterators, counts = actor_module.get_data_iterator(args, None, rollout_data)
+            else:
+                iterators, counts = data_module.get_data_iterator(rollout_data), list(rollout_data["num_microbatches"])
+            training = [[[int(rollout_data["tokens"][i][0]) for i in mb] for mb in iterators[0].micro_batch_indices]]
+            given = iter(answers)
+            asked.append([])
+            log_probs.agree_over_dp = lambda value, op, mine=asked[-1], given=given: (mine.append(value),
+                                                                                     next(given))[1]
+            actor = object.__new__(actor_module.MegatronTrainRayActor)
+            actor.args, actor.model = args, None
+            calls.clear()
+            for prefix in ("ref_", ""):
+                actor.compute_log_prob(iterators, counts, store_prefix=prefix)
+            out.append({"training": training[0], "training_counts": list(counts), "passes": list(calls),
+                        "local_samples": len(rollout_data["tokens"])})
+        return out, asked
+
+    def agreed_runs():
+        _, asked = rank_runs([10**9, 10**9, 0])  # what every rank puts in
+        most, fewest = max(a[0] for a in asked), min(a[1] for a in asked)
+        _, asked = rank_runs([most, fewest, 0])
+        return rank_runs([most, fewest, max(a[2] for a in asked)])[0]
+
+    if revision.plans_on_train_side:
+        integration.megatron_init(args)  # the train-side schedule (v0.2.4)
+    cap = case["max_tokens"] * LOG_PROB_CASES[case_name]
+    args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu  # slime's default: unset
+    integration.megatron_init(args)
+    before = rank_runs([])[0]
+    patched_before = "log_probs" in integration._applied
+    args.log_probs_max_tokens_per_gpu = cap
+    integration._applied.pop("log_probs", None)
+    integration.megatron_init(args)  # the hook sees the cap set apart: the log-prob patch is applied
+    apart = agreed_runs()
+    target = integration._applied["log_probs"].patches[0].target
+    args.log_probs_max_tokens_per_gpu = args.max_tokens_per_gpu
+    after = rank_runs([])[0]
+    integration._applied.pop("log_probs").undo()
+    return {"revision": revision.version, "case": case_name, "cap": cap * case.get("cp", 1), "vpp": vpp,
+            "mb_group": case.get("mb_group") or 1, "lengths": [len(t) for t in data["tokens"]],
+            "unset": before, "unset_patched": patched_before, "apart": apart, "unset_through_patch": after,
+            "target": target}
+
+
 def slime_args(**megatron) -> argparse.Namespace:
     """slime's own defaults for every slime flag (its real parser, with slime-ext's options joined as the launcher
     joins them), plus the Megatron flags slime reads off the same namespace."""
@@ -309,7 +413,7 @@ def run_revision() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["ledger", "revision", "actor", "all"])
+    parser.add_argument("scenario", choices=["ledger", "revision", "actor", "log_probs", "all"])
     parser.add_argument("--case", choices=sorted(CASES), default="one_sample")
     ns = parser.parse_args()
     if ns.scenario == "ledger":
@@ -318,6 +422,8 @@ def main() -> None:
         out = run_revision()
     elif ns.scenario == "actor":
         out = run_actor()
+    elif ns.scenario == "log_probs":
+        out = {name: run_log_probs(name) for name in LOG_PROB_CASES}
     else:  # everything for this slime tree in one process
         out = {"revision": run_revision(), "ledgers": {name: run_ledger(name) for name in CASES}}
         import ray

@@ -18,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from probe_runs import run_probe
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "slime_probe.py"
@@ -34,21 +35,11 @@ PINNED = {
     "test_rejects_when_fewer_groups_than_gbs": "message matching 'num_groups'",
 }
 pytestmark = pytest.mark.timeout(1800)  # one probe process per tag imports slime, Megatron and Ray
-_probed: dict[str, dict] = {}
 
 
 def probe_all(slime_env: dict) -> dict:
     """Everything the probe checks for one slime tree, in one process (cached per tag)."""
-    tag = slime_env["tag"]
-    if tag not in _probed:
-        proc = subprocess.run([sys.executable, str(PROBE), "all"], env=slime_env["env"], capture_output=True,
-                              text=True, timeout=1500)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SLIME_PROBE_JSON ")]
-        if not lines:
-            raise AssertionError(f"the probe failed at {tag} (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                                 f"{proc.stderr[-6000:]}")
-        _probed[tag] = json.loads(lines[-1][len("SLIME_PROBE_JSON "):])
-    return _probed[tag]
+    return run_probe(slime_env, "all")
 
 
 def test_revision_is_detected_from_slime_code(slime_env):

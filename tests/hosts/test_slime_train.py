@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 from slime_ext.schemes import upstream
 
 torch = pytest.importorskip("torch")
+from slime_ext.training.parallel import host_store, hosted_store_env  # noqa: E402 - after torch's skip
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "slime_train_worker.py"
@@ -81,12 +81,6 @@ def v024_env(slime_git) -> dict:
     return _tag_env(slime_git, "v0.2.4")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], env: dict, timeout: int = 1500) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -95,11 +89,11 @@ def _run(cmd: list[str], env: dict, timeout: int = 1500) -> None:
 
 def _train(env: dict, case: str, path: str, out: Path, tag: str) -> list[dict]:
     """Two gloo ranks of the worker's ``train`` phase; their results, by rank."""
-    port = _free_port()
+    store = host_store()  # served here, on a port bound before the ranks learn it; they join as clients
     procs = []
     for rank in range(DP):
         rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(DP), "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                    **hosted_store_env(store)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), "train", "--case", case, "--path", path,
                                        "--out", str(out), "--tag", tag], env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,12 +55,6 @@ class WorkerRun:
         return "\n".join(lines)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_worker(tree: str, layout: str, out: str, *, path: str = "megatron", steps_per_collection: int = 1,
                iterations: int = 2, seed: int = 1, extra: tuple[str, ...] = (), timeout: float = 600) -> WorkerRun:
     """Run every rank of one worker configuration; ``out`` is the result file (``.pt``)."""
@@ -69,8 +62,10 @@ def run_worker(tree: str, layout: str, out: str, *, path: str = "megatron", step
     for stale in [out] + [f"{out}.rank{r}.error.json" for r in range(world)]:
         if os.path.exists(stale):
             os.remove(stale)
-    port = free_port()
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+    from slime_ext.training.parallel import host_store, hosted_store_env
+
+    store = host_store()  # served here, on a port bound before the ranks learn it; they join as clients
+    env_base = {**os.environ, **hosted_store_env(store), "WORLD_SIZE": str(world),
                 "OMP_NUM_THREADS": "1", "MEGATRON_LM_TREE": os.path.abspath(tree),
                 # megatron.core.package_info appends `git rev-parse HEAD` of the folder it sits in, which for an
                 # extracted tree is this repository's commit, not Megatron-LM's

@@ -34,6 +34,8 @@ def test_packed_seq_params_with_cp_slots_and_a_tail():
 def test_the_lr_scheduler_steps_by_the_samples_of_the_step():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from slime_ext.training.lr import LRIncrementMismatch, StepSizedScheduler
+
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=1.0)
 
@@ -43,12 +45,15 @@ def test_the_lr_scheduler_steps_by_the_samples_of_the_step():
     scheduler = OptimizerParamScheduler(Wrapped(), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=100,
                                         lr_decay_steps=1000, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
                                         wd_incr_steps=1000, wd_incr_style="constant")
-    with runtime._lr_increment(scheduler, 37):
-        scheduler.step(increment=5)  # megatron's train_step passes micro-batches * mbs * dp
-    assert scheduler.num_steps == 37
+    proxy = StepSizedScheduler(scheduler, expected=5, increment=37, expected_is="micro-batches x mbs x dp")
+    proxy.step(increment=5)  # megatron's train_step passes micro-batches * mbs * dp
+    assert scheduler.num_steps == 37 and proxy.num_steps == 37
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.37)
-    assert "step" not in vars(scheduler)  # restored: the class's own method again
-    scheduler.step(increment=5)
+    with pytest.raises(LRIncrementMismatch, match=r"increment=6.*replaces only the increment 5 \(micro-batches x "
+                                                  r"mbs x dp\) by the step's 37"):
+        proxy.step(increment=6)  # a host that steps differently: refused, the scheduler untouched
+    assert scheduler.num_steps == 37
+    scheduler.step(increment=5)  # the scheduler itself is never changed
     assert scheduler.num_steps == 42
 
 

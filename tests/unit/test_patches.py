@@ -11,7 +11,8 @@ import torch
 from packaging.version import Version
 
 import slime_ext.patches as patches
-from slime_ext.patches import ImportedVersion, Patch, PatchError, PatchSet, megatron_cpu, source_contains
+from slime_ext.patches import (ImportedVersion, Patch, PatchError, PatchSet, megatron_cpu, on_import,
+                              source_contains)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,6 +138,38 @@ def _static(owner, attr):
 
 def _mcore_version() -> Version:
     return Version(megatron_cpu.megatron_core_version().version)
+
+
+# ------------------------------------------------------------------------------------------------ on import
+def test_on_import_acts_before_any_importer_binds_and_at_once_when_imported(tmp_path, monkeypatch):
+    (tmp_path / "hook_target_for_test.py").write_text("def f():\n    return 'host'\n")
+    (tmp_path / "hook_importer_for_test.py").write_text("from hook_target_for_test import f\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+
+    def patch(module):
+        seen.append(module.__name__)
+        module.f = lambda: "patched"
+
+    try:
+        hook = on_import.arrange("test-owner", {"hook_target_for_test": patch})
+        assert on_import.finder("test-owner") is hook and sys.meta_path[0] is hook
+        import hook_importer_for_test  # binds f at import, as hosts' modules do
+
+        assert hook_importer_for_test.f() == "patched" and seen == ["hook_target_for_test"]
+        # a second owner's arrangement for a module already imported acts at once, and raises there
+        with pytest.raises(RuntimeError, match="deferred"):
+            on_import.arrange("other-owner", {"hook_target_for_test": _raise_deferred})
+        assert on_import.finder("other-owner") is None
+    finally:
+        on_import.remove("test-owner")
+        for name in ("hook_target_for_test", "hook_importer_for_test"):
+            sys.modules.pop(name, None)
+    assert on_import.finder("test-owner") is None
+
+
+def _raise_deferred(module):
+    raise RuntimeError("deferred")
 
 
 def test_megatron_cpu_set_applies_and_restores_every_target():

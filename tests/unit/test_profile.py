@@ -251,13 +251,3 @@ def test_balance_data_with_a_profile_never_predicts_slower_than_strided(seed):
         plans[balance] = plan_schedule(lengths, parallel, batch, cost_model=prof)
         assert_valid_schedule(plans[balance])
     assert _predicted_step(plans[True], prof) <= _predicted_step(plans[False], prof) * (1 + 1e-12)
-
-
-def test_backward_forward_ratio_is_fitted_from_train_and_forward_times():
-    from slime_ext.training.calibrate import fit_backward_forward_ratio
-
-    forward = [0.01, 0.02, 0.05, 0.1]
-    train = [0.003 + 3.0 * f for f in forward]  # step overhead 3 ms, backward = 2 x forward
-    assert fit_backward_forward_ratio(train, forward, 0.003) == pytest.approx(2.0)
-    with pytest.raises(ValueError, match="backward/forward"):
-        fit_backward_forward_ratio(forward, forward, 0.0)  # training no slower than the forward pass

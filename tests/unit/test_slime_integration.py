@@ -12,9 +12,10 @@ import pytest
 
 from slime_ext.integrations import slime as integration
 from slime_ext.integrations.slime import planner, trainer
-from slime_ext.patches import PatchError, slime_host
+from slime_ext.patches import PatchError, on_import, slime_host
 from slime_ext.schedule import ParallelConfig, ScheduleError
 from slime_ext.schedule.compat import parallel_from_args
+from slime_ext.training.lr import LRIncrementMismatch
 
 
 def slime_args(**overrides):
@@ -117,7 +118,7 @@ def test_the_patch_lands_before_any_importer_sees_the_module(tmp_path, monkeypat
 
         assert importer_for_test.f() == "patched"
     finally:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, integration._AfterImport)]
+        on_import.remove(integration.HOOK_OWNER)
 
 
 def test_launcher_without_a_script_prints_how_to_use_it(capsys):
@@ -321,8 +322,10 @@ def test_lr_and_loss_normaliser_follow_the_steps_samples():
     plain = [V024DataIterator({"tokens": []}, None, [[0]])]  # slime's own path: untouched
     wrapped(args, 0, 0, plain, None, None, scheduler, 1)
     assert scheduler.num_steps == 12 and seen[-1] == 4 and "dynamic_global_batch_size" not in plain[0].rollout_data
-    with pytest.raises(RuntimeError, match="not by --global-batch-size"):
-        trainer.StepSizedScheduler(scheduler, 4, 5).step(increment=7)
+    bad_slime = trainer.wrap_train_one_step(lambda args, r, s, it, m, o, scheduler, n: scheduler.step(increment=7))
+    with pytest.raises(LRIncrementMismatch, match=r"increment=7.*the increment 4 \(slime v0.2.4's --global-batch"):
+        bad_slime(args, 0, 0, iterators, None, None, scheduler, 1)
+    assert scheduler.num_steps == 12
 
 
 def test_pipelined_plans_put_each_steps_predicted_makespan_bubble_and_count_into_slimes_metrics():

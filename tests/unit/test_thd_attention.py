@@ -17,7 +17,6 @@ Two levels:
 from __future__ import annotations
 
 import contextlib
-import socket
 from datetime import timedelta
 
 import pytest
@@ -40,10 +39,8 @@ def megatron_world():
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialised in this test process")
     patched = megatron_cpu.apply_if_no_gpu()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=60))
+    # one process: it serves its own store on a port the OS gives it (port 0)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(7)

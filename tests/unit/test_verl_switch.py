@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import slime_ext.integrations.verl as sv
-from slime_ext.integrations.verl.patches import MODULE, TRAINER_MODULE
+from slime_ext.patches import on_import
+from slime_ext.patches.verl_host import MODULE, TRAINER_MODULE
 
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with tomllib")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(MODULE in sys.modules or TRAINER_MODULE in sys.m
 
 
 def _finders():
-    return [f for f in sys.meta_path if isinstance(f, sv._PatchOnImport)]
+    return [f for f in sys.meta_path if isinstance(f, on_import.OnImport) and f.owner == sv.HOOK_OWNER]
 
 
 @pytest.fixture
@@ -52,17 +53,24 @@ def test_switch_off_arranges_nothing(load_plugin, value):
 
 @pytest.mark.parametrize("value,parts", [("1", {MODULE: "engine"}),
                                          ("trainer", {MODULE: "engine", TRAINER_MODULE: "trainer"})])
-def test_switch_on_patches_verl_modules_when_they_are_imported(load_plugin, value, parts):
+def test_switch_on_patches_verl_modules_when_they_are_imported(load_plugin, monkeypatch, value, parts):
     load_plugin(value)
     (finder,) = _finders()
-    assert finder.parts == parts and finder.error is None
+    assert set(finder.actions) == set(parts)
+    applied = []
+    monkeypatch.setattr(sv, "_apply", applied.append)
+    for module in parts:
+        finder.actions[module](None)  # what the hook runs once verl's module has executed
+    assert applied == list(parts.values())
 
 
 def test_bad_value_is_logged_and_deferred_to_the_engine_import(load_plugin, caplog):
     with caplog.at_level(logging.ERROR, logger="slime_ext.integrations.verl"):
         load_plugin("maybe")
     (finder,) = _finders()
-    assert isinstance(finder.error, ValueError) and "SLIME_EXT_VERL='maybe'" in str(finder.error)
+    assert set(finder.actions) == {MODULE}
+    with pytest.raises(ValueError, match="SLIME_EXT_VERL='maybe'"):
+        finder.actions[MODULE](None)
     assert "set SLIME_EXT_VERL=1" in caplog.text
 
 

@@ -28,7 +28,8 @@ The flow of one rollout collection, in Megatron-RL's own order (``rl_utils.prepa
    iterator per model chunk (megatron-core's interleaved schedule takes a list). Megatron-RL's data loader already
    yields the micro-batches in plan order, step after step, cycled for ``--grpo-iterations``.
 6. ``training.train_step`` -> :func:`train_step`: before each optimizer step, the calculator is set to that step's
-   count; the LR scheduler is stepped by the samples the step trains (``samples_per_step``), not by micro-batches;
+   count; the LR scheduler is stepped by the samples the step trains (``samples_per_step``), not by micro-batches (the
+   increment replaced is checked: :class:`slime_ext.training.lr.StepSizedScheduler`);
    under VPP the forward step knows which model chunk runs. ``rl_utils.get_iteration_sequence_count`` ->
    :func:`get_iteration_sequence_count`: the step's samples, so ``consumed_train_samples`` counts each sample once.
 7. Under VPP, Megatron-RL asks "am I the last stage?" without a virtual stage (``train_rl.forward_step``:
@@ -55,6 +56,8 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+
+from slime_ext.training.lr import StepSizedScheduler
 
 from .plan import CollectionPlan, plan_collection
 from .settings import MegatronRLSettingError, Options, PlanSettings
@@ -496,27 +499,15 @@ def make_get_grpo_data_iterator(original: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------------------------------------ 6. the step
-@contextlib.contextmanager
-def _lr_increment(scheduler: Any, samples: int):
-    """Megatron's ``train_step`` steps the LR scheduler by ``num_microbatches * micro_batch_size * dp``; during a
-    planned step it is stepped by the samples the step trains."""
-    if scheduler is None:
-        yield
-        return
-    had_own = "step" in vars(scheduler)
-    original = scheduler.step
+def _megatron_lr_increment() -> int:
+    """The increment Megatron-LM's ``train_step`` steps the LR scheduler by: micro-batches x micro-batch size x DP
+    (x the GTP-remat peers, in the Megatron-LM that has them)."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.training import get_args
 
-    def step(increment, *args, **kwargs):
-        return original(samples, *args, **kwargs)
-
-    scheduler.step = step
-    try:
-        yield
-    finally:
-        if had_own:
-            scheduler.step = original
-        else:
-            del scheduler.step
+    args = get_args()
+    return (nmc.get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+            * getattr(args, "gtp_weight_remat_size", 1))
 
 
 def make_train_step(original: Callable) -> Callable:
@@ -534,10 +525,12 @@ def make_train_step(original: Callable) -> Callable:
         if plan_settings.parallel.pp_size > 1:
             config.variable_seq_lengths = True
         collection.current_step = step
+        scheduler = opt_param_scheduler if opt_param_scheduler is None else StepSizedScheduler(
+            opt_param_scheduler, expected=_megatron_lr_increment(), increment=plan.samples_per_step[step],
+            expected_is="Megatron-LM's micro-batches x micro-batch size x DP")
         try:
-            with _lr_increment(opt_param_scheduler, plan.samples_per_step[step]):
-                result = original(in_chunk(forward_step_func, plan_settings.parallel.vpp_size), data_iterator, model,
-                                  optimizer, opt_param_scheduler, config, *args, **kwargs)
+            result = original(in_chunk(forward_step_func, plan_settings.parallel.vpp_size), data_iterator, model,
+                              optimizer, scheduler, config, *args, **kwargs)
         finally:
             collection.current_step = None
         collection.steps_done += 1

@@ -12,8 +12,10 @@ That runs slime's ``train.py`` unchanged after :func:`enable`, which
    are parsed like every slime flag;
 2. patches slime's RolloutManager in the driver, before Ray ships it to its actor (see
    :mod:`slime_ext.patches.slime_host` for why it must be the driver): it plans each rollout with slime-ext;
-3. for slime v0.2.4, whose trainer plans on its own, sets ``--custom-megatron-init-path`` to :func:`megatron_init`
-   (chaining a hook the user gave), which switches each train actor to the sent schedule;
+3. sets ``--custom-megatron-init-path`` to :func:`megatron_init` (chaining a hook the user gave), which in each
+   train actor switches slime v0.2.4's trainer (it plans on its own) to the sent schedule, and, where
+   ``--log-probs-max-tokens-per-gpu`` is set apart from ``--max-tokens-per-gpu``, plans the log-prob passes under
+   that cap (:mod:`.log_probs`);
 4. on a machine without TransformerEngine, when the user gave no ``--spec``, sets slime's ``--spec`` to
    :data:`THD_LAYER_SPEC` (:func:`set_default_layer_spec`): slime packs micro-batches as THD, which megatron-core's
    local attention refuses.
@@ -25,15 +27,14 @@ refused with a ``PatchError`` that says what was expected.
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.abc
 import importlib.util
 import logging
-import sys
-from typing import Any, Callable
+from typing import Any
 
 from slime_ext.patches import PatchError
-from slime_ext.patches import slime_host
+from slime_ext.patches import on_import, slime_host
 from slime_ext.schemes import DEFAULT, DP_SCHEDULES, get_dp_schedule
 
 logger = logging.getLogger("slime_ext.integrations.slime")
@@ -113,13 +114,24 @@ def _finish(args: Any) -> None:
 
 def megatron_init(args: Any) -> None:
     """slime's ``--custom-megatron-init-path`` hook, run in every train actor: switch v0.2.4's trainer to the
-    sent schedule (later trainers consume it natively), then run the user's own hook, if any."""
+    sent schedule (later trainers consume it natively), plan the log-prob passes apart where
+    ``--log-probs-max-tokens-per-gpu`` is set apart (:mod:`.log_probs`), then run the user's own hook, if any."""
     if enabled(args) and "train" not in _applied:
         from . import trainer
 
         patch_set = slime_host.train_patches(slime_host.train_revision(), enabled, trainer)
         patch_set.apply()
         _applied["train"] = patch_set
+    if enabled(args) and "log_probs" not in _applied:
+        from . import log_probs
+
+        if log_probs.log_probs_cap(args) is not None:
+            patch_set = slime_host.log_prob_patches(slime_host.train_revision(),
+                                                    functools.partial(log_probs.wrap_compute_log_prob, enabled))
+            patch_set.apply()
+            _applied["log_probs"] = patch_set
+            logger.info(f"slime-ext: the log-prob passes are planned apart, under --log-probs-max-tokens-per-gpu "
+                        f"{args.log_probs_max_tokens_per_gpu}")
     user_hook = getattr(args, USER_INIT_ATTR, None)
     if user_hook:
         module, _, name = user_hook.rpartition(".")
@@ -148,55 +160,16 @@ def _patch_rollout(module: Any) -> None:
         logger.info(f"slime-ext: patched slime {revision.version} ({len(patch_set.patches)} patches)")
 
 
+#: the name slime's import hook goes by (:mod:`slime_ext.patches.on_import`)
+HOOK_OWNER = "slime"
 #: module -> what to do right after it is imported (or at once, if it already is)
-_ON_IMPORT: dict[str, Callable[[Any], None]] = {
+_ON_IMPORT: dict[str, on_import.Action] = {
     "slime.utils.arguments": _patch_arguments,
     "slime.ray.rollout": _patch_rollout,
 }
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``_ON_IMPORT[name]`` right after module ``name`` executes, before any importer sees it."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _ON_IMPORT:
-            return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                loader = spec.loader
-                exec_module = loader.exec_module
-
-                def exec_then_patch(module, _exec=exec_module, _name=fullname):
-                    _exec(module)
-                    _ON_IMPORT[_name](module)
-
-                spec.loader = _Wrapped(loader, exec_then_patch)
-                return spec
-        return None
-
-
-class _Wrapped(importlib.abc.Loader):
-    def __init__(self, loader, exec_module):
-        self._loader, self._exec = loader, exec_module
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._exec(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
 def enable() -> None:
     """Switch slime-ext on in this (driver) process: patch slime's parser and RolloutManager now if they are
     imported, else the moment they are. Idempotent. Raises ``PatchError`` for a slime it does not know."""
-    for name, action in _ON_IMPORT.items():
-        if name in sys.modules:
-            action(sys.modules[name])
-    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    on_import.arrange(HOOK_OWNER, _ON_IMPORT)

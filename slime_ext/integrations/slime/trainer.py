@@ -21,6 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Sequence
 
+from slime_ext.training.lr import StepSizedScheduler
+
 from .planner import SCHEDULE_KEY
 
 #: attribute on each DataIterator holding the per-step sample counts of its rollout
@@ -53,30 +55,6 @@ def get_data_iterator(args: Any, model: Any, rollout_data: dict, *, data_iterato
     return iterators, num_microbatches
 
 
-class StepSizedScheduler:
-    """An ``OptimizerParamScheduler`` whose ``step(increment=...)`` advances by the step's real sample count.
-
-    slime v0.2.4 calls ``opt_param_scheduler.step(increment=args.global_batch_size)``; this proxy checks that
-    the increment is that value (so it replaces only the call it was written for) and forwards the real size.
-    Everything else is the wrapped scheduler's.
-    """
-
-    def __init__(self, scheduler: Any, expected_increment: int, increment: int):
-        self._scheduler = scheduler
-        self._expected = expected_increment
-        self._increment = increment
-
-    def step(self, increment: int, *args, **kwargs):
-        if increment != self._expected:
-            raise RuntimeError(f"slime stepped the LR scheduler by {increment}, not by --global-batch-size="
-                               f"{self._expected} as slime v0.2.4 does; slime-ext's LR adapter does not know this "
-                               f"slime revision")
-        return self._scheduler.step(self._increment, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._scheduler, name)
-
-
 def wrap_train_one_step(original: Callable) -> Callable:
     """``train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
     num_microbatches)`` stepping LR and loss normaliser by the step's sample count (see the module doc)."""
@@ -90,7 +68,8 @@ def wrap_train_one_step(original: Callable) -> Callable:
         samples = int(sizes[step_id])
         for it in data_iterator:
             it.rollout_data["dynamic_global_batch_size"] = samples
-        scheduler = StepSizedScheduler(opt_param_scheduler, args.global_batch_size, samples)
+        scheduler = StepSizedScheduler(opt_param_scheduler, expected=args.global_batch_size, increment=samples,
+                                       expected_is="slime v0.2.4's --global-batch-size")
         return original(args, rollout_id, step_id, data_iterator, model, optimizer, scheduler, num_microbatches,
                         *rest, **kwargs)
 

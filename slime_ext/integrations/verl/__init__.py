@@ -11,24 +11,23 @@ worker)::
 ``pip install`` registers :mod:`slime_ext.integrations.verl.plugin` in verl's ``verl.plugins`` entry-point group,
 which ``import verl`` loads in every process. With ``SLIME_EXT_VERL`` unset or ``0`` the plugin does nothing and
 verl is untouched. With ``1`` (or ``engine``) it patches ``verl.workers.engine.megatron.transformer_impl`` as soon as
-that module is imported (:mod:`.patches`): verl's ``prepare_micro_batches`` is replaced by slime-ext's engine-depth
-plan (:mod:`.engine`, :mod:`.plan`). With ``trainer`` it also patches the V1 trainer's ``_balance_batch`` when
-``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other value, or a verl this integration does
-not recognise, fails that import with an error naming the fix (verl swallows errors raised while it loads plugins,
-so the plugin defers them to the import that needs the patch).
+that module is imported (the patches: :mod:`slime_ext.patches.verl_host`): verl's ``prepare_micro_batches`` is
+replaced by slime-ext's engine-depth plan (:mod:`.engine`, :mod:`.plan`). With ``trainer`` it also patches the V1
+trainer's ``_balance_batch`` when ``verl.trainer.ppo.v1.trainer_base`` is imported (:mod:`.trainer`). Any other
+value, or a verl this integration does not recognise, fails that import with an error naming the fix (verl swallows
+errors raised while it loads plugins, so the plugin defers them to the import that needs the patch).
 
 A process of your own calls :func:`enable` (and :func:`disable` to undo).
 """
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import logging
 import os
-import sys
 from typing import Any
 
-from slime_ext.patches import PatchError, PatchSet
+from slime_ext.patches import PatchError, PatchSet, on_import
 
 logger = logging.getLogger("slime_ext.integrations.verl")
 
@@ -41,6 +40,8 @@ _VALUES = {"1": "engine", "true": "engine", "on": "engine", "yes": "engine", "en
 
 __all__ = ["DEPTHS", "ENV", "PatchError", "disable", "enable", "enabled", "switch_from_env"]
 
+#: the name verl's import hook goes by (:mod:`slime_ext.patches.on_import`)
+HOOK_OWNER = "verl"
 #: the applied patch sets, by depth
 _applied: dict[str, PatchSet] = {}
 
@@ -68,9 +69,11 @@ def _check_depth(depth: str) -> None:
 
 def _apply(part: str) -> PatchSet:
     if part not in _applied:
-        from .patches import trainer_patches, verl_patches
+        from slime_ext.patches import verl_host
 
-        patches = verl_patches() if part == "engine" else trainer_patches()
+        from . import engine, trainer
+
+        patches = verl_host.verl_patches(engine) if part == "engine" else verl_host.trainer_patches(trainer)
         patches.apply()
         _applied[part] = patches
         import verl
@@ -96,63 +99,25 @@ def disable() -> None:
         if part in _applied:
             _applied[part].undo()
             del _applied[part]
-    for finder in [f for f in sys.meta_path if isinstance(f, _PatchOnImport)]:
-        sys.meta_path.remove(finder)
+    on_import.remove(HOOK_OWNER)
 
 
 def enable_on_import(depth: str = "engine", error: Exception | None = None) -> None:
     """Apply the patches of ``depth`` right after the verl modules they target execute (now, for those already
     imported); with ``error``, raise it there instead (the plugin defers its errors to those imports, which verl does
     not swallow)."""
-    from .patches import MODULE, TRAINER_MODULE
+    from slime_ext.patches.verl_host import MODULE, TRAINER_MODULE
 
     _check_depth(depth)
-    targets = {MODULE: "engine"}
+    parts = {MODULE: "engine"}
     if depth == "trainer":
-        targets[TRAINER_MODULE] = "trainer"
-    waiting = {}
-    for module, part in targets.items():
-        if module in sys.modules:
-            if error is not None:
-                raise error
-            _apply(part)
-        else:
-            waiting[module] = part
-    if waiting and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport(waiting, error))
+        parts[TRAINER_MODULE] = "trainer"
+    on_import.arrange(HOOK_OWNER, {module: functools.partial(_after_import, part, error)
+                                   for module, part in parts.items()})
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Applies a depth's patches right after its target module executes, before the importer sees the module."""
-
-    def __init__(self, parts: dict[str, str], error: Exception | None) -> None:
-        self.parts, self.error = parts, error
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.parts:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _ThenPatch(spec.loader, self.parts[fullname], self.error)
-                return spec
-        return None
-
-
-class _ThenPatch(importlib.abc.Loader):
-    def __init__(self, loader: Any, part: str, error: Exception | None) -> None:
-        self._loader, self._part, self._error = loader, part, error
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        if self._error is not None:
-            raise self._error
-        _apply(self._part)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
+def _after_import(part: str, error: Exception | None, module: Any) -> None:
+    """What runs when a target module of ``part`` is imported: the deferred ``error`` if any, else the patches."""
+    if error is not None:
+        raise error
+    _apply(part)

@@ -4,13 +4,13 @@
 =================================================================  ==============================================
 target (in ``verl.workers.engine.megatron.transformer_impl``)      change
 =================================================================  ==============================================
-``prepare_micro_batches`` (verl's ``engine.utils`` function, bound  slime-ext's engine-depth plan
-here by name; the engine calls this name)                          (:func:`.engine.make_prepare_micro_batches`)
+``prepare_micro_batches`` (verl's ``engine.utils`` function, bound  slime-ext's engine-depth plan (the
+here by name; the engine calls this name)                          integration's ``make_prepare_micro_batches``)
 ``MegatronEngine.forward_backward_batch``                          unchanged, but the running engine is kept in a
                                                                    context variable so that the plan can read its
                                                                    model dims (the cost model)
-``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch``   slime-ext's dispatch (:mod:`.trainer`), trainer
-                                                                   depth only
+``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch``   slime-ext's dispatch (the integration's
+                                                                   ``make_balance_batch``), trainer depth only
 =================================================================  ==============================================
 
 Supported: verl ``>=0.9.0,<0.11`` (tested: 0.9.1 from PyPI and HEAD 1dda039 of 2026-08-22, version file
@@ -18,6 +18,9 @@ Supported: verl ``>=0.9.0,<0.11`` (tested: 0.9.1 from PyPI and HEAD 1dda039 of 2
 signature of ``prepare_micro_batches``, that ``forward_backward_batch`` still calls it with the arguments the
 replacement takes, and that ``tensordict_utils`` has the helpers it uses. Anything else is refused with a
 ``PatchError`` that names what differs.
+
+What enters verl is handed in by :mod:`slime_ext.integrations.verl` (its ``engine`` and ``trainer`` modules), which
+applies these sets; this module imports nothing of slime-ext above the patches.
 """
 
 from __future__ import annotations
@@ -26,9 +29,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from slime_ext.patches import Patch, PatchError, PatchSet, imported_version, source_contains
-
-from . import engine, trainer
+from . import Patch, PatchError, PatchSet, imported_version, source_contains
 
 MODULE = "verl.workers.engine.megatron.transformer_impl"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
@@ -60,24 +61,31 @@ def _expect_prepare(original: Any) -> str | None:
     return f"verl.utils.tensordict_utils lacks {missing}" if missing else None
 
 
-def _wrap_forward_backward(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def forward_backward_batch(self, *args, **kwargs):
-        token = engine.current_engine.set(self)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            engine.current_engine.reset(token)
+def _keeps_engine_in(current_engine: Any) -> Callable[[Callable], Callable]:
+    """``make`` of the context patch: the running engine is set in ``current_engine`` (a context variable) while
+    verl's ``forward_backward_batch`` runs."""
 
-    return forward_backward_batch
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def forward_backward_batch(self, *args, **kwargs):
+            token = current_engine.set(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                current_engine.reset(token)
+
+        return forward_backward_batch
+
+    return make
 
 
-def verl_patches() -> PatchSet:
-    """The patch set (a fresh one per call; :mod:`slime_ext.integrations.verl` keeps the applied one)."""
+def verl_patches(engine: Any) -> PatchSet:
+    """The engine depth's patch set (a fresh one per call; :mod:`slime_ext.integrations.verl` keeps the applied
+    one). ``engine``: the integration's engine module (``current_engine``, ``make_prepare_micro_batches``)."""
     common = dict(module=MODULE, distribution="verl", supported=SUPPORTED, tested=TESTED, version=_verl_version)
     return PatchSet("verl-engine", [
         Patch(name="verl-engine-context", attribute="MegatronEngine.forward_backward_batch",
-              make=_wrap_forward_backward,
+              make=_keeps_engine_in(engine.current_engine),
               doc="keeps the running engine in a context variable (the plan reads its model dims)",
               expect=source_contains("prepare_micro_batches(", "num_batches_divided_by=num_batches_divided_by",
                                      "same_micro_num_in_dp=True", "postprocess_batch_func("), **common),
@@ -96,8 +104,9 @@ def _expect_balance(original: Any) -> str | None:
                            "_dispatch_info", "log_seqlen_unbalance(")(original)
 
 
-def trainer_patches() -> PatchSet:
-    """The trainer depth's patch (``SLIME_EXT_VERL=trainer``): verl's V1 ``PPOTrainer._balance_batch``."""
+def trainer_patches(trainer: Any) -> PatchSet:
+    """The trainer depth's patch (``SLIME_EXT_VERL=trainer``): verl's V1 ``PPOTrainer._balance_batch``.
+    ``trainer``: the integration's trainer module (``make_balance_batch``)."""
     return PatchSet("verl-trainer", [
         Patch(name="verl-balance-batch", module=TRAINER_MODULE, attribute="PPOTrainer._balance_batch",
               make=trainer.make_balance_batch, distribution="verl", supported=SUPPORTED, tested=TESTED,
