@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from bench.verdict import verdict
+
 #: the GPU run's model (small: this checks correctness; bench/gpu_replay measures a ~1B model)
 GPU_MODEL = dict(num_layers=4, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=4096,
                  seq_length=1024, max_position_embeddings=1024)
@@ -123,12 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     seq = model["seq_length"]
     caps = (seq, 3 * seq)
     failures: list[str] = []
+    checked: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
 
     def check(ok: bool, what: str) -> None:
         say(f"  {'ok  ' if ok else 'FAIL'} {what}")
+        checked.append(what)
         if not ok:
             failures.append(what)
 
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         check(dist <= args.bf16_tol, f"bf16 update vs fp32 update: relative distance {dist:.3f} "
                                      f"(tolerance {args.bf16_tol})")
     check("ray" not in sys.modules, "Ray was never imported")
-    say(f"\n{'PASS' if not failures else 'FAIL'}: {len(failures)} failed check(s)" +
+    say(f"\n{verdict(not failures, len(checked), 'no check ran')}: {len(failures)} failed check(s)" +
         "".join(f"\n  - {f}" for f in failures))
     return 0 if not failures else 1
 

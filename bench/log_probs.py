@@ -46,6 +46,7 @@ from slime_ext.schedule.dp_schedule import DPSchedule
 from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
 
+from .verdict import verdict
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
 DP = 8
@@ -172,7 +173,7 @@ def print_table(rows: list[Row], replay: str | None) -> bool:
     for r in rows:
         err = "n/a" if r.replay_error is None else f"{r.replay_error:.1e}"
         print(f"{r.dist:<9}{r.pp:>3}{r.factor:>4}x{r.reused_s:>11.3f}{r.searched_s:>10.3f}{r.forward_only_s:>12.3f}"
-              f"{r.ratio:>8.3f}{f'{r.reused_mb}->{r.forward_only_mb}':>10}{err:>12}  {'PASS' if r.ok else 'FAIL'}")
+              f"{r.ratio:>8.3f}{f'{r.reused_mb}->{r.forward_only_mb}':>10}{err:>12}  {'ok' if r.ok else 'FAIL'}")
     ok = bool(rows) and all(r.ok for r in rows)
     errors = [r.replay_error for r in rows if r.replay_error is not None]
     lost = sum(r.search_ratio > 1.0 + TOLERANCE for r in rows)
@@ -183,7 +184,7 @@ def print_table(rows: list[Row], replay: str | None) -> bool:
         print(f"model vs megatron-core's forward-only schedule replayed ({replay} replicas): max relative error "
               f"{max(errors):.1e}")
     print(f"target: forward-only never slower than the training plan reused (ratio <= 1 + {TOLERANCE:g}): "
-          f"{'PASS' if ok else 'FAIL'}")
+          f"{verdict(ok, len(rows), 'no case planned')}")
     return ok
 
 

@@ -84,6 +84,7 @@ from slime_ext.integrations.megatron_rl.plan import plan_collection
 from slime_ext.schedule import CostModel, ParallelConfig, PipelinePricing, PipelineSpec, pipeline_pricing
 
 from .pipeline_model_table import bimodal_lengths
+from .verdict import verdict
 from .workloads import MODEL_DIMS, make_lengths
 
 SEQ_LENGTH = 16384
@@ -495,10 +496,10 @@ def summarize(cases: list[Case]) -> bool:
     """Print the geomeans and the goals; True when every goal is met."""
     ok = True
 
-    def verdict(passed: bool) -> str:
+    def met(passed: bool, cases: int) -> str:
         nonlocal ok
-        ok &= passed
-        return "PASS" if passed else "FAIL"
+        ok &= passed or not cases
+        return verdict(passed, cases, "no case")
 
     for pp in sorted({c.pp for c in cases}):
         at = [c for c in cases if c.pp == pp]
@@ -506,18 +507,18 @@ def summarize(cases: list[Case]) -> bool:
         by_algo = ", ".join(f"{a} {geomean([c.algos[a].step_time / c.ours.step_time for c in at]):.3f}x"
                             for a in ALGOS)
         print(f"pp {pp}: training step, ours / Megatron-RL's better algorithm, geomean over {len(at)} cases = "
-              f"{best:.3f} (goal <= {GOAL_STEP_RATIO}: {verdict(best <= GOAL_STEP_RATIO)}); Megatron-RL / ours by "
-              f"algorithm: {by_algo}")
+              f"{best:.3f} (goal <= {GOAL_STEP_RATIO}: {met(best <= GOAL_STEP_RATIO, len(at))}); Megatron-RL / "
+              f"ours by algorithm: {by_algo}")
         speedup = geomean([c.best("logprob_time") / c.ours.logprob_time for c in at])
-        goal = f" (goal >= {GOAL_LOGPROB_SPEEDUP:g}x: {verdict(speedup >= GOAL_LOGPROB_SPEEDUP)})" if pp > 1 else \
-            " (no goal at pp 1)"
+        goal = (f" (goal >= {GOAL_LOGPROB_SPEEDUP:g}x: {met(speedup >= GOAL_LOGPROB_SPEEDUP, len(at))})"
+                if pp > 1 else " (no goal at pp 1)")
         print(f"pp {pp}: log-prob pass, Megatron-RL's better algorithm / ours, geomean = {speedup:.2f}x{goal}")
     padding = sum(c.ours.padding_tokens for c in cases)
     twice = sum(c.ours.trained_twice for c in cases)
     never = sum(c.ours.never_trained for c in cases)
-    print(f"ours over all {len(cases)} cases: padding tokens {padding} (goal 0: {verdict(padding == 0)}), samples "
-          f"trained twice {twice} (goal 0: {verdict(twice == 0)}), samples never trained {never} "
-          f"({verdict(never == 0)})")
+    print(f"ours over all {len(cases)} cases: padding tokens {padding} (goal 0: {met(padding == 0, len(cases))}), "
+          f"samples trained twice {twice} (goal 0: {met(twice == 0, len(cases))}), samples never trained {never} "
+          f"({met(never == 0, len(cases))})")
     for algo in ALGOS:
         fig = [c.algos[algo] for c in cases]
         computed = sum(f.computed_tokens for f in fig)

@@ -54,6 +54,7 @@ import numpy as np
 from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
 from bench.workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from bench.verdict import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the e2e harness: process launcher
@@ -372,18 +373,20 @@ def table(rows: list[Row]) -> list[str]:
     return out
 
 
-def targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
-    out: list[tuple[bool | None, str]] = []
+def targets(rows: list[Row]) -> list[tuple[bool | None, str, int]]:
+    """``(ok, text, cases)`` per target; ``ok`` None and no cases where its runs were not measured."""
+    out: list[tuple[bool | None, str, int]] = []
     done = [r for r in rows if r.measured]
     for kind, pick in (("1F1B", lambda r: r.setup.layout.vpp == 1), ("VPP", lambda r: r.setup.layout.vpp > 1)):
         sel = [r for r in done if pick(r)]
         if not sel:
-            out.append((None, f"model within 3% of the replay ({kind}): not measured"))
+            out.append((None, f"model within 3% of the replay ({kind}): not measured", 0))
             continue
         worst = max(sel, key=lambda r: abs(r.predicted / r.best - 1))
         e = worst.predicted / worst.best - 1
         out.append((abs(e) <= 0.03, f"model within 3% of the replay ({kind}): worst {e:+.1%} "
-                                    f"({worst.setup.name} {worst.workload} {worst.plan}) over {len(sel)} runs"))
+                                    f"({worst.setup.name} {worst.workload} {worst.plan}) over {len(sel)} runs",
+                    len(sel)))
 
     def pair(wname: str, pp: int):
         sel = {r.plan: r for r in done if r.workload == wname and r.setup.layout == Layout(pp)}
@@ -392,18 +395,18 @@ def targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
     for wname, need in (("rl-like", 0.05), ("bimodal", 0.10)):
         before, after = pair(wname, 4)
         if before is None or after is None:
-            out.append((None, f"after >= {need:.0%} faster than before on {wname} at pp=4: not measured"))
+            out.append((None, f"after >= {need:.0%} faster than before on {wname} at pp=4: not measured", 0))
             continue
         gain = 1 - after.best / before.best
         out.append((gain >= need, f"after >= {need:.0%} faster than before on {wname} at pp=4: {gain:+.1%} "
-                                  f"({before.best:.3f} s -> {after.best:.3f} s)"))
+                                  f"({before.best:.3f} s -> {after.best:.3f} s)", 1))
     _, after = pair("long-tail", 4)
     if after is None:
-        out.append((None, "long-tail at pp=4 within 3% of the lower bound: not measured"))
+        out.append((None, "long-tail at pp=4 within 3% of the lower bound: not measured", 0))
     else:
         gap = after.best / after.bound - 1
         out.append((gap <= 0.03, f"long-tail at pp=4 within 3% of the lower bound: measured {gap:+.1%} above it "
-                                 f"(predicted {after.predicted / after.bound - 1:+.1%}; bound {after.bound:.3f} s)"))
+                                 f"(predicted {after.predicted / after.bound - 1:+.1%}; bound {after.bound:.3f} s)", 1))
     for other in ("before", "slime"):
         cmp = []
         for r in done:
@@ -414,18 +417,19 @@ def targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
                 cmp.append((r.best / peer.best - 1, f"{r.setup.name} {r.workload}"))
         if not cmp:
             out.append((None, f"after never slower than {other}: not measured" +
-                        (" (set SLIME_GIT)" if other == "slime" else "")))
+                        (" (set SLIME_GIT)" if other == "slime" else ""), 0))
             continue
         worst = max(cmp)
         slower = [f"{name} {d:+.1%}" for d, name in cmp if d > NOISE]
         out.append((not slower, f"after never slower than {other} (by > {NOISE:.1%}): worst {worst[0]:+.1%} "
                                 f"({worst[1]}) over {len(cmp)} cases" + (f"; slower: {', '.join(slower)}" if slower
-                                                                        else "")))
+                                                                        else ""), len(cmp)))
     return out
 
 
-def _verdict(ok: bool | None) -> str:
-    return "PASS" if ok else ("n/a " if ok is None else "FAIL")
+def _verdict(ok: bool | None, cases: int) -> str:
+    """A target's verdict; SKIP where its runs were not measured (its line says which)."""
+    return verdict(bool(ok), cases, "not measured")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(f"note: {note}")
     print("\ntargets:")
-    for ok, text in targets(rows):
-        print(f"  {_verdict(ok)}  {text}")
+    for ok, text, cases in targets(rows):
+        print(f"  {_verdict(ok, cases)}  {text}")
     return 0
 
 

@@ -67,6 +67,7 @@ from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_sche
 from slime_ext.schedule.packing import halve_by_tokens
 
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .verdict import verdict
 
 #: Qwen3-8B-like with 32 layers, so that every layout of the table splits its layers evenly, as Megatron requires
 #: without the layout flags (36 layers do not split over pp 8, nor over pp 4 x vpp 2); the last stage also holds
@@ -619,15 +620,16 @@ def main(argv: list[str] | None = None) -> int:
             moved.append(abs(r["best1"] - r["best4"]) / r["best4"])
             line += f"{moved[-1]:>12.4%}"
         print(line, flush=True)
-    worst, mean = max(ratios), sum(ratios) / len(ratios)
-    print(f"plan/best: worst {worst:.4f}, mean {mean:.4f} -> {'PASS' if worst <= 1.02 else 'FAIL'} (target <= 1.02)")
+    worst, mean = max(ratios, default=math.inf), sum(ratios) / max(1, len(ratios))
+    print(f"plan/best: worst {worst:.4f}, mean {mean:.4f} -> {verdict(worst <= 1.02, len(ratios), 'no case')} "
+          f"(target <= 1.02)")
     if base_ratios:
         print(f"baseline plan/best: worst {max(base_ratios):.4f}, mean {sum(base_ratios) / len(base_ratios):.4f}; "
               f"mean {'no worse' if mean <= sum(base_ratios) / len(base_ratios) + 1e-12 else 'WORSE'} than the "
               f"baseline's")
     if moved:
         print(f"4x longer search moved the best by at most {max(moved):.3%} -> "
-              f"{'PASS' if max(moved) < 0.003 else 'FAIL'} (target < 0.3% on every case)")
+              f"{verdict(max(moved) < 0.003, len(moved), 'no case')} (target < 0.3% on every case)")
     if args.record:
         with open(args.record, "w") as f:
             json.dump({"budget": budget, "settings": settings.__dict__, "best": record}, f, indent=1)

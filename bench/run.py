@@ -43,6 +43,7 @@ from slime_ext.metrics import Metrics, fwd_flops, measure
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, check_schedule, plan_schedule
 from slime_ext.schemes import BASELINES
 
+from .verdict import verdict
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, Case, make_lengths
 
 QUICK_CASES = ("rl-1k-dp8", "heavy-4k-dp32-gbs1k", "uniform-4k-dp32")
@@ -173,8 +174,23 @@ class Row:
     reference: Result
 
 
-def _targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
-    out: list[tuple[bool | None, str]] = []
+@dataclass(frozen=True)
+class Target:
+    """One line of the targets: a verdict over ``cases`` (SKIP with ``why_none`` over none), or a note (ok None)."""
+    ok: bool | None
+    text: str
+    cases: int = 1
+    why_none: str = ""
+
+    def line(self) -> str:
+        return f"        {self.text}" if self.ok is None else \
+            f"  {verdict(self.ok, self.cases, self.why_none)}  {self.text}"
+
+
+def _targets(rows: list[Row], reference_missing: str | None = None) -> list[Target]:
+    out: list[Target] = []
+    no_reference = "upstream slime is not available, see 'reference:' at the top" if reference_missing else \
+        "the reference ran on no case, see its rows"
 
     def ratio(row: Row) -> float | None:
         if row.reference.time_s is None:
@@ -186,28 +202,30 @@ def _targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
     if measured:
         worst, x = min(measured, key=lambda t: t[1])
         fails = [f"{r.case.name}/{r.flags} {v:.1f}x" for r, v in measured if v < 20]
-        out.append((not fails, f">=20x faster than reference (b) on every case and flags: min {x:.1f}x "
-                               f"({worst.case.name}/{worst.flags}); below 20x: {len(fails)}/{len(measured)}"
-                               + (f" [{', '.join(fails)}]" if fails else "")))
+        out.append(Target(not fails, f">=20x faster than reference (b) on every case and flags: min {x:.1f}x "
+                                     f"({worst.case.name}/{worst.flags}); below 20x: {len(fails)}/{len(measured)}"
+                                     + (f" [{', '.join(fails)}]" if fails else ""), len(measured)))
     target = [r for r in rows if r.case.name == "rl-16k-dp128" and r.flags == "balance_data"]
     if target:
         t = target[0].ours.time_s * 1e3
-        out.append((t <= 70, f"rl-16k-dp128 balance_data <= 70 ms: {t:.1f} ms"))
+        out.append(Target(t <= 70, f"rl-16k-dp128 balance_data <= 70 ms: {t:.1f} ms"))
     flops_rows = [(r, v) for r, v in measured if r.balance_by_flops]
     if flops_rows:
         worst, x = min(flops_rows, key=lambda t: t[1])
         fails = [f"{r.case.name}/{r.flags} {v:.0f}x" for r, v in flops_rows if v < 1000]
-        out.append((not fails, f"FLOPs mode >=1000x faster than (b): min {x:.0f}x ({worst.case.name}/{worst.flags}); "
-                               f"below: {len(fails)}/{len(flops_rows)}"
-                               + (f" [{', '.join(fails)}]" if fails else "")))
+        out.append(Target(not fails, f"FLOPs mode >=1000x faster than (b): min {x:.0f}x ({worst.case.name}/"
+                                     f"{worst.flags}); below: {len(fails)}/{len(flops_rows)}"
+                                     + (f" [{', '.join(fails)}]" if fails else ""), len(flops_rows)))
     if skipped:
-        out.append((None, f"not measured (reference skipped, see its row for the estimate): {', '.join(skipped)}"))
+        out.append(Target(None, f"not measured (reference skipped, see its row for the estimate): "
+                                f"{', '.join(skipped)}"))
 
     comp = [r for r in rows if r.reference.metrics is not None and r.reference.metrics.steps]
     fails = [f"{r.case.name}/{r.flags} {r.ours.metrics.worst.imbalance:.4f}>{r.reference.metrics.worst.imbalance:.4f}"
              for r in comp if r.ours.metrics.worst.imbalance > r.reference.metrics.worst.imbalance + 1e-12]
-    out.append((not fails, f"FLOPs max/mean <= reference (b) on every case and flags: {len(comp) - len(fails)}/"
-                           f"{len(comp)}" + (f" [{', '.join(fails)}]" if fails else "")))
+    out.append(Target(not fails, f"FLOPs max/mean <= reference (b) on every case and flags: {len(comp) - len(fails)}/"
+                                 f"{len(comp)}" + (f" [{', '.join(fails)}]" if fails else ""), len(comp),
+                      no_reference))
 
     balancing = [r for r in rows if r.balance_data]
     flat = [r for r in balancing if r.case.dist != "heavy"]
@@ -215,28 +233,29 @@ def _targets(rows: list[Row]) -> list[tuple[bool | None, str]]:
         worst = max(flat, key=lambda r: r.ours.metrics.worst.imbalance)
         fails = [f"{r.case.name}/{r.flags} {r.ours.metrics.worst.imbalance:.4f}" for r in flat
                  if r.ours.metrics.worst.imbalance > 1.005]
-        out.append((not fails, f"FLOPs max/mean <= 1.005 with balance_data (rl, uniform cases): worst "
-                               f"{worst.ours.metrics.worst.imbalance:.4f} ({worst.case.name}/{worst.flags})"
-                               + (f" [{', '.join(fails)}]" if fails else "")))
+        out.append(Target(not fails, f"FLOPs max/mean <= 1.005 with balance_data (rl, uniform cases): worst "
+                                     f"{worst.ours.metrics.worst.imbalance:.4f} ({worst.case.name}/{worst.flags})"
+                                     + (f" [{', '.join(fails)}]" if fails else ""), len(flat)))
     heavy = [r for r in balancing if r.case.dist == "heavy"]
     for r in heavy:
         m = r.ours.metrics
-        out.append((m.worst_gap <= 1.05, f"heavy-tail {r.case.name}/{r.flags}: within 5% of the balance bound: "
-                                         f"worst (max/mean)/bound = {m.worst_gap:.3f} (worst step max/mean "
-                                         f"{m.worst.imbalance:.4f}, bound {m.worst.balance_bound:.4f})"))
+        out.append(Target(m.worst_gap <= 1.05, f"heavy-tail {r.case.name}/{r.flags}: within 5% of the balance "
+                                               f"bound: worst (max/mean)/bound = {m.worst_gap:.3f} (worst step "
+                                               f"max/mean {m.worst.imbalance:.4f}, bound {m.worst.balance_bound:.4f})"))
 
     above = [f"{r.case.name}/{r.flags} {r.ours.metrics.total_microbatches}>{r.ours.metrics.total_valid_bound}"
              for r in rows if r.ours.metrics.steps_above_bound]
-    out.append((not above, f"#mbs = aligned bound (true bound, every step): {len(rows) - len(above)}/{len(rows)}"
-                           + (f" [{', '.join(above)}]" if above else "")))
+    out.append(Target(not above, f"#mbs = aligned bound (true bound, every step): {len(rows) - len(above)}/"
+                                 f"{len(rows)}" + (f" [{', '.join(above)}]" if above else ""), len(rows), "no case"))
     issue_gap = [r for r in rows if r.ours.metrics.total_microbatches != r.ours.metrics.total_issue_bound]
-    out.append((None, f"(#mbs = the issue's token-only bound: {len(rows) - len(issue_gap)}/{len(rows)}; that formula "
+    out.append(Target(None, f"(#mbs = the issue's token-only bound: {len(rows) - len(issue_gap)}/{len(rows)}; "
+                            f"that formula "
                       f"is not a lower bound once samples exceed the cap, see the legend)"))
     viol = sum(r.ours.metrics.cap_violations for r in rows)
-    out.append((viol == 0, f"zero cap violations (ours): {viol}"))
+    out.append(Target(viol == 0, f"zero cap violations (ours): {viol}", len(rows), "no case"))
     bad = [f"{r.case.name}/{r.flags}" for r in rows if r.ours.problems]
-    out.append((not bad, f"check_schedule + bench shape checks clean on ours: {len(rows) - len(bad)}/{len(rows)}"
-                         + (f" [{', '.join(bad)}]" if bad else "")))
+    out.append(Target(not bad, f"check_schedule + bench shape checks clean on ours: {len(rows) - len(bad)}/"
+                               f"{len(rows)}" + (f" [{', '.join(bad)}]" if bad else ""), len(rows), "no case"))
     return out
 
 
@@ -343,10 +362,9 @@ def run(argv: list[str] | None = None) -> int:
 
     print(f"\ntargets (issue 2), {time.perf_counter() - start:.0f} s in all:")
     failed = False
-    for ok, text in _targets(rows):
-        tag = "    " if ok is None else ("PASS" if ok else "FAIL")
-        failed |= ok is False
-        print(f"  {tag}  {text}")
+    for target in _targets(rows, reference_missing):
+        failed |= target.ok is False and target.cases > 0
+        print(target.line())
     return 1 if (failed and opts.strict) else 0
 
 

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bench.workloads import make_lengths
+from bench.verdict import verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))  # the e2e harness: process launcher, parameter checks
@@ -535,7 +536,7 @@ def run(argv: list[str] | None = None) -> int:
         for rank, res in enumerate(results):
             for wname, scheme, ref, ok, errs, msg in res["invariance"]:
                 invariance_lines.append(
-                    f"{'PASS' if ok else 'FAIL'} {layout_name} rank {rank} {wname}: {scheme} vs {ref}: "
+                    f"{verdict(ok, 1, '')} {layout_name} rank {rank} {wname}: {scheme} vs {ref}: "
                     + (f"params rel {errs['param_rel']:.1e}, update rel {errs['update_rel']:.1e}" if ok else msg))
     say(f"\n## Summary: ratio = scheme / {OURS} (> 1: ours is faster)\n")
     say("| figure | workload | scheme | measured ratio | predicted ratio |")
@@ -548,13 +549,14 @@ def run(argv: list[str] | None = None) -> int:
     if layouts:
         say("\n## Invariance (parameters after the step, every scheme vs the first one run; 1e-5 relative)\n")
         bad = [x for x in invariance_lines if x.startswith("FAIL")]
-        say(f"{'PASS' if not bad else 'FAIL'}: {len(invariance_lines) - len(bad)}/{len(invariance_lines)} "
+        say(f"{verdict(not bad, len(invariance_lines), 'no comparison ran')}: "
+            f"{len(invariance_lines) - len(bad)}/{len(invariance_lines)} "
             f"comparisons equal within 1e-5")
         for line in bad or invariance_lines[:4]:
             say(f"    {line}")
     say("\n## Targets\n")
     for ok, text in targets:
-        say(f"- {'PASS' if ok else 'FAIL'} {text}")
+        say(f"- {verdict(ok, 1, '')} {text}")
     say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         with open(args.out, "w") as fh:

@@ -28,7 +28,8 @@ from ..schedule import CostModel, CostProfile, DPSchedule
 from ..schemes import BASELINES, NotComparable
 from .errors import CLIError
 from .options import Setup
-from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, render_table
+from .pipeline_plot import step_makespans
+from .report import fmt_cost, fmt_float, fmt_largest, fmt_pct, piped, pooled_balance_bound, render_table
 
 SCHEMES = tuple(BASELINES)
 
@@ -54,6 +55,8 @@ class SchemeRun:
     note: str = ""
     #: how ``seconds`` was measured, when it is not one plain call
     time_note: str = ""
+    #: under pipeline parallelism: the predicted makespan per step (slowest replica), ours' pricing; else None
+    makespans: list[float] | None = None
 
 
 def _dense_source(setup: Setup):
@@ -120,18 +123,43 @@ def run_compare(names: list[str], schedule: DPSchedule, setup: Setup, plan_secon
             run.note = "; ".join([*run.metrics.problems[:3], run.note]).strip("; ")
         else:
             run.step_tokens = _step_tokens(run.schedule, lengths)
+            _price_pipeline(run, schedule)
     return runs
+
+
+def _price_pipeline(run: SchemeRun, schedule: DPSchedule) -> None:
+    """Under pipeline parallelism every scheme's step time is its predicted makespan, as ours' is in the main
+    table: one model for every time and ratio the command prints."""
+    if not piped(schedule):
+        return
+    try:
+        run.makespans = step_makespans(schedule, run.schedule)
+    except ValueError as e:
+        run.note = "; ".join([f"cannot run on this pipeline ({e})", run.note]).strip("; ")
+
+
+def _time(run: SchemeRun, costs: list[float], rank_cost_max: float, schedule: DPSchedule,
+          setup: Setup) -> float | None:
+    """Seconds of the steps whose makespans are ``costs`` (pipelined) or of a slowest rank's cost (no pipeline)."""
+    if piped(schedule):
+        return setup.makespan_seconds(sum(costs)) if run.makespans is not None else None
+    return setup.step_seconds(rank_cost_max)
 
 
 # ---------------------------------------------------------------------------------------------------- the table
 def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> str:
-    unit = "seconds" if isinstance(setup.cost_model, CostProfile) else "FLOPs" if setup.cost_model is not None \
-        else "tokens"
+    unit = schedule.cost_unit
     tok = setup.cost_model is None
-    dp, cap = setup.parallel.dp_size, schedule.cap
+    dp, cap, pipe = setup.parallel.dp_size, schedule.cap, piped(schedule)
     headers = ["step", "scheme", "mbs/rank", "bound/rank", "util", "largest", "over_cap", f"rank_{unit}_max",
-               f"rank_{unit}_mean", "imbal", "imbal_lb", "time_s"]
+               f"rank_{unit}_mean", "imbal", "imbal_lb", *([f"makespan_{unit}"] if pipe else []), "time_s"]
     ok = [r for r in runs if r.metrics is not None and r.metrics.steps]
+
+    def makespan(r: SchemeRun, steps: slice) -> list[str]:
+        if not pipe:
+            return []
+        return [fmt_float(sum(r.makespans[steps])) if r.makespans is not None else "-"]
+
     rows = []
     num_steps = max((len(r.metrics.steps) for r in ok), default=0)
     for s in range(num_steps):
@@ -139,36 +167,59 @@ def compare_table(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> 
             if s >= len(r.metrics.steps):
                 continue
             m = r.metrics.steps[s]
-            rows.append([str(s), r.name, str(m.total_microbatches // dp), str(m.valid_bound // dp),
+            rows.append([str(s), r.name, str(m.total_microbatches // dp), _bound(m.valid_bound // dp, m.cap_violations),
                          fmt_pct(r.step_tokens[s] / (m.total_microbatches * cap)),
                          fmt_largest(m.largest_microbatch_tokens, cap), str(m.cap_violations),
                          fmt_cost(m.rank_cost_max, tok), fmt_cost(m.rank_cost_mean, tok), f"{m.imbalance:.3f}",
-                         f"{m.balance_bound:.3f}", fmt_float(setup.step_seconds(m.rank_cost_max))])
+                         f"{m.balance_bound:.3f}", *makespan(r, slice(s, s + 1)),
+                         fmt_float(_time(r, (r.makespans or [])[s:s + 1], m.rank_cost_max, schedule, setup))])
     for r in ok:
         st = r.metrics.steps
         fmax, fmean = sum(m.rank_cost_max for m in st), sum(m.rank_cost_mean for m in st)
-        rows.append(["all", r.name, str(r.metrics.total_microbatches // dp), str(r.metrics.total_valid_bound // dp),
+        rows.append(["all", r.name, str(r.metrics.total_microbatches // dp),
+                     _bound(sum(m.valid_bound // dp for m in st), r.metrics.cap_violations),
                      fmt_pct(sum(r.step_tokens) / (r.metrics.total_microbatches * cap)),
                      fmt_largest(r.metrics.largest_microbatch_tokens, cap), str(r.metrics.cap_violations),
                      fmt_cost(fmax, tok), fmt_cost(fmean, tok), f"{fmax / fmean if fmean else 1.0:.3f}",
-                     f"{max(m.balance_bound for m in st):.3f}", fmt_float(setup.step_seconds(fmax))])
+                     f"{pooled_balance_bound([(m.balance_bound, m.rank_cost_mean) for m in st]):.3f}",
+                     *makespan(r, slice(None)), fmt_float(_time(r, r.makespans or [], fmax, schedule, setup))])
+    time_basis = ("time_s = the slowest replica's predicted pipeline makespan in seconds, as in the table above"
+                  if pipe else "time_s = the slowest rank's cost in seconds, as in the table above")
     lines = [f"compare on the same input: every scheme measured by slime_ext.metrics.measure with the same cost "
-             f"({unit})",
-             f"bound/rank = true lower bound on micro-batches per rank; over_cap = micro-batches of several samples "
-             f"above the cap {cap}"]
+             f"({unit}); {time_basis}",
+             f"bound/rank = true lower bound on micro-batches per rank of a schedule within the cap (- where the "
+             f"scheme broke it); over_cap = micro-batches of several samples above the cap {cap}; imbal_lb as in the "
+             f"table above"]
     if rows:
         table = render_table(rows, headers).splitlines()
         # a rule between the steps and the totals
         split = 2 + sum(1 for row in rows if row[0] != "all")
         table.insert(split, table[1])
         lines += ["", *table]
-    lines += ["", *_verdicts(runs, setup)]
+    lines += ["", *_verdicts(runs, schedule, setup)]
     return "\n".join(lines)
 
 
-def _verdicts(runs: list[SchemeRun], setup: Setup) -> list[str]:
+def _bound(bound_per_rank: int, cap_violations: int) -> str:
+    """The lower bound binds a schedule that keeps the cap; a scheme that broke it (over_cap) may go below: '-'."""
+    return "-" if cap_violations else str(bound_per_rank)
+
+
+def _total_cost(r: SchemeRun, schedule: DPSchedule) -> float | None:
+    """What the verdict's ratio compares: the summed pipeline makespans (pipelined) or slowest-rank costs."""
+    if piped(schedule):
+        return sum(r.makespans) if r.makespans is not None else None
+    return sum(s.rank_cost_max for s in r.metrics.steps)
+
+
+def _verdicts(runs: list[SchemeRun], schedule: DPSchedule, setup: Setup) -> list[str]:
     ours = runs[0]
     om = ours.metrics
+    ours_total = _total_cost(ours, schedule) if om is not None and om.steps else None
+    if setup.cost_model is not None:
+        what = "est. step time"
+    else:
+        what = "pipeline makespan (tokens)" if piped(schedule) else "slowest-rank tokens"
     out = []
     for r in runs:
         head = f"{r.name}:"
@@ -176,16 +227,15 @@ def _verdicts(runs: list[SchemeRun], setup: Setup) -> list[str]:
             out.append(f"{head} {r.note or 'no result'}")
             continue
         m = r.metrics
-        fmax = sum(s.rank_cost_max for s in m.steps)
         if r is ours:
             r.time_note = "one run; python -m bench.run times the schemes properly"
         parts = [f"planned in {r.seconds * 1e3:.1f} ms" + (f" ({r.time_note})" if r.time_note else "")]
         if r is not ours and om is not None and om.steps:
-            ours_fmax = sum(s.rank_cost_max for s in om.steps)
             parts.append(f"micro-batches/rank {m.total_microbatches // setup.parallel.dp_size} vs ours "
                          f"{om.total_microbatches // setup.parallel.dp_size}")
-            what = "est. step time" if setup.cost_model is not None else "slowest-rank tokens"
-            parts.append(f"{what} x{fmax / ours_fmax:.3f} of ours" if ours_fmax else "")
+            total = _total_cost(r, schedule)
+            if total is not None and ours_total:
+                parts.append(f"{what} x{total / ours_total:.3f} of ours")
         if m.cap_violations:
             parts.append(f"{m.cap_violations} micro-batches break the cap")
         if r.note:

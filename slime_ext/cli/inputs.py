@@ -452,6 +452,17 @@ def _read_bounded(path: str) -> bytes:
         raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def _is_jsonl(text: str) -> bool:
+    """Whether ``text`` reads as JSON Lines: at least two non-empty lines, the first two each a JSON object."""
+    lines = [line for line in text.splitlines()[:3] if line.strip()]
+    if len(lines) < 2:
+        return False
+    try:
+        return all(isinstance(json.loads(line), dict) for line in lines[:2])
+    except (json.JSONDecodeError, RecursionError, ValueError):
+        return False
+
+
 def load_schedule_json(path: str) -> dict:
     """The JSON object in a schedule file written by ``plan --json`` (for ``--from-json``), read with a bound.
 
@@ -470,6 +481,10 @@ def load_schedule_json(path: str) -> dict:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
+        if _is_jsonl(text):
+            raise CLIError(f"{path}: JSONL (one JSON object per line, e.g. a rollout's samples), not a schedule; "
+                           f"--from-json takes one JSON object written by plan --json; to plan these samples, give "
+                           f"the file as INPUT: slime-ext plan {path} ...") from None
         raise CLIError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
         raise CLIError(f"{path}: JSON nested too deeply to read; --from-json takes a schedule written by --json") \

@@ -99,20 +99,11 @@ def plot_pipelines(path: str, schedule: DPSchedule, panels: Sequence[tuple[str, 
     return lines
 
 
-
-def compare_makespans(schedule: DPSchedule, panels: Sequence[tuple[str, object]]) -> str:
-    """One line: every scheme's predicted pipeline makespan summed over its steps, priced as the planner prices
-    ours (a scheme whose micro-batch count megatron-core would refuse on this pipeline says so)."""
+def step_makespans(schedule: DPSchedule, view) -> list[float]:
+    """``view``'s predicted pipeline makespan per step (its slowest replica), priced as the planner prices ours
+    (``schedule``'s pricing, in :attr:`PipelinePricing.units`). Raises ValueError where a step's micro-batch count
+    is one megatron-core would refuse on this pipeline."""
     pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
-    parts = []
-    for label, view in panels:
-        priced = _Priced(schedule, view)
-        try:
-            total = sum(float(pricing.makespans(step_microbatch_costs(priced, s)).max())
-                        for s in range(len(priced.num_microbatches)))
-        except ValueError as e:
-            parts.append(f"{label} cannot run on this pipeline ({e})")
-            continue
-        parts.append(f"{label} {total:.4g}")
-    return (f"pipeline: predicted makespan of the slowest replica, summed over steps ({pricing.units}, "
-            f"pp_size={schedule.parallel.pp_size}): " + ", ".join(parts))
+    priced = _Priced(schedule, view)
+    return [float(pricing.makespans(step_microbatch_costs(priced, s)).max())
+            for s in range(len(priced.num_microbatches))]

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
+
+import numpy as np
 
 from ..schedule import DPSchedule, ScheduleError, check_schedule, plan_schedule
 from ..schedule.pipeline_pricing import pipeline_pricing
@@ -27,6 +31,8 @@ from .errors import CLIError
 EXIT_INVALID = 1
 #: print "planning N samples ..." on stderr from this many samples on
 PLAN_PROGRESS_FROM = 200_000
+#: warn when more than this share of the samples is longer than the cap (each then fills a micro-batch alone)
+OVERSIZE_WARN_SHARE = 0.5
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan",
         help="plan one rollout's schedule and print per-step stats (or validate a saved one)",
         description="Plan one rollout's micro-batch schedule with the training flags and print, per step: "
-                    "samples, micro-batches per rank vs the aligned bound, token utilisation, largest "
+                    "samples, micro-batches per rank vs the planner's target, token utilisation, largest "
                     "micro-batch vs the cap, FLOPs max/mean over DP ranks and an estimated step time.",
         epilog="synthetic SPEC: " + inputs.SYNTHETIC_HELP + ". JSONL fields: total_length or tokens (list or int), "
                "optional rollout_id, loss_tokens. Exit codes: 0 ok, 1 invalid saved schedule, 2 bad input.",
@@ -83,16 +89,49 @@ def _write_json(path: str, schedule: DPSchedule) -> None:
         raise CLIError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _plot(args, panels, title: str) -> None:
-    steps, truncated = plot.parse_steps(args.plot_steps, panels[0][1].num_steps)
+def _check_writable(flag: str, path: str) -> None:
+    """An output path that cannot be written is refused before planning, not after the table has printed."""
+    target = Path(path)
+    if target.is_dir():
+        raise CLIError(f"{flag} {path}: is a directory; give a file name in it, e.g. {target / 'plan.png'}")
+    folder = target.parent
+    if not folder.is_dir():
+        raise CLIError(f"{flag} {path}: the directory {folder} does not exist; create it (mkdir -p {folder}) or "
+                       f"give another path")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise CLIError(f"{flag} {path}: not writable by this user; give a path you can write")
+
+
+def _plot_steps(args, schedule: DPSchedule) -> tuple[list[int], bool] | None:
+    """The steps to draw, checked against the schedule before anything is printed."""
+    if args.plot is None and args.plot_pipeline is None:
+        return None
+    return plot.parse_steps(args.plot_steps, schedule.num_steps)
+
+
+def _warn_oversize(lengths, cap: int | None, cp_size: int) -> None:
+    """A cap below most samples plans a micro-batch per sample, each above the cap: say so, and the fix."""
+    if cap is None or len(lengths) == 0:
+        return
+    lengths = np.asarray(lengths)
+    over = int((lengths > cap).sum())
+    if over > OVERSIZE_WARN_SHARE * len(lengths):
+        _warn(f"{over / len(lengths):.0%} of the samples ({over:,} of {len(lengths):,}) are longer than the cap of "
+              f"{cap:,} tokens per micro-batch (max_tokens_per_gpu x cp_size={cp_size}): each trains alone in a "
+              f"micro-batch above the cap; raise --max-tokens-per-gpu (the median sample has "
+              f"{int(np.median(lengths)):,} tokens, the longest {int(lengths.max()):,})")
+
+
+def _plot(args, panels, steps: tuple[list[int], bool], title: str) -> None:
+    steps, truncated = steps
     plot.plot_schedules(args.plot, panels[0][1], panels, args.plot_metric, steps, title)
     note = f" (steps {steps[0]}-{steps[-1]} of {panels[0][1].num_steps}; --plot-steps all for every step)" \
         if truncated else ""
     print(f"wrote {args.plot}{note}")
 
 
-def _plot_pipeline(args, schedule: DPSchedule, panels, title: str) -> None:
-    steps, _ = plot.parse_steps(args.plot_steps, schedule.num_steps)
+def _plot_pipeline(args, schedule: DPSchedule, panels, steps: tuple[list[int], bool], title: str) -> None:
+    steps, _ = steps
     pricing = pipeline_pricing(schedule.parallel, schedule.cost_model, schedule.cap)
     lines = pipeline_plot.plot_pipelines(
         args.plot_pipeline, schedule, [(label or "ours", view) for label, view in panels], steps[0], pricing,
@@ -103,6 +142,11 @@ def _plot_pipeline(args, schedule: DPSchedule, panels, title: str) -> None:
 
 def _check_outputs(args, has_cost_model: bool, pp_size: int = 1) -> None:
     """Output flags that cannot work are rejected before any work is done."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot), ("--plot-pipeline", args.plot_pipeline)):
+        if path is not None:
+            _check_writable(flag, path)
+    if args.plot_steps is not None and args.plot_steps.strip() != "all":
+        plot.step_spec(args.plot_steps)
     if args.plot_pipeline is not None:
         if pp_size < 2:
             raise CLIError("--plot-pipeline draws a pipelined step: pass --pipeline-model-parallel-size N (N >= 2)")
@@ -147,15 +191,17 @@ def _replay(args) -> int:
             print(f"  - {p}")
         return EXIT_INVALID
     _check_outputs(args, schedule.cost_model is not None, schedule.parallel.pp_size)
+    steps = _plot_steps(args, schedule)
     setup = options.replay_setup(cli, schedule)
     print(f"valid: {args.from_json} passes every schedule invariant (check_schedule); stats as recorded in the file")
     print(report.report(schedule, setup, args.from_json, with_legend=not args.no_legend))
     if args.json:
         _write_json(args.json, schedule)
     if args.plot:
-        _plot(args, [(None, schedule)], f"{args.from_json}: {report.short_config(schedule)}")
+        _plot(args, [(None, schedule)], steps, f"{args.from_json}: {report.short_config(schedule)}")
     if args.plot_pipeline:
-        _plot_pipeline(args, schedule, [(None, schedule)], f"{args.from_json}: {report.short_config(schedule)}")
+        _plot_pipeline(args, schedule, [(None, schedule)], steps,
+                       f"{args.from_json}: {report.short_config(schedule)}")
     return 0
 
 
@@ -167,6 +213,10 @@ def _plan(args) -> int:
     if not setup.batch.use_dynamic_batch_size and "max_tokens_per_gpu" in merged:
         _warn("--max-tokens-per-gpu has no effect without --use-dynamic-batch-size (static micro-batches of "
               f"micro_batch_size={setup.batch.micro_batch_size} samples)")
+    if setup.batch.use_dynamic_batch_size and merged.get("micro_batch_size", 1) != 1:
+        _warn(f"--micro-batch-size {merged['micro_batch_size']} has no effect with --use-dynamic-batch-size "
+              f"(micro-batches are cut by tokens, up to --max-tokens-per-gpu); drop it, or drop "
+              f"--use-dynamic-batch-size for static micro-batches of {merged['micro_batch_size']} samples")
     scheme = get_dp_schedule(setup.dp_schedule)
     if scheme is not get_dp_schedule():  # the table is the default scheme's plan
         _warn(f"the config runs {scheme.title} (dp_schedule: {scheme.name}, global_batch_size counts "
@@ -179,6 +229,7 @@ def _plan(args) -> int:
                        "every scheme cuts the same fixed chunks")
 
     samples = inputs.load_samples(args.input, args.synthetic, progress=not args.quiet)
+    _warn_oversize(samples.total_lengths, setup.batch.cap(setup.parallel.cp_size), setup.parallel.cp_size)
     big = samples.num_samples >= PLAN_PROGRESS_FROM and not args.quiet
     if big:
         print(f"planning {samples.num_samples:,} samples ...", file=sys.stderr, flush=True)
@@ -191,6 +242,7 @@ def _plan(args) -> int:
     plan_seconds = time.perf_counter() - t0
     if big:
         print(f"planned in {plan_seconds:.2f} s", file=sys.stderr, flush=True)
+    steps = _plot_steps(args, schedule)
 
     if args.json:
         _write_json(args.json, schedule)
@@ -201,14 +253,12 @@ def _plan(args) -> int:
         print()
         print(compare.compare_table(runs, schedule, setup))
         panels = [(r.name, r.schedule) for r in runs if r.metrics is not None and r.metrics.steps]
-        if schedule.parallel.pp_size > 1:
-            print(pipeline_plot.compare_makespans(schedule, panels))
     if args.json:
         print(f"wrote {args.json}")
     if args.plot:
-        _plot(args, panels, f"{samples.source}: {report.short_config(schedule)}")
+        _plot(args, panels, steps, f"{samples.source}: {report.short_config(schedule)}")
     if args.plot_pipeline:
-        _plot_pipeline(args, schedule, panels, f"{samples.source}: {report.short_config(schedule)}")
+        _plot_pipeline(args, schedule, panels, steps, f"{samples.source}: {report.short_config(schedule)}")
     return 0
 
 

@@ -30,12 +30,9 @@ def require_matplotlib() -> None:
                        "(or pip install matplotlib)") from None
 
 
-def parse_steps(spec: str | None, num_steps: int) -> tuple[list[int], bool]:
-    """``(steps to plot, truncated)`` from ``all`` / ``0,2,5-7`` / ``None`` (the first :data:`DEFAULT_MAX_STEPS`)."""
-    if spec is None:
-        return list(range(min(num_steps, DEFAULT_MAX_STEPS))), num_steps > DEFAULT_MAX_STEPS
-    if spec.strip() == "all":
-        return list(range(num_steps)), False
+def step_spec(spec: str) -> list[int]:
+    """The steps ``--plot-steps 0,2,5-7`` names, in order, checked before planning (the schedule's step count is
+    checked by :func:`parse_steps` once it is known)."""
     steps: list[int] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         lo, dash, hi = part.partition("-")
@@ -43,11 +40,26 @@ def parse_steps(spec: str | None, num_steps: int) -> tuple[list[int], bool]:
             a, b = int(lo), int(hi) if dash else int(lo)
         except ValueError:
             raise CLIError(f"--plot-steps {spec!r}: {part!r} is not a step number or a range like 2-5") from None
-        if not 0 <= a <= b < num_steps:
-            raise CLIError(f"--plot-steps {spec!r}: {part!r} is outside the schedule's steps 0..{num_steps - 1}")
+        if a < 0:
+            raise CLIError(f"--plot-steps {spec!r}: {part!r}: steps count from 0")
+        if a > b:
+            raise CLIError(f"--plot-steps {spec!r}: {part!r} is a reversed range; write it low-high: {b}-{a}")
         steps.extend(s for s in range(a, b + 1) if s not in steps)
     if not steps:
         raise CLIError(f"--plot-steps {spec!r}: no steps; give e.g. 0,2-3 or all")
+    return steps
+
+
+def parse_steps(spec: str | None, num_steps: int) -> tuple[list[int], bool]:
+    """``(steps to plot, truncated)`` from ``all`` / ``0,2,5-7`` / ``None`` (the first :data:`DEFAULT_MAX_STEPS`)."""
+    if spec is None:
+        return list(range(min(num_steps, DEFAULT_MAX_STEPS))), num_steps > DEFAULT_MAX_STEPS
+    if spec.strip() == "all":
+        return list(range(num_steps)), False
+    steps = step_spec(spec)
+    outside = [s for s in steps if s >= num_steps]
+    if outside:
+        raise CLIError(f"--plot-steps {spec!r}: step {outside[0]} is outside the schedule's steps 0..{num_steps - 1}")
     return steps, False
 
 

@@ -39,8 +39,8 @@ class Column:
 
 def _columns(unit: str, piped: bool = False) -> list[Column]:
     pipeline = [
-        Column("makespan", "pipeline (pp > 1): the slowest replica's predicted makespan of megatron-core's schedule "
-                           "(slime_ext.schedule.pipeline_model), in the cost's per-stage units (see time:)"),
+        Column(f"makespan_{unit}", "pipeline (pp > 1): the slowest replica's predicted makespan of megatron-core's "
+                                   f"schedule (slime_ext.schedule.pipeline_model), in one stage's {unit} (see time:)"),
         Column("bubble", "... and that replica's bubble: 1 - one stage's work / makespan"),
     ] if piped else []
     return [
@@ -49,8 +49,9 @@ def _columns(unit: str, piped: bool = False) -> list[Column]:
         Column("samples", "samples trained in the step (the LR scheduler steps by this)"),
         Column("tokens", ""),
         Column("mbs/rank", "micro-batches per DP rank (the same on every rank)"),
-        Column("bound/rank", "micro-batches per rank the planner aimed for: the aligned token bound, raised where "
-                             "packing needs more (packing_target / dp_size)"),
+        Column("target/rank", "micro-batches per rank the planner aimed for: the aligned token bound, raised where "
+                             "packing needs more (packing_target / dp_size); a target, not a bound (--compare prints "
+                             "the true lower bound)"),
         Column("util", "token utilisation: tokens / (micro-batches x cap); above 100% with oversize samples"),
         Column("largest", "tokens in the largest micro-batch (* above the cap: a single oversize sample, alone)"),
         Column("cap", "token cap per micro-batch (max_tokens_per_gpu x cp_size)"),
@@ -58,9 +59,10 @@ def _columns(unit: str, piped: bool = False) -> list[Column]:
                                    f"rank: the slowest rank"),
         Column(f"rank_{unit}_mean", "... and the mean over ranks"),
         Column("imbal", "max/mean over ranks (1.00 is perfect)"),
-        Column("imbal_lb", "no assignment can do better: max(1, largest sample / mean rank)"),
+        Column("imbal_lb", "no assignment can do better: max(1, largest sample / mean rank); in the all row, the "
+                           "steps' bounds weighted by their mean rank"),
         *pipeline,
-        Column("time_s", "estimated step time (see time: above)"),
+        Column("time_s", "estimated step time in seconds (see time: above)"),
     ]
 
 
@@ -74,7 +76,8 @@ def fmt_largest(tokens: int, cap: int | None) -> str:
     return f"{tokens}*" if cap is not None and tokens > cap else str(tokens)
 
 
-def _piped(schedule: DPSchedule) -> bool:
+def piped(schedule: DPSchedule) -> bool:
+    """Whether the step times are pipeline makespans (pp > 1 and every step priced by the pipeline model)."""
     return schedule.parallel.pp_size > 1 and all(s.predicted_makespan is not None for s in schedule.stats)
 
 
@@ -101,6 +104,14 @@ def _total_time(stats: Sequence[StepStats], setup: Setup) -> float | None:
     return None if None in times else sum(times)  # type: ignore[arg-type]
 
 
+def pooled_balance_bound(steps: Sequence[tuple[float, float]]) -> float:
+    """The ``all`` row's ``imbal_lb`` from each step's ``(bound, mean rank cost)``: the steps' bounds weighted by
+    their mean. A true bound on ``sum(max) / sum(mean)``: every step's slowest rank costs at least its bound times
+    its mean, and the sums keep that (the largest step's bound alone would not: it can exceed the pooled ratio)."""
+    total = sum(mean for _, mean in steps)
+    return sum(bound * mean for bound, mean in steps) / total if total > 0 else 1.0
+
+
 def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup, piped: bool = False) -> list[str]:
     caps = {s.cap for s in stats}
     tokens = sum(s.total_tokens for s in stats)
@@ -111,12 +122,12 @@ def _total_row(stats: Sequence[StepStats], dp: int, setup: Setup, piped: bool = 
     fmean = sum(s.rank_cost_mean for s in stats)
     return [
         "all", str(sum(s.num_rollouts for s in stats)), str(sum(s.num_samples for s in stats)), str(tokens),
-        str(sum(s.num_microbatches for s in stats)), str(sum(s.packing_target for s in stats) // dp),
+        str(sum(s.num_microbatches for s in stats)), str(sum(s.packing_target // dp for s in stats)),
         fmt_pct(util), fmt_largest(max(s.largest_bin_tokens for s in stats), min(caps, default=None)
                                    if None not in caps else None),
         "-" if None in caps else "/".join(map(str, sorted(caps))),
         fmt_cost(fmax, setup.cost_model is None), fmt_cost(fmean, setup.cost_model is None), f"{fmax / fmean if fmean else 1.0:.3f}",
-        f"{max(s.balance_lower_bound for s in stats):.3f}",
+        f"{pooled_balance_bound([(s.balance_lower_bound, s.rank_cost_mean) for s in stats]):.3f}",
         *([fmt_float(sum(s.predicted_makespan for s in stats)), "-"] if piped else []),
         fmt_float(_total_time(stats, setup)),
     ]
@@ -178,19 +189,19 @@ def header(schedule: DPSchedule, setup: Setup, source: str) -> str:
                      f"{prof.per_sample_quadratic_s + prof.packed_quadratic_s:.3g} x L^2 per sample of L tokens, "
                      f"+ {prof.microbatch_overhead_s:.3g} per micro-batch; measured on "
                      f"{prof.meta.get('device', '?')}")
-        lines.append("time: time_s = the predicted pipeline makespan (seconds)" if _piped(schedule) else
+        lines.append("time: time_s = the predicted pipeline makespan (seconds)" if piped(schedule) else
                      "time: time_s = the slowest rank's per-sample seconds (micro-batch and step overheads excluded)")
     else:
         lin, quad = schedule.cost_model.coefficients()
         lines.append(f"cost: forward FLOPs = {lin:.3g} x L + {quad:.3g} x L^2 per sample of L tokens")
-        if _piped(schedule):
+        if piped(schedule):
             lines.append(f"time: time_s = the predicted pipeline makespan (per-stage forward FLOPs, backward 2x) / "
                          f"({setup.tflops:g} TFLOP/s x {setup.gpus_per_replica // p.pp_size} GPUs per stage = tp*cp)")
         else:
             lines.append(f"time: time_s = {FWD_BWD_FACTOR:g} (fwd+bwd) x FLOPs max/rank / ({setup.tflops:g} TFLOP/s "
                          f"x {setup.gpus_per_replica} GPUs per replica = tp*pp*cp); no pipeline bubble or "
                          f"communication")
-    if _piped(schedule):
+    if piped(schedule):
         spec = f"pp_size={p.pp_size}" + (f" vpp_size={p.vpp_size} ({'overlapped' if p.overlap_p2p_comm else 'batched'}"
                                          f" p2p)" if p.vpp_size > 1 else "")
         lines.append(f"pipeline: {spec}; micro-batch order and count chosen by the predicted makespan of the "
@@ -211,16 +222,16 @@ def stages_line(schedule: DPSchedule) -> str:
 
 
 def step_table(schedule: DPSchedule, setup: Setup) -> str:
-    piped = _piped(schedule)
-    cols = _columns(schedule.cost_unit, piped)
+    pipe = piped(schedule)
+    cols = _columns(schedule.cost_unit, pipe)
     dp = schedule.dp_size
-    rows = [_row(s, dp, setup, piped) for s in schedule.stats]
-    rows.append(_total_row(schedule.stats, dp, setup, piped))
+    rows = [_row(s, dp, setup, pipe) for s in schedule.stats]
+    rows.append(_total_row(schedule.stats, dp, setup, pipe))
     return render_table(rows, [c.header for c in cols], rule_before_last=True)
 
 
 def legend(schedule: DPSchedule) -> str:
-    cols = _columns(schedule.cost_unit, _piped(schedule))
+    cols = _columns(schedule.cost_unit, piped(schedule))
     width = max(len(c.header) for c in cols if c.legend)
     return "\n".join(f"  {c.header.ljust(width)}  {c.legend}" for c in cols if c.legend)
 
@@ -231,7 +242,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     dp = schedule.dp_size
     kept = sum(schedule.samples_per_step)
     mbs = sum(schedule.num_microbatches)
-    bound = sum(s.packing_target for s in stats) // dp
+    bound = sum(s.packing_target // dp for s in stats)
     if schedule.dropped:
         rids = schedule.rollout_ids
         n_roll = len({rids[i] for i in schedule.dropped}) if rids is not None else len(schedule.dropped)
@@ -244,7 +255,7 @@ def summary(schedule: DPSchedule, setup: Setup) -> str:
     over = sum(s.cap_violations for s in stats)
     parts = [
         f"total: {plural(schedule.num_steps, 'step')}, {kept} samples trained, {dropped}",
-        f"{mbs} micro-batches per rank (aligned bound {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
+        f"{mbs} micro-batches per rank (target {bound}{', +%d' % (mbs - bound) if mbs > bound else ''})",
         f"{schedule.cost_unit} max/mean {fmax / max(1e-300, sum(s.rank_cost_mean for s in stats)):.3f}",
     ]
     if t is not None:

@@ -33,7 +33,8 @@ from slime_ext.train_config import RESETTABLE_KEYS
 
 from .actors import RolloutManager, TrainActor, remote
 from .config import RunConfig
-from .harness import HEADER, RunResult, StepTimeout, describe, finish_rollout, worker_env
+from .harness import (HEADER, LEGEND, Phases, RunResult, StepTimeout, describe, finish_rollout, time_summary,
+                      worker_env)
 
 logger = logging.getLogger("slime_ext.rollout")
 
@@ -74,13 +75,14 @@ def start_ray(config: RunConfig, *, extra_pythonpath: Sequence[str] = ()) -> boo
 DEAD_PEER_GRACE_S = 2.0
 
 
-def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[Any]:
+def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str,
+           grace: float = DEAD_PEER_GRACE_S) -> list[Any]:
     """Results of ``calls`` (``(name, ObjectRef)``) in order; the first failure or the timeout raises at once.
 
     One exception: when a rank's process dies, its peers' collectives fail too ("connection reset by peer"), and
-    one of those may arrive first. A failure that is not a dead actor therefore waits up to
-    :data:`DEAD_PEER_GRACE_S` for another call to report a dead process, and raises that one (the cause), with the
-    first as a note.
+    one of those may arrive first. A failure that is not a dead actor therefore waits up to ``grace`` seconds
+    (:data:`DEAD_PEER_GRACE_S`) for another call to report a dead process, and raises that one (the cause), with
+    the first as a note.
     """
     import ray
 
@@ -98,7 +100,7 @@ def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[
             try:
                 results[ref] = ray.get(ref)
             except Exception as exc:
-                dead = None if isinstance(exc, ray.exceptions.RayActorError) else _dead_peer(pending)
+                dead = None if isinstance(exc, ray.exceptions.RayActorError) else _dead_peer(pending, grace)
                 if dead is not None:
                     dead_ref, dead_exc = dead
                     _note(dead_exc, f"slime-ext: raised by {names[dead_ref]} during {what}; {names[ref]} failed "
@@ -109,12 +111,12 @@ def gather(calls: Sequence[tuple[str, Any]], timeout: float, what: str) -> list[
     return [results[ref] for _, ref in calls]
 
 
-def _dead_peer(pending: list) -> tuple[Any, Exception] | None:
-    """``(ref, error)`` of the first of ``pending`` to fail because its actor's process died, within
-    :data:`DEAD_PEER_GRACE_S`; ``None`` if none does."""
+def _dead_peer(pending: list, grace: float) -> tuple[Any, Exception] | None:
+    """``(ref, error)`` of the first of ``pending`` to fail because its actor's process died, within ``grace``
+    seconds; ``None`` if none does."""
     import ray
 
-    deadline = time.monotonic() + DEAD_PEER_GRACE_S
+    deadline = time.monotonic() + grace
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -261,36 +263,34 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
     emit = out or (lambda line: None)
     opts = config.options
     start = time.perf_counter()
-    started_ray = start_ray(config, extra_pythonpath=extra_pythonpath)
+    phases = Phases(emit)
+    emit(f"set-up: {describe(config)}")
+    with phases.phase("Ray start", "starting Ray on loopback (127.0.0.1) ...", done=None):
+        started_ray = start_ray(config, extra_pythonpath=extra_pythonpath)
+    emit(f"Ray start: {'started' if started_ray else 'already running, reused'} in "
+         f"{phases.seconds['Ray start']:.1f} s")
     own_group = group is None
     manager = None
     try:
-        cpus = ray.cluster_resources().get("CPU", 1) / (config.world_size + 1)
-        manager = remote(RolloutManager, num_cpus=cpus, num_gpus=0).remote(
-            config.to_dict(), config.train_parallel_config())
-        pending_generate = manager.generate.remote(0)
-        if own_group:
-            group = TrainGroup.launch(config)
-        else:
-            if not group.alive:
-                raise RuntimeError("the TrainGroup was killed by an earlier failure; start a new one")
-            group.reset(config)
-        first = group.wait_ready([("the rollout manager", pending_generate)])[0]
-        result = RunResult(config=config, layouts=list(group.layouts))
-        emit(describe(config))
-        emit(HEADER)
-        for rollout_id in range(opts["num_rollout"]):
-            t0 = time.perf_counter()
-            if rollout_id == 0:
-                gen = first
+        with phases.phase("process start-up", _startup_text(config, own_group)):
+            cpus = ray.cluster_resources().get("CPU", 1) / (config.world_size + 1)
+            manager = remote(RolloutManager, num_cpus=cpus, num_gpus=0).remote(
+                config.to_dict(), config.train_parallel_config())
+            pending_generate = manager.generate.remote(0)
+            if own_group:
+                group = TrainGroup.launch(config)
             else:
-                gen = gather([("the rollout manager", manager.generate.remote(rollout_id))],
-                             opts["rollout_timeout_seconds"], f"rollout {rollout_id}")[0]
-            plan = gen["plan"]
-            if plan.dropped:
-                emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
-            ranks = group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"])
-            result.rollouts.append(finish_rollout(config, rollout_id, plan, ranks, emit, gen["seconds"], t0))
+                if not group.alive:
+                    raise RuntimeError("the TrainGroup was killed by an earlier failure; start a new one")
+                group.reset(config)
+            first = group.wait_ready([("the rollout manager", pending_generate)])[0]
+        result = RunResult(config=config, layouts=list(group.layouts), phases=phases.seconds)
+        with phases.phase("steps", f"{opts['num_rollout']} rollouts, one line per optimizer step (columns explained "
+                                   f"below)", done=None):
+            emit(HEADER)
+            _train_rollouts(config, group, manager, first, result, emit)
+        for line in LEGEND:
+            emit(line)
         result.seconds = time.perf_counter() - start
         return result
     except BaseException:
@@ -304,6 +304,32 @@ def run(config: RunConfig, *, group: TrainGroup | None = None, out: Callable[[st
             group.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def _startup_text(config: RunConfig, new_processes: bool) -> str:
+    if not new_processes:
+        return "resetting the running train processes; the rollout manager generates rollout 0 ..."
+    return (f"starting {config.world_size} train processes (dp={config.dp_size} x pp={config.train.parallel.pp_size};"
+            f" each imports torch and megatron-core, builds the model and joins the process group) and the rollout "
+            f"manager, which generates rollout 0 meanwhile ...")
+
+
+def _train_rollouts(config: RunConfig, group: "TrainGroup", manager, first: dict, result: RunResult,
+                    emit: Callable[[str], None]) -> None:
+    """Generate (rollout 0: already generated, ``first``), train and report every rollout in turn."""
+    opts = config.options
+    for rollout_id in range(opts["num_rollout"]):
+        t0 = time.perf_counter()
+        if rollout_id == 0:
+            gen = first
+        else:
+            gen = gather([("the rollout manager", manager.generate.remote(rollout_id))],
+                         opts["rollout_timeout_seconds"], f"rollout {rollout_id}")[0]
+        plan = gen["plan"]
+        if plan.dropped:
+            emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
+        ranks = group.train(rollout_id, gen["payload_refs"], opts["train_timeout_seconds"])
+        result.rollouts.append(finish_rollout(config, rollout_id, plan, ranks, emit, gen["seconds"], t0))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -339,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: the run failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"done: {len(result.rollouts)} rollouts, {len(result.rows)} steps in {result.seconds:.1f}s")
+    print(time_summary(result))
     if ns.json:
         import json
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -66,6 +67,8 @@ class RunResult:
     layouts: list[dict]
     rollouts: list[RolloutResult] = field(default_factory=list)
     seconds: float = 0.0
+    #: wall seconds of each phase (:class:`Phases`), in the order they ran
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def rows(self) -> list[dict]:
@@ -107,6 +110,44 @@ def format_row(row: dict) -> str:
     tokens = ",".join(str(t) for t in row["tokens_per_rank"])
     return (f"{row['rollout']:>7} {row['step']:>4} {row['samples']:>7} {mbs:>10} {tokens:>15} "
             f"{row['flops_balance']:>14.3f} {row['loss']:>10.4f} {row['lr']:>9.2e} {row['seconds']:>7.2f}")
+
+
+#: what the step table's columns mean, printed under it
+LEGEND = (
+    "columns: samples = samples trained in the step; mbs/rank = micro-batches per DP rank; tokens/rank = tokens per "
+    "DP rank; FLOPs max/mean = the slowest DP rank's estimated FLOPs over the mean (1.000 is perfect balance);",
+    "  loss = the policy-gradient loss, -advantage x log p averaged over the step's loss tokens; an advantage is a "
+    "reward minus its prompt group's mean, so the loss takes either sign: a negative loss is expected, not a fault;",
+    "  lr = the learning rate the step trained with: Megatron's warm-up starts at 0 (lr_warmup_samples), so step 0 "
+    "of rollout 0 shows 0.00e+00 and changes no weight; time s = the slowest train rank's wall time for the step.",
+)
+
+
+class Phases:
+    """Announces each phase of a run on ``emit`` as it starts and ends, and keeps its wall time, so a run says
+    what it is waiting for and, at the end, where the time went (:func:`time_summary`)."""
+
+    def __init__(self, emit: Callable[[str], None]):
+        self.emit = emit
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str, doing: str, done: str | None = "ready"):
+        """``name: doing ...`` now; ``name: done in X s`` after (nothing with ``done=None``)."""
+        self.emit(f"{name}: {doing}")
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+        if done is not None:
+            self.emit(f"{name}: {done} in {self.seconds[name]:.1f} s")
+
+
+def time_summary(result: "RunResult") -> str:
+    """One line: each phase's wall time, and how much of the steps phase the training itself took."""
+    trained = sum(row["seconds"] for row in result.rows)
+    phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in result.phases.items())
+    return (f"where the time went: {phases}; of the steps, training took {trained:.1f} s (the time s column), "
+            f"the rest generated the rollouts, planned them and handed them to the ranks")
 
 
 def describe(config: RunConfig) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from .actors import RolloutManager, TrainActor
 from .config import RunConfig
-from .harness import HEADER, RunResult, StepTimeout, describe, finish_rollout, worker_env
+from .harness import HEADER, LEGEND, Phases, RunResult, StepTimeout, describe, finish_rollout, worker_env
 from .rendezvous import host_store
 
 #: how often a wait looks at the processes' liveness
@@ -206,18 +206,24 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
     emit = out or (lambda line: None)
     opts = config.options
     start = time.perf_counter()
+    phases = Phases(emit)
+    emit(f"set-up: {describe(config)} | launcher=processes")
     manager = RolloutManager(config.to_dict(), config.train_parallel_config())
     group = ProcessTrainGroup(config)
     try:
-        t0 = time.perf_counter()
-        first = manager.plan(0)  # while the ranks import torch and megatron
-        first_seconds = time.perf_counter() - t0
-        group.setup()
+        with phases.phase("process start-up", f"starting {config.world_size} train processes (each imports torch "
+                                              f"and megatron-core, builds the model and joins the process group) "
+                                              f"while rollout 0 is generated here ..."):
+            t0 = time.perf_counter()
+            first = manager.plan(0)  # while the ranks import torch and megatron
+            first_seconds = time.perf_counter() - t0
+            group.setup()
         if on_ready is not None:
             on_ready(group)
-        result = RunResult(config=config, layouts=list(group.layouts))
-        emit(describe(config) + " | launcher=processes")
+        result = RunResult(config=config, layouts=list(group.layouts), phases=phases.seconds)
+        phases.emit(f"steps: {opts['num_rollout']} rollouts, one line per optimizer step (columns explained below)")
         emit(HEADER)
+        t_steps = time.perf_counter()
         for rollout_id in range(opts["num_rollout"]):
             t0 = time.perf_counter()
             if rollout_id == 0:
@@ -229,6 +235,9 @@ def run(config: RunConfig, *, out: Callable[[str], None] | None = print,
                 emit(f"  rollout {rollout_id}: dropped {plan.dropped_reason}")
             ranks = group.train(rollout_id, payloads, opts["train_timeout_seconds"])
             result.rollouts.append(finish_rollout(config, rollout_id, plan, ranks, emit, generate_seconds, t0))
+        phases.seconds["steps"] = time.perf_counter() - t_steps
+        for line in LEGEND:
+            emit(line)
         if on_done is not None:
             on_done(group)
         result.seconds = time.perf_counter() - start

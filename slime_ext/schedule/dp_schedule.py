@@ -167,6 +167,10 @@ class DPSchedule:
         """What DP rank ``rank`` trains on: its samples (taken from the rollout's ``samples``) and schedule slice."""
         if not 0 <= rank < self.dp_size:
             raise ScheduleError(f"rank={rank} is outside [0, dp_size={self.dp_size})")
+        if not isinstance(samples, SampleBatch):
+            raise TypeError(f"samples is a {type(samples).__name__}, not a SampleBatch (one list per field: "
+                            f"{', '.join(SampleBatch.KEYS)}); from per-sample dicts d: "
+                            f"SampleBatch(**{{k: [d[k] for d in dicts] for k in SampleBatch.KEYS}})")
         if len(samples) != self.num_samples:
             raise ScheduleError(f"samples has {len(samples)} entries but the schedule was planned for "
                                 f"{self.num_samples}; pass the whole rollout's SampleBatch")

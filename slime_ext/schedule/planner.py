@@ -221,8 +221,9 @@ def _plan_static(
     if count % align:
         raise ScheduleError(
             f"step {step} has {n} samples = {count} micro-batches of micro_batch_size={mbs}, not a multiple of "
-            f"dp_size*mb_group = {align}; make the samples per step a multiple of {align * mbs} "
-            f"(--global-batch-size, --micro-batch-size) or use --use-dynamic-batch-size"
+            f"dp_size*mb_group = {align}; the rule: a step's micro-batch count, ceil(samples per step / "
+            f"micro_batch_size), is a multiple of dp_size*mb_group (set --global-batch-size and --micro-batch-size "
+            f"to meet it) or use --use-dynamic-batch-size"
         )
     if not batch.balance_data or dp == 1:  # upstream's chunks, strided over the ranks
         return StepPlan(np.arange(n) // mbs, np.arange(count) % dp, count, "static", count)

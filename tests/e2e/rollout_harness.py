@@ -57,13 +57,6 @@ def free_cpus() -> float:
     return ray.available_resources().get("CPU", 0.0)
 
 
-@contextmanager
-def timer():
-    """``with timer() as t: ...; t()`` -> seconds since entering."""
-    start = time.monotonic()
-    yield lambda: time.monotonic() - start
-
-
 # ---------------------------------------------------------------------------------------------------- fault injection
 class InjectedFault(RuntimeError):
     pass
@@ -93,16 +86,34 @@ class HangingTrainWorker(TrainWorker):
 
 
 class FaultyPeer:
-    """A Ray actor (``ray.remote(num_cpus=0)(FaultyPeer)``) whose ``run`` fails after ``delay`` seconds: ``"raise"``
-    like a peer whose collective lost its partner, ``"die"`` like a crashed process, ``"ok"`` returns."""
+    """A Ray actor (``ray.remote(num_cpus=0)(FaultyPeer)``) standing in for a train rank: ``run`` first waits until
+    every call in ``after`` (a list of ObjectRefs, unresolved) has finished, so the test orders events without
+    sleeping, then ``"raise"`` like a peer whose collective lost its partner, ``"die"`` like a crashed process,
+    ``"ok"`` returns, ``"hang"`` never returns."""
 
-    def run(self, mode: str, delay: float) -> str:
-        time.sleep(delay)
+    def run(self, mode: str, after: list = ()) -> str:
+        import threading
+
+        import ray
+
+        if after:
+            ray.wait(list(after), num_returns=len(after), timeout=None)
         if mode == "raise":
             raise RuntimeError("gloo: Connection reset by peer (injected)")
         if mode == "die":
             os._exit(17)
+        if mode == "hang":
+            threading.Event().wait()
         return mode
+
+
+class NeverReadyTrainWorker(TrainWorker):
+    """A train rank whose set-up never finishes: a run can only end by another failure (or its set-up timeout)."""
+
+    def setup(self):
+        import threading
+
+        threading.Event().wait()
 
 
 class DyingTrainWorker(TrainWorker):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.verdict import unfounded
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,10 +45,11 @@ def test_quick_replay_prints_a_well_formed_table():
         predicted, seconds = float(r["predicted s"]), float(r["measured s"])
         assert r["layout"] == "pp2" and r["workload"] == "rl-like"
         assert int(r["#mb"]) >= 1 and 0 <= int(r["replica"]) < 8
-        assert 0 < seconds < 60 and math.isfinite(predicted) and predicted > 0
+        assert 0 < seconds and math.isfinite(seconds) and math.isfinite(predicted) and predicted > 0
         assert float(r["bound s"]) <= predicted * (1 + 1e-9)  # a lower bound never exceeds the prediction
         assert re.fullmatch(r"[+-]\d+\.\d%", r["model err"])
     if len(measured) < 3:  # no SLIME_GIT: the slime row says how to get it
         assert "SLIME_GIT" in lines[header + 2 + 2]
     targets = lines[lines.index("targets:") + 1:]
-    assert len(targets) == 7 and all(re.match(r"  (PASS|FAIL|n/a ) ", t) for t in targets), targets
+    assert len(targets) == 7 and all(re.match(r"  (PASS|FAIL|SKIP) ", t) for t in targets), targets
+    assert unfounded(res.stdout) == []  # no PASS over zero cases, no SKIP without its reason

@@ -32,7 +32,7 @@ BAD = {
     "static_not_divisible": (
         ["use_dynamic_batch_size=false", "micro_batch_size=4", "synthetic_multi_sample_prob=0"],
         ["1 micro-batches of micro_batch_size=4", "not a multiple of dp_size*mb_group = 2",
-         "make the samples per step a multiple of 8 (--global-batch-size, --micro-batch-size)"]),
+         "is a multiple of dp_size*mb_group (set --global-batch-size and --micro-batch-size"]),
     "static_with_multi_sample_rollouts": (
         ["use_dynamic_batch_size=false", "micro_batch_size=2"],
         ["micro_batch_size=2", "synthetic_multi_sample_prob: 0", "use_dynamic_batch_size: true"]),

@@ -56,6 +56,11 @@ def test_demo_cpu_end_to_end(tmp_path):
     table = [line for line in lines[header + 1:] if line.split() and line.split()[0].isdigit()]
     assert len(table) == len(rows)
     assert "done: 3 rollouts" in proc.stdout
+    # a line per phase, in order, the columns explained, and where the time went
+    starts = [next(i for i, line in enumerate(lines) if line.startswith(prefix))
+              for prefix in ("set-up:", "Ray start:", "process start-up:", "steps:", "rollout ", "columns:", "done:",
+                             "where the time went:")]
+    assert starts == sorted(starts), starts
 
 
 @pytest.mark.gpu

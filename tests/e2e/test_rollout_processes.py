@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from rollout_harness import config, timer
+from rollout_harness import config
 from slime_ext.rollout.processes import RankDied, RankError, run
 
 pytestmark = [pytest.mark.e2e]
 
 BASE = "e2e/dp2_dynamic_balanced"
-SLOW_PG = 300  # a process-group timeout far above the bounds asserted below
+SLOW_PG = 300  # a process-group timeout: a failure by it would name rank 0's timeout, not rank 1's fault
 
 
 def _no_rank_processes_left() -> None:
@@ -51,13 +51,12 @@ def test_processes_launcher_trains_with_a_verified_ledger():
     _no_rank_processes_left()
 
 
-@pytest.mark.parametrize("worker_class, error, message, what", [
-    ("rollout_harness.RaisingTrainWorker", RankError, "injected train failure on rank 1 at rollout 1", "rank failure"),
-    ("rollout_harness.DyingTrainWorker", RankDied, "train rank 1 .* exited with code 17", "dead rank"),
+@pytest.mark.parametrize("worker_class, error, message", [
+    ("rollout_harness.RaisingTrainWorker", RankError, "injected train failure on rank 1 at rollout 1"),
+    ("rollout_harness.DyingTrainWorker", RankDied, "train rank 1 .* exited with code 17"),
 ], ids=["rank_raises", "rank_process_dies"])
-def test_processes_launcher_surfaces_a_failed_rank(worker_class, error, message, what):
+def test_processes_launcher_surfaces_a_failed_rank(worker_class, error, message):
     cfg = config(BASE, launcher="processes", train_worker_class=worker_class, dist_timeout_seconds=SLOW_PG)
-    with timer() as elapsed, pytest.raises(error, match=message):
+    with pytest.raises(error, match=message):  # a peer's timeout (SLOW_PG) would raise rank 0's error instead
         run(cfg, out=None)
-    assert elapsed() < 90 < SLOW_PG, f"the {what} took {elapsed():.1f}s to surface"
     _no_rank_processes_left()

@@ -63,7 +63,7 @@ def run_main(*args, cwd=None, expect=0) -> SimpleNamespace:
     with _cwd(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main([str(a) for a in args])
     res = SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
-    assert rc == expect, f"rc={rc}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert expect is None or rc == expect, f"rc={rc}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
     return res
 
 
@@ -136,7 +136,7 @@ def test_table_matches_the_schedule_and_the_planner(runner, rollout_jsonl, tmp_p
         assert int(row["samples"]) == st.num_samples
         assert int(row["tokens"]) == st.total_tokens
         assert int(row["mbs/rank"]) == st.num_microbatches
-        assert int(row["bound/rank"]) == st.packing_target // 2
+        assert int(row["target/rank"]) == st.packing_target // 2
         assert approx(row["util"], 100 * st.token_utilization)
         assert int(row["largest"].rstrip("*")) == st.largest_bin_tokens
         assert row["largest"].endswith("*") == (st.largest_bin_tokens > 4096)

@@ -11,7 +11,7 @@ import pytest
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, predicted_makespans
 
-from test_cli import MODEL_FLAGS, parse_table, run_main
+from test_cli import MODEL_FLAGS, parse_compare_table, parse_table, run_main
 
 SPEC = "lognormal:n=256,mu=7.5,sigma=1.0,prompt=100-1500,cap=16000,seed=3"
 FLAGS = ["--synthetic", SPEC, "--dp-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "16384",
@@ -34,7 +34,7 @@ def test_pipelined_plan_prints_each_steps_predicted_makespan_and_bubble():
                                          balance_data=True), cost_model=model)
     assert len(rows) == schedule.num_steps
     for row, stats in zip(rows, schedule.stats):
-        assert float(row["makespan"]) == pytest.approx(stats.predicted_makespan, rel=5e-3)
+        assert float(row["makespan_FLOPs"]) == pytest.approx(stats.predicted_makespan, rel=5e-3)
         bubble = float(row["bubble"].rstrip("%")) / 100
         assert 0 < bubble < 1 and bubble == pytest.approx(stats.bubble_fraction, abs=1e-3)
         # the recorded makespan is the slowest replica's, as the model prices the planned order
@@ -46,12 +46,20 @@ def test_without_pipeline_the_table_has_no_pipeline_columns():
     assert "makespan" not in out and "no pipeline bubble" in out
 
 
-def test_compare_prints_every_schemes_predicted_makespan():
+def test_compare_prices_every_scheme_by_its_pipeline_makespan():
+    """Under pp the --compare table's times and the verdict's ratio are pipeline makespans, ours' equal to the main
+    table's: one step time per step, one ratio."""
     out = run_main("plan", *FLAGS, "--pipeline-model-parallel-size", "4", "--compare", "legacy,reference").stdout
-    line = next(l for l in out.splitlines() if l.startswith("pipeline: predicted makespan"))
-    values = dict(re.findall(r"(ours|legacy|reference) ([0-9.e+]+)", line))
-    assert set(values) >= {"ours", "legacy"}, line
-    assert float(values["ours"]) <= float(values["legacy"])  # ours is planned for this pipeline, legacy is not
+    rows, total = parse_table(out)
+    compare = parse_compare_table(out)
+    for row in [*rows, total]:
+        assert compare[row["step"], "ours"]["makespan_FLOPs"] == row["makespan_FLOPs"]
+        assert compare[row["step"], "ours"]["time_s"] == row["time_s"]
+    ours, legacy = (float(compare["all", s]["makespan_FLOPs"]) for s in ("ours", "legacy"))
+    assert ours <= legacy  # ours is planned for this pipeline, legacy is not
+    ratio = float(re.search(r"^legacy: .*est. step time x([0-9.]+) of ours", out, re.M)[1])
+    assert ratio == pytest.approx(legacy / ours, rel=1e-2)
+    assert "pipeline: predicted makespan" not in out  # no second figure for the same thing
 
 
 def test_plot_pipeline_draws_ours_and_each_compared_scheme(tmp_path):

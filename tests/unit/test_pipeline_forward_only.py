@@ -235,9 +235,9 @@ def test_bench_log_probs_quick_prints_a_passing_table(capsys):
     assert len(rows) == len(log_probs.PP_SIZES) * len(log_probs.CAP_FACTORS)
     for row in rows:
         assert float(row[6]) <= 1.0 + log_probs.TOLERANCE + 5e-4  # printed with 3 decimals
-        assert row[-1] == "PASS"
+        assert row[-1] == "ok"
     assert "geometric mean of forward-only / reused over 6 cases" in out
-    assert out.rstrip().endswith("PASS")
+    assert out.rstrip().endswith("PASS (6 cases)")
 
 
 def test_bench_log_probs_never_passes_over_zero_cases():

@@ -63,7 +63,7 @@ def _problems(**changes):
     (dict(actor_num_nodes=2), "single-node Ray on loopback"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2), "synthetic_multi_sample_prob: 0"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=4, synthetic_multi_sample_prob=0),
-     "make the samples per step a multiple of 8"),
+     "a step's micro-batch count, ceil(samples per step / micro_batch_size), is a multiple of dp_size*mb_group"),
     (dict(max_tokens_per_gpu=4), "max_tokens_per_gpu=4 is below every sample"),
     (dict(use_dynamic_batch_size=False, micro_batch_size=2, synthetic_multi_sample_prob=0, max_tokens_per_gpu=4),
      "max_tokens_per_gpu=4 is below every sample"),
@@ -150,4 +150,4 @@ def test_every_refusal_names_the_rollout_it_came_from_and_the_fix():
     problems = _problems(use_dynamic_batch_size=False, micro_batch_size=2)
     assert problems.startswith("dp_schedule=rollout: a rollout of rollout_batch_size x n_samples_per_prompt = 16 "
                                "rollouts, 1 of the rollouts with 2 samples")
-    assert "micro_batch_size=2" in problems and "make the samples per step a multiple of 4" in problems
+    assert "micro_batch_size=2" in problems and "is a multiple of dp_size*mb_group" in problems

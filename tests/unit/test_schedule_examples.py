@@ -69,7 +69,8 @@ def test_static_balanced_equal_counts_and_better_balance(checked):
 
 def test_static_misaligned_count_is_a_clear_error():
     with pytest.raises(ScheduleError, match=r"step 0 has 6 samples = 3 micro-batches of micro_batch_size=2.*"
-                                            r"not a multiple of dp_size\*mb_group = 2.*multiple of 4 \(--global-batch-size"):
+                                            r"not a multiple of dp_size\*mb_group = 2; the rule: a step's micro-batch "
+                                            r"count, ceil\(samples per step / micro_batch_size\), is a multiple"):
         plan_schedule([1] * 6, ParallelConfig(dp_size=2), BatchConfig(global_batch_size=6, micro_batch_size=2))
 
 
