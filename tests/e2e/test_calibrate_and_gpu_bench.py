@@ -45,8 +45,9 @@ def test_calibrate_cli_writes_a_profile_the_planner_takes(tmp_path):
     # what the pipeline model reads: a backward/forward ratio that is physical (a backward pass costs at least its
     # forward pass) and fitted, not the default 2, or held at its floor with a warning that names the fix when a
     # busy machine's timings put the fit below it; and a measured two-process send/recv of one capped
-    # micro-batch's activation over gloo
-    assert MIN_BACKWARD_FORWARD_RATIO <= prof.backward_forward_ratio < 8 and prof.backward_forward_ratio != 2.0
+    # micro-batch's activation over gloo. (No upper bound: a ratio of measured times has none a loaded machine
+    # cannot break; the floor is the physical fact.)
+    assert prof.backward_forward_ratio >= MIN_BACKWARD_FORWARD_RATIO and prof.backward_forward_ratio != 2.0
     how = prof.meta["pipeline"]["backward_forward_ratio"]
     if prof.backward_forward_ratio == MIN_BACKWARD_FORWARD_RATIO:
         assert "physical floor" in how and "--repeats" in res.stderr and "idle node" in res.stderr, res.stderr
