@@ -149,3 +149,41 @@ def test_no_test_bounds_a_measured_duration():
     found = [hit for path in _test_files() for hit in wall_clock_asserts(path)]
     assert not found, ("assert order and outcome, not seconds (see this module's docstring; a legitimate "
                        "exception is marked '# wall-clock: <why>' on its line):\n  " + "\n  ".join(found))
+
+
+def _hits(source: str, tmp_path: Path) -> list[int]:
+    path = tmp_path / "test_sample.py"
+    path.write_text(source)
+    return [int(hit.split(":")[1]) for hit in wall_clock_asserts(path)]
+
+
+def test_the_check_finds_the_forms_it_names(tmp_path, monkeypatch):
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    source = '''\
+import time
+from rollout_harness import timer
+TIMEOUT_S = 5
+
+def since(t0):
+    return time.monotonic() - t0
+
+def test_x(result, r, rows):
+    with timer() as elapsed:
+        pass
+    assert elapsed() < 30
+    start = time.perf_counter()
+    took = time.perf_counter() - start
+    assert took < TIMEOUT_S + 15
+    assert result["seconds"] < TIMEOUT_S + 15
+    predicted, measured = float(r["predicted s"]), float(r["measured s"])
+    assert 0 < measured < 60 and abs(predicted / measured - 1) < 0.10
+    assert 90 > since(start)
+    assert measured > 0 and elapsed() >= 2 and took >= TIMEOUT_S
+    assert rows.units == "seconds" and predicted < 60
+    assert prof.microbatch_time([256]) > prof.microbatch_time([32])
+    assert elapsed() < 30  # wall-clock: a scripted duration, not a measured one
+    prof = CostProfile.load("profile.json")
+    assert 0.5 < prof.backward_forward_ratio < 8 and prof.p2p_s > 0
+    assert step.step_time <= 2.5
+'''
+    assert _hits(source, tmp_path) == [11, 14, 15, 17, 17, 18, 24, 25]
