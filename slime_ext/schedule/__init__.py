@@ -45,12 +45,15 @@ from .pipeline_pricing import PipelinePricing, pipeline_pricing
 from .planner import plan_schedule
 from .planner_config import PlannerConfig
 from .profile import CostProfile
+from .replica import ReplicaPlan, scan_replica, shape_replica
 
 # The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
 # host's engine (verl: one rank's micro-batches, ordered for the pipeline), the pipeline objective:
 # pipeline_pricing(parallel, cost_model, cap) -> PipelinePricing (its makespans(mb_costs)), microbatch_costs (the
 # planner's price of micro-batches given as sample lists), best_orders (the order the model predicts fastest) and
 # sample_costs (the per-sample costs the planner balances); PipelineSpec and pipeline_makespan are the model itself.
+# shape_replica (one replica's samples in exactly `count` micro-batches, shaped for the pipeline by the planner's
+# own shaping) and scan_replica (the same at many counts, priced in one pass) are what such a host plans with.
 __all__ = [
     "BatchConfig",
     "CostModel",
@@ -61,6 +64,7 @@ __all__ = [
     "PipelineSpec",
     "PlannerConfig",
     "RankPayload",
+    "ReplicaPlan",
     "SampleBatch",
     "ScheduleError",
     "StepStats",
@@ -72,4 +76,6 @@ __all__ = [
     "pipeline_pricing",
     "plan_schedule",
     "sample_costs",
+    "scan_replica",
+    "shape_replica",
 ]

@@ -1,0 +1,280 @@
+"""One replica's samples in exactly ``count`` micro-batches: the planner's shaping (:mod:`.pipeline_shape`) for a
+host that holds one rank's samples and asks for a count (verl's Megatron engine plans each DP rank inside the step).
+
+:func:`shape_replica` answers "these samples, exactly ``count`` micro-batches, this layout, this cap":
+
+* **no pipeline** (``pp_size == 1``): balanced packing. The samples, costliest first, each into the micro-batch with
+  the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
+  with one flat target: the whole-step planner's shaping routine, one row);
+* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shapes`` packed at
+  ``count`` in one :func:`.pipeline_shape.pack_many` call (the whole-step planner's shaped candidate packs each
+  replica with the same call), every packing priced by the pipeline model in one pass, the fastest kept; its run
+  order then improved by the pipeline model's order search (:func:`.pipeline_orders.best_orders`);
+* where no shape holds the cap at ``count`` (the greedy packing can miss a tight fit): the planner's own capped
+  packing of the samples (:func:`.planner.plan_schedule`, one replica) with its costliest micro-batches split in
+  two until there are ``count``; subsets of capped micro-batches stay capped;
+* where ``count`` cannot hold the samples (fewer micro-batches than the cap needs, more than there are samples, a
+  count megatron-core refuses for the layout): a :class:`ScheduleError` naming ``count``, ``cap`` and the count to
+  ask for instead.
+
+:func:`scan_replica` is the same shaping at many counts in one packing call and one pass of the model, with
+``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) and the heuristic run orders of
+:mod:`.pipeline_orders`: a host that chooses among counts prices them all at once, then asks :func:`shape_replica`
+for the one it chose.
+
+Forward-only passes (``forward_only=True``: log-probs, a reference model) are priced by the pipeline model's
+forward-only schedules where :func:`.pipeline_pricing.pipeline_pricing` offers them; until it does, a pipelined
+forward-only request raises. Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .config import BatchConfig, ParallelConfig
+from .cost import CostModel, bin_costs, sample_costs
+from .errors import ScheduleError
+from .pipeline_orders import best_orders, heuristic_orders
+from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from .pipeline_shape import Shape, ShapeSamples, pack_many, replica_members, shape_pack
+from .planner import plan_schedule
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .profile import CostProfile
+from .validate import check_int, check_int_array
+
+__all__ = ["ReplicaPlan", "scan_replica", "shape_replica"]
+
+#: balanced packing (no pipeline): every micro-batch the same target share
+FLAT = Shape(0, 0, 1.0)
+#: whether :func:`~.pipeline_pricing.pipeline_pricing` prices forward-only schedules (its ``forward_only`` keyword)
+FORWARD_ONLY_PRICING = "forward_only" in inspect.signature(pipeline_pricing).parameters
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One replica's samples in exactly ``len(micro_batches)`` micro-batches, in run order."""
+
+    #: indices into the samples given, per micro-batch, in the order the replica runs them; each index once
+    micro_batches: tuple[tuple[int, ...], ...]
+    #: the pipeline model's makespan of this run order (the pricing's units: seconds with a ``CostProfile``, else
+    #: per-stage forward FLOPs or tokens); ``None`` without a pipeline
+    predicted_makespan: float | None
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    x = check_int_array("lengths", lengths, minimum=1, what="token counts (at least one token per sample)")
+    if not len(x):
+        raise ScheduleError("lengths is empty: a replica's plan needs at least one sample")
+    return x
+
+
+def _cap(cap: object) -> int:
+    return check_int("cap", cap, maximum=1 << 40, fix="pass the token cap per micro-batch (max_tokens_per_gpu)")
+
+
+@lru_cache(maxsize=64)
+def _cached_pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
+                    forward_only: bool) -> PipelinePricing | None:
+    if forward_only:
+        return pipeline_pricing(parallel, cost_model, cap, config, forward_only=True)  # type: ignore[call-arg]
+    return pipeline_pricing(parallel, cost_model, cap, config)
+
+
+def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
+             forward_only: bool) -> PipelinePricing | None:
+    """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
+    and pass (a host asks for the same few every step)."""
+    if parallel.pp_size > 1 and forward_only and not FORWARD_ONLY_PRICING:
+        raise ScheduleError("forward-only pricing is not available: this slime-ext's pipeline model prices training "
+                            "passes only; plan the pass with forward_only=False")
+    try:
+        return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
+    except TypeError:  # an unhashable cost model: price afresh
+        return _cached_pricing.__wrapped__(parallel, cost_model, cap, config, bool(forward_only))
+
+
+def _samples(x: np.ndarray, cap: int, cost_model, pricing: PipelinePricing | None) -> ShapeSamples:
+    spec = None if pricing is None else pricing.spec
+    step = spec.group if spec is not None and spec.vpp_size > 1 else 1
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
+    return ShapeSamples(x, sample_costs(x, cost_model), cap, profile, step)
+
+
+def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
+    """Labels (sample ``i`` in micro-batch ``bin_of[i]``, run position) -> index tuples in run order."""
+    members = np.argsort(bin_of, kind="stable")
+    starts = np.searchsorted(bin_of[members], np.arange(count + 1))
+    return tuple(tuple(members[starts[b]:starts[b + 1]].tolist()) for b in range(count))
+
+
+# ---------------------------------------------------------------------------------------------------- the fallback
+def _planner_packing(x: np.ndarray, cap: int, cost_model) -> list[list[int]]:
+    """The whole-step planner's capped, FLOP-balanced micro-batches of these samples as one replica's step."""
+    batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
+                        balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
+    schedule = plan_schedule(x, ParallelConfig(dp_size=1), batch, cost_model=cost_model)
+    part = schedule.partitions[0]
+    return [[part[i] for i in mb] for mb in schedule.micro_batch_indices[0]]
+
+
+def _split_to(micro_batches: list[list[int]], count: int, costs: np.ndarray) -> list[list[int]]:
+    """The costliest micro-batch of several samples split in two (costliest samples dealt to the lighter half) until
+    there are ``count``."""
+    mbs = [list(mb) for mb in micro_batches]
+    while len(mbs) < count:
+        j = max((j for j, mb in enumerate(mbs) if len(mb) > 1), key=lambda i: float(costs[mbs[i]].sum()))
+        halves: tuple[list[int], list[int]] = ([], [])
+        for i in sorted(mbs[j], key=lambda i: -costs[i]):
+            min(halves, key=lambda h: float(costs[h].sum())).append(i)
+        mbs[j:j + 1] = [sorted(halves[0]), sorted(halves[1])]
+    return mbs
+
+
+def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleError:
+    step = spec.group if spec is not None and spec.vpp_size > 1 else 1
+    fewest = -(-fewest // step) * step
+    aligned = f" (a multiple of microbatch_group_size_per_vp_stage={step})" if step > 1 else ""
+    return ScheduleError(f"count={count} micro-batches cannot hold these {len(x)} samples ({int(x.sum())} tokens) "
+                         f"under cap={cap}: the smallest count that holds them is {fewest}{aligned}; ask for "
+                         f"count >= {fewest} or raise the cap")
+
+
+# ---------------------------------------------------------------------------------------------------- the API
+def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
+                 cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
+                 config: PlannerConfig | None = None) -> dict[int, ReplicaPlan]:
+    """The samples shaped at each of ``counts`` (every ``PlannerConfig.scan_shapes`` shape, one packing call, one
+    pass of the model; each count's fastest packing in the fastest of its own order and the heuristic run orders
+    of :func:`~.pipeline_orders.heuristic_orders`). Counts where no scan shape holds the cap, above the sample count
+    or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each count
+    (``predicted_makespan`` ``None``)."""
+    config = DEFAULT_CONFIG if config is None else config
+    x, cap = _lengths(lengths), _cap(cap)
+    pricing = _pricing(parallel, cost_model, cap, config, forward_only)
+    samples = _samples(x, cap, cost_model, pricing)
+    counts = [int(k) for k in dict.fromkeys(counts) if 1 <= int(k) <= len(x) and _runs(pricing, int(k))]
+    if not counts:
+        return {}
+    if pricing is None:
+        return {k: plan for k in counts if (plan := _balanced(samples, k)) is not None}
+    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
+    return _shaped(pricing, samples, counts, shapes)
+
+
+def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
+                  cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
+                  config: PlannerConfig | None = None) -> ReplicaPlan:
+    """One replica's samples (``lengths``: tokens per sample) in exactly ``count`` micro-batches of at most ``cap``
+    tokens each (a sample longer than the cap sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is
+    not read: this is one replica): see the module docstring. ``forward_only``: the pass has no backward (priced
+    by the forward-only schedules). ``config``: the planner's tunables (the shapes). Raises :class:`ScheduleError`
+    where ``count`` cannot hold the samples, naming the count to ask for."""
+    config = DEFAULT_CONFIG if config is None else config
+    x = _lengths(lengths)
+    if cap is None:
+        raise ScheduleError("cap=None: shape_replica packs dynamic micro-batches; pass the token cap per "
+                            "micro-batch (max_tokens_per_gpu)")
+    cap = _cap(cap)
+    count = check_int("count", count, maximum=1 << 31, fix="pass the number of micro-batches wanted")
+    pricing = _pricing(parallel, cost_model, cap, config, forward_only)
+    spec = None if pricing is None else pricing.spec
+    if count > len(x):
+        raise ScheduleError(f"count={count} micro-batches but only {len(x)} samples (every micro-batch needs one); "
+                            f"ask for count <= {len(x)}")
+    if spec is not None:
+        spec.check_microbatches(count)  # megatron-core's own rule for the layout (VPP groups)
+    samples = _samples(x, cap, cost_model, pricing)
+    if pricing is None:
+        got = _balanced(samples, count)
+    else:
+        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
+        got = _shaped(pricing, samples, [count], shapes).get(count)
+    if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
+        own = _planner_packing(x, cap, cost_model)
+        if len(own) > count:
+            raise _refuse(x, count, cap, spec, len(own))
+        mbs = _split_to(own, count, samples.costs)
+        got = ReplicaPlan(tuple(tuple(mb) for mb in mbs), None)
+    if pricing is None:
+        return got
+    return _best_order(pricing, samples, got)
+
+
+# ---------------------------------------------------------------------------------------------------- the work
+def _runs(pricing: PipelinePricing | None, k: int) -> bool:
+    if pricing is None:
+        return True
+    try:
+        pricing.spec.check_microbatches(k)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _balanced(samples: ShapeSamples, k: int) -> ReplicaPlan | None:
+    """The flat target at ``k``: one :func:`shape_pack` row (``None`` where it misses the cap)."""
+    members = replica_members(np.zeros(len(samples.lengths), dtype=np.int64), samples.costs, 1, samples.order)
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, FLAT.weights(k)[None, :], samples.cap)
+    if not ok[0]:
+        return None
+    labels = np.empty(len(samples.lengths), dtype=np.int64)
+    labels[members[0]] = bin_of[0]
+    return ReplicaPlan(_groups(labels, k), None)
+
+
+def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int],
+            shapes: list[Shape]) -> dict[int, ReplicaPlan]:
+    """Every shape at every count in one :func:`pack_many` call (one replica), the fastest per count, then in the
+    best of its order and the heuristic orders (one more pass of the model)."""
+    members = replica_members(np.zeros(len(samples.lengths), dtype=np.int64), samples.costs, 1, samples.order)
+    combos = [(k, shape) for k in counts for shape in shapes]
+    spans, bin_of = pack_many(Budget(pricing, math.inf), samples, members, combos)
+    spans = spans[:, 0]
+    best: dict[int, tuple[float, np.ndarray]] = {}
+    for i, (k, _) in enumerate(combos):  # ties: the earlier shape
+        if np.isfinite(spans[i]) and spans[i] < best.get(k, (np.inf,))[0]:
+            labels = np.empty(len(samples.lengths), dtype=np.int64)
+            labels[members[0]] = bin_of[i, 0]
+            best[k] = (float(spans[i]), labels)
+    if not best:
+        return {}
+    # the heuristic orders of each count's packing, every count in one pass of the model
+    group = pricing.spec.group if pricing.spec.vpp_size > 1 else 1
+    ks = list(best)
+    rows = [bin_costs(samples.lengths, samples.costs, best[k][1], k, samples.profile)[None, :] for k in ks]
+    orders = [heuristic_orders(row, group)[:, 0, :] for row in rows]
+    got = pricing.makespans_many([row[0][order] for row, order in zip(rows, orders)])
+    out = {}
+    for k, order, span in zip(ks, orders, got):
+        own_span, labels = best[k]
+        j = int(np.argmin(span))
+        if span[j] < own_span * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[j][p]
+            where = np.empty(k, dtype=np.int64)
+            where[order[j]] = np.arange(k)
+            labels, own_span = where[labels], float(span[j])
+        out[k] = ReplicaPlan(_groups(labels, k), own_span)
+    return out
+
+
+def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:
+    """The micro-batches in the order the pipeline model's order search finds fastest (kept where it is no faster)."""
+    mbs = plan.micro_batches
+    labels = np.empty(len(samples.lengths), dtype=np.int64)
+    for b, mb in enumerate(mbs):
+        labels[list(mb)] = b
+    row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
+    order, span = best_orders(pricing, row)
+    if plan.predicted_makespan is None:
+        own = float(pricing.makespans(row)[0])
+    else:
+        own = plan.predicted_makespan
+    if float(span[0]) < own * (1 - pricing.config.tie):
+        return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
+    return ReplicaPlan(mbs, own)
