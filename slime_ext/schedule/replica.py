@@ -48,7 +48,7 @@ from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
 from .validate import check_int, check_int_array
 
-__all__ = ["ReplicaPlan", "scan_replica", "shape_replica"]
+__all__ = ["ReplicaPlan", "pack_replica", "scan_replica", "shape_replica"]
 
 #: balanced packing (no pipeline): every micro-batch the same target share
 FLAT = Shape(0, 0, 1.0)
@@ -115,13 +115,17 @@ def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
 
 
 # ---------------------------------------------------------------------------------------------------- the fallback
-def _planner_packing(x: np.ndarray, cap: int, cost_model) -> list[list[int]]:
-    """The whole-step planner's capped, FLOP-balanced micro-batches of these samples as one replica's step."""
+def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
+                 cost_model: CostModel | CostProfile | None = None) -> tuple[tuple[int, ...], ...]:
+    """The whole-step planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it
+    chooses itself (:func:`.planner.plan_schedule`, one replica, one step; no pipeline), as index tuples in its run
+    order: what a host that asks for a count takes as the fewest its samples need."""
+    x, cap = _lengths(lengths), _cap(cap)
     batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                         balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
     schedule = plan_schedule(x, ParallelConfig(dp_size=1), batch, cost_model=cost_model)
     part = schedule.partitions[0]
-    return [[part[i] for i in mb] for mb in schedule.micro_batch_indices[0]]
+    return tuple(tuple(part[i] for i in mb) for mb in schedule.micro_batch_indices[0])
 
 
 def _split_to(micro_batches: list[list[int]], count: int, costs: np.ndarray) -> list[list[int]]:
@@ -197,7 +201,7 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
         shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
         got = _shaped(pricing, samples, [count], shapes).get(count)
     if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
-        own = _planner_packing(x, cap, cost_model)
+        own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
         if len(own) > count:
             raise _refuse(x, count, cap, spec, len(own))
         mbs = _split_to(own, count, samples.costs)
