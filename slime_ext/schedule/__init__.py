@@ -45,7 +45,7 @@ from .pipeline_pricing import PipelinePricing, pipeline_pricing
 from .planner import plan_schedule
 from .planner_config import PlannerConfig
 from .profile import CostProfile
-from .replica import ReplicaPlan, pack_replica, scan_replica, shape_replica
+from .replica import ReplicaPlan, ReplicaScan, pack_replica, scan_replica, shape_replica
 
 # The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
 # host's engine (verl: one rank's micro-batches, ordered for the pipeline), the pipeline objective:
@@ -65,6 +65,7 @@ __all__ = [
     "PlannerConfig",
     "RankPayload",
     "ReplicaPlan",
+    "ReplicaScan",
     "SampleBatch",
     "ScheduleError",
     "StepStats",

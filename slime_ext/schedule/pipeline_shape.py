@@ -199,6 +199,7 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     base = np.arange(rows) * k
     neg = -np.inf
     last = -1
+    masked = False
     for j in range(n):
         a = int(active[j])
         if a != last:
@@ -213,16 +214,23 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
                 slack_a = slack[:a]
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
         # the micro-batch with the most room left that takes the sample under the cap: the one with the most room
-        # where it takes it (the common case: one pass), else the most room among those that take it
-        pick = room_a.argmax(axis=1)
-        flat = base_a + pick
-        held = flat_tok[flat]
-        over = held > allowed
-        if over.any():
-            bad = np.flatnonzero(over)
-            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
-            flat[bad] = base_a[bad] + pick[bad]
-            held[bad] = flat_tok[flat[bad]]
+        # where it takes it (the common case: one pass), else the most room among those that take it. Once most
+        # rows need the second pass (their micro-batches fill up), every row takes it directly: the same pick
+        if masked:
+            pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
+            flat = base_a + pick
+            held = flat_tok[flat]
+        else:
+            pick = room_a.argmax(axis=1)
+            flat = base_a + pick
+            held = flat_tok[flat]
+            over = held > allowed
+            if over.any():
+                bad = np.flatnonzero(over)
+                masked = True
+                pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+                flat[bad] = base_a[bad] + pick[bad]
+                held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
@@ -332,21 +340,33 @@ def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weight
     """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
     ``weights`` in one call, each part ``(count, shape, its rows)`` relabelled to its run order, and every row priced
     in one pass of the model (every count together, charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row
-    that does not fit is ``inf``."""
+    that does not fit is ``inf``. Each count's rows are priced once (:meth:`ShapeSamples.bin_rows`); a part run in
+    another order takes its prices in that order (the same sums, since a relabelled micro-batch holds the same
+    samples in the same order)."""
     budget.charge_pack(*members.shape[:1], members.shape[1], weights.shape[1])
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
+    rows_all = np.arange(len(members))
     count_of = np.zeros(len(members), dtype=np.int64)
-    for k, shape, rows in parts:
+    for k, _, rows in parts:
         count_of[rows] = k
-        if shape.order != "target":
-            bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
     spans = np.full(len(members), np.inf)
     picks, costs = [], []
     for k in sorted({k for k, _, _ in parts}):
-        sel = (count_of == k) & ok
+        at = np.flatnonzero(count_of == k)
+        prices = samples.bin_rows(members[at], bin_of[at], k)
+        where = np.full(len(members), -1, dtype=np.int64)
+        where[at] = np.arange(len(at))
+        for _, shape, rows in (part for part in parts if part[0] == k and part[1].order != "target"):
+            own = rows_all[rows]
+            run = shape.run_order(prices[where[own]])  # (r, k): the bins in run order
+            rank = np.argsort(run, axis=1)  # bin -> its run position
+            b = bin_of[own]
+            bin_of[own] = np.where(b >= 0, np.take_along_axis(rank, np.maximum(b, 0), axis=1), -1)
+            prices[where[own]] = np.take_along_axis(prices[where[own]], run, axis=1)
+        sel = ok[at]
         if sel.any():
-            picks.append(sel)
-            costs.append(samples.bin_rows(members[sel], bin_of[sel], k))
+            picks.append(at[sel])
+            costs.append(prices[sel])
     for sel, got in zip(picks, budget.price_many(costs) if costs else []):
         spans[sel] = got
     return spans, bin_of

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
@@ -42,13 +42,13 @@ from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
 from .pipeline_orders import best_orders, heuristic_orders
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
-from .pipeline_shape import Shape, ShapeSamples, pack_many, replica_members, shape_pack
+from .pipeline_shape import Shape, ShapeSamples, pack_core, shape_pack
 from .planner import plan_schedule
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
 from .validate import check_int, check_int_array
 
-__all__ = ["ReplicaPlan", "pack_replica", "scan_replica", "shape_replica"]
+__all__ = ["ReplicaPlan", "ReplicaScan", "pack_replica", "scan_replica", "shape_replica"]
 
 #: balanced packing (no pipeline): every micro-batch the same target share
 FLAT = Shape(0, 0, 1.0)
@@ -65,6 +65,25 @@ class ReplicaPlan:
     #: the pipeline model's makespan of this run order (the pricing's units: seconds with a ``CostProfile``, else
     #: per-stage forward FLOPs or tokens); ``None`` without a pipeline
     predicted_makespan: float | None
+
+
+@dataclass(frozen=True)
+class ReplicaScan:
+    """:func:`scan_replica`'s answer: per count that packed under the cap, its predicted makespan (``spans``;
+    ``None`` values without a pipeline), and its micro-batches on demand (:meth:`plan`)."""
+
+    spans: dict[int, float | None]
+    #: per count: each sample's micro-batch, numbered in run order
+    labels: dict[int, np.ndarray] = field(repr=False, compare=False)
+
+    def __contains__(self, count: object) -> bool:
+        return count in self.spans
+
+    def plan(self, count: int) -> ReplicaPlan | None:
+        """The packing at ``count`` (``None`` where it did not pack)."""
+        if count not in self.spans:
+            return None
+        return ReplicaPlan(_groups(self.labels[count], count), self.spans[count])
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -153,23 +172,22 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 # ---------------------------------------------------------------------------------------------------- the API
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
-                 config: PlannerConfig | None = None) -> dict[int, ReplicaPlan]:
+                 config: PlannerConfig | None = None) -> ReplicaScan:
     """The samples shaped at each of ``counts`` (every ``PlannerConfig.scan_shapes`` shape, one packing call, one
-    pass of the model; each count's fastest packing in the fastest of its own order and the heuristic run orders
-    of :func:`~.pipeline_orders.heuristic_orders`). Counts where no scan shape holds the cap, above the sample count
-    or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each count
-    (``predicted_makespan`` ``None``)."""
+    pass of the model; each count's fastest packing, then in the fastest of its own order and the heuristic run
+    orders of :func:`~.pipeline_orders.heuristic_orders`, every count in one more pass). Counts where no scan shape
+    holds the cap, above the sample count or refused by megatron-core for the layout are left out. Without a
+    pipeline: the balanced packing at each count (spans ``None``)."""
     config = DEFAULT_CONFIG if config is None else config
     x, cap = _lengths(lengths), _cap(cap)
     pricing = _pricing(parallel, cost_model, cap, config, forward_only)
     samples = _samples(x, cap, cost_model, pricing)
     counts = [int(k) for k in dict.fromkeys(counts) if 1 <= int(k) <= len(x) and _runs(pricing, int(k))]
-    if not counts:
-        return {}
     if pricing is None:
-        return {k: plan for k in counts if (plan := _balanced(samples, k)) is not None}
+        packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
+        return ReplicaScan(dict.fromkeys(packed), packed)
     shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
-    return _shaped(pricing, samples, counts, shapes)
+    return _shaped(pricing, samples, counts, shapes, reorder=True)
 
 
 def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
@@ -196,10 +214,11 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
         spec.check_microbatches(count)  # megatron-core's own rule for the layout (VPP groups)
     samples = _samples(x, cap, cost_model, pricing)
     if pricing is None:
-        got = _balanced(samples, count)
+        labels = _balanced(samples, count)
+        got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
     else:
         shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
-        got = _shaped(pricing, samples, [count], shapes).get(count)
+        got = _shaped(pricing, samples, [count], shapes, reorder=False).plan(count)
     if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
         own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
         if len(own) > count:
@@ -222,49 +241,76 @@ def _runs(pricing: PipelinePricing | None, k: int) -> bool:
     return True
 
 
-def _balanced(samples: ShapeSamples, k: int) -> ReplicaPlan | None:
-    """The flat target at ``k``: one :func:`shape_pack` row (``None`` where it misses the cap)."""
-    members = replica_members(np.zeros(len(samples.lengths), dtype=np.int64), samples.costs, 1, samples.order)
+def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
+    """The flat target at ``k``: one :func:`shape_pack` row, as each sample's micro-batch (``None`` where it misses
+    the cap)."""
+    members = samples.order[None, :]  # one replica: its samples by decreasing cost
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, FLAT.weights(k)[None, :], samples.cap)
     if not ok[0]:
         return None
     labels = np.empty(len(samples.lengths), dtype=np.int64)
     labels[members[0]] = bin_of[0]
-    return ReplicaPlan(_groups(labels, k), None)
+    return labels
 
 
-def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int],
-            shapes: list[Shape]) -> dict[int, ReplicaPlan]:
-    """Every shape at every count in one :func:`pack_many` call (one replica), the fastest per count, then in the
-    best of its order and the heuristic orders (one more pass of the model)."""
-    members = replica_members(np.zeros(len(samples.lengths), dtype=np.int64), samples.costs, 1, samples.order)
-    combos = [(k, shape) for k in counts for shape in shapes]
-    spans, bin_of = pack_many(Budget(pricing, math.inf), samples, members, combos)
-    spans = spans[:, 0]
-    best: dict[int, tuple[float, np.ndarray]] = {}
-    for i, (k, _) in enumerate(combos):  # ties: the earlier shape
-        if np.isfinite(spans[i]) and spans[i] < best.get(k, (np.inf,))[0]:
-            labels = np.empty(len(samples.lengths), dtype=np.int64)
-            labels[members[0]] = bin_of[i, 0]
-            best[k] = (float(spans[i]), labels)
-    if not best:
-        return {}
-    # the heuristic orders of each count's packing, every count in one pass of the model
+@lru_cache(maxsize=256)
+def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list, list]:
+    """The packing rows of every shape at every count, as :func:`pack_many` makes them (shapes whose targets and
+    run order coincide at a count share one row): ``(weights (rows, max count), parts, each row's count)``; made
+    once per counts, shapes and VPP group (read-only), since a host asks for the same few every step."""
+    first: dict[tuple, tuple[int, Shape]] = {}
+    for k in counts:
+        for shape in shapes:
+            first.setdefault((k, shape.order, shape.weights(k, step).tobytes()), (k, shape))
+    combos = list(first.values())
+    weights = np.full((len(combos), max(counts)), -1.0)
+    for j, (k, shape) in enumerate(combos):
+        weights[j, :k] = shape.weights(k, step)
+    weights.flags.writeable = False
+    return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)], [k for k, _ in combos]
+
+
+def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape], *,
+            reorder: bool) -> ReplicaScan:
+    """Every shape at every count packed and priced in one :func:`~.pipeline_shape.pack_core` call (one replica:
+    the rows :func:`pack_many` would make), the fastest per count (ties: the earlier shape); ``reorder``: then the
+    best counts in the best of their order and the heuristic orders (one more pass of the model)."""
+    if not counts:
+        return ReplicaScan({}, {})
+    weights, parts, count_of = _rows(tuple(counts), tuple(shapes), samples.step)
+    members = samples.order[None, :]  # one replica: its samples by decreasing cost
+    spans, bin_of = pack_core(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
+                              np.array(weights), parts)
+    best: dict[int, int] = {}
+    for i, k in enumerate(count_of):
+        if np.isfinite(spans[i]) and (k not in best or spans[i] < spans[best[k]]):
+            best[k] = i
+    found, labels = {}, {}
+    for k, i in best.items():
+        found[k] = float(spans[i])
+        labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
+        labels[k][members[0]] = bin_of[i]
+    if reorder and found:
+        _reorder(pricing, samples, found, labels)
+    return ReplicaScan(found, labels)
+
+
+def _reorder(pricing: PipelinePricing, samples: ShapeSamples, spans: dict[int, float],
+             labels: dict[int, np.ndarray]) -> None:
+    """The ``config.finalists`` fastest counts' packings in the fastest of their order and :func:`heuristic_orders`
+    (one pass of the model; ties: its own order), in place. The other counts keep their shape's order: their spans
+    only tell the host they are slower."""
     group = pricing.spec.group if pricing.spec.vpp_size > 1 else 1
-    ks = list(best)
-    rows = [bin_costs(samples.lengths, samples.costs, best[k][1], k, samples.profile)[None, :] for k in ks]
+    ks = sorted(spans, key=spans.__getitem__)[:pricing.config.finalists]
+    rows = [bin_costs(samples.lengths, samples.costs, labels[k], k, samples.profile)[None, :] for k in ks]
     orders = [heuristic_orders(row, group)[:, 0, :] for row in rows]
     got = pricing.makespans_many([row[0][order] for row, order in zip(rows, orders)])
-    out = {}
     for k, order, span in zip(ks, orders, got):
-        own_span, labels = best[k]
         j = int(np.argmin(span))
-        if span[j] < own_span * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[j][p]
+        if span[j] < spans[k] * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[j][p]
             where = np.empty(k, dtype=np.int64)
             where[order[j]] = np.arange(k)
-            labels, own_span = where[labels], float(span[j])
-        out[k] = ReplicaPlan(_groups(labels, k), own_span)
-    return out
+            labels[k], spans[k] = where[labels[k]], float(span[j])
 
 
 def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:

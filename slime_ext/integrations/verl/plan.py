@@ -61,7 +61,7 @@ from typing import Sequence
 import numpy as np
 
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PlannerConfig, ReplicaPlan,
-                                ScheduleError, pack_replica, plan_schedule, scan_replica, shape_replica)
+                                ReplicaScan, ScheduleError, pack_replica, plan_schedule, scan_replica, shape_replica)
 
 __all__ = ["Agreement", "Ballot", "EngineLayout", "EnginePlan", "EngineSearch", "GRID_MULTIPLES", "RankDraft",
            "RankPlan", "agree", "check_engine_plan", "check_rank_plan", "draft_rank", "finish_rank",
@@ -201,7 +201,7 @@ class RankDraft:
     #: the pass has no backward (log-probs, a reference model): priced by the forward-only schedules
     forward_only: bool = False
     #: with a pipeline: the shaped packing per scanned count (``scan_replica``); counts that did not pack are absent
-    scan: dict[int, ReplicaPlan] | None = None
+    scan: ReplicaScan | None = None
     #: why the draft failed (this rank's planner error), or None
     error: str | None = None
 
@@ -306,7 +306,7 @@ def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLa
                                 forward_only=forward_only, config=search.planner)
         except ScheduleError as exc:
             return _failed(common, x, spans, str(exc))
-        spans[window] = [scan[c].predicted_makespan if c in scan else np.inf for c in grid[window].tolist()]
+        spans[window] = [scan.spans.get(c, np.inf) for c in grid[window].tolist()]
         if least in scan:  # the least count fits: that is the need
             need = least
     if need is None:  # no pipeline, or the cap is tight (or nothing scanned fits): the planner's packing and count
@@ -358,7 +358,7 @@ def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
         if len(draft.own) == count:
             return RankPlan(count, draft.own, "own", draft.need, None)
         return RankPlan(count, draft.shape(count).micro_batches, "recount", draft.need, None)
-    got, fresh = draft.scan.get(count), False
+    got, fresh = draft.scan.plan(count), False
     if got is None:  # not scanned here (above this rank's reach), or no scan shape holds the cap: pack it now
         got, fresh = draft.shape(count), True
     band, slowest = draft.search.polish_band, agreement.predicted
