@@ -40,9 +40,9 @@ import numpy as np
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
-from .pipeline_orders import best_orders, heuristic_orders
+from .pipeline_orders import best_orders, heuristic_best, heuristic_orders
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
-from .pipeline_shape import Shape, ShapeSamples, pack_core, shape_pack
+from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .planner import plan_schedule
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
@@ -69,21 +69,34 @@ class ReplicaPlan:
 
 @dataclass(frozen=True)
 class ReplicaScan:
-    """:func:`scan_replica`'s answer: per count that packed under the cap, its predicted makespan (``spans``;
-    ``None`` values without a pipeline), and its micro-batches on demand (:meth:`plan`)."""
+    """:func:`scan_replica`'s answer: per count that packed under the cap, its predicted makespan in its shape's run
+    order (``spans``; ``None`` values without a pipeline), and on demand its micro-batches (:meth:`plan`)."""
 
     spans: dict[int, float | None]
     #: per count: each sample's micro-batch, numbered in run order
     labels: dict[int, np.ndarray] = field(repr=False, compare=False)
+    #: the pricing and samples the scan packed (``None`` without a pipeline)
+    pricing: PipelinePricing | None = field(default=None, repr=False, compare=False)
+    samples: ShapeSamples | None = field(default=None, repr=False, compare=False)
 
     def __contains__(self, count: object) -> bool:
         return count in self.spans
 
     def plan(self, count: int) -> ReplicaPlan | None:
-        """The packing at ``count`` (``None`` where it did not pack)."""
+        """The packing at ``count`` (``None`` where it did not pack); with a pipeline, in the fastest of its run
+        order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model: its
+        makespan is at most ``spans[count]``)."""
         if count not in self.spans:
             return None
-        return ReplicaPlan(_groups(self.labels[count], count), self.spans[count])
+        labels, span = self.labels[count], self.spans[count]
+        if self.pricing is not None:
+            row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
+            order, got = heuristic_best(self.pricing, row)
+            if got[0] < span * (1 - self.pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
+                where = np.empty(count, dtype=np.int64)
+                where[order[0]] = np.arange(count)
+                labels, span = where[labels], float(got[0])
+        return ReplicaPlan(_groups(labels, count), span)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
@@ -187,7 +200,7 @@ def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], par
         packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
         return ReplicaScan(dict.fromkeys(packed), packed)
     shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
-    return _shaped(pricing, samples, counts, shapes, reorder=True)
+    return _shaped(pricing, samples, counts, shapes, reorder=False)
 
 
 def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
@@ -254,9 +267,9 @@ def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
 
 
 @lru_cache(maxsize=256)
-def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list, list]:
+def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list]:
     """The packing rows of every shape at every count, as :func:`pack_many` makes them (shapes whose targets and
-    run order coincide at a count share one row): ``(weights (rows, max count), parts, each row's count)``; made
+    run order coincide at a count share one row): ``(weights (rows, max count), parts)``; made
     once per counts, shapes and VPP group (read-only), since a host asks for the same few every step."""
     first: dict[tuple, tuple[int, Shape]] = {}
     for k in counts:
@@ -267,50 +280,39 @@ def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tupl
     for j, (k, shape) in enumerate(combos):
         weights[j, :k] = shape.weights(k, step)
     weights.flags.writeable = False
-    return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)], [k for k, _ in combos]
+    return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)]
 
 
 def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape], *,
             reorder: bool) -> ReplicaScan:
-    """Every shape at every count packed and priced in one :func:`~.pipeline_shape.pack_core` call (one replica:
-    the rows :func:`pack_many` would make), the fastest per count (ties: the earlier shape); ``reorder``: then the
-    best counts in the best of their order and the heuristic orders (one more pass of the model)."""
+    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call (one replica: the
+    rows :func:`~.pipeline_shape.pack_many` would make); ``reorder``: each packing also in every order of
+    :func:`heuristic_orders`; all of it priced in one pass of the model, the fastest per count kept (ties: the
+    earlier shape, then its own order)."""
     if not counts:
         return ReplicaScan({}, {})
-    weights, parts, count_of = _rows(tuple(counts), tuple(shapes), samples.step)
+    weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
     members = samples.order[None, :]  # one replica: its samples by decreasing cost
-    spans, bin_of = pack_core(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
-                              np.array(weights), parts)
-    best: dict[int, int] = {}
-    for i, k in enumerate(count_of):
-        if np.isfinite(spans[i]) and (k not in best or spans[i] < spans[best[k]]):
-            best[k] = i
-    found, labels = {}, {}
-    for k, i in best.items():
-        found[k] = float(spans[i])
-        labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
-        labels[k][members[0]] = bin_of[i]
-    if reorder and found:
-        _reorder(pricing, samples, found, labels)
-    return ReplicaScan(found, labels)
-
-
-def _reorder(pricing: PipelinePricing, samples: ShapeSamples, spans: dict[int, float],
-             labels: dict[int, np.ndarray]) -> None:
-    """The ``config.finalists`` fastest counts' packings in the fastest of their order and :func:`heuristic_orders`
-    (one pass of the model; ties: its own order), in place. The other counts keep their shape's order: their spans
-    only tell the host they are slower."""
+    bin_of, groups = pack_relabelled(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
+                                     np.array(weights), parts)
     group = pricing.spec.group if pricing.spec.vpp_size > 1 else 1
-    ks = sorted(spans, key=spans.__getitem__)[:pricing.config.finalists]
-    rows = [bin_costs(samples.lengths, samples.costs, labels[k], k, samples.profile)[None, :] for k in ks]
-    orders = [heuristic_orders(row, group)[:, 0, :] for row in rows]
-    got = pricing.makespans_many([row[0][order] for row, order in zip(rows, orders)])
-    for k, order, span in zip(ks, orders, got):
-        j = int(np.argmin(span))
-        if span[j] < spans[k] * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[j][p]
-            where = np.empty(k, dtype=np.int64)
-            where[order[j]] = np.arange(k)
-            labels[k], spans[k] = where[labels[k]], float(span[j])
+    tables, runs = [], []
+    for k, _, prices in groups:  # per count: its packings, then (reorder) each heuristic order of each of them
+        order = np.broadcast_to(np.arange(k), prices.shape)[None]
+        if reorder:
+            order = np.concatenate((order, heuristic_orders(prices, group)))
+        runs.append(order.reshape(-1, k))
+        tables.append(np.take_along_axis(np.broadcast_to(prices, order.shape), order, axis=-1).reshape(-1, k))
+    found, labels = {}, {}
+    for (k, rows, _), run, spans in zip(groups, runs, pricing.makespans_many(tables) if tables else []):
+        j = int(np.argmin(spans))  # order-major: ties go to the earlier shape in its own order
+        row = rows[j % len(rows)]
+        where = np.empty(k, dtype=np.int64)
+        where[run[j]] = np.arange(k)  # bin -> its run position
+        labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
+        labels[k][members[0]] = where[bin_of[row]]
+        found[k] = float(spans[j])
+    return ReplicaScan(found, labels, pricing, samples)
 
 
 def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:

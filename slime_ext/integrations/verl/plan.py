@@ -362,7 +362,8 @@ def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
     if got is None:  # not scanned here (above this rank's reach), or no scan shape holds the cap: pack it now
         got, fresh = draft.shape(count), True
     band, slowest = draft.search.polish_band, agreement.predicted
-    if not fresh and band >= 0 and (slowest is None or got.predicted_makespan >= (1 - band) * slowest):
+    # the ranks whose ballot was within the band of the slowest (the ballot's span: the plan's before its order)
+    if not fresh and band >= 0 and (slowest is None or draft.scan.spans[count] >= (1 - band) * slowest):
         full = draft.shape(count)  # every shape and the order search: where the step waits
         if full.predicted_makespan < got.predicted_makespan * (1 - draft.search.planner.tie):
             got = full
