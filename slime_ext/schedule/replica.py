@@ -123,13 +123,16 @@ def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConf
              forward_only: bool) -> PipelinePricing | None:
     """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
     and pass (a host asks for the same few every step)."""
-    if parallel.pp_size > 1 and forward_only and not FORWARD_ONLY_PRICING:
+    if parallel.pp_size == 1:
+        return None
+    if forward_only and not FORWARD_ONLY_PRICING:
         raise ScheduleError("forward-only pricing is not available: this slime-ext's pipeline model prices training "
                             "passes only; plan the pass with forward_only=False")
     try:
-        return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
+        hash(cost_model)
     except TypeError:  # an unhashable cost model: price afresh
         return _cached_pricing.__wrapped__(parallel, cost_model, cap, config, bool(forward_only))
+    return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
 
 
 def _samples(x: np.ndarray, cap: int, cost_model, pricing: PipelinePricing | None) -> ShapeSamples:
