@@ -7,24 +7,27 @@ host that holds one rank's samples and asks for a count (verl's Megatron engine 
   the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
   with one flat target: the whole-step planner's shaping routine, one row);
 * **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shapes`` packed at
-  ``count`` in one :func:`.pipeline_shape.pack_many` call (the whole-step planner's shaped candidate packs each
-  replica with the same call), every packing priced by the pipeline model in one pass, the fastest kept; its run
-  order then improved by the pipeline model's order search (:func:`.pipeline_orders.best_orders`);
+  ``count`` in one :func:`.pipeline_shape.pack_relabelled` call (the rows :func:`.pipeline_shape.pack_many` makes
+  for the whole-step planner's shaped candidate, one replica), every packing priced by the pipeline model in one
+  pass, the fastest kept; its run order then improved by the model's order search
+  (:func:`.pipeline_orders.best_orders`);
 * where no shape holds the cap at ``count`` (the greedy packing can miss a tight fit): the planner's own capped
-  packing of the samples (:func:`.planner.plan_schedule`, one replica) with its costliest micro-batches split in
-  two until there are ``count``; subsets of capped micro-batches stay capped;
+  packing of the samples (:func:`pack_replica`) with its costliest micro-batches split in two until there are
+  ``count``; subsets of capped micro-batches stay capped;
 * where ``count`` cannot hold the samples (fewer micro-batches than the cap needs, more than there are samples, a
   count megatron-core refuses for the layout): a :class:`ScheduleError` naming ``count``, ``cap`` and the count to
   ask for instead.
 
-:func:`scan_replica` is the same shaping at many counts in one packing call and one pass of the model, with
-``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) and the heuristic run orders of
-:mod:`.pipeline_orders`: a host that chooses among counts prices them all at once, then asks :func:`shape_replica`
-for the one it chose.
+:func:`scan_replica` is the same shaping at many counts (a host choosing among them): every shape of
+``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
+one pass of the model, each in its shape's run order; :meth:`ReplicaScan.plan` gives one count's micro-batches, in
+the fastest of that order and the heuristic orders (:func:`.pipeline_orders.heuristic_best`). :func:`pack_replica`
+is the planner's own packing of one replica at the count it chooses (the fewest it needs).
 
 Forward-only passes (``forward_only=True``: log-probs, a reference model) are priced by the pipeline model's
-forward-only schedules where :func:`.pipeline_pricing.pipeline_pricing` offers them; until it does, a pipelined
-forward-only request raises. Pure: standard library and numpy.
+forward-only schedules where :func:`.pipeline_pricing.pipeline_pricing` offers them (:data:`FORWARD_ONLY_PRICING`);
+until it does, a pipelined forward-only request raises (without a pipeline nothing is priced). Pure: standard library
+and numpy.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import numpy as np
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
-from .pipeline_orders import best_orders, heuristic_best, heuristic_orders
+from .pipeline_orders import best_orders, heuristic_best
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
 from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .planner import plan_schedule
@@ -189,11 +192,11 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                  config: PlannerConfig | None = None) -> ReplicaScan:
-    """The samples shaped at each of ``counts`` (every ``PlannerConfig.scan_shapes`` shape, one packing call, one
-    pass of the model; each count's fastest packing, then in the fastest of its own order and the heuristic run
-    orders of :func:`~.pipeline_orders.heuristic_orders`, every count in one more pass). Counts where no scan shape
-    holds the cap, above the sample count or refused by megatron-core for the layout are left out. Without a
-    pipeline: the balanced packing at each count (spans ``None``)."""
+    """The samples shaped at each of ``counts``: every ``PlannerConfig.scan_shapes`` shape at every count, one
+    packing call and one pass of the model, each count's fastest packing in its shape's run order
+    (:meth:`ReplicaScan.plan` orders the one asked for). Counts where no scan shape holds the cap, above the sample
+    count or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each
+    count (spans ``None``)."""
     config = DEFAULT_CONFIG if config is None else config
     x, cap = _lengths(lengths), _cap(cap)
     pricing = _pricing(parallel, cost_model, cap, config, forward_only)
@@ -203,7 +206,7 @@ def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], par
         packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
         return ReplicaScan(dict.fromkeys(packed), packed)
     shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
-    return _shaped(pricing, samples, counts, shapes, reorder=False)
+    return _shaped(pricing, samples, counts, shapes)
 
 
 def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
@@ -234,7 +237,8 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
         got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
     else:
         shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
-        got = _shaped(pricing, samples, [count], shapes, reorder=False).plan(count)
+        scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
+        got = ReplicaPlan(_groups(scan.labels[count], count), scan.spans[count]) if count in scan else None
     if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
         own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
         if len(own) > count:
@@ -286,34 +290,22 @@ def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tupl
     return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)]
 
 
-def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape], *,
-            reorder: bool) -> ReplicaScan:
+def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
     """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call (one replica: the
-    rows :func:`~.pipeline_shape.pack_many` would make); ``reorder``: each packing also in every order of
-    :func:`heuristic_orders`; all of it priced in one pass of the model, the fastest per count kept (ties: the
-    earlier shape, then its own order)."""
+    rows :func:`~.pipeline_shape.pack_many` would make), each in its shape's run order, all priced in one pass of the
+    model; the fastest per count kept (ties: the earlier shape)."""
     if not counts:
         return ReplicaScan({}, {})
     weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
     members = samples.order[None, :]  # one replica: its samples by decreasing cost
     bin_of, groups = pack_relabelled(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
                                      np.array(weights), parts)
-    group = pricing.spec.group if pricing.spec.vpp_size > 1 else 1
-    tables, runs = [], []
-    for k, _, prices in groups:  # per count: its packings, then (reorder) each heuristic order of each of them
-        order = np.broadcast_to(np.arange(k), prices.shape)[None]
-        if reorder:
-            order = np.concatenate((order, heuristic_orders(prices, group)))
-        runs.append(order.reshape(-1, k))
-        tables.append(np.take_along_axis(np.broadcast_to(prices, order.shape), order, axis=-1).reshape(-1, k))
     found, labels = {}, {}
-    for (k, rows, _), run, spans in zip(groups, runs, pricing.makespans_many(tables) if tables else []):
-        j = int(np.argmin(spans))  # order-major: ties go to the earlier shape in its own order
-        row = rows[j % len(rows)]
-        where = np.empty(k, dtype=np.int64)
-        where[run[j]] = np.arange(k)  # bin -> its run position
+    spans_all = pricing.makespans_many([prices for _, _, prices in groups]) if groups else []
+    for (k, rows, _), spans in zip(groups, spans_all):
+        j = int(np.argmin(spans))
         labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
-        labels[k][members[0]] = where[bin_of[row]]
+        labels[k][members[0]] = bin_of[rows[j]]
         found[k] = float(spans[j])
     return ReplicaScan(found, labels, pricing, samples)
 
