@@ -27,6 +27,8 @@ cost model                ``cost`` (CostModel: FLOPs per sample; ``bin_costs``: 
                           ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
                           (the candidates' pieces), ``pipeline_choice`` (the search, stated once)
 the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (plan_schedule: stages 1-5)
+one replica               ``replica`` (shape_replica, scan_replica, pack_replica: one replica's samples in exactly
+                          ``count`` micro-batches by the planner's shaping, for hosts that plan inside their engine)
 its record                ``dp_schedule`` (DPSchedule, StepStats), ``payload``, ``invariants`` (check_schedule)
 slime's entry             ``compat`` (slime's args -> the planner's inputs; build_dp_schedule)
 ========================  ===========================================================================================
