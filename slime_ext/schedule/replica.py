@@ -85,14 +85,14 @@ class ReplicaScan:
     def __contains__(self, count: object) -> bool:
         return count in self.spans
 
-    def plan(self, count: int) -> ReplicaPlan | None:
-        """The packing at ``count`` (``None`` where it did not pack); with a pipeline, in the fastest of its run
-        order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model: its
-        makespan is at most ``spans[count]``)."""
+    def plan(self, count: int, *, reorder: bool = True) -> ReplicaPlan | None:
+        """The packing at ``count`` (``None`` where it did not pack); with a pipeline and ``reorder``, in the fastest
+        of its run order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model:
+        its makespan is at most ``spans[count]``), else in its shape's run order."""
         if count not in self.spans:
             return None
         labels, span = self.labels[count], self.spans[count]
-        if self.pricing is not None:
+        if self.pricing is not None and reorder:
             row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
             order, got = heuristic_best(self.pricing, row)
             if got[0] < span * (1 - self.pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
