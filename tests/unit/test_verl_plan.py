@@ -190,6 +190,25 @@ def test_search_knobs_are_validated():
         EngineSearch(reach=0.5)
     with pytest.raises(ValueError, match="must be a PlannerConfig"):
         EngineSearch(planner={"shapes": ()})
+    with pytest.raises(ValueError, match="order_band"):
+        EngineSearch(order_band="all")
+
+
+def test_the_ranks_near_the_slowest_take_the_model_s_run_order():
+    """order_band: a rank within it of the slowest runs its scanned packing in the heuristic order the model
+    prices fastest (never slower than its ballot); with the band off it keeps the shape's order."""
+    layout = EngineLayout(pp_size=4)
+    lengths = _ranks(9, dp=4, n=16, hi=8000)  # two ranks whose heuristic order beats the shape's (0.98, 0.985)
+    ordered = plan_engine_step(lengths, 8192, layout, cost_model=MODEL,
+                               search=EngineSearch(order_band=1.0, polish_band=-1.0))
+    as_shaped = plan_engine_step(lengths, 8192, layout, cost_model=MODEL,
+                                 search=EngineSearch(order_band=-1.0, polish_band=-1.0))
+    assert ordered.count == as_shaped.count
+    a = _priced(layout, MODEL, 8192, lengths, ordered.micro_batches)
+    b = _priced(layout, MODEL, 8192, lengths, as_shaped.micro_batches)
+    assert (a <= b * (1 + 1e-9)).all() and (a < b * (1 - 1e-6)).any()
+    for x, mine, theirs in zip(lengths, ordered.micro_batches, as_shaped.micro_batches):  # the same packing
+        assert {frozenset(mb) for mb in mine} == {frozenset(mb) for mb in theirs}
 
 
 def test_the_shapes_are_the_planner_configs():
