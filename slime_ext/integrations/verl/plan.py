@@ -145,9 +145,11 @@ class EngineSearch:
     #: the ranks predicted within this share of the slowest at the agreed count run their micro-batches in the
     #: fastest of their shape's order and the pipeline model's heuristic orders (one pass of the model); the others
     #: keep the shape's order (the step does not wait for them). ``bench.verl``'s steps at pp 8 under the trainer
-    #: depth (ranks balanced to 1-4%): bimodal 0.802 of verl's step without it, 0.790 at 0.02, 0.787 at 0.05 and
-    #: every rank; the median rank's planning at 64 samples per rank barely moves at 0.02
-    order_band: float = 0.02
+    #: depth (ranks balanced to 1-4%): bimodal 0.802 of verl's step at 0 (the slowest alone), 0.790 at 0.02, 0.787
+    #: at 0.05 and every rank (rl-like 0.775, 0.774, 0.774); but at 64 samples per rank every rank of the planning
+    #: -time table is within 2% of the slowest, and the extra pass of the model made the median rank's planning
+    #: 5-15% dearer under VPP (above pp 1's 5x): 0 keeps it at or below the cost of the shaping this replaced
+    order_band: float = 0.0
     #: the planner's tunables: the shapes, the pricing's overhead and ratio, the order search
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
