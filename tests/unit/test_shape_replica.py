@@ -201,3 +201,18 @@ def test_close_to_the_best_plan_an_exhaustive_search_finds(seed, layout):
     plan = shape_replica(lengths, count, parallel, cap, cost_model=MODEL)
     got = _oracle(parallel, MODEL, cap, lengths, plan.micro_batches)
     assert best * (1 - 1e-9) <= got <= 1.05 * best, (got / best)
+
+
+# ---------------------------------------------------------------------------------------------- rows of several counts
+@pytest.mark.parametrize("order", ["target", "rising"])
+def test_run_order_of_rows_of_several_counts_is_each_rows_own(order):
+    """pack_relabelled orders the rows of every count side by side: a row of count k ordered within the padded width
+    is that row's own order of its first k micro-batches, and its padding stays in place."""
+    rng = np.random.default_rng(4)
+    shape = Shape(0, 0, 1.0, order)
+    counts = np.array([1, 2, 3, 5, 8, 8, 2])
+    costs = rng.integers(1, 6, size=(len(counts), 8)).astype(float)  # small integers: ties on purpose
+    padded = shape.run_order(costs, counts)
+    for row, k in enumerate(counts.tolist()):
+        assert padded[row, :k].tolist() == shape.run_order(costs[row:row + 1, :k])[0].tolist()
+        assert padded[row, k:].tolist() == list(range(k, 8))
