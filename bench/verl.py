@@ -69,7 +69,7 @@ import numpy as np
 from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
                                               check_rank_plan, draft_rank, finish_rank, plan_dispatch,
                                               plan_engine_step)
-from slime_ext.schedule import CostModel, ParallelConfig
+from slime_ext.schedule import CostModel, ParallelConfig, PlannerConfig
 from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline_model import PipelineSpec
 from slime_ext.schedule.pipeline_pricing import PipelinePricing, pipeline_pricing
@@ -481,12 +481,16 @@ def main(argv: list[str] | None = None) -> int:
         if f.type in ("float", "bool"):
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int,
                             default=None, help=f"EngineSearch.{f.name} (default {f.default})")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
+                    help="a PlannerConfig field for the engine depth's shaping (its shapes, scan_shapes, ...), e.g. "
+                         "--set scan_shapes=[[0,0,1.0]]; repeatable")
     args = ap.parse_args(argv)
     import verl
 
     search = EngineSearch(**{f.name: (bool if f.type == "bool" else float)(getattr(args, f.name))
                              for f in dataclasses.fields(EngineSearch)
-                             if f.type in ("float", "bool") and getattr(args, f.name) is not None})
+                             if f.type in ("float", "bool") and getattr(args, f.name) is not None},
+                          planner=PlannerConfig().replace_from(args.overrides))
     baseline = None
     if args.baseline != "none":
         got = load_baseline(args.baseline)

@@ -37,6 +37,8 @@ cost model                ``cost`` (CostModel: FLOPs per sample; ``bin_costs``: 
                           ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
                           (the candidates' pieces), ``pipeline_choice`` (the search, stated once)
 the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (stages 1-5 of one request)
+one replica               ``replica`` (shape_replica, scan_replica, pack_replica: one replica's samples in exactly
+                          ``count`` micro-batches by the planner's shaping, for hosts that plan inside their engine)
 its record                ``dp_schedule`` (DPSchedule, StepStats), ``payload``, ``invariants`` (check_schedule)
 the request               ``request`` (PlanRequest, checked on construction; plan: the entry point; plan_schedule)
 slime's entry             ``compat`` (slime's args -> a PlanRequest; build_dp_schedule)
@@ -55,6 +57,7 @@ from .pipeline_orders import best_orders
 from .pipeline_pricing import PipelinePricing, pipeline_pricing
 from .planner_config import PlannerConfig
 from .profile import CostProfile
+from .replica import ReplicaPlan, ReplicaScan, pack_replica, scan_replica, shape_replica
 from .request import PlanRequest, plan, plan_schedule
 
 # The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
@@ -62,6 +65,8 @@ from .request import PlanRequest, plan, plan_schedule
 # pipeline_pricing(parallel, cost_model, cap) -> PipelinePricing (its makespans(mb_costs)), microbatch_costs (the
 # planner's price of micro-batches given as sample lists), best_orders (the order the model predicts fastest) and
 # sample_costs (the per-sample costs the planner balances); PipelineSpec and pipeline_makespan are the model itself.
+# shape_replica (one replica's samples in exactly `count` micro-batches, shaped for the pipeline by the planner's
+# own shaping) and scan_replica (the same at many counts, priced in one pass) are what such a host plans with.
 __all__ = [
     "BatchConfig",
     "CostModel",
@@ -73,6 +78,8 @@ __all__ = [
     "PlanRequest",
     "PlannerConfig",
     "RankPayload",
+    "ReplicaPlan",
+    "ReplicaScan",
     "SampleBatch",
     "ScheduleError",
     "StepStats",
@@ -80,9 +87,12 @@ __all__ = [
     "build_dp_schedule",
     "check_schedule",
     "microbatch_costs",
+    "pack_replica",
     "pipeline_makespan",
     "pipeline_pricing",
     "plan",
     "plan_schedule",
     "sample_costs",
+    "scan_replica",
+    "shape_replica",
 ]

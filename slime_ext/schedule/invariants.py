@@ -317,19 +317,18 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
-def _stage_shares(sched: DPSchedule, config: PlannerConfig) -> np.ndarray | None:
+def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config: PlannerConfig) -> np.ndarray | None:
     """Each virtual stage's share of a micro-batch, as documented in :mod:`.pipeline_pricing` (``None``: every
     stage alike): the stages' coefficients weighed on ``cap`` tokens in samples of ``stage_share_sample * cap``."""
-    parallel = sched.parallel
     try:
-        stages = StageCosts.from_model(sched.cost_model, parallel)
+        stages = StageCosts.from_model(cost_model, parallel)
     except ScheduleError:
         if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
             raise
         return None
     if not stages.uneven:
         return None
-    tokens = float(sched.cap if sched.cap is not None else config.stage_share_tokens)
+    tokens = float(cap if cap is not None else config.stage_share_tokens)
     weight = [lin * tokens + quad * tokens * tokens * config.stage_share_sample
               for lin, quad in zip(stages.virtual_linear, stages.virtual_quadratic)]
     return np.asarray(weight) / sum(weight)
@@ -337,35 +336,51 @@ def _stage_shares(sched: DPSchedule, config: PlannerConfig) -> np.ndarray | None
 
 def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
                       forward_only: bool = False) -> np.ndarray:
-    """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it, priced here from the
-    documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
-    (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
-    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
+    """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it (:func:`micro_batch_makespans`
+    on the schedule's micro-batches), with the per-stage forwards, the backward ratio and the spec it ran.
     ``forward_only``: the step priced as a forward-only pass (the same forwards, no backward, the forward-only
     schedule); the returned ratio is then 0."""
-    config = DEFAULT_CONFIG if config is None else config
-    parallel = sched.parallel
-    pp, vpp = parallel.pp_size, parallel.vpp_size
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
-    model = sched.cost_model
     start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
-    whole = np.zeros((sched.dp_size, m))  # each micro-batch's forward + backward, whole model
-    for r in range(sched.dp_size):
-        part = sched.partitions[r]
-        for k, mb in enumerate(sched.micro_batch_indices[r][start:start + m]):
-            ls = lengths[[part[i] for i in mb]]
+    replicas = [[lengths[[sched.partitions[r][i] for i in mb]] for mb in sched.micro_batch_indices[r][start:start + m]]
+                for r in range(sched.dp_size)]
+    return micro_batch_makespans(sched.parallel, sched.cost_model, sched.cap, replicas, config,
+                                 forward_only=forward_only)
+
+
+def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
+                          replicas: Sequence[Sequence[Sequence[int]]], config: PlannerConfig | None = None, *,
+                          forward_only: bool = False):
+    """Each replica's makespan of its micro-batches (``replicas[r][k]``: the sample lengths of replica ``r``'s
+    ``k``-th micro-batch, in run order; the same count on every replica) as the pipeline model predicts it, priced
+    here from the documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
+    (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
+    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
+    ``forward_only``: priced as a forward-only pass (megatron-core's forward-only schedule, no backward).
+    Returns ``(spans (R,), forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
+    config = DEFAULT_CONFIG if config is None else config
+    pp, vpp = parallel.pp_size, parallel.vpp_size
+    model = cost_model
+    m = len(replicas[0]) if len(replicas) else 0
+    if any(len(mbs) != m for mbs in replicas):
+        raise ScheduleError(f"replicas have {sorted({len(mbs) for mbs in replicas})} micro-batches: the pipeline "
+                            f"runs the same count on every replica")
+    whole = np.zeros((len(replicas), m))  # each micro-batch's forward + backward, whole model
+    for r, mbs in enumerate(replicas):
+        for k, mb in enumerate(mbs):
+            ls = np.asarray(mb, dtype=np.int64)
             if isinstance(model, CostProfile):
                 whole[r, k] = model.microbatch_time(ls)
             else:
                 linear, quadratic = model.coefficients() if model is not None else (1.0, 0.0)
-                overhead = config.microbatch_overhead * linear * sched.cap if sched.cap is not None else 0.0
+                overhead = config.microbatch_overhead * linear * cap if cap is not None else 0.0
                 forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
                 whole[r, k] = forward * (1 + config.backward_forward_ratio)
     ratio = model.backward_forward_ratio if isinstance(model, CostProfile) else config.backward_forward_ratio
-    share = _stage_shares(sched, config)
+    share = _stage_shares(parallel, model, cap, config)
     if share is None:
         share = np.full(pp * vpp, 1.0 / (pp * vpp))
-    forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (dp, pp * vpp, M): one chunk each
+    forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (R, pp * vpp, M): one chunk each
     spec = PipelineSpec(pp, vpp, parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
                         p2p_s=model.p2p_s if isinstance(model, CostProfile) else 0.0,
                         overlap_p2p_comm=parallel.overlap_p2p_comm, forward_only=forward_only)

@@ -59,15 +59,23 @@ class Shape:
         """``(k,)`` target shares (read-only: one array per shape, count and group, made once)."""
         return _weights(self, k, group)
 
-    def run_order(self, mb_costs: np.ndarray) -> np.ndarray:
-        """``(R, k)`` the order each row's micro-batches run in (indices into its bins)."""
+    def run_order(self, mb_costs: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+        """``(R, k)`` the order each row's micro-batches run in (indices into its bins). ``counts``: row ``r`` has
+        only its first ``counts[r]`` micro-batches (rows of several counts side by side); the rest stay in place."""
         r, k = mb_costs.shape
         if self.order == "target":
             return np.broadcast_to(np.arange(k), (r, k))
-        asc = np.argsort(mb_costs, axis=1, kind="stable")
-        if k >= 2:
-            asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
-        return asc
+        if counts is None:
+            asc = np.argsort(mb_costs, axis=1, kind="stable")
+            if k >= 2:
+                asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
+            return asc
+        c = np.asarray(counts)[:, None]
+        at = np.arange(k)[None, :]
+        asc = np.argsort(np.where(at < c, mb_costs, np.inf), axis=1, kind="stable")  # a row's own bins first
+        # position c - 2 runs the costliest, c - 1 the second costliest (rows of two or more)
+        src = np.where((at == c - 2) & (c >= 2), c - 1, np.where((at == c - 1) & (c >= 2), c - 2, at))
+        return np.take_along_axis(asc, src, axis=1)
 
     @classmethod
     def of(cls, fields: tuple, pp: int = 1) -> "Shape":
@@ -199,6 +207,7 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     base = np.arange(rows) * k
     neg = -np.inf
     last = -1
+    masked = False
     for j in range(n):
         a = int(active[j])
         if a != last:
@@ -213,16 +222,23 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
                 slack_a = slack[:a]
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
         # the micro-batch with the most room left that takes the sample under the cap: the one with the most room
-        # where it takes it (the common case: one pass), else the most room among those that take it
-        pick = room_a.argmax(axis=1)
-        flat = base_a + pick
-        held = flat_tok[flat]
-        over = held > allowed
-        if over.any():
-            bad = np.flatnonzero(over)
-            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
-            flat[bad] = base_a[bad] + pick[bad]
-            held[bad] = flat_tok[flat[bad]]
+        # where it takes it (the common case: one pass), else the most room among those that take it. Once most
+        # rows need the second pass (their micro-batches fill up), every row takes it directly: the same pick
+        if masked:
+            pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
+            flat = base_a + pick
+            held = flat_tok[flat]
+        else:
+            pick = room_a.argmax(axis=1)
+            flat = base_a + pick
+            held = flat_tok[flat]
+            over = held > allowed
+            if over.any():
+                bad = np.flatnonzero(over)
+                masked = True
+                pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+                flat[bad] = base_a[bad] + pick[bad]
+                held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
@@ -327,27 +343,47 @@ class ShapeSamples:
         return out
 
 
-def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
-              parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
+def pack_relabelled(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
+                    parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, list]:
     """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
-    ``weights`` in one call, each part ``(count, shape, its rows)`` relabelled to its run order, and every row priced
-    in one pass of the model (every count together, charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row
-    that does not fit is ``inf``."""
+    ``weights`` in one call (charged to ``budget``), each part ``(count, shape, its rows)`` relabelled to its run
+    order: ``(bin_of (R, n), per count: (k, its rows that hold the cap, their micro-batch prices in run order))``,
+    counts ascending. Every row is priced once (:meth:`ShapeSamples.bin_rows`, the rows of every count side by
+    side); a part run in another order takes its prices in that order (the same sums: a relabelled micro-batch
+    holds the same samples in the same order)."""
     budget.charge_pack(*members.shape[:1], members.shape[1], weights.shape[1])
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
+    width = weights.shape[1]
     count_of = np.zeros(len(members), dtype=np.int64)
+    turned: dict[Shape, list[np.ndarray]] = {}  # the rows of each shape not run in target order
+    rows_all = np.arange(len(members))
     for k, shape, rows in parts:
         count_of[rows] = k
         if shape.order != "target":
-            bin_of[rows] = samples.in_run_order(shape, members[rows], bin_of[rows], k)
-    spans = np.full(len(members), np.inf)
-    picks, costs = [], []
+            turned.setdefault(shape, []).append(rows_all[rows])
+    prices = samples.bin_rows(members, bin_of, width)  # (R, width): a row's bins beyond its count are empty
+    for shape, rows in turned.items():
+        own = np.concatenate(rows)
+        run = shape.run_order(prices[own], count_of[own])  # the bins in run order (beyond the count: in place)
+        rank = np.argsort(run, axis=1)  # bin -> its run position
+        b = bin_of[own]
+        bin_of[own] = np.where(b >= 0, np.take_along_axis(rank, np.maximum(b, 0), axis=1), -1)
+        prices[own] = np.take_along_axis(prices[own], run, axis=1)
+    groups = []
     for k in sorted({k for k, _, _ in parts}):
-        sel = (count_of == k) & ok
-        if sel.any():
-            picks.append(sel)
-            costs.append(samples.bin_rows(members[sel], bin_of[sel], k))
-    for sel, got in zip(picks, budget.price_many(costs) if costs else []):
+        sel = np.flatnonzero((count_of == k) & ok)
+        if len(sel):
+            groups.append((k, sel, prices[sel, :k]))
+    return bin_of, groups
+
+
+def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
+              parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pack_relabelled`, and every row priced in one pass of the model (every count together, charged to
+    ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is ``inf``."""
+    bin_of, groups = pack_relabelled(budget, samples, members, weights, parts)
+    spans = np.full(len(members), np.inf)
+    for (_, sel, _), got in zip(groups, budget.price_many([prices for _, _, prices in groups]) if groups else []):
         spans[sel] = got
     return spans, bin_of
 

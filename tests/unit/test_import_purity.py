@@ -74,5 +74,7 @@ def test_schedule_public_api_is_the_contract_and_its_entry_points():
         # model itself
         "PipelinePricing", "pipeline_pricing", "microbatch_costs", "best_orders", "sample_costs",
         "PipelineSpec", "pipeline_makespan",
+        # one replica's samples in exactly `count` micro-batches, by the planner's shaping (a host planning a rank)
+        "shape_replica", "ReplicaPlan", "scan_replica", "ReplicaScan", "pack_replica",
     ])
     assert all(getattr(schedule, name) is not None for name in schedule.__all__)

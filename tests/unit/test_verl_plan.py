@@ -1,21 +1,19 @@
-"""The verl engine-depth plan (slime_ext.integrations.verl.plan, .shaped) and the switch, without verl installed.
+"""The verl engine-depth plan (slime_ext.integrations.verl.plan) and the switch, without verl installed.
 
 Every plan goes through ``check_engine_plan`` (count, alignment, coverage, cap); the pipeline's predictions are
-checked by pricing the returned micro-batches through the public model (``pipeline_pricing``), not by re-reading
-what the plan says of itself."""
+checked by re-pricing the returned micro-batches from the documented rule through the public pipeline model
+(``invariants.micro_batch_makespans``: not the planner's ``PipelinePricing``), not by re-reading what the plan says
+of itself. The one-replica shaping it plans with is tested in ``test_shape_replica.py``."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from slime_ext.integrations.verl import ENV, switch_from_env
 from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
                                               check_engine_plan, check_rank_plan, draft_rank, finish_rank,
                                               plan_dispatch, plan_engine_step)
-from slime_ext.integrations.verl.shaped import KNOWN_ORDERS, RAMPS, Ramp, pack_to_targets, ramp_weights, run_orders
-from slime_ext.schedule import CostModel, CostProfile, ScheduleError, pipeline_pricing, sample_costs
-from tests.conftest import examples
+from slime_ext.schedule import CostModel, CostProfile, PlannerConfig, ScheduleError, shape_replica
+from slime_ext.schedule.invariants import micro_batch_makespans
 
 MODEL = CostModel(hidden_size=1024, num_layers=8, num_attention_heads=16, vocab_size=32000, swiglu=True)
 PROFILE = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-5,
@@ -30,17 +28,13 @@ def _ranks(seed, dp, n, hi=3000):
 
 
 def _priced(layout, cost_model, cap, lengths, micro_batches):
-    """Each rank's predicted makespan of its micro-batches in run order, priced through the public model."""
-    pricing = pipeline_pricing(layout.parallel(), cost_model, cap)
+    """Each rank's predicted makespan of its micro-batches in run order, re-priced from the documented rule through
+    the public model (an oracle apart from the planner's pricing)."""
     out = []
     for x, mbs in zip(lengths, micro_batches):
         x = np.asarray(x)
-        if isinstance(cost_model, CostProfile):
-            row = [cost_model.microbatch_time(x[list(mb)]) for mb in mbs]
-        else:
-            costs = sample_costs(x, cost_model)
-            row = [float(costs[list(mb)].sum()) for mb in mbs]
-        out.append(float(pricing.makespans(np.array([row]))[0]))
+        spans = micro_batch_makespans(layout.parallel(), cost_model, cap, [[x[list(mb)] for mb in mbs]])[0]
+        out.append(float(spans[0]))
     return np.array(out)
 
 
@@ -193,10 +187,53 @@ def test_ballot_round_trip_and_a_wrong_size_is_refused():
 def test_search_knobs_are_validated():
     with pytest.raises(ValueError, match="reach"):
         EngineSearch(reach=0.5)
-    with pytest.raises(ValueError, match="at least one Ramp"):
-        EngineSearch(ramps=())
-    with pytest.raises(ValueError, match="name one or more of"):
-        EngineSearch(orders=("sideways",))
+    with pytest.raises(ValueError, match="must be a PlannerConfig"):
+        EngineSearch(planner={"shapes": ()})
+    with pytest.raises(ValueError, match="order_band"):
+        EngineSearch(order_band="all")
+
+
+def test_the_ranks_near_the_slowest_take_the_model_s_run_order():
+    """order_band: a rank within it of the slowest runs its scanned packing in the heuristic order the model
+    prices fastest (never slower than its ballot); with the band off it keeps the shape's order."""
+    layout = EngineLayout(pp_size=4)
+    lengths = _ranks(9, dp=4, n=16, hi=8000)  # two ranks whose heuristic order beats the shape's (0.98, 0.985)
+    ordered = plan_engine_step(lengths, 8192, layout, cost_model=MODEL,
+                               search=EngineSearch(order_band=1.0, polish_band=-1.0))
+    as_shaped = plan_engine_step(lengths, 8192, layout, cost_model=MODEL,
+                                 search=EngineSearch(order_band=-1.0, polish_band=-1.0))
+    assert ordered.count == as_shaped.count
+    a = _priced(layout, MODEL, 8192, lengths, ordered.micro_batches)
+    b = _priced(layout, MODEL, 8192, lengths, as_shaped.micro_batches)
+    assert (a <= b * (1 + 1e-9)).all() and (a < b * (1 - 1e-6)).any()
+    for x, mine, theirs in zip(lengths, ordered.micro_batches, as_shaped.micro_batches):  # the same packing
+        assert {frozenset(mb) for mb in mine} == {frozenset(mb) for mb in theirs}
+
+
+def test_the_shapes_are_the_planner_configs():
+    """One set of shapes: a PlannerConfig with the flat shape alone reaches every rank's scan and finish, which
+    then pack exactly what shape_replica packs with that config."""
+    flat = PlannerConfig(shapes=((0, 0, 1.0),), scan_shapes=((0, 0, 1.0),))
+    layout = EngineLayout(pp_size=4)
+    lengths = _ranks(5, dp=2, n=24)
+    plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL, search=EngineSearch(planner=flat))
+    default = plan_engine_step(lengths, 4096, layout, cost_model=MODEL)
+    assert plan.micro_batches != default.micro_batches  # the config changed the plans
+    for x, mbs in zip(lengths, plan.micro_batches):
+        alone = shape_replica(x, plan.count, layout.parallel(), 4096, cost_model=MODEL, config=flat)
+        assert {frozenset(mb) for mb in mbs} == {frozenset(mb) for mb in alone.micro_batches}
+
+
+def test_forward_only_passes_are_asked_for_forward_only():
+    lengths = _ranks(2, dp=2, n=16)
+    layout = EngineLayout(pp_size=4)
+    drafts = [draft_rank(x, 4096, layout, rank=r, cost_model=MODEL, forward_only=True) for r, x in enumerate(lengths)]
+    assert all(d.forward_only for d in drafts)
+    assert not any(d.error for d in drafts)
+    plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL, forward_only=True)
+    check_engine_plan(plan, [16, 16], lengths)
+    # without a pipeline nothing is priced: a forward-only pass packs as a training pass
+    assert plan_engine_step(lengths, 4096, forward_only=True) == plan_engine_step(lengths, 4096)
 
 
 def test_a_tight_cap_takes_the_planners_need_with_a_pipeline():
@@ -212,71 +249,11 @@ def test_a_light_rank_packs_a_count_above_its_reach_when_it_is_agreed():
     layout = EngineLayout(pp_size=4)
     plan = plan_engine_step([heavy, light], 4096, layout, cost_model=MODEL)
     drafts = [draft_rank(x, 4096, layout, rank=r, cost_model=MODEL) for r, x in enumerate([heavy, light])]
-    assert plan.count not in drafts[1].scan.spans  # agreed above the light rank's reach
+    assert plan.count not in drafts[1].scan  # agreed above the light rank's reach
     assert plan.how[1] == "shape"
     check_engine_plan(plan, [12, 30], [heavy, light])
     spans = _priced(layout, MODEL, 4096, [heavy, light], plan.micro_batches)
     assert spans[1] < spans[0]  # the light rank is not the one the step waits for
-
-
-# ---------------------------------------------------------------------------------------------- shaped packings
-def fast(n):
-    return settings(max_examples=examples(n), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-@fast(60)
-@given(n=st.integers(1, 80), seed=st.integers(0, 2**31 - 1), cap=st.integers(50, 5000),
-       counts=st.lists(st.integers(1, 40), min_size=1, max_size=4))
-def test_shaped_packings_hold_the_cap_and_fill_every_micro_batch(n, seed, cap, counts):
-    rng = np.random.default_rng(seed)
-    lengths = np.maximum(1, rng.lognormal(5, 1.2, n)).astype(np.int64)
-    costs = sample_costs(lengths, MODEL)
-    k = max(counts)
-    shares = np.full((len(counts) * 3, k), -1.0)
-    for i, c in enumerate(counts):
-        for j, ramp in enumerate((Ramp(0, 0, 1.0), Ramp(2, 4, 0.3), Ramp(1, 1, 0.3, grouped=True))):
-            shares[3 * i + j, :c] = ramp.weights(c, 2)
-    order = np.argsort(-costs, kind="stable")
-    bin_of, ok = pack_to_targets(lengths, costs, order, shares, cap)
-    for row in range(len(shares)):
-        c = counts[row // 3]
-        assert ((0 <= bin_of[row]) & (bin_of[row] < c)).all()
-        sizes = np.bincount(bin_of[row], minlength=c)
-        tokens = np.bincount(bin_of[row], weights=lengths, minlength=c)
-        held = ((tokens <= cap) | (sizes == 1)).all() and (sizes > 0).all()
-        assert bool(ok[row]) == bool(held)  # ok says exactly whether the packing is usable
-        if c <= n and ok[row]:
-            check_rank_plan([tuple(np.flatnonzero(bin_of[row] == b)) for b in range(c)], c, lengths, cap)
-    if max(counts) <= n and lengths.max() <= cap and lengths.sum() <= cap:  # everything fits anywhere
-        assert ok.all()
-
-
-@pytest.mark.parametrize("k,up,down", [(1, 3, 6), (2, 3, 6), (5, 1, 4), (12, 3, 8), (40, 1 << 20, 2)])
-def test_ramp_weights_sum_to_one_and_rise_then_fall(k, up, down):
-    w = ramp_weights(k, up, down, 0.3)
-    assert w.shape == (k,) and w.sum() == pytest.approx(1.0) and (w > 0).all()
-    peak = int(np.argmax(w))
-    assert (np.diff(w[:peak + 1]) >= -1e-12).all() and (np.diff(w[peak:]) <= 1e-12).all()
-
-
-@pytest.mark.parametrize("name", KNOWN_ORDERS)
-def test_run_orders_are_permutations_and_do_what_they_say(name):
-    costs = np.array([[5.0, 1.0, 9.0, 3.0, 7.0], [2.0, 2.0, 8.0, 1.0, 4.0]])
-    orders = run_orders(costs, name)
-    assert all(sorted(o) == list(range(5)) for o in orders.tolist())
-    ran = np.take_along_axis(costs, orders, axis=1)
-    if name == "heaviest":
-        assert (np.diff(ran, axis=1) <= 0).all()
-    if name == "rising":  # cheapest first, the costliest second to last
-        assert (np.diff(ran[:, :-1], axis=1) >= 0).all() and (ran[:, -2] == costs.max(axis=1)).all()
-    if name == "valley":  # the two cheapest at the ends
-        assert (np.sort(ran[:, [0, -1]], axis=1) == np.sort(costs, axis=1)[:, :2]).all()
-
-
-def test_every_ramp_gives_shares_at_every_count():
-    for ramp in RAMPS:
-        for k in (1, 2, 3, 7, 16, 33):
-            assert ramp.weights(k, 4).sum() == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------------------------------- the switch

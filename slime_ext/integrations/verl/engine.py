@@ -10,7 +10,8 @@ order with those indices. The replacement built here keeps that contract:
 1. reads each sample's length as verl does (the offsets of a nested ``input_ids``, else ``attention_mask`` sums) and
    the cap (``max_token_len_per_gpu`` times the context-parallel size verl stores as ``sp_size``);
 2. drafts this rank's plan from its own samples only (:func:`slime_ext.integrations.verl.plan.draft_rank`) with the
-   job's pipeline layout from megatron-core's parallel state and the model's cost (:func:`cost_model_for`);
+   job's pipeline layout from megatron-core's parallel state and the model's cost (:func:`cost_model_for`); a pass
+   without gradients (verl's log-prob and reference passes, :func:`forward_only_now`) is planned forward-only;
 3. all-reduces (MAX) the draft's ballot over the DP group (:func:`agree_over`: one collective of a few hundred
    bytes, whatever the DP size) and reads the agreed count from it (:func:`~slime_ext.integrations.verl.plan.agree`);
 4. finishes this rank's micro-batches at that count (:func:`~slime_ext.integrations.verl.plan.finish_rank`) and
@@ -127,6 +128,14 @@ def agree_over(draft: RankDraft | Exception, layout: EngineLayout, cap: int, ran
     return agree(reduced, layout, cap, mine=draft)
 
 
+def forward_only_now() -> bool:
+    """Whether this pass has no backward: verl runs its log-prob and reference passes (``infer_batch``:
+    ``forward_backward_batch(..., forward_only=True)``) under ``torch.no_grad()``, its updates with gradients on."""
+    import torch
+
+    return not torch.is_grad_enabled()
+
+
 def layout_now(num_batches_divided_by: int | None) -> EngineLayout:
     """The pipeline layout from megatron-core's parallel state (one stage when it is not initialised)."""
     try:
@@ -193,7 +202,8 @@ def make_prepare_micro_batches(original: Callable) -> Callable:
         try:  # 1. this rank's samples only
             draft: RankDraft | Exception = draft_rank(sample_lengths(data), cap, layout, rank=rank,
                                                       min_count=min_num_micro_batch,
-                                                      cost_model=cost_model_for(current_engine.get()))
+                                                      cost_model=cost_model_for(current_engine.get()),
+                                                      forward_only=forward_only_now())
         except Exception as exc:  # noqa: BLE001 -- raised after the collective (see agree_over)
             draft = exc
         agreement = agree_over(draft, layout, cap, rank, dp_group)  # 2.-3. one all-reduce

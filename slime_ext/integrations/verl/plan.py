@@ -11,15 +11,15 @@ the DP size.
 
 Strategy, per mini-batch:
 
-1. **Draft** (:func:`draft_rank`, each rank on its own samples). Without a pipeline: slime-ext's planner
-   (``plan_schedule``, one replica with the job's alignment) packs the rank's samples under the cap, FLOP-balanced;
-   its count is the rank's *need* (at least verl's ``min_num_micro_batch``, a multiple of the VPP group). With
-   ``pp_size > 1``: the rank packs its samples at every count of the ballot's grid from the fewest the cap could
-   allow (tokens / cap, and one micro-batch per sample over half the cap) up to ``reach`` times that
-   (:class:`EngineSearch`), each count with every shape of :data:`.shaped.RAMPS` (micro-batches rising and
-   falling for the pipeline, :mod:`.shaped`), and prices every packing in every run order of
-   :data:`.shaped.RUN_ORDERS` with the planner's pipeline model (``pipeline_pricing``), all counts in one call.
-   Its need is the fewest count that fits there, or the planner's count where the cap is tight.
+1. **Draft** (:func:`draft_rank`, each rank on its own samples). Without a pipeline: slime-ext's planner packs the
+   rank's samples under the cap, FLOP-balanced (``pack_replica``: the planner's own packing of one replica); its
+   count, rounded up to the VPP group, is the rank's *need* (at least verl's ``min_num_micro_batch``). With
+   ``pp_size > 1``: the rank's samples are shaped for the pipeline at every count of the ballot's grid from the
+   fewest the cap could allow (tokens / cap, and one micro-batch per sample over half the cap) up to ``reach``
+   times that (:class:`EngineSearch`) by the planner's shaping (``scan_replica``: ``PlannerConfig.scan_shapes`` at
+   every count, the heuristic run orders, every count in one packing call and one pass of the pipeline model).
+   Its need is the fewest count that fits there, or the planner's count where the cap is tight. A forward-only
+   pass (verl's log-prob and reference passes) is priced by the pipeline's forward-only schedules.
 2. **Ballot** (what travels; :class:`Ballot`): the rank's need, minus its sample count, whether its draft failed,
    and per count of a fixed grid (:data:`GRID_MULTIPLES`: every multiple of the VPP group up to 16 of them, then
    each about 10% above the last) its predicted makespan, ``+inf`` where it cannot run that count (below its need,
@@ -32,11 +32,12 @@ Strategy, per mini-batch:
    need above the fewest samples, an empty rank or a failed draft is the same ``ScheduleError`` on every rank,
    after the collective, so no rank hangs.
 4. **Finish** (:func:`finish_rank`, each rank): without a pipeline, the draft's micro-batches where their count is
-   the agreed one, else the planner re-packs the rank's samples into exactly that many (capped, FLOP-balanced).
-   With one, the draft's fastest packing at the agreed count, in its fastest order (a count above the rank's reach
-   is packed now, the same way; where no shape holds the cap there, the planner's re-packing). The slowest rank
-   (the ranks within ``polish_band`` of it) also tries the planner's pp-unaware packing where its count is the
-   agreed one, and orders the candidates by the pipeline model's order search (``best_orders``).
+   the agreed one, else the rank's samples in exactly that many, balanced under the cap (``shape_replica``). With
+   one, the draft's shaped packing at the agreed count (a count the rank did not scan is shaped now:
+   ``shape_replica``, every ``PlannerConfig.shapes`` shape and the pipeline model's order search); the ranks within
+   ``order_band`` of the slowest run it in the fastest of its shape's order and the model's heuristic orders. The
+   slowest rank (the ranks within ``polish_band`` of it) also shapes the agreed count with ``shape_replica`` and
+   keeps it where the model predicts it faster.
 
 :func:`plan_engine_step` runs the four stages for all ranks in one process (tests, benchmarks); the engine
 (:mod:`.engine`) runs stages 1, 3 and 4 on each rank around one ``all_reduce``.
@@ -47,8 +48,8 @@ Invariants (:func:`check_rank_plan` on every rank's plan, :func:`check_engine_pl
 * each rank's micro-batches hold each of its local indices ``0 .. n_r - 1`` exactly once, none is empty;
 * no micro-batch holding more than one sample exceeds the cap (a sample longer than the cap sits alone).
 
-Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API (the planner, ``sample_costs``, the
-pipeline model's pricing and order search).
+Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API (the planner, and its one-replica shaping:
+``pack_replica``, ``scan_replica``, ``shape_replica``).
 """
 
 from __future__ import annotations
@@ -60,10 +61,8 @@ from typing import Sequence
 
 import numpy as np
 
-from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PipelinePricing, ScheduleError,
-                                best_orders, pipeline_pricing, plan_schedule, sample_costs)
-
-from .shaped import KNOWN_ORDERS, RAMPS, RUN_ORDERS, Ramp, ShapeScan, run_orders, scan_shapes
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, ParallelConfig, PlannerConfig, ReplicaPlan,
+                                ReplicaScan, ScheduleError, pack_replica, plan_schedule, scan_replica, shape_replica)
 
 __all__ = ["Agreement", "Ballot", "EngineLayout", "EnginePlan", "EngineSearch", "GRID_MULTIPLES", "RankDraft",
            "RankPlan", "agree", "check_engine_plan", "check_rank_plan", "draft_rank", "finish_rank",
@@ -108,58 +107,59 @@ class EngineLayout:
         """Every count is a multiple of this: the VPP group when verl gives one, else 1."""
         return int(self.vpp_group) if self.vpp_group else 1
 
-    @property
-    def shape_group(self) -> int:
-        """The group the interleaved schedule runs micro-batches in (grouped shapes): the VPP group under VPP."""
-        return self.align if self.vpp_size > 1 else 1
-
-    def parallel(self, dp_size: int = 1, *, pipeline: bool = True) -> ParallelConfig:
-        """The planner's layout (``pipeline=False``: the alignment alone, without the pipeline objective)."""
-        if pipeline and self.pp_size > 1 and (self.vpp_size > 1 or self.align == 1):
-            return ParallelConfig(dp_size=dp_size, pp_size=self.pp_size, vpp_size=self.vpp_size,
-                                  microbatch_group_size_per_vp_stage=self.align if self.vpp_size > 1 else None)
-        if self.align > 1:  # a group without the pipeline objective: a one-stage layout with that alignment
-            return ParallelConfig(dp_size=dp_size, pp_size=1, vpp_size=max(2, self.vpp_size),
-                                  microbatch_group_size_per_vp_stage=self.align)
-        return ParallelConfig(dp_size=dp_size)
+    def parallel(self) -> ParallelConfig:
+        """One replica's layout as the planner takes it: the pipeline, and under VPP its group (made once per
+        layout). The counts' alignment (:attr:`align`) is the engine plan's own: its grid and needs are multiples
+        of it."""
+        return _parallel(self)
 
     def grid(self) -> np.ndarray:
         """The counts of the ballot's grid (:data:`GRID_MULTIPLES` times the alignment; read-only)."""
         return _grid(self.align)
 
 
+@lru_cache(maxsize=64)
+def _parallel(layout: EngineLayout) -> ParallelConfig:
+    if layout.pp_size == 1:
+        return ParallelConfig(dp_size=1)
+    return ParallelConfig(dp_size=1, pp_size=layout.pp_size, vpp_size=layout.vpp_size,
+                          microbatch_group_size_per_vp_stage=layout.vpp_group if layout.vpp_size > 1 else None)
+
+
 @dataclass(frozen=True)
 class EngineSearch:
-    """The engine depth's pipeline search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets the numbers.
-
-    Measured with ``python -m bench.verl`` (its steps: rl-like, bimodal, long tail, 32 samples per rank, pp 4 and
-    8): these defaults predict no step slower than cfaa6b5's plan (every rank planning every rank), and each rank's
-    planning takes about 0.6 ms of CPU for 16 samples and 1.6-2 ms for 64 at pp 4 (2-core machine, shared). In
-    the runs that chose them, a smaller ``reach`` (1.6-1.8) saved under 10% of that and predicted up to 1.6% slower
-    steps than before; without the run orders other than the shape's own, or without the slowest rank's polish,
-    up to 0.25% slower."""
+    """The engine depth's count search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets the numbers.
+    The shapes and run orders are the planner's (``planner``: ``PlannerConfig.scan_shapes`` at every scanned count,
+    ``PlannerConfig.shapes`` where a rank packs the agreed count afresh)."""
 
     #: a rank prices the grid's counts from the fewest the cap allows up to ``reach`` times that (at least
     #: MIN_REACH_STEPS counts more); the planner's own count search reaches 2.3 times its pp-unaware count
+    #: (``PlannerConfig.count_factors``). Measured with ``bench.verl`` before the shapes became the planner's: a
+    #: smaller reach (1.6-1.8) saved under 10% of the planning and predicted up to 1.6% slower steps
     reach: float = 2.0
-    #: the shapes every scanned count is packed with (:mod:`.shaped`)
-    ramps: tuple[Ramp, ...] = RAMPS
-    #: the run orders every packing is priced in
-    orders: tuple[str, ...] = RUN_ORDERS
     #: the ranks predicted within this share of the slowest at the agreed count (0: the slowest alone; negative:
-    #: none) improve their micro-batches there: the planner's pp-unaware packing where its count is the agreed one
-    #: joins the candidates, and the pipeline model's order search (``best_orders``: its heuristic orders, then pair
-    #: swaps) orders them. The step waits for the slowest replica, so that is where it pays; it costs the slowest
-    #: rank 1-3 ms more at 64 samples (``bench.verl``)
+    #: none) pack that count afresh with every shape of ``PlannerConfig.shapes`` and the pipeline model's order
+    #: search (``shape_replica``), keeping it where it is faster. The step waits for the slowest replica, so that
+    #: is where it pays
     polish_band: float = 0.0
+    #: the ranks predicted within this share of the slowest at the agreed count run their micro-batches in the
+    #: fastest of their shape's order and the pipeline model's heuristic orders (one pass of the model); the others
+    #: keep the shape's order (the step does not wait for them). ``bench.verl``'s steps at pp 8 under the trainer
+    #: depth (ranks balanced to 1-4%): bimodal 0.802 of verl's step at 0 (the slowest alone), 0.790 at 0.02, 0.787
+    #: at 0.05 and every rank (rl-like 0.775, 0.774, 0.774); but at 64 samples per rank every rank of the planning
+    #: -time table is within 2% of the slowest, and the extra pass of the model made the median rank's planning
+    #: 5-15% dearer under VPP (above pp 1's 5x): 0 keeps it at or below the cost of the shaping this replaced
+    order_band: float = 0.0
+    #: the planner's tunables: the shapes, the pricing's overhead and ratio, the order search
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.reach, (int, float)) and not isinstance(self.reach, bool) and self.reach >= 1):
             raise ValueError(f"EngineSearch.reach={self.reach!r} must be a number >= 1 (1 prices the need alone)")
-        if not self.ramps:
-            raise ValueError("EngineSearch.ramps needs at least one Ramp (e.g. Ramp(0, 0, 1.0): flat)")
-        if not self.orders or any(o not in KNOWN_ORDERS for o in self.orders):
-            raise ValueError(f"EngineSearch.orders={self.orders!r}: name one or more of {KNOWN_ORDERS}")
+        if not (isinstance(self.order_band, (int, float)) and not isinstance(self.order_band, bool)):
+            raise ValueError(f"EngineSearch.order_band={self.order_band!r} must be a number (a share; < 0: none)")
+        if not isinstance(self.planner, PlannerConfig):
+            raise ValueError(f"EngineSearch.planner={self.planner!r} must be a PlannerConfig")
 
 
 @dataclass(frozen=True)
@@ -215,11 +215,17 @@ class RankDraft:
     own: tuple[tuple[int, ...], ...] | None
     need: int
     ballot: Ballot
-    pricing: PipelinePricing | None = None
-    scan: ShapeScan | None = None
+    #: the pass has no backward (log-probs, a reference model): priced by the forward-only schedules
+    forward_only: bool = False
+    #: with a pipeline: the shaped packing per scanned count (``scan_replica``); counts that did not pack are absent
+    scan: ReplicaScan | None = None
     #: why the draft failed (this rank's planner error), or None
     error: str | None = None
-    costs: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def shape(self, count: int) -> ReplicaPlan:
+        """This rank's samples in exactly ``count`` micro-batches, shaped for the layout (``shape_replica``)."""
+        return shape_replica(self.lengths, count, self.layout.parallel(), self.cap, cost_model=self.cost_model,
+                             forward_only=self.forward_only, config=self.search.planner)
 
 
 @dataclass(frozen=True)
@@ -243,8 +249,8 @@ class RankPlan:
     count: int
     #: local sample indices per micro-batch, in run order
     micro_batches: tuple[tuple[int, ...], ...]
-    #: ``"own"`` (the draft's pp-unaware packing), ``"recount"`` (the planner re-packed it to ``count``),
-    #: ``"split"`` (micro-batches split up to ``count``) or ``"shape"`` (packed for the pipeline)
+    #: ``"own"`` (the draft's pp-unaware packing), ``"recount"`` (packed to exactly ``count``, balanced) or
+    #: ``"shape"`` (packed to exactly ``count`` for the pipeline)
     how: str
     #: this rank's need (stage 1) and predicted makespan (``None`` without a pipeline)
     need: int
@@ -268,80 +274,6 @@ class EnginePlan:
     agreement: Agreement
 
 
-# ---------------------------------------------------------------------------------------------------- the planner
-def _batch(n: int, cap: int) -> BatchConfig:
-    # one step holding the rank's whole mini-batch: each sample is its own rollout, global_batch_size = n
-    return BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=cap, balance_data=True,
-                       balance_by_flops=True, disable_rollout_trim_samples=True)
-
-
-def _own_plan(lengths: np.ndarray, cap: int, parallel: ParallelConfig,
-              cost_model: CostModel | CostProfile | None) -> list[tuple[int, ...]]:
-    """The planner's micro-batches of one rank's samples (local indices, run order)."""
-    schedule = plan_schedule(lengths, parallel, _batch(len(lengths), cap), cost_model=cost_model)
-    part = schedule.partitions[0]
-    return [tuple(part[i] for i in mb) for mb in schedule.micro_batch_indices[0]]
-
-
-def _recount(lengths: np.ndarray, cap: int, count: int,
-             cost_model: CostModel | CostProfile | None) -> list[tuple[int, ...]] | None:
-    """Exactly ``count`` capped micro-batches of one rank's samples, FLOP-balanced: the planner's layout of ``count``
-    replicas, each with one micro-batch (``None`` if the planner needed more than one each)."""
-    batch = BatchConfig(global_batch_size=len(lengths), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
-                        balance_data=False, balance_by_flops=True, disable_rollout_trim_samples=True)
-    schedule = plan_schedule(lengths, ParallelConfig(dp_size=count), batch, cost_model=cost_model)
-    if schedule.num_microbatches[0] != 1:
-        return None
-    return [tuple(p) for p in schedule.partitions]
-
-
-def _split_to(micro_batches: Sequence[tuple[int, ...]], count: int, costs: np.ndarray) -> list[tuple[int, ...]]:
-    """Split the costliest micro-batches holding several samples in two (heaviest samples dealt alternately) until
-    there are ``count``: subsets of capped micro-batches stay under the cap. Used only if :func:`_recount` fails."""
-    mbs = [list(mb) for mb in micro_batches]
-    while len(mbs) < count:
-        splittable = [j for j, mb in enumerate(mbs) if len(mb) > 1]
-        if not splittable:
-            raise ScheduleError(f"cannot make {count} micro-batches of {sum(map(len, mbs))} samples")
-        j = max(splittable, key=lambda i: float(costs[mbs[i]].sum()))
-        mb = sorted(mbs[j], key=lambda i: -costs[i])
-        halves: tuple[list[int], list[int]] = ([], [])
-        for i in mb:  # the next sample goes to the lighter half
-            min(halves, key=lambda h: float(costs[h].sum()) if h else 0.0).append(i)
-        mbs[j:j + 1] = [sorted(halves[0]), sorted(halves[1])]
-    return [tuple(mb) for mb in mbs]
-
-
-def _sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:
-    """The planner's per-sample costs: FLOPs (tokens without a model), or a profile's per-sample seconds."""
-    if isinstance(cost_model, CostProfile):
-        return cost_model.sample_costs(lengths)
-    return sample_costs(lengths, cost_model)
-
-
-def _mb_costs(lengths: np.ndarray, micro_batches: Sequence[Sequence[int]],
-              cost_model: CostModel | CostProfile | None) -> np.ndarray:
-    if isinstance(cost_model, CostProfile):  # a profile prices each micro-batch whole
-        return np.array([cost_model.microbatch_time(lengths[list(mb)]) for mb in micro_batches])
-    costs = sample_costs(lengths, cost_model)
-    return np.array([float(costs[list(mb)].sum()) for mb in micro_batches])
-
-
-@lru_cache(maxsize=64)
-def _cached_pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None,
-                    cap: int) -> PipelinePricing | None:
-    return pipeline_pricing(layout.parallel(), cost_model, cap)
-
-
-def _pricing(layout: EngineLayout, cost_model: CostModel | CostProfile | None, cap: int) -> PipelinePricing | None:
-    """The planner's pipeline pricing of this layout (``None`` without a pipeline), made once per layout, cost
-    model and cap (every mini-batch and pass of a job asks for the same few)."""
-    try:
-        return _cached_pricing(layout, cost_model, cap)
-    except TypeError:  # an unhashable cost model: price it afresh
-        return pipeline_pricing(layout.parallel(), cost_model, cap)
-
-
 def _check_cap(cap: object) -> int:
     if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 1:
         raise ScheduleError(f"cap={cap!r} must be a positive token count (verl's max_token_len_per_gpu * "
@@ -359,8 +291,9 @@ def _failed(common: dict, x: np.ndarray, spans: np.ndarray, why: str) -> RankDra
 
 def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLayout(), *, rank: int = 0,
                min_count: int | None = None, cost_model: CostModel | CostProfile | None = None,
-               search: EngineSearch = EngineSearch()) -> RankDraft:
-    """Stage 1 on DP rank ``rank``: its own samples' ``lengths`` (tokens, local order) only.
+               search: EngineSearch = EngineSearch(), forward_only: bool = False) -> RankDraft:
+    """Stage 1 on DP rank ``rank``: its own samples' ``lengths`` (tokens, local order) only. ``forward_only``: a
+    pass without backward (verl's log-prob and reference passes), priced by the forward-only schedules.
 
     A planner error on these samples does not raise here (the other ranks would wait in the collective): it is
     recorded in the ballot and raised by :func:`agree` on every rank. A bad ``cap`` raises at once (it is the same
@@ -370,38 +303,37 @@ def draft_rank(lengths: Sequence[int], cap: int, layout: EngineLayout = EngineLa
     x = np.asarray(lengths, dtype=np.int64).reshape(-1)
     grid = layout.grid()
     spans = np.full(len(grid), -np.inf)
-    common = dict(rank=rank, lengths=x, cap=cap, layout=layout, cost_model=cost_model, search=search)
+    common = dict(rank=rank, lengths=x, cap=cap, layout=layout, cost_model=cost_model, search=search,
+                  forward_only=bool(forward_only))
     if len(x) == 0:  # agree() names the empty rank on every rank
         return RankDraft(own=(), need=floor, ballot=Ballot(floor, 0, 0, spans), **common)
     if int(x.min()) < 1:
         return _failed(common, x, spans, f"sample {int(np.argmin(x))} has {int(x.min())} tokens (every sample needs "
                                          f"at least one)")
-    pricing = _pricing(layout, cost_model, cap)
     own: tuple[tuple[int, ...], ...] | None = None
-    need, scan, costs = None, None, np.zeros(0)
-    if pricing is not None:
+    need, scan = None, None
+    if layout.pp_size > 1:
         # the pipeline: the grid's counts from what the cap needs at least up to reach x that (and at least
-        # MIN_REACH_STEPS counts more), each packed with the scan's shapes and priced
+        # MIN_REACH_STEPS counts more), each shaped by the planner's scan and priced
         least = max(floor, align * -(-max(-(-int(x.sum()) // cap), int((x > cap // 2).sum()), 1) // align))
         top = min(len(x), max(math.floor(search.reach * least), least + MIN_REACH_STEPS * align))
         window = (grid >= least) & (grid <= top)
-        costs = _sample_costs(x, cost_model)
-        profile = cost_model if isinstance(cost_model, CostProfile) else None
-        scan = scan_shapes(x, costs, grid[window].tolist(), search.ramps, pricing, cap, layout.shape_group,
-                           profile, search.orders)
-        spans[window] = [scan.spans.get(int(c), np.inf) for c in grid[window]]
-        fits = [c for c, span in scan.spans.items() if np.isfinite(span)]
-        if fits and min(fits) == least:  # the least count fits: that is the need
+        try:
+            scan = scan_replica(x, grid[window].tolist(), layout.parallel(), cap, cost_model=cost_model,
+                                forward_only=forward_only, config=search.planner)
+        except ScheduleError as exc:
+            return _failed(common, x, spans, str(exc))
+        spans[window] = [scan.spans.get(c, np.inf) for c in grid[window].tolist()]
+        if least in scan:  # the least count fits: that is the need
             need = least
     if need is None:  # no pipeline, or the cap is tight (or nothing scanned fits): the planner's packing and count
         try:
-            own = tuple(_own_plan(x, cap, layout.parallel(pipeline=False), cost_model))
+            own = pack_replica(x, cap, cost_model=cost_model)
         except ScheduleError as exc:
             return _failed(common, x, spans, str(exc))
-        need = max(len(own), floor)
+        need = max(-(-len(own) // align) * align, floor)
     spans[(grid < need) | (grid > len(x))] = np.inf
-    return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), pricing=pricing, scan=scan,
-                     costs=costs, **common)
+    return RankDraft(own=own, need=need, ballot=Ballot(need, len(x), 0, spans), scan=scan, **common)
 
 
 # ---------------------------------------------------------------------------------------------------- 3. agree
@@ -434,78 +366,43 @@ def agree(reduced: Sequence[float], layout: EngineLayout, cap: int, *, mine: Ran
 
 
 # ---------------------------------------------------------------------------------------------------- 4. finish
-def _own_of(draft: RankDraft) -> tuple[tuple[int, ...], ...]:
-    """The draft's pp-unaware packing (the planner's), made now where the draft did not need it."""
-    if draft.own is None:
-        object.__setattr__(draft, "own", tuple(_own_plan(draft.lengths, draft.cap,
-                                                         draft.layout.parallel(pipeline=False), draft.cost_model)))
-    return draft.own
-
-
-def _recount_or_split(draft: RankDraft, count: int) -> tuple[list[tuple[int, ...]], str]:
-    mbs = _recount(draft.lengths, draft.cap, count, draft.cost_model)
-    if mbs is not None:
-        return mbs, "recount"
-    return _split_to(_own_of(draft), count, _sample_costs(draft.lengths, draft.cost_model)), "split"
-
-
 def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
     """Stage 4: this rank's ``agreement.count`` micro-batches (see the module docstring)."""
     if draft.error is not None or not len(draft.lengths):
         raise ScheduleError(f"DP rank {draft.rank}'s draft failed; agree() raises on such ballots")
-    count, x = agreement.count, draft.lengths
-    if draft.pricing is None:
+    count = agreement.count
+    if draft.scan is None:  # no pipeline: the draft's packing where its count is the agreed one, else balanced
         if len(draft.own) == count:
             return RankPlan(count, draft.own, "own", draft.need, None)
-        mbs, how = _recount_or_split(draft, count)
-        return RankPlan(count, tuple(mbs), how, draft.need, None)
-    pricing, search, scan = draft.pricing, draft.search, draft.scan
-    candidates: list[tuple[list[tuple[int, ...]], str, float | None]] = []  # (run order, how, span if known)
-    if scan is None or count not in scan.spans:  # not scanned here (above this rank's reach): pack it now
-        profile = draft.cost_model if isinstance(draft.cost_model, CostProfile) else None
-        scan = scan_shapes(x, draft.costs, [count], search.ramps, pricing, draft.cap, draft.layout.shape_group,
-                           profile, search.orders)
-    shaped = scan.micro_batches(count)
-    if shaped is not None:  # the fastest shape in its fastest order, priced by the scan
-        candidates.append((shaped, "shape", scan.spans[count]))
-    slowest = agreement.predicted
-    polish = search.polish_band >= 0 and (
-        shaped is None or slowest is None or scan.spans[count] >= (1 - search.polish_band) * slowest)
-    if polish and draft.need == count and len(_own_of(draft)) == count:  # the planner's packing at its count
-        candidates.append((list(draft.own), "own", None))
-    if not candidates:  # no shape holds the cap at this count: the planner's packing
-        candidates.append((*_recount_or_split(draft, count), None))
-    if len(candidates) > 1 or candidates[0][2] is None or polish:
-        # the unpriced ones in every run order (one call); the fastest wins (ties: the shape)
-        costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
-        runs = np.concatenate([run_orders(costs, name) for name in search.orders])  # order-major
-        spans = pricing.makespans(np.take_along_axis(np.tile(costs, (len(search.orders), 1)), runs, axis=1))
-        for j, (mbs, how, known) in enumerate(candidates):
-            mine = spans[j::len(candidates)]
-            i = int(np.argmin(mine))
-            if known is None or mine[i] < known:
-                candidates[j] = ([mbs[b] for b in runs[i * len(candidates) + j].tolist()], how, float(mine[i]))
-        if polish:  # the pipeline model's order search from each candidate's best order
-            costs = np.array([_mb_costs(x, mbs, draft.cost_model) for mbs, _, _ in candidates])
-            order, ordered = best_orders(pricing, costs)
-            for j, (mbs, how, known) in enumerate(candidates):
-                if ordered[j] < known:
-                    candidates[j] = ([mbs[b] for b in order[j].tolist()], how, float(ordered[j]))
-    mbs, how, span = min(candidates, key=lambda c: c[2])  # ties: the earlier
-    return RankPlan(count, tuple(tuple(int(i) for i in mb) for mb in mbs), how, draft.need, span)
+        return RankPlan(count, draft.shape(count).micro_batches, "recount", draft.need, None)
+    slowest, search = agreement.predicted, draft.search
+    scanned = draft.scan.spans.get(count)  # this rank's ballot at the count (None: not scanned, or did not pack)
+
+    def near(band: float) -> bool:  # within the band of the slowest rank's ballot
+        return band >= 0 and (slowest is None or scanned >= (1 - band) * slowest)
+
+    if scanned is None:  # above this rank's reach, or no scan shape holds the cap there: shape it now
+        got = draft.shape(count)
+        return RankPlan(count, got.micro_batches, "shape", draft.need, got.predicted_makespan)
+    got = draft.scan.plan(count, reorder=near(search.order_band))
+    if near(search.polish_band):  # every shape and the order search: where the step waits
+        full = draft.shape(count)
+        if full.predicted_makespan < got.predicted_makespan * (1 - search.planner.tie):
+            got = full
+    return RankPlan(count, got.micro_batches, "shape", draft.need, got.predicted_makespan)
 
 
 # ---------------------------------------------------------------------------------------------------- all ranks
 def plan_engine_step(lengths_per_rank: Sequence[Sequence[int]], cap: int, layout: EngineLayout = EngineLayout(), *,
                      min_count: int | None = None, cost_model: CostModel | CostProfile | None = None,
-                     search: EngineSearch = EngineSearch()) -> EnginePlan:
+                     search: EngineSearch = EngineSearch(), forward_only: bool = False) -> EnginePlan:
     """Stages 1-4 for every rank in one process (``lengths_per_rank[r]``: rank ``r``'s sample lengths, in its local
     order), the collective replaced by the element-wise MAX of the ballots: exactly what the engine's ranks compute.
     Raises :class:`ScheduleError` where the cap cannot be held with one count on every rank."""
     if not len(lengths_per_rank):
         raise ScheduleError("no DP ranks: pass one list of sample lengths per DP rank")
-    drafts = [draft_rank(x, cap, layout, rank=r, min_count=min_count, cost_model=cost_model, search=search)
-              for r, x in enumerate(lengths_per_rank)]
+    drafts = [draft_rank(x, cap, layout, rank=r, min_count=min_count, cost_model=cost_model, search=search,
+                         forward_only=forward_only) for r, x in enumerate(lengths_per_rank)]
     reduced = Ballot.reduce([d.ballot.vector() for d in drafts])
     failed = int(Ballot.from_vector(reduced).failed)
     agreement = agree(reduced, layout, drafts[0].cap, mine=drafts[failed - 1] if failed else None)

@@ -1,0 +1,320 @@
+"""One replica's samples in exactly ``count`` micro-batches: the planner's shaping (:mod:`.pipeline_shape`) for a
+host that holds one rank's samples and asks for a count (verl's Megatron engine plans each DP rank inside the step).
+
+:func:`shape_replica` answers "these samples, exactly ``count`` micro-batches, this layout, this cap":
+
+* **no pipeline** (``pp_size == 1``): balanced packing. The samples, costliest first, each into the micro-batch with
+  the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
+  with one flat target: the whole-step planner's shaping routine, one row);
+* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shapes`` packed at
+  ``count`` in one :func:`.pipeline_shape.pack_relabelled` call (the rows :func:`.pipeline_shape.pack_many` makes
+  for the whole-step planner's shaped candidate, one replica), every packing priced by the pipeline model in one
+  pass, the fastest kept; its run order then improved by the model's order search
+  (:func:`.pipeline_orders.best_orders`);
+* where no shape holds the cap at ``count`` (the greedy packing can miss a tight fit): the planner's own capped
+  packing of the samples (:func:`pack_replica`) with its costliest micro-batches split in two until there are
+  ``count``; subsets of capped micro-batches stay capped;
+* where ``count`` cannot hold the samples (fewer micro-batches than the cap needs, more than there are samples, a
+  count megatron-core refuses for the layout): a :class:`ScheduleError` naming ``count``, ``cap`` and the count to
+  ask for instead.
+
+:func:`scan_replica` is the same shaping at many counts (a host choosing among them): every shape of
+``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
+one pass of the model, each in its shape's run order; :meth:`ReplicaScan.plan` gives one count's micro-batches, in
+the fastest of that order and the heuristic orders (:func:`.pipeline_orders.heuristic_best`). :func:`pack_replica`
+is the planner's own packing of one replica at the count it chooses (the fewest it needs).
+
+Forward-only passes (``forward_only=True``: log-probs, a reference model) are priced by the pipeline model's
+forward-only schedules (:func:`.pipeline_pricing.pipeline_pricing` with ``forward_only``; without a pipeline nothing is
+priced). Pure: standard library and numpy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .config import BatchConfig, ParallelConfig
+from .cost import CostModel, bin_costs, sample_costs
+from .errors import ScheduleError
+from .pipeline_orders import best_orders, heuristic_best
+from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
+from .request import PlanRequest, plan
+from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .profile import CostProfile
+from .validate import check_int, check_int_array
+
+__all__ = ["ReplicaPlan", "ReplicaScan", "pack_replica", "scan_replica", "shape_replica"]
+
+#: balanced packing (no pipeline): every micro-batch the same target share
+FLAT = Shape(0, 0, 1.0)
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One replica's samples in exactly ``len(micro_batches)`` micro-batches, in run order."""
+
+    #: indices into the samples given, per micro-batch, in the order the replica runs them; each index once
+    micro_batches: tuple[tuple[int, ...], ...]
+    #: the pipeline model's makespan of this run order (the pricing's units: seconds with a ``CostProfile``, else
+    #: per-stage forward FLOPs or tokens); ``None`` without a pipeline
+    predicted_makespan: float | None
+
+
+@dataclass(frozen=True)
+class ReplicaScan:
+    """:func:`scan_replica`'s answer: per count that packed under the cap, its predicted makespan in its shape's run
+    order (``spans``; ``None`` values without a pipeline), and on demand its micro-batches (:meth:`plan`)."""
+
+    spans: dict[int, float | None]
+    #: per count: each sample's micro-batch, numbered in run order
+    labels: dict[int, np.ndarray] = field(repr=False, compare=False)
+    #: the pricing and samples the scan packed (``None`` without a pipeline)
+    pricing: PipelinePricing | None = field(default=None, repr=False, compare=False)
+    samples: ShapeSamples | None = field(default=None, repr=False, compare=False)
+
+    def __contains__(self, count: object) -> bool:
+        return count in self.spans
+
+    def plan(self, count: int, *, reorder: bool = True) -> ReplicaPlan | None:
+        """The packing at ``count`` (``None`` where it did not pack); with a pipeline and ``reorder``, in the fastest
+        of its run order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model:
+        its makespan is at most ``spans[count]``), else in its shape's run order."""
+        if count not in self.spans:
+            return None
+        labels, span = self.labels[count], self.spans[count]
+        if self.pricing is not None and reorder:
+            row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
+            order, got = heuristic_best(self.pricing, row)
+            if got[0] < span * (1 - self.pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
+                where = np.empty(count, dtype=np.int64)
+                where[order[0]] = np.arange(count)
+                labels, span = where[labels], float(got[0])
+        return ReplicaPlan(_groups(labels, count), span)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def _lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    x = check_int_array("lengths", lengths, minimum=1, what="token counts (at least one token per sample)")
+    if not len(x):
+        raise ScheduleError("lengths is empty: a replica's plan needs at least one sample")
+    return x
+
+
+def _cap(cap: object) -> int:
+    return check_int("cap", cap, maximum=1 << 40, fix="pass the token cap per micro-batch (max_tokens_per_gpu)")
+
+
+@lru_cache(maxsize=64)
+def _cached_pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
+                    forward_only: bool) -> PipelinePricing | None:
+    if forward_only:
+        return pipeline_pricing(parallel, cost_model, cap, config, forward_only=True)  # type: ignore[call-arg]
+    return pipeline_pricing(parallel, cost_model, cap, config)
+
+
+def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
+             forward_only: bool) -> PipelinePricing | None:
+    """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
+    and pass (a host asks for the same few every step)."""
+    if parallel.pp_size == 1:
+        return None
+    try:
+        hash(cost_model)
+    except TypeError:  # an unhashable cost model: price afresh
+        return _cached_pricing.__wrapped__(parallel, cost_model, cap, config, bool(forward_only))
+    return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
+
+
+def _samples(x: np.ndarray, cap: int, cost_model, pricing: PipelinePricing | None) -> ShapeSamples:
+    spec = None if pricing is None else pricing.spec
+    step = spec.group if spec is not None and spec.vpp_size > 1 else 1
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
+    return ShapeSamples(x, sample_costs(x, cost_model), cap, profile, step)
+
+
+def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
+    """Labels (sample ``i`` in micro-batch ``bin_of[i]``, run position) -> index tuples in run order."""
+    members = np.argsort(bin_of, kind="stable")
+    starts = np.searchsorted(bin_of[members], np.arange(count + 1))
+    return tuple(tuple(members[starts[b]:starts[b + 1]].tolist()) for b in range(count))
+
+
+# ---------------------------------------------------------------------------------------------------- the fallback
+def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
+                 cost_model: CostModel | CostProfile | None = None) -> tuple[tuple[int, ...], ...]:
+    """The whole-step planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it
+    chooses itself (the planner's request: one replica, one step; no pipeline), as index tuples in its run
+    order: what a host that asks for a count takes as the fewest its samples need."""
+    x, cap = _lengths(lengths), _cap(cap)
+    batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
+                        balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
+    schedule = plan(PlanRequest(lengths=x, parallel=ParallelConfig(dp_size=1), batch=batch, cost_model=cost_model))
+    part = schedule.partitions[0]
+    return tuple(tuple(part[i] for i in mb) for mb in schedule.micro_batch_indices[0])
+
+
+def _split_to(micro_batches: list[list[int]], count: int, costs: np.ndarray) -> list[list[int]]:
+    """The costliest micro-batch of several samples split in two (costliest samples dealt to the lighter half) until
+    there are ``count``."""
+    mbs = [list(mb) for mb in micro_batches]
+    while len(mbs) < count:
+        j = max((j for j, mb in enumerate(mbs) if len(mb) > 1), key=lambda i: float(costs[mbs[i]].sum()))
+        halves: tuple[list[int], list[int]] = ([], [])
+        for i in sorted(mbs[j], key=lambda i: -costs[i]):
+            min(halves, key=lambda h: float(costs[h].sum())).append(i)
+        mbs[j:j + 1] = [sorted(halves[0]), sorted(halves[1])]
+    return mbs
+
+
+def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleError:
+    step = spec.group if spec is not None and spec.vpp_size > 1 else 1
+    fewest = -(-fewest // step) * step
+    aligned = f" (a multiple of microbatch_group_size_per_vp_stage={step})" if step > 1 else ""
+    return ScheduleError(f"count={count} micro-batches cannot hold these {len(x)} samples ({int(x.sum())} tokens) "
+                         f"under cap={cap}: the smallest count that holds them is {fewest}{aligned}; ask for "
+                         f"count >= {fewest} or raise the cap")
+
+
+# ---------------------------------------------------------------------------------------------------- the API
+def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
+                 cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
+                 config: PlannerConfig | None = None) -> ReplicaScan:
+    """The samples shaped at each of ``counts``: every ``PlannerConfig.scan_shapes`` shape at every count, one
+    packing call and one pass of the model, each count's fastest packing in its shape's run order
+    (:meth:`ReplicaScan.plan` orders the one asked for). Counts where no scan shape holds the cap, above the sample
+    count or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each
+    count (spans ``None``)."""
+    config = DEFAULT_CONFIG if config is None else config
+    x, cap = _lengths(lengths), _cap(cap)
+    pricing = _pricing(parallel, cost_model, cap, config, forward_only)
+    samples = _samples(x, cap, cost_model, pricing)
+    counts = [int(k) for k in dict.fromkeys(counts) if 1 <= int(k) <= len(x) and _runs(pricing, int(k))]
+    if pricing is None:
+        packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
+        return ReplicaScan(dict.fromkeys(packed), packed)
+    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
+    return _shaped(pricing, samples, counts, shapes)
+
+
+def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
+                  cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
+                  config: PlannerConfig | None = None) -> ReplicaPlan:
+    """One replica's samples (``lengths``: tokens per sample) in exactly ``count`` micro-batches of at most ``cap``
+    tokens each (a sample longer than the cap sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is
+    not read: this is one replica): see the module docstring. ``forward_only``: the pass has no backward (priced
+    by the forward-only schedules). ``config``: the planner's tunables (the shapes). Raises :class:`ScheduleError`
+    where ``count`` cannot hold the samples, naming the count to ask for."""
+    config = DEFAULT_CONFIG if config is None else config
+    x = _lengths(lengths)
+    if cap is None:
+        raise ScheduleError("cap=None: shape_replica packs dynamic micro-batches; pass the token cap per "
+                            "micro-batch (max_tokens_per_gpu)")
+    cap = _cap(cap)
+    count = check_int("count", count, maximum=1 << 31, fix="pass the number of micro-batches wanted")
+    pricing = _pricing(parallel, cost_model, cap, config, forward_only)
+    spec = None if pricing is None else pricing.spec
+    if count > len(x):
+        raise ScheduleError(f"count={count} micro-batches but only {len(x)} samples (every micro-batch needs one); "
+                            f"ask for count <= {len(x)}")
+    if spec is not None:
+        spec.check_microbatches(count)  # megatron-core's own rule for the layout (VPP groups)
+    samples = _samples(x, cap, cost_model, pricing)
+    if pricing is None:
+        labels = _balanced(samples, count)
+        got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
+    else:
+        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
+        scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
+        got = ReplicaPlan(_groups(scan.labels[count], count), scan.spans[count]) if count in scan else None
+    if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
+        own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
+        if len(own) > count:
+            raise _refuse(x, count, cap, spec, len(own))
+        mbs = _split_to(own, count, samples.costs)
+        got = ReplicaPlan(tuple(tuple(mb) for mb in mbs), None)
+    if pricing is None:
+        return got
+    return _best_order(pricing, samples, got)
+
+
+# ---------------------------------------------------------------------------------------------------- the work
+def _runs(pricing: PipelinePricing | None, k: int) -> bool:
+    if pricing is None:
+        return True
+    try:
+        pricing.spec.check_microbatches(k)
+    except ScheduleError:
+        return False
+    return True
+
+
+def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
+    """The flat target at ``k``: one :func:`shape_pack` row, as each sample's micro-batch (``None`` where it misses
+    the cap)."""
+    members = samples.order[None, :]  # one replica: its samples by decreasing cost
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, FLAT.weights(k)[None, :], samples.cap)
+    if not ok[0]:
+        return None
+    labels = np.empty(len(samples.lengths), dtype=np.int64)
+    labels[members[0]] = bin_of[0]
+    return labels
+
+
+@lru_cache(maxsize=256)
+def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list]:
+    """The packing rows of every shape at every count, as :func:`pack_many` makes them (shapes whose targets and
+    run order coincide at a count share one row): ``(weights (rows, max count), parts)``; made
+    once per counts, shapes and VPP group (read-only), since a host asks for the same few every step."""
+    first: dict[tuple, tuple[int, Shape]] = {}
+    for k in counts:
+        for shape in shapes:
+            first.setdefault((k, shape.order, shape.weights(k, step).tobytes()), (k, shape))
+    combos = list(first.values())
+    weights = np.full((len(combos), max(counts)), -1.0)
+    for j, (k, shape) in enumerate(combos):
+        weights[j, :k] = shape.weights(k, step)
+    weights.flags.writeable = False
+    return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)]
+
+
+def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
+    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call (one replica: the
+    rows :func:`~.pipeline_shape.pack_many` would make), each in its shape's run order, all priced in one pass of the
+    model; the fastest per count kept (ties: the earlier shape)."""
+    if not counts:
+        return ReplicaScan({}, {})
+    weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
+    members = samples.order[None, :]  # one replica: its samples by decreasing cost
+    bin_of, groups = pack_relabelled(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
+                                     np.array(weights), parts)
+    found, labels = {}, {}
+    spans_all = pricing.makespans_many([prices for _, _, prices in groups]) if groups else []
+    for (k, rows, _), spans in zip(groups, spans_all):
+        j = int(np.argmin(spans))
+        labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
+        labels[k][members[0]] = bin_of[rows[j]]
+        found[k] = float(spans[j])
+    return ReplicaScan(found, labels, pricing, samples)
+
+
+def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:
+    """The micro-batches in the order the pipeline model's order search finds fastest (kept where it is no faster)."""
+    mbs = plan.micro_batches
+    labels = np.empty(len(samples.lengths), dtype=np.int64)
+    for b, mb in enumerate(mbs):
+        labels[list(mb)] = b
+    row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
+    order, span = best_orders(pricing, row)
+    if plan.predicted_makespan is None:
+        own = float(pricing.makespans(row)[0])
+    else:
+        own = plan.predicted_makespan
+    if float(span[0]) < own * (1 - pricing.config.tie):
+        return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
+    return ReplicaPlan(mbs, own)
