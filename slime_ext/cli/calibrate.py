@@ -115,7 +115,8 @@ def run(args) -> int:
         from slime_ext.training.calibrate import calibrate
         from slime_ext.train_config import TrainConfigError, load_train_config
     except ImportError as e:
-        raise CLIError(f"calibrate needs the training extra ({e}); pip install 'slime-ext[train]'") from None
+        raise CLIError(f"calibrate needs the training extra ({e}): pip install \"./slime-ext[train]\" from a clone "
+                       f"of slime-ext (docs/install.md)") from None
     from ..schedule import ScheduleError
     from ..schedule.profile import fit_summary
 

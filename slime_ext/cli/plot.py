@@ -26,8 +26,8 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: F401
     except ImportError:
-        raise CLIError("--plot needs matplotlib, which is not installed: pip install 'slime-ext[plot]' "
-                       "(or pip install matplotlib)") from None
+        raise CLIError("--plot needs matplotlib, which is not installed: pip install matplotlib (or, from a clone "
+                       "of slime-ext, pip install \"./slime-ext[plot]\")") from None
 
 
 def step_spec(spec: str) -> list[int]:

@@ -3,7 +3,6 @@
 engine depth reads that (``engine.forward_only_now``). Run on verl's own ``infer_batch``."""
 
 import torch
-from tensordict import TensorDict
 
 from slime_ext.integrations.verl.engine import forward_only_now
 
@@ -20,6 +19,7 @@ class _Recorder:
 
 
 def test_verl_infer_batch_is_read_as_forward_only():
+    from tensordict import TensorDict  # verl's dependency: this module is collected without verl too
     from verl.workers.engine.base import BaseEngine
 
     data = TensorDict({"input_ids": torch.ones(2, 4, dtype=torch.int64)}, batch_size=[2])

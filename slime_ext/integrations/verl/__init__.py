@@ -4,7 +4,7 @@ and optionally its dispatch in verl's V1 trainer.
 The switch is one environment variable, read in every process that imports verl (the driver and each Ray
 worker)::
 
-    pip install 'slime-ext[verl]'
+    pip install "./slime-ext[verl]"   # from a clone of slime-ext (docs/install.md)
     SLIME_EXT_VERL=1 python -m verl.trainer.main_ppo ...         # the engine depth (see docs/verl.md for Ray)
     SLIME_EXT_VERL=trainer python -m verl.trainer.main_ppo ...   # the trainer depth too
 
