@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-HOW = "run ci/verl_test (its venv has verl from PyPI), or pip install "./slime-ext[verl]" from a clone of slime-ext"
+HOW = 'run ci/verl_test (its venv has verl from PyPI), or pip install "./slime-ext[verl]" from a clone of slime-ext'
 
 
 def _verl_missing() -> str | None:
