@@ -166,6 +166,23 @@ def test_lpt_edges():
     assert lpt_pack(lengths, weights, np.arange(4), 3, 12).tolist() == \
         reference_lpt(lengths, weights, np.arange(4), 3, 12)
     assert lpt_pack(np.array([5]), np.array([5.0]), np.array([0]), 2, 100) is None  # fewer samples than bins
+    # whole rounds by default: [3, 1, 1, 1] into 2 bins is 4 | 2 (graham would give 3 | 3)
+    four = np.array([3, 1, 1, 1])
+    assert np.bincount(lpt_pack(four, four.astype(float), np.arange(4), 2, 100), weights=four).tolist() == [4, 2]
+
+
+@pytest.mark.parametrize("lengths, weights, order, num_bins, cap, graham", [
+    # found by a differential search over mutants (zero weights): the second chance takes a bin filled exactly
+    # to the cap, and a sample of exactly the cap does not close its bin
+    ([3, 1, 6, 21, 8, 6, 1, 8, 15, 22, 22, 5, 15], [0, 1, 6, 21, 8, 6, 1, 0, 15, 22, 22, 5, 15],
+     [9, 10, 3, 8, 12, 4, 7, 2, 5, 11, 0, 1, 6], 9, 12, False),
+    ([6, 8, 19, 5, 13, 21, 20], [0, 0, 0, 0, 13, 21, 0], [5, 6, 2, 4, 1, 0, 3], 5, 20, True),
+])
+def test_lpt_at_the_cap_with_weightless_samples(lengths, weights, order, num_bins, cap, graham):
+    lengths, weights, order = np.array(lengths), np.array(weights, dtype=float), np.array(order)
+    got = lpt_pack(lengths, weights, order, num_bins, cap, graham=graham)
+    assert got is not None
+    assert got.tolist() == reference_lpt(lengths, weights, order, num_bins, cap, graham=graham)
 
 
 def test_bins_to_labels():
