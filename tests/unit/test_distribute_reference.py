@@ -120,6 +120,7 @@ def test_serpentine_lpt_and_swaps_are_the_documented_deals(seed):
     costs = integer_costs(rng, dp * int(rng.integers(1, 12)))
     assert serpentine(costs, dp).tolist() == reference_serpentine(costs.tolist(), dp)
     start = lpt_equal_count(costs, dp)
+    assert serpentine(costs, dp).dtype == start.dtype == np.int64  # ranks index arrays
     assert start.tolist() == reference_lpt_equal_count(costs.tolist(), dp)
     shuffled = rng.permutation(np.repeat(np.arange(dp), len(costs) // dp))
     # the binary-search branch (dense_limit=0) makes the same swaps only where no two swaps score alike: on tied
@@ -129,8 +130,19 @@ def test_serpentine_lpt_and_swaps_are_the_documented_deals(seed):
         for tolerance in (0.0, 0.01, 0.2):
             want = reference_refine(costs.tolist(), initial.tolist(), dp, tolerance)
             assert refine_by_swaps(costs, initial, dp, tolerance).tolist() == want, tolerance
+            # dense_limit bins per rank are still scored densely
+            dense = refine_by_swaps(costs, initial, dp, tolerance, dense_limit=len(costs) // dp)
+            assert dense.tolist() == want and dense.dtype == np.int64, tolerance
             want = reference_refine(untied.tolist(), initial.tolist(), dp, tolerance)
             assert refine_by_swaps(untied, initial, dp, tolerance, dense_limit=0).tolist() == want, tolerance
+
+
+def test_no_swap_without_one_that_narrows_the_gap():
+    """Loads 10 | 6: a swap of equal costs moves nothing, 5 <-> 1 moves the whole gap: neither is made, in either
+    branch."""
+    costs, start = np.array([5.0, 5.0, 5.0, 1.0]), np.array([0, 0, 1, 1])
+    for dense_limit in (0, 8):
+        assert refine_by_swaps(costs, start, 2, 0.0, dense_limit=dense_limit).tolist() == [0, 0, 1, 1]
 
 
 def test_refine_stops_within_tolerance_and_after_max_rounds():
@@ -158,6 +170,25 @@ def test_rank_bins_are_the_documented_deal(seed):
         assert got == want, by_cost
         if got is not None:
             bin_of, rank_of_bin = rank_bins_to_labels(got, n)
+            assert bin_of.dtype == rank_of_bin.dtype == np.int64
             assert rank_of_bin.tolist() == [r for r in range(dp) for _ in got[r]]
             assert all(bin_of[i] == sum(len(rb) for rb in got[:r]) + k
                        for r in range(dp) for k, b in enumerate(got[r]) for i in b)
+
+
+@pytest.mark.parametrize("seed", range(30, 90))  # seed 46: a donor gives its last spare sample, then is skipped
+def test_ranks_left_short_by_a_costly_sample_take_the_cheapest_samples(seed):
+    """A few very costly samples leave their ranks with fewer samples than bins: those ranks take the cheapest
+    samples of ranks with more (the documented donation, never below a donor's own count), then halve their
+    largest bins."""
+    rng = np.random.default_rng(seed)
+    dp, per_rank = int(rng.integers(2, 5)), int(rng.integers(2, 5))
+    n = dp * per_rank + int(rng.integers(0, 3))
+    lengths = rng.integers(1, 60, n).astype(np.int64)
+    costs = rng.integers(1, 20, n).astype(np.float64)
+    costs[rng.choice(n, int(rng.integers(1, dp)), replace=False)] = 10_000.0  # ranks that get nothing else
+    order = np.lexsort((-lengths, -costs))
+    for by_cost in (False, True):
+        got = build_rank_bins(lengths, costs, order, 200, dp, per_rank, by_cost)
+        assert got == reference_rank_bins(lengths, costs, order.tolist(), 200, dp, per_rank, by_cost), by_cost
+        assert [len(rb) for rb in got] == [per_rank] * dp and all(b for rb in got for b in rb)
