@@ -112,3 +112,29 @@ def test_steps_keep_each_rollouts_samples_in_index_order():
         assert [i for run in runs for i in run] == step.tolist()  # grouped by rollout, first-occurring first
         assert all(run == sorted(run) for run in runs)  # each rollout's samples in index order
     assert dropped.tolist() == sorted(int(i) for i in np.flatnonzero(ordinals >= 10))
+
+
+def test_every_dynamic_rule_must_hold_at_once():
+    """A prefix below align is never kept, even inside the v0.2.4 budget; a static prefix must also stay inside
+    the budget; the refusal names both rules."""
+    rounds = dict(dynamic_global_batch_rounds_samples=True)
+    # rollouts of 1, 1, 7 samples, dp 4, budget 8: prefixes of 1 and 2 samples are inside it but below align
+    with pytest.raises(ScheduleError, match="no run of whole rollouts from the first inside slime v0.2.4's 8 "
+                                            "samples"):
+        dynamic_step_rollouts(np.repeat(np.arange(3), [1, 1, 7]), np.full(9, 10), ParallelConfig(dp_size=4),
+                              _dynamic(**rounds))
+    # rollouts of 2 and 5 samples, dp 2, micro_batch_size 2, budget 6: 7 samples make 4 micro-batches (a multiple
+    # of 2) but lie outside the budget; 2 samples make 1
+    with pytest.raises(ScheduleError) as e:
+        dynamic_step_rollouts(np.repeat(np.arange(2), [2, 5]), np.full(7, 10), ParallelConfig(dp_size=2),
+                              _dynamic(static_mbs=2, **rounds))
+    assert ("inside slime v0.2.4's 6 samples (the sample count rounded down to a multiple of dp_size) that make a "
+            "multiple of dp_size = 2 micro-batches of micro_batch_size=2: the 2 rollouts end at samples 2, 7") \
+        in str(e.value)
+
+
+def test_eight_rollout_ends_are_shown_whole():
+    ordinals = np.repeat(np.arange(8), [1, 1, 1, 2, 1, 1, 2, 1])  # ends 1, 2, 3, 5, 6, 7, 9, 10
+    with pytest.raises(ScheduleError) as e:
+        dynamic_step_rollouts(ordinals, np.full(10, 10), ParallelConfig(dp_size=4), _dynamic(static_mbs=1))
+    assert "the 8 rollouts end at samples 1, 2, 3, 5, 6, 7, 9, 10; collect" in str(e.value)
