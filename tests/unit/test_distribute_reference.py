@@ -192,3 +192,13 @@ def test_ranks_left_short_by_a_costly_sample_take_the_cheapest_samples(seed):
         got = build_rank_bins(lengths, costs, order, 200, dp, per_rank, by_cost)
         assert got == reference_rank_bins(lengths, costs, order.tolist(), 200, dp, per_rank, by_cost), by_cost
         assert [len(rb) for rb in got] == [per_rank] * dp and all(b for rb in got for b in rb)
+
+
+def test_cheapest_bin_among_bins_of_equal_room():
+    """By cost, two bins of a rank can have the same room: the one chosen is the one whose room is updated (found
+    by a differential search over surviving mutants; this deal ends with a sample that fits no rank)."""
+    lengths = np.array([5, 5, 5, 3, 4, 4, 3, 3, 5, 2, 5, 5, 2, 4])
+    costs = np.array([1.0, 5.0, 1.0, 3.0, 5.0, 4.0, 1.0, 4.0, 1.0, 5.0, 2.0, 5.0, 4.0, 4.0])
+    order = np.array([1, 11, 4, 9, 5, 13, 7, 12, 3, 10, 0, 2, 8, 6])
+    assert build_rank_bins(lengths, costs, order, 8, 2, 4, True) is None
+    assert reference_rank_bins(lengths, costs, order.tolist(), 8, 2, 4, True) is None
