@@ -1,0 +1,111 @@
+"""The invariant checker's report, word for word: each broken schedule gets the violations it has (and no others:
+a checker that reports a sample as lost when a rank's tiling broke would send a reader the wrong way), named with
+the rank, the step and the values. What every other test relies on must itself fail on a wrong report."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from slime_ext.schedule import BatchConfig, ParallelConfig, check_schedule, plan_schedule
+from tests.unit.test_invariant_checker import IDS, LENGTHS, tamper
+
+DYNAMIC = BatchConfig(global_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=100)
+# the last lines of every report below: rank 0's samples count for no step, so the steps' accounts are off
+STEPS_OFF = ["step 0 does not hold consecutive whole rollouts (rollout ordinals 0..4)",
+             "step 0: samples_per_step=8 but 4 scheduled", "step 0: rollouts_per_step=6 but 4 rollouts scheduled",
+             "step 0: loss_tokens_per_step=8 but the samples hold 4",
+             "step 1 does not hold consecutive whole rollouts (rollout ordinals 8..10)",
+             "step 1: samples_per_step=7 but 4 scheduled", "step 1: rollouts_per_step=6 but 3 rollouts scheduled",
+             "step 1: loss_tokens_per_step=7 but the samples hold 4",
+             "step 0: step_samples does not list the step's 4 scheduled samples",
+             "step 1: step_samples does not list the step's 4 scheduled samples"]
+
+
+@pytest.fixture
+def schedule():
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), DYNAMIC, rollout_ids=IDS, loss_tokens=[1] * len(LENGTHS))
+    assert s.num_microbatches == [2, 2] and s.dropped == [15] and s.partitions[0][0] == 0
+    assert check_schedule(s) == []
+    return s
+
+
+def test_the_given_inputs_are_compared_and_checked(schedule):
+    assert check_schedule(schedule, total_lengths=LENGTHS[:-1] + [1]) == [
+        "total_lengths recorded in the schedule differ from the input lengths"]
+    assert check_schedule(schedule, rollout_ids=IDS[:-1] + [99]) == [
+        "rollout_ids recorded in the schedule differ from the input rollout ids"]
+    assert check_schedule(schedule, total_lengths=[2.5] + LENGTHS[1:]) == [
+        "the given total_lengths[0] = 2.5 is not an integer (float); total_lengths must hold integer counts"]
+    assert check_schedule(schedule, rollout_ids=["a"] + IDS[1:]) == [
+        "the given rollout_ids[0] = 'a' is not an integer (str); rollout_ids must hold integer counts"]
+    without_ids = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), DYNAMIC)
+    assert without_ids.rollout_ids is None and check_schedule(without_ids) == []
+    assert check_schedule(without_ids, rollout_ids=list(range(16))) == [
+        "rollout_ids recorded in the schedule differ from the input rollout ids"]
+    assert check_schedule(tamper(schedule, total_lengths=["x"] + LENGTHS[1:])) == [
+        "recorded input: total_lengths[0] = 'x' is not an integer (str); total_lengths must hold integer token counts"]
+
+
+def test_shape_problems_stop_the_check(schedule):
+    assert check_schedule(tamper(schedule, partitions=schedule.partitions[:1])) == [
+        "1 partitions / 2 micro-batch lists for dp_size=2"]
+    assert check_schedule(tamper(schedule, num_microbatches=[20, 1])) == [
+        "num_microbatches sums to 21 per rank, more than the 16 samples"]
+    assert check_schedule(tamper(schedule, dropped=[16, 17, 18, 19, 20, 21])) == [
+        "dropped lists sample indices outside [0, 16), e.g. [16, 17, 18, 19, 20]"]
+
+
+def test_a_rank_that_does_not_tile_still_accounts_its_samples(schedule):
+    mbis = copy.deepcopy(schedule.micro_batch_indices)
+    mbis[0][0] = mbis[0][0][::-1]  # rank 0 holds sample 0: it is not lost, only its rank's tiling broke
+    assert check_schedule(tamper(schedule, micro_batch_indices=mbis)) == [
+        "rank 0: micro_batch_indices do not tile range(7) in order"] + STEPS_OFF
+    both = copy.deepcopy(mbis)
+    both[1][0] = both[1][0][::-1]
+    report = check_schedule(tamper(schedule, micro_batch_indices=both))  # both ranks named, not only the first
+    assert report[:2] == ["rank 0: micro_batch_indices do not tile range(7) in order",
+                          "rank 1: micro_batch_indices do not tile range(8) in order"]
+    parts = copy.deepcopy(schedule.partitions)
+    parts[0][0] = 16  # a sample outside the rollout in a rank that does not tile: skipped, reported as lost
+    assert check_schedule(tamper(schedule, partitions=parts, micro_batch_indices=mbis)) == [
+        "rank 0: micro_batch_indices do not tile range(7) in order",
+        "1 samples are neither scheduled nor reported dropped, e.g. [0]"] + STEPS_OFF
+
+
+def test_micro_batch_problems_name_the_rank_and_the_step(schedule):
+    mbis = copy.deepcopy(schedule.micro_batch_indices)
+    mbis[0].append([])
+    assert check_schedule(tamper(schedule, micro_batch_indices=mbis)) == [
+        "rank 0 has 5 micro-batches, expected sum(num_microbatches) = 4", "rank 0: empty micro-batch"] + STEPS_OFF
+    parts = copy.deepcopy(schedule.partitions)
+    parts[0][0] = 16
+    report = check_schedule(tamper(schedule, partitions=parts))
+    assert report[:2] == ["rank 0 step 0: sample index outside [0, 16)",
+                          "2 samples are neither scheduled nor reported dropped, e.g. [0, 7]"]
+    many = copy.deepcopy(schedule.micro_batch_indices)
+    many[0] += [[]] * 60
+    assert len(check_schedule(tamper(schedule, micro_batch_indices=many))) == 50  # the default max_report
+    assert len(check_schedule(tamper(schedule, micro_batch_indices=mbis), max_report=11)) == 11
+
+
+def test_dropped_problems(schedule):
+    assert check_schedule(tamper(schedule, dropped=[15, 15])) == ["dropped lists a sample twice"]
+    scheduled = sorted(g for p in schedule.partitions for g in p)
+    report = check_schedule(tamper(schedule, dropped=[15] + scheduled[:6]))
+    assert report[0] == "6 samples are both dropped and scheduled, e.g. [0, 1, 2, 3, 4]"
+    assert report[-1] == ("dropped holds samples of a rollout before the last scheduled one (only trailing rollouts "
+                          "may drop)")
+
+
+def test_valid_edges_are_not_reported():
+    # one micro-batch per rank, static micro-batches exactly full, rollouts first seen out of id order
+    one = plan_schedule(LENGTHS, ParallelConfig(dp_size=2),
+                        BatchConfig(global_batch_size=12, use_dynamic_batch_size=True, max_tokens_per_gpu=10000))
+    assert one.num_microbatches == [1] and check_schedule(one) == []
+    full = plan_schedule(list(range(10, 22)), ParallelConfig(dp_size=2), BatchConfig(global_batch_size=12,
+                                                                                     micro_batch_size=2))
+    assert all(len(mb) == 2 for mbs in full.micro_batch_indices for mb in mbs) and check_schedule(full) == []
+    ids = [5, 5, 3, 3, 9, 1, 1, 7, 0, 2, 4, 6, 8, 8, 10, 11]
+    assert check_schedule(plan_schedule(LENGTHS, ParallelConfig(dp_size=2), DYNAMIC, rollout_ids=ids)) == []
