@@ -1,0 +1,58 @@
+"""``DPSchedule``'s record: ``to_dict`` / ``from_dict`` keep every field (with and without the optional ones) under
+its own name, and ``rank_payload`` hands a rank exactly its slice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slime_ext.schedule import (BatchConfig, CostModel, DPSchedule, ParallelConfig, SampleBatch, ScheduleError,
+                                plan_schedule)
+
+LENGTHS = [60, 50, 40, 40, 30, 30, 20, 10, 10, 10, 70, 80, 5, 5, 90, 15]
+IDS = [0, 0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 10, 11, 12]
+BATCH = BatchConfig(global_batch_size=6, use_dynamic_batch_size=True, max_tokens_per_gpu=100)
+MODEL = CostModel(hidden_size=64, num_layers=2, num_attention_heads=4, vocab_size=500)
+
+
+@pytest.mark.parametrize("optional", [True, False])
+def test_to_dict_names_every_field_and_from_dict_reads_it_back(optional):
+    extra = dict(rollout_ids=IDS, loss_tokens=[1] * 16, cost_model=MODEL) if optional else {}
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH, **extra)
+    d = json.loads(json.dumps(s.to_dict()))
+    assert d["rollout_ids"] == (IDS if optional else None)
+    assert d["loss_tokens"] == ([1] * 16 if optional else None)
+    assert d["loss_tokens_per_step"] == ([8, 7] if optional else None)
+    assert d["cost_model"] == (MODEL.to_dict() if optional else None)
+    assert d["step_samples"] == [sorted(x) for x in s.step_samples] and d["total_lengths"] == LENGTHS
+    assert d["partitions"] == s.partitions and d["micro_batch_indices"] == s.micro_batch_indices
+    assert (d["num_microbatches"], d["samples_per_step"], d["rollouts_per_step"], d["dropped"]) == \
+        (s.num_microbatches, s.samples_per_step, s.rollouts_per_step, s.dropped)
+    back = DPSchedule.from_dict(d)
+    assert back == s and back.to_dict() == d
+    d["partitions"][0].append(99)  # a fresh copy: editing the dict leaves the schedule as it was
+    assert s.partitions[0][-1] != 99
+
+
+def test_rank_payload_is_the_ranks_slice():
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH, rollout_ids=IDS, loss_tokens=[1] * 16)
+    samples = SampleBatch(tokens=[[1] * n for n in LENGTHS], total_lengths=LENGTHS, response_lengths=[1] * 16,
+                          loss_masks=[[1]] * 16, rewards=[0.0] * 16, advantages=[0.0] * 16, rollout_ids=IDS)
+    for rank in (0, 1):
+        p = s.rank_payload(rank, samples)
+        assert (p.rollout_id, p.dp_rank, p.dp_size, p.partition) == (0, rank, 2, s.partitions[rank])
+        assert p.samples.total_lengths == [LENGTHS[g] for g in s.partitions[rank]]
+        assert p.micro_batch_indices == s.micro_batch_indices[rank] and p.num_microbatches == s.num_microbatches
+        assert (p.samples_per_step, p.rollouts_per_step, p.loss_tokens_per_step) == \
+            (s.samples_per_step, s.rollouts_per_step, s.loss_tokens_per_step)
+    assert s.rank_payload(1, samples, rollout_id=7).rollout_id == 7
+    assert plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH).rank_payload(0, samples).loss_tokens_per_step \
+        is None
+    with pytest.raises(ScheduleError, match=r"^rank=2 is outside \[0, dp_size=2\)$"):
+        s.rank_payload(2, samples)
+    with pytest.raises(ScheduleError, match=r"^rank=-1 is outside"):
+        s.rank_payload(-1, samples)
+    with pytest.raises(ScheduleError, match=r"^samples has 15 entries but the schedule was planned for 16; pass the "
+                                            r"whole rollout's SampleBatch$"):
+        s.rank_payload(0, samples.take(range(15)))
