@@ -5,6 +5,7 @@ the rank, the step and the values. What every other test relies on must itself f
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -109,3 +110,46 @@ def test_valid_edges_are_not_reported():
     assert all(len(mb) == 2 for mbs in full.micro_batch_indices for mb in mbs) and check_schedule(full) == []
     ids = [5, 5, 3, 3, 9, 1, 1, 7, 0, 2, 4, 6, 8, 8, 10, 11]
     assert check_schedule(plan_schedule(LENGTHS, ParallelConfig(dp_size=2), DYNAMIC, rollout_ids=ids)) == []
+
+
+def test_step_rules_of_the_batch_flags(schedule):
+    batch = schedule.batch
+    assert check_schedule(tamper(schedule, batch=dataclasses.replace(batch, global_batch_size=1))) == [
+        "rollouts_per_step=[6, 6] but global_batch_size=1", "dropped holds a whole step's worth of rollouts"]
+    assert check_schedule(tamper(schedule, batch=dataclasses.replace(batch, global_batch_size=2))) == [
+        "rollouts_per_step=[6, 6] but global_batch_size=2"]  # one dropped rollout is less than a step of 2
+    assert check_schedule(tamper(schedule, batch=dataclasses.replace(
+        batch, use_dynamic_global_batch_size=True, global_batch_size=None))) == [
+        "use_dynamic_global_batch_size plans one step, not 2"]
+    assert check_schedule(tamper(schedule, batch=dataclasses.replace(batch, disable_rollout_trim_samples=True))) == [
+        "disable_rollout_trim_samples is set but samples were dropped"]
+    assert check_schedule(tamper(schedule, num_microbatches=[], samples_per_step=[], rollouts_per_step=[], stats=[],
+                                 loss_tokens_per_step=[], step_samples=[]))[0] == "the schedule has no steps"
+
+
+def test_the_v024_budget_of_a_dynamic_step():
+    dynamic = BatchConfig(global_batch_size=None, use_dynamic_global_batch_size=True, use_dynamic_batch_size=True,
+                          max_tokens_per_gpu=100)
+    kept_all = plan_schedule(LENGTHS[:9], ParallelConfig(dp_size=2), dynamic)
+    assert kept_all.num_steps == 1 and kept_all.dropped == [] and check_schedule(kept_all) == []
+    rounds = dataclasses.replace(dynamic, dynamic_global_batch_rounds_samples=True)
+    assert check_schedule(tamper(kept_all, batch=rounds)) == [
+        "use_dynamic_global_batch_size (slime v0.2.4's rule) keeps at most 8 samples (the sample count rounded down "
+        "to a multiple of dp_size), not 9"]
+    at_budget = plan_schedule(LENGTHS[:9], ParallelConfig(dp_size=2), rounds)  # exactly 8 kept: valid
+    assert len(at_budget.dropped) == 1 and check_schedule(at_budget) == []
+    lifted = dataclasses.replace(rounds, disable_rollout_trim_samples=True)  # the rule is lifted: 9 is fine
+    assert check_schedule(tamper(kept_all, batch=lifted)) == []
+
+
+def test_pipeline_stats_are_checked_to_a_relative_millionth():
+    pp = plan_schedule(LENGTHS, ParallelConfig(dp_size=2, pp_size=2), DYNAMIC, rollout_ids=IDS)
+    st = pp.stats[0]
+    nudged = st.bubble_fraction * (1 + 2e-6)  # 0.18 off by about 4e-7: above a millionth of itself
+    assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, bubble_fraction=nudged)] + pp.stats[1:])) == [
+        f"stats[0].bubble_fraction = {nudged!r} but the schedule predicts {st.bubble_fraction!r}"]
+    close = st.bubble_fraction * (1 + 5e-7)
+    assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, bubble_fraction=close)] + pp.stats[1:])) == []
+    for missing in ("predicted_makespan", "bubble_fraction"):
+        assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, **{missing: None})] + pp.stats[1:])) == [
+            "stats[0] has no predicted_makespan/bubble_fraction but pp_size = 2"]
