@@ -56,3 +56,50 @@ def test_rank_payload_is_the_ranks_slice():
     with pytest.raises(ScheduleError, match=r"^samples has 15 entries but the schedule was planned for 16; pass the "
                                             r"whole rollout's SampleBatch$"):
         s.rank_payload(0, samples.take(range(15)))
+
+
+BIG = 2**70
+PATHS = [("total_lengths", 0), ("rollout_ids", 0), ("loss_tokens", 0), ("partitions", 0, 0),
+         ("micro_batch_indices", 0, 0, 0), ("num_microbatches", 0), ("samples_per_step", 0), ("rollouts_per_step", 0),
+         ("dropped", 0), ("loss_tokens_per_step", 0), ("step_samples", 0, 0), ("stats", 0, "total_microbatches")]
+
+
+def _refusal(edit) -> str:
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH, rollout_ids=IDS, loss_tokens=[1] * 16,
+                      cost_model=MODEL)
+    d = json.loads(json.dumps(s.to_dict()))
+    edit(d)
+    with pytest.raises(ScheduleError) as e:
+        DPSchedule.from_dict(d)
+    return str(e.value)
+
+
+def _set(path, value):
+    def edit(d):
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p[0])
+def test_from_dict_names_the_entry_out_of_int64(path):
+    where = path[0] + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path[1:])
+    assert _refusal(_set(path, BIG)).startswith(f"malformed schedule dict: {where} = {BIG} is above the limit "
+                                                f"2**63 - 1 (int64)")
+
+
+@pytest.mark.parametrize("field, what", [("total_lengths", "integer token counts"), ("rollout_ids", "integer ids"),
+                                         ("loss_tokens", "integer token counts")])
+def test_from_dict_says_what_a_list_holds(field, what):
+    assert f"{field}[0] = 2.5 is not an integer (float); {field} must hold {what}" in _refusal(_set((field, 0), 2.5))
+
+
+def test_from_dict_names_the_mapping_and_the_stats():
+    assert _refusal(_set(("batch", "nope"), 1)).startswith("malformed schedule dict: batch has unknown keys ['nope']")
+    assert _refusal(_set(("cost_model", "nope"), 1)).startswith(
+        "malformed schedule dict: cost_model has unknown keys ['nope']")
+    assert _refusal(_set(("stats",), 3)).startswith("malformed schedule dict: stats must be a list, got 3")
+    assert _refusal(_set(("stats", 0, "strategy"), 3)).startswith(
+        "malformed schedule dict: stats[0].strategy must be a string, got 3")
+    assert "CostModel.hidden_size" in _refusal(_set(("cost_model", "hidden_size"), BIG))
