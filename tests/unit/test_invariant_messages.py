@@ -108,6 +108,10 @@ def test_valid_edges_are_not_reported():
     full = plan_schedule(list(range(10, 22)), ParallelConfig(dp_size=2), BatchConfig(global_batch_size=12,
                                                                                      micro_batch_size=2))
     assert all(len(mb) == 2 for mbs in full.micro_batch_indices for mb in mbs) and check_schedule(full) == []
+    partial = plan_schedule(list(range(10, 17)), ParallelConfig(dp_size=2), BatchConfig(global_batch_size=7,
+                                                                                        micro_batch_size=2))
+    assert [len(mb) for mbs in partial.micro_batch_indices for mb in mbs] == [2, 2, 2, 1]  # a last, partial one
+    assert check_schedule(partial) == []
     ids = [5, 5, 3, 3, 9, 1, 1, 7, 0, 2, 4, 6, 8, 8, 10, 11]
     assert check_schedule(plan_schedule(LENGTHS, ParallelConfig(dp_size=2), DYNAMIC, rollout_ids=ids)) == []
 
