@@ -157,3 +157,13 @@ def test_pipeline_stats_are_checked_to_a_relative_millionth():
     for missing in ("predicted_makespan", "bubble_fraction"):
         assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, **{missing: None})] + pp.stats[1:])) == [
             "stats[0] has no predicted_makespan/bubble_fraction but pp_size = 2"]
+
+
+def test_assert_valid_schedule_passes_the_inputs_and_lists_the_report(schedule):
+    from slime_ext.schedule import ScheduleError
+    from slime_ext.schedule.invariants import assert_valid_schedule
+    assert_valid_schedule(schedule, total_lengths=LENGTHS)
+    with pytest.raises(ScheduleError) as e:
+        assert_valid_schedule(schedule, total_lengths=LENGTHS[:-1] + [1], rollout_ids=IDS[:-1] + [99])
+    assert str(e.value) == ("invalid schedule:\n  total_lengths recorded in the schedule differ from the input "
+                            "lengths\n  rollout_ids recorded in the schedule differ from the input rollout ids")
