@@ -103,3 +103,28 @@ def test_from_dict_names_the_mapping_and_the_stats():
     assert _refusal(_set(("stats", 0, "strategy"), 3)).startswith(
         "malformed schedule dict: stats[0].strategy must be a string, got 3")
     assert "CostModel.hidden_size" in _refusal(_set(("cost_model", "hidden_size"), BIG))
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p[0] not in ("total_lengths", "loss_tokens")],
+                         ids=lambda p: p[0])
+def test_from_dict_leaves_a_negative_index_to_the_checker(path):
+    """Indices and counts are read as any int64 (negative too): whether they make a schedule is check_schedule's
+    question, asked with the schedule in hand."""
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH, rollout_ids=IDS, loss_tokens=[1] * 16)
+    d = json.loads(json.dumps(s.to_dict()))
+    _set(path, -1)(d)
+    DPSchedule.from_dict(d)
+
+
+def test_from_dict_reads_old_records_and_profiles():
+    from slime_ext.schedule import CostProfile
+    profile = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-6,
+                          per_sample_quadratic_s=1e-10)
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH, cost_model=profile)
+    d = json.loads(json.dumps(s.to_dict()))
+    assert DPSchedule.from_dict(d).cost_model == profile
+    del d["step_samples"]  # written before step_samples existed
+    assert DPSchedule.from_dict(d).step_samples == []
+    del d["cost_model"]["per_token_s"]
+    with pytest.raises(ScheduleError, match=r"the schedule's cost_model is missing \['per_token_s'\]"):
+        DPSchedule.from_dict(d)
