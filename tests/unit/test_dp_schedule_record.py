@@ -128,3 +128,28 @@ def test_from_dict_reads_old_records_and_profiles():
     del d["cost_model"]["per_token_s"]
     with pytest.raises(ScheduleError, match=r"the schedule's cost_model is missing \['per_token_s'\]"):
         DPSchedule.from_dict(d)
+
+
+def test_from_dict_checks_each_stats_entry_by_its_declared_type():
+    s = plan_schedule(LENGTHS, ParallelConfig(dp_size=2), BATCH)
+    base = json.loads(json.dumps(s.to_dict()))
+
+    def refusal(edit):
+        d = json.loads(json.dumps(base))
+        edit(d["stats"][0])
+        with pytest.raises(ScheduleError) as e:
+            DPSchedule.from_dict(d)
+        return str(e.value)
+
+    assert refusal(lambda st: st.pop("step")).startswith("malformed schedule dict: stats[0] is missing ['step']")
+    assert "stats[0].rank_cost_max" in refusal(lambda st: st.update(rank_cost_max="x"))
+    assert "stats[0].cap" in refusal(lambda st: st.update(cap="x"))
+    optional = json.loads(json.dumps(base))
+    del optional["stats"][0]["predicted_makespan"]  # written before the pipeline fields existed
+    assert DPSchedule.from_dict(optional) == s
+    with pytest.raises(ScheduleError, match=r"^a schedule must be a JSON object written by DPSchedule.to_dict, got "
+                                            r"int$"):
+        DPSchedule.from_dict(3)
+    old = dict(json.loads(json.dumps(base)), schema_version=2, stats=[3, 4])
+    with pytest.raises(ScheduleError, match="stats"):
+        DPSchedule.from_dict(old)
