@@ -167,3 +167,14 @@ def test_assert_valid_schedule_passes_the_inputs_and_lists_the_report(schedule):
         assert_valid_schedule(schedule, total_lengths=LENGTHS[:-1] + [1], rollout_ids=IDS[:-1] + [99])
     assert str(e.value) == ("invalid schedule:\n  total_lengths recorded in the schedule differ from the input "
                             "lengths\n  rollout_ids recorded in the schedule differ from the input rollout ids")
+
+
+def test_equal_inputs_short_step_lists_and_the_alignment_report(schedule):
+    assert check_schedule(schedule, total_lengths=LENGTHS, rollout_ids=IDS) == []
+    assert check_schedule(tamper(schedule, loss_tokens=None)) == []  # no per-sample loss tokens to re-add
+    assert check_schedule(tamper(schedule, parallel=ParallelConfig(dp_size=2, vpp_size=2,
+                                                                   microbatch_group_size_per_vp_stage=3))) == [
+        f"step {s}: num_microbatches=2 per rank; total 4 is not a positive multiple of align=6" for s in (0, 1)]
+    assert check_schedule(tamper(schedule, samples_per_step=[8], rollouts_per_step=[6], loss_tokens_per_step=[8])) \
+        == [f"{name} has 1 entries for 2 steps" for name in ("samples_per_step", "rollouts_per_step",
+                                                             "loss_tokens_per_step")]
