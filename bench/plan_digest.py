@@ -1,23 +1,26 @@
-"""Digest of the schedules the planner makes for a fixed set of seeded valid workloads (issue 9: "valid inputs plan
-exactly as before").
+"""A change detector for the schedules the planner makes on a fixed set of seeded valid workloads: it reports any plan
+that moved, wanted or not. It says nothing about validity -- the contract is checked by the invariant checker and the
+property tests; here a moved plan shows *what* moved, step by step and rank by rank.
 
     python -m bench.plan_digest --write before.json    # on the old code
-    python -m bench.plan_digest --check before.json    # on the new code: exit 1 and list every schedule that moved
+    python -m bench.plan_digest --check before.json    # on the new code: exit 1 and show every plan that moved
 
-``bench/plan_digests.json`` holds the digests of commit cdc63be (before issue 9's input hardening), re-recorded
-when one LPT deal replaced two (issue 10: 4 cases with balance_by_flops moved, each to a lower slowest rank), when
-use_dynamic_global_batch_size began counting samples (issue 16: 64 such cases moved) and when the pipeline cases were
-added (no other digest moved). ``python -m bench.plan_digest --check bench/plan_digests.json`` shows which schedules
-a later change moved, and ``python -m bench.plan_quality`` whether the moved ones got better or worse;
-``tests/unit/test_plan_digests.py`` runs the check in CI.
+``bench/plan_digests.json`` holds, per case, the SHA-256 of the schedule's decisions (``SCHEDULE_FIELDS`` of
+``to_dict()``) and a compact record of them: per step, per DP rank, its micro-batches as global sample ids (cases of
+at most :data:`FULL_RECORD_SAMPLES` samples), or ``"<micro-batches>/<samples>/<hash of the rank's step>"`` (the
+large benchmark cases, to keep the file small); a refused case records the exception type and message. ``--check``
+compares the hashes and, for each moved plan, prints the steps and ranks that differ, before and after
+(:func:`describe_change`). It was recorded at commit cdc63be (before issue 9's input hardening) and re-recorded when
+one LPT deal replaced two (4 cases with balance_by_flops moved, each to a lower slowest rank), when
+use_dynamic_global_batch_size began counting samples (64 such cases moved) and when the pipeline cases were added;
+``python -m bench.plan_quality`` says whether moved plans got better or worse; ``tests/unit/test_plan_digests.py``
+runs the check in CI.
 
 The workloads: every benchmark case (``bench/workloads.py``) with every flag set, planned through ``plan_schedule``;
 and ``RANDOM_CASES`` small seeded rollouts over parallel layouts, static/dynamic batches, rollout groups, loss
 tokens and cost models, half of them through ``build_dp_schedule`` (slime's entry); and ``PIPELINE_CASES`` seeded
 rollouts under pipeline parallelism (pp 2 and 4, with and without VPP, priced by tokens, FLOPs or a profile), whose
-order and count the pipeline model chooses. A case's digest is the SHA-256
-of the schedule's decisions (``SCHEDULE_FIELDS`` of ``to_dict()``); a refused case records the exception type and
-message, so a refusal that changes is reported too.
+order and count the pipeline model chooses.
 """
 
 from __future__ import annotations
@@ -59,6 +62,79 @@ def _digest(outcome) -> str:
 #: the fields that decide what each rank trains, step by step
 SCHEDULE_FIELDS = ("partitions", "micro_batch_indices", "num_microbatches", "samples_per_step", "rollouts_per_step",
                    "dropped", "loss_tokens_per_step", "step_samples")
+#: a plan of at most this many samples is recorded in full (its micro-batches); a larger one by counts and hashes
+FULL_RECORD_SAMPLES = 400
+
+
+def rank_steps(schedule) -> list[list[list[list[int]]]]:
+    """``[step][rank]`` -> that rank's micro-batches of that step, each as sorted global sample ids, in run order."""
+    out, start = [], 0
+    for m in schedule.num_microbatches:
+        part, mbi = schedule.partitions, schedule.micro_batch_indices
+        out.append([[sorted(part[r][i] for i in mb) for mb in mbi[r][start:start + m]]
+                    for r in range(schedule.dp_size)])
+        start += m
+    return out
+
+
+def _short(mbs: list[list[int]]) -> str:
+    """A rank's step as ``"<micro-batches>/<samples>/<hash>"``."""
+    text = json.dumps(mbs, separators=(",", ":"))
+    return f"{len(mbs)}/{sum(map(len, mbs))}/{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
+def record(outcome) -> str | dict:
+    """What ``--write`` stores for a case: a refusal as it is; a plan as its hash, dropped samples and steps."""
+    if isinstance(outcome, str):
+        return outcome
+    steps = rank_steps(outcome)
+    full = len(outcome.total_lengths) <= FULL_RECORD_SAMPLES
+    return {"sha": _digest(outcome), "dropped": sorted(outcome.dropped),
+            "steps": [[mbs if full else _short(mbs) for mbs in step] for step in steps]}
+
+
+def _key(rec) -> str:
+    """The compared value of a stored record: the refusal, or the plan's hash (a bare digest: the older format)."""
+    return rec["sha"] if isinstance(rec, dict) else rec
+
+
+def describe_change(before, after, limit: int = 6) -> list[str]:
+    """Lines saying what moved between two records of one case: a refusal, the steps, the dropped samples, and per
+    step and rank the micro-batches before and after (the first ``limit`` differing ones)."""
+    if isinstance(before, str) or isinstance(after, str):
+        return [f"before: {before if isinstance(before, str) else 'planned'}",
+                f"after:  {after if isinstance(after, str) else 'planned'}"]
+    if "steps" not in before:
+        return [f"(recorded as a digest only: {before['sha']} -> {after['sha']}; re-record to see the steps)"]
+    lines = []
+    if len(before["steps"]) != len(after["steps"]):
+        lines.append(f"steps: {len(before['steps'])} -> {len(after['steps'])}")
+    if before["dropped"] != after["dropped"]:
+        lines.append(f"dropped: {before['dropped']} -> {after['dropped']}")
+    shown = 0
+    for s, (old, new) in enumerate(zip(before["steps"], after["steps"])):
+        if len(old) != len(new):
+            lines.append(f"step {s}: {len(old)} ranks -> {len(new)}")
+            continue
+        for r, (a, b) in enumerate(zip(old, new)):
+            if a == b:
+                continue
+            shown += 1
+            if shown > limit:
+                continue
+            if isinstance(a, str) or isinstance(b, str):
+                lines.append(f"step {s} rank {r}: {a} -> {b}  (micro-batches/samples/hash)")
+                continue
+            gone, came = sorted(set().union(*a) - set().union(*b)), sorted(set().union(*b) - set().union(*a))
+            lines.append(f"step {s} rank {r}: {len(a)} -> {len(b)} micro-batches"
+                         + (f"; samples left {gone}" if gone else "") + (f"; samples joined {came}" if came else ""))
+            lines.append(f"    before {a}")
+            lines.append(f"    after  {b}")
+    if shown > limit:
+        lines.append(f"... {shown - limit} more (step, rank) pairs differ")
+    if not lines:  # the decisions' hash moved, the micro-batches per step and rank did not
+        lines.append("same micro-batches per step and rank; another decision field moved (see SCHEDULE_FIELDS)")
+    return lines
 
 
 def bench_cases():
@@ -183,27 +259,43 @@ def all_digests(quick: bool = False) -> dict[str, str]:
     return {label: _digest(outcome) for label, outcome in outcomes(quick)}
 
 
+def all_records(quick: bool = False) -> dict[str, str | dict]:
+    """``{label: record}`` of every case (:func:`record`)."""
+    return {label: record(outcome) for label, outcome in outcomes(quick)}
+
+
+def changes(before: dict, now: dict) -> dict[str, list[str]]:
+    """``{label: lines}`` for every case whose plan or refusal moved (cases only in one of them are not compared)."""
+    return {k: describe_change(before[k], now[k]) for k in now if k in before and _key(before[k]) != _key(now[k])}
+
+
+def write_records(records: dict, path: str) -> None:
+    """One case per line, sorted: a re-record's diff shows the cases that moved."""
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(records[k], separators=(',', ':'))}"
+                                    for k in sorted(records)) + "\n}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--write", metavar="FILE", help="write the digests as JSON")
-    g.add_argument("--check", metavar="FILE", help="compare with digests written before; exit 1 on any change")
+    g.add_argument("--write", metavar="FILE", help="write the records (hashes and compact plans) as JSON")
+    g.add_argument("--check", metavar="FILE", help="compare with records written before; exit 1 on any change")
     p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     args = p.parse_args(argv)
-    digests = all_digests(args.quick)
-    refused = sum(1 for v in digests.values() if ":" in v)
+    records = all_records(args.quick)
+    refused = sum(1 for v in records.values() if isinstance(v, str))
     if args.write:
-        with open(args.write, "w") as f:
-            json.dump(digests, f, indent=1, sort_keys=True)
-        print(f"wrote {len(digests)} digests ({refused} refusals) to {args.write}")
+        write_records(records, args.write)
+        print(f"wrote {len(records)} records ({refused} refusals) to {args.write}")
         return 0
     with open(args.check) as f:
         before = json.load(f)
-    changed = [k for k in digests if k in before and before[k] != digests[k]]
-    missing = [k for k in before if k not in digests]
-    for k in changed:
-        print(f"CHANGED {k}:\n  before {before[k]}\n  after  {digests[k]}")
-    compared = len(digests) - sum(1 for k in digests if k not in before)
+    changed = changes(before, records)
+    missing = [k for k in before if k not in records]
+    for k, lines in changed.items():
+        print(f"CHANGED {k}:\n  " + "\n  ".join(lines))
+    compared = len(records) - sum(1 for k in records if k not in before)
     print(f"{compared} cases compared ({refused} refusals), {len(changed)} changed, {len(missing)} not run")
     return 1 if changed else 0
 

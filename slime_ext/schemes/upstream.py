@@ -15,9 +15,11 @@ The host tests (``tests/hosts``) extract whole slime trees with :func:`extract` 
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,13 +49,22 @@ def git_dir(var: str = "SLIME_GIT") -> str | None:
 
 
 def extract(git_dir: str, rev: str, dest: Path, *paths: str) -> Path:
-    """``git archive rev [paths]`` unpacked into ``dest`` once (a ``.complete`` marker records it); returns ``dest``."""
-    if not (dest / ".complete").exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", rev, *paths], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-        (dest / ".complete").write_text(rev)
+    """``git archive rev [paths]`` unpacked into ``dest`` once (a ``.complete`` marker records it); returns ``dest``.
+
+    Processes sharing ``dest`` (pytest-xdist workers, training ranks) take turns on a lock file beside it: one
+    extracts, the others wait and find it complete; a tree a killed process left half-extracted is redone."""
+    if (dest / ".complete").exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.parent / f".{dest.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (dest / ".complete").exists():
+            shutil.rmtree(dest, ignore_errors=True)
+            dest.mkdir()
+            archive = subprocess.run(["git", f"--git-dir={git_dir}", "archive", rev, *paths], check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+            (dest / ".complete").write_text(rev)
     return dest
 
 

@@ -120,14 +120,14 @@ def check_forward_only(group, reference, sc: Scenario) -> None:
     assert seen == len(ref), f"{sc.name}: forward-only returned {seen} of {len(ref)} samples"
 
 
-def check_scenarios(group, reference, scenarios: list[Scenario]) -> None:
+def check_scenarios(group, reference, scenarios: list[Scenario], parallel: dict) -> None:
     """Invariance and the ledger for every scenario; forward-only for the first (the one that runs it)."""
     for sc in scenarios:
         check_invariance(group, reference, sc)
         if sc.schedules is not None:
             check_ledger(group, sc)
         else:
-            check_legacy_ledger(group, sc)
+            check_legacy_ledger(group, sc, parallel)
     check_forward_only(group, reference, scenarios[0])
 
 
@@ -168,7 +168,7 @@ def test_dp2_invariance_ledger_lr_forward_only():
                         dict(DYNAMIC, global_batch_size=4, **LR_SCHEDULE), dp),
     ]
     group, reference = run_layout(parallel, dp, scenarios)
-    check_scenarios(group, reference, scenarios)
+    check_scenarios(group, reference, scenarios, parallel)
 
     # LR: stepped by the samples each step really trained on
     lr_sc = scenarios[-2]
@@ -192,7 +192,17 @@ def test_dp2_invariance_ledger_lr_forward_only():
     assert legacy["scheduler"]["samples"] == 4 * len(legacy_steps)
 
 
-def check_legacy_ledger(group, sc: Scenario) -> None:
+def agreed_legacy_count(local_counts: list[int], parallel: dict) -> int:
+    """The count every legacy rank runs: the DP group's MAX of the local ones; under VPP rounded down to a whole
+    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size), at least 1."""
+    peak = max(local_counts)
+    if (parallel.get("virtual_pipeline_model_parallel_size") or 1) <= 1:
+        return peak
+    vp_group = parallel.get("microbatch_group_size_per_vp_stage") or parallel.get("pipeline_model_parallel_size", 1)
+    return max(1, peak // vp_group * vp_group)
+
+
+def check_legacy_ledger(group, sc: Scenario, parallel: dict) -> None:
     """The legacy path also trains every sample of a step exactly once (its micro-batches are its own)."""
     steps = [ids for _, ids, _ in sc.reference["reference_steps"]]
     by_dp: dict = {}
@@ -205,8 +215,8 @@ def check_legacy_ledger(group, sc: Scenario) -> None:
         counts = {records[s].num_microbatches for records in by_dp.values()}
         assert len(counts) == 1, f"{sc.name}: legacy ranks disagree on num_microbatches {counts}"
         assert all(type(records[s]) is LegacyStepRecord for records in by_dp.values()), sc.name
-        # the agreed count is the DP group's MAX of the local ones (under VPP rounded down to a whole group)
-        assert counts.pop() <= max(records[s].local_microbatches for records in by_dp.values()), sc.name
+        local = [records[s].local_microbatches for records in by_dp.values()]
+        assert counts.pop() == agreed_legacy_count(local, parallel), f"{sc.name}: step {s}, local counts {local}"
 
 
 def _pipeline_scenarios(parallel: dict, world_size: int, dp: int) -> list[Scenario]:
@@ -245,7 +255,7 @@ def test_pipeline_invariance_ledger_forward_only(parallel, world_size, dp):
     group, reference = run_layout(parallel, world_size, scenarios)
     assert sorted((r["layout"]["dp_rank"], r["layout"]["pp_rank"]) for r in group) == \
         sorted((d, p) for d in range(dp) for p in range(2))
-    check_scenarios(group, reference, scenarios)
+    check_scenarios(group, reference, scenarios, parallel)
     check_pipeline_aware_matches_unordered(group, reference, scenarios)
     # the gloo p2p regression case: as many micro-batches as stages (static batches keep their count)
     few = next(sc for sc in scenarios if sc.name == "static_few_microbatches")

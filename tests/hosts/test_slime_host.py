@@ -152,10 +152,16 @@ def test_slimes_own_planner_tests_pass_with_slime_ext(slime_env):
         pytest.skip(f"slime {slime_env['tag']} has no tests/test_dp_schedule.py (it plans on the training side)")
     env = dict(slime_env["env"], PYTHONPATH=slime_env["env"]["PYTHONPATH"] + ":" + str(HERE))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "slime_planner_plugin", "-p", "no:cacheprovider",
-                           "-q", "-rf", str(tests), "--rootdir", str(slime_env["root"])], env=env,
+                           "-q", "-rfE", str(tests), "--rootdir", str(slime_env["root"])], env=env,
                           capture_output=True, text=True, timeout=600)
     failed = set(re.findall(r"FAILED \S+::(\w+)", proc.stdout))
     passed = int((re.search(r"(\d+) passed", proc.stdout) or [0, 0])[1])
+    # an ERROR (a fixture, the collection or our plugin broke) is a failure, whichever test it hit
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    errors = re.findall(r"^ERROR .*$", proc.stdout, flags=re.M) + re.findall(r"\d+ errors?\b", summary)
+    assert not errors, f"slime's planner tests errored: {errors}\n{proc.stdout[-4000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode in (0, 1), f"pytest exit {proc.returncode} (not a pass or plain test failures):\n" \
+                                      f"{proc.stdout[-4000:]}{proc.stderr[-3000:]}"
     assert passed >= 6, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert failed <= set(PINNED), f"slime's tests that fail beyond the named ones: {failed - set(PINNED)}\n" \
                                   f"{proc.stdout[-4000:]}"

@@ -164,6 +164,7 @@ def test_flops_columns_and_step_time_follow_the_cost_model(rollout_jsonl, tmp_pa
     assert schedule.cost_model == CostModel(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2,
                                             ffn_hidden_size=1024, vocab_size=32000)
     rows, total = parse_table(out.stdout)
+    assert len(rows) == len(schedule.stats) == schedule.num_steps > 0, (len(rows), len(schedule.stats))
     for row, st in zip(rows, schedule.stats):
         assert approx(row["rank_FLOPs_max"], st.rank_cost_max)
         assert approx(row["rank_FLOPs_mean"], st.rank_cost_mean)

@@ -18,6 +18,7 @@ import slime_ext.schedule as schedule_pkg
 from slime_ext.schedule import (BatchConfig, CostModel, ParallelConfig, PlannerConfig, ScheduleError, check_schedule,
                                 plan_schedule)
 from slime_ext.schedule import pipeline_choice
+from slime_ext.schedule.invariants import replica_makespans
 from slime_ext.schedule.pipeline_choice import CANDIDATES, StepSearch, beats, choose_pipeline_step
 from slime_ext.schedule.pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
 from slime_ext.schedule.step_plan import StepPlan, search_counts
@@ -136,11 +137,19 @@ def test_a_step_of_257_micro_batches_plans_like_one_of_256():
     (issue 29: a step of 257 used to lose three candidate families at once)."""
     rng = np.random.default_rng(1)
     parallel = ParallelConfig(dp_size=1, pp_size=4)
+    gains = []
     for n in (256, 257):
         batch = BatchConfig(global_batch_size=n, micro_batch_size=1)
         lengths = rng.integers(100, 3000, n).tolist()
         s = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))
-        assert check_schedule(s) == [] and "+pp-order" in s.stats[0].strategy
+        assert check_schedule(s) == []
+        # what the search did, by the invariant checker's re-pricing (not the planner's pricing, not its label):
+        # the pp-unaware plan's micro-batches, run in an order the pipeline model finds faster
+        flat = plan_schedule(lengths, ParallelConfig(dp_size=1), batch, cost_model=CostModel(**DIMS))
+        ours = float(replica_makespans(s, 0)[0].max())
+        unaware = float(replica_makespans(dataclasses.replace(flat, parallel=parallel), 0)[0].max())
+        gains.append(1 - ours / unaware)
+    assert gains[0] > 0.003 and gains[1] >= 0.8 * gains[0], gains  # (0.69% and 0.68% when this was written)
 
 
 # ---------------------------------------------------------------------------------------------------- the config

@@ -481,6 +481,7 @@ def test_p2p_calls_are_megatron_cores(pp, vpp, group, m, overlap):
     from slime_ext.schedule.pipeline_model import stage_programs
     theirs = megatron_programs(pp, vpp, group, m, overlap)
     ours = normalise(stage_programs(PipelineSpec(pp, vpp, group, overlap_p2p_comm=overlap), m), pp)
+    assert len(ours) == len(theirs) == pp, (len(ours), len(theirs))
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a == b, f"rank {rank}"
 

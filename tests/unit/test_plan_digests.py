@@ -1,29 +1,61 @@
-"""Plans are guarded: the planner still makes every pinned plan of ``bench/plan_digests.json`` (benchmark cases,
-seeded small rollouts, seeded pipeline rollouts; refusals included, message and all).
+"""A change detector, not a validity check: the planner still makes every pinned plan of
+``bench/plan_digests.json`` (benchmark cases, seeded small rollouts, seeded pipeline rollouts; refusals included,
+message and all). Whether a plan is *valid* is judged elsewhere (the invariant checker, the property tests); here a
+moved plan fails with what moved -- which step, which rank, the micro-batches before and after.
 
 A change meant to move plans shows with ``python -m bench.plan_quality`` that every moved plan is better, and
-re-records the digests in a commit of their own (``python -m bench.plan_digest --write bench/plan_digests.json``).
+re-records the pinned plans in a commit of their own (``python -m bench.plan_digest --write bench/plan_digests.json``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from bench.plan_digest import all_digests
+from bench.plan_digest import all_records, changes, describe_change, record
 
 PINNED = Path(__file__).resolve().parents[2] / "bench" / "plan_digests.json"
 
 
-def test_the_planner_makes_every_pinned_plan():
+def test_change_detector_no_pinned_plan_moved():
     pinned = json.loads(PINNED.read_text())
-    now = all_digests()
+    now = all_records()
     assert sorted(now) == sorted(pinned), "the pinned cases changed: re-record bench/plan_digests.json on purpose"
-    moved = sorted(k for k in now if now[k] != pinned[k])
-    assert not moved, (f"{len(moved)} of {len(now)} pinned plans moved, e.g. {moved[:5]}; if that is meant, show "
-                       f"with `python -m bench.plan_quality` that each is better, then re-record the digests in "
-                       f"their own commit (`python -m bench.plan_digest --write bench/plan_digests.json`)")
-    assert sum(":" in v for v in now.values()) < len(now) // 2  # mostly plans, not refusals
+    moved = changes(pinned, now)
+    shown = "\n".join(f"{k}:\n  " + "\n  ".join(lines) for k, lines in list(moved.items())[:3])
+    assert not moved, (f"{len(moved)} of {len(now)} pinned plans moved; the first:\n{shown}\nif that is meant, show "
+                       f"with `python -m bench.plan_quality` that each is better, then re-record them in their own "
+                       f"commit (`python -m bench.plan_digest --write bench/plan_digests.json`)")
+    assert sum(isinstance(v, str) for v in now.values()) < len(now) // 2  # mostly plans, not refusals
+
+
+def test_a_moved_plan_is_shown_by_step_and_rank():
+    """Swap two samples between ranks in one step of a pinned plan: the report names that step, both ranks and the
+    samples, not a hash."""
+    from bench.plan_digest import random_case
+    for seed in range(40):
+        _, thunk = random_case(seed)
+        try:
+            schedule = thunk()
+        except Exception:  # noqa: BLE001 -- a refused case: the next seed
+            continue
+        if schedule.dp_size >= 2 and schedule.num_steps >= 2:
+            break
+    else:
+        raise AssertionError("no seeded case with two ranks and two steps")
+    start = sum(schedule.num_microbatches[:1])
+    a, b = schedule.micro_batch_indices[0][start][0], schedule.micro_batch_indices[1][start][0]
+    parts = [list(p) for p in schedule.partitions]
+    parts[0][a], parts[1][b] = parts[1][b], parts[0][a]
+    moved = dataclasses.replace(schedule, partitions=parts)
+    lines = describe_change(record(schedule), record(moved))
+    text = "\n".join(lines)
+    assert "step 1 rank 0" in text and "step 1 rank 1" in text, text
+    assert f"samples left [{schedule.partitions[0][a]}]" in text and f"samples joined [{schedule.partitions[1][b]}]" in text
+    assert "step 0" not in text
+    assert changes({"case": record(schedule)}, {"case": record(moved)}) == {"case": lines}
+    assert changes({"case": record(schedule)}, {"case": record(schedule)}) == {}
 
 
 def test_plan_quality_set_reaches_the_planner_of_every_pipeline_case(tmp_path, capsys):

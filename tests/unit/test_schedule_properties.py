@@ -1,13 +1,21 @@
 """Property tests: thousands of random rollouts, parallel layouts and flag combinations per run.
 
 Every schedule must satisfy the invariant checker; every refusal must be a ScheduleError whose claim is true.
+
+A refused draw checks only its refusal, so each property test that may refuse counts its outcomes and asserts a
+floor on the share that plans (:data:`PLANNED_FLOOR`): a change to the drawing, or a planner that starts refusing
+what it used to plan, cannot leave the invariants checked on a handful of schedules while the test stays green.
+A refusal that only best fit decreasing makes (no exact or bound-based proof above brute-force size) is counted
+apart and must stay rare (:data:`UNPROVEN_CEILING`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,7 +29,6 @@ from slime_ext.schedule import (
     DPSchedule,
     ParallelConfig,
     ScheduleError,
-    pipeline_pricing,
     plan_schedule,
 )
 from slime_ext.schedule.bounds import bin_lower_bound
@@ -162,8 +169,52 @@ def _steps(lengths, ids, batch, parallel):
         len(order), gbs
 
 
-def _refusal_is_true(msg: str, lengths, ids, parallel, batch) -> bool:
-    """Re-derive, independently of the planner, that the refused input really cannot be scheduled."""
+#: the least share of draws that must plan, per property test. The ci profile (derandomized) planned 58% dynamic,
+#: 45% static, 59% pipelined dynamic, 38% pipelined static and 60% round-trip draws when this was written; the
+#: floors leave room for a planner or drawing change, not for a test to become a test of refusals.
+PLANNED_FLOOR = {"dynamic": 0.40, "static": 0.33, "pipelined_dynamic": 0.45, "pipelined_static": 0.25,
+                 "round_trip": 0.40}
+#: the most draws (share) whose refusal is accepted on best fit decreasing's word alone (no proof: see
+#: :func:`_refusal_is_true`); small steps are proved exactly, in test_small_steps_are_refused_exactly_when_...
+UNPROVEN_CEILING = 0.02
+#: outcomes of the draws of the property test now running: planned / refused / refused_unproven
+TALLY: Counter = Counter()
+
+
+def assert_enough_planned(name: str) -> None:
+    """The share of ``TALLY``'s draws that planned is at least ``PLANNED_FLOOR[name]``, and unproven refusals are
+    at most ``UNPROVEN_CEILING``; then ``TALLY`` is cleared for the next test."""
+    tally, total = dict(TALLY), sum(TALLY.values())
+    TALLY.clear()
+    print(f"{name}: {tally}")
+    assert total > 0, f"{name}: no draw ran"
+    planned = tally.get("planned", 0) / total
+    assert planned >= PLANNED_FLOOR[name], \
+        f"{name}: only {planned:.1%} of {total} draws planned (floor {PLANNED_FLOOR[name]:.0%}): {tally}"
+    unproven = tally.get("refused_unproven", 0) / total
+    assert unproven <= UNPROVEN_CEILING, \
+        f"{name}: {unproven:.1%} of {total} draws refused on best fit decreasing's word (ceiling " \
+        f"{UNPROVEN_CEILING:.0%}): {tally}"
+
+
+def run_counted(name: str, examples: int, strategies: tuple, run) -> None:
+    """``run(data, *cfg, cost_model)`` over ``examples`` hypothesis draws of ``strategies``; then the floor on the
+    share that planned (:func:`assert_enough_planned`)."""
+    TALLY.clear()
+
+    @fast(examples)
+    @given(*strategies)
+    def draw(data, cfg, cost_model):
+        run(data, *cfg, cost_model)
+
+    draw()
+    assert_enough_planned(name)
+
+
+def _refusal_is_true(msg: str, lengths, ids, parallel, batch) -> bool | str:
+    """Re-derive, independently of the planner, that the refused input really cannot be scheduled: ``True``
+    (proved), ``"unproven"`` (best fit decreasing found no packing and nothing here can prove there is none: the
+    caller counts these) or ``False``."""
     steps, num_rollouts, gbs = _steps(lengths, ids, batch, parallel)
     if "micro-batch slots each need a sample" in msg:  # use_dynamic_global_batch_size, too few samples
         return len(lengths) < parallel.align
@@ -191,7 +242,7 @@ def _refusal_is_true(msg: str, lengths, ids, parallel, batch) -> bool:
         # best fit decreasing is within 11/9 OPT + 6/9 of the fewest bins, not exact: above brute-force size its
         # refusal cannot be proven; it must at least name that heuristic (and small steps are checked exactly)
         event("refusal by best fit decreasing, not proven optimal")
-        return n > 10 and "(best fit decreasing)" in msg
+        return "unproven" if n > 10 and "(best fit decreasing)" in msg else False
     return False
 
 
@@ -221,7 +272,7 @@ def test_a_refusal_that_only_a_count_proves_is_judged_true(step, cap, target):
     batch = BatchConfig(global_batch_size=len(step), use_dynamic_batch_size=True, max_tokens_per_gpu=cap)
     with pytest.raises(ScheduleError, match=f"needs at least {target} micro-batches") as e:
         plan_checked(step, parallel, batch)
-    assert _refusal_is_true(str(e.value), step, list(range(len(step))), parallel, batch)
+    assert _refusal_is_true(str(e.value), step, list(range(len(step))), parallel, batch) is True
 
 
 def _run(data, parallel, batch, cost_model):
@@ -229,9 +280,12 @@ def _run(data, parallel, batch, cost_model):
     try:
         s = plan_checked(lengths, parallel, batch, rollout_ids=ids, loss_tokens=loss_tokens, cost_model=cost_model)
     except ScheduleError as e:
-        assert _refusal_is_true(str(e), lengths, ids, parallel, batch), f"unjustified refusal: {e}"
+        verdict = _refusal_is_true(str(e), lengths, ids, parallel, batch)
+        assert verdict, f"unjustified refusal: {e}"
+        TALLY["refused" if verdict is True else "refused_unproven"] += 1
         event("refused: " + re.sub(r"[\d.]+", "N", str(e))[:40])
         return None
+    TALLY["planned"] += 1
     event("planned")
     steps, _, _ = _steps(lengths, ids, batch, parallel)
     assert s.step_samples == steps
@@ -246,10 +300,8 @@ def _run(data, parallel, batch, cost_model):
     return s
 
 
-@fast(1500)
-@given(rollouts(), configs(dynamic=True), st.sampled_from(MODELS))
-def test_dynamic_schedules_satisfy_every_invariant(data, cfg, cost_model):
-    _run(data, *cfg, cost_model)
+def test_dynamic_schedules_satisfy_every_invariant():
+    run_counted("dynamic", 1500, (rollouts(), configs(dynamic=True), st.sampled_from(MODELS)), _run)
 
 
 @fast(600)
@@ -272,10 +324,8 @@ def test_small_steps_are_refused_exactly_when_brute_force_finds_no_schedule(leng
     event("planned")
 
 
-@fast(600)
-@given(rollouts(), configs(dynamic=False), st.sampled_from(MODELS))
-def test_static_schedules_satisfy_every_invariant(data, cfg, cost_model):
-    _run(data, *cfg, cost_model)
+def test_static_schedules_satisfy_every_invariant():
+    run_counted("static", 600, (rollouts(), configs(dynamic=False), st.sampled_from(MODELS)), _run)
 
 
 def _run_pipelined(data, parallel, batch, cost_model):
@@ -288,31 +338,35 @@ def _run_pipelined(data, parallel, batch, cost_model):
     flat = ParallelConfig(dp_size=parallel.dp_size, cp_size=parallel.cp_size, vpp_size=parallel.vpp_size,
                           microbatch_group_size_per_vp_stage=parallel.microbatch_group_size_per_vp_stage)
     unaware = plan_schedule(lengths, flat, batch, rollout_ids=ids, loss_tokens=loss_tokens, cost_model=cost_model)
-    pricing = pipeline_pricing(parallel, cost_model, batch.cap(parallel.cp_size))
+    unaware_on_pipeline = dataclasses.replace(unaware, parallel=parallel)  # re-priced by the oracle, not the planner
     assert unaware.step_samples == s.step_samples
     for step, st_ in enumerate(s.stats):
-        assert st_.predicted_makespan <= float(predicted_makespans(unaware, step, pricing).max()) * (1 + 1e-9)
+        assert st_.predicted_makespan <= float(replica_makespans(unaware_on_pipeline, step)[0].max()) * (1 + 1e-9)
         assert 0.0 <= st_.bubble_fraction < 1.0
         np.testing.assert_allclose(replica_makespans(s, step)[0], predicted_makespans(s, step), rtol=1e-9)
     event("pipelined: " + ("+pp" if any("+pp" in st_.strategy for st_ in s.stats) else "as pp-unaware"))
     return s
 
 
-@fast(250)
-@given(rollouts(max_samples=160), pipelines(dynamic=True), st.sampled_from(PIPE_MODELS))
-def test_pipelined_dynamic_schedules_satisfy_every_invariant(data, cfg, cost_model):
-    _run_pipelined(data, *cfg, cost_model)
+def test_pipelined_dynamic_schedules_satisfy_every_invariant():
+    run_counted("pipelined_dynamic", 250, (rollouts(max_samples=160), pipelines(dynamic=True),
+                                                st.sampled_from(PIPE_MODELS)), _run_pipelined)
 
 
-@fast(120)
-@given(rollouts(max_samples=160), pipelines(dynamic=False), st.sampled_from(PIPE_MODELS))
-def test_pipelined_static_schedules_satisfy_every_invariant(data, cfg, cost_model):
-    _run_pipelined(data, *cfg, cost_model)
+def test_pipelined_static_schedules_satisfy_every_invariant():
+    run_counted("pipelined_static", 120, (rollouts(max_samples=160), pipelines(dynamic=False),
+                                              st.sampled_from(PIPE_MODELS)), _run_pipelined)
+
+
+def test_same_input_same_schedule_and_json_round_trip():
+    TALLY.clear()
+    _round_trips()
+    assert_enough_planned("round_trip")
 
 
 @fast(300)
 @given(rollouts(max_samples=120), configs(dynamic=True), st.sampled_from(MODELS))
-def test_same_input_same_schedule_and_json_round_trip(data, cfg, cost_model):
+def _round_trips(data, cfg, cost_model):
     s = _run(data, *cfg, cost_model)
     if s is None:
         return

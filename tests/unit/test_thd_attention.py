@@ -36,13 +36,22 @@ def megatron_world():
 
     from slime_ext.patches import megatron_cpu
 
-    if dist.is_initialized():
-        pytest.skip("torch.distributed is already initialised in this test process")
+    # a group an earlier test left in this process is used when it is this one-process world (never skipped on),
+    # refused when it is another; only what this fixture creates is torn down
+    own_group = not dist.is_initialized()
+    if not own_group:
+        assert dist.get_world_size() == 1, f"a {dist.get_world_size()}-process group is left in this test process"
+    own_model_parallel = not parallel_state.model_parallel_is_initialized()
+    if not own_model_parallel:
+        sizes = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size())
+        assert sizes == (1, 1), f"Megatron's model-parallel groups left in this process have (tp, pp) = {sizes}"
     patched = megatron_cpu.apply_if_no_gpu()
-    # one process: it serves its own store on a port the OS gives it (port 0)
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    if own_group:  # one process: it serves its own store on a port the OS gives it (port 0)
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    if own_model_parallel:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     # megatron-core allocates on torch.cuda.current_device() (DotProductAttention's buffer); on CPU the patches'
     # device context answers for it, as it does inside the training schedules
@@ -51,8 +60,10 @@ def megatron_world():
         with context:
             yield
     finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if own_model_parallel:
+            parallel_state.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
         if patched:
             megatron_cpu.undo()
 

@@ -16,8 +16,14 @@ from slime_ext.patches.verl_host import MODULE, TRAINER_MODULE
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml with tomllib")
 
-pytestmark = pytest.mark.skipif(MODULE in sys.modules or TRAINER_MODULE in sys.modules,
-                                reason="verl's modules are already imported in this process (tests/verl covers it)")
+
+
+@pytest.fixture(autouse=True)
+def verl_not_imported(monkeypatch):
+    """Each case sees a process where verl's target modules are not imported yet (the plugin's situation when verl
+    loads it), whatever an earlier test imported: they are hidden from ``sys.modules`` and put back afterwards."""
+    for module in (MODULE, TRAINER_MODULE):
+        monkeypatch.delitem(sys.modules, module, raising=False)
 
 
 def _finders():
