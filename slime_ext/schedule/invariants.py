@@ -414,9 +414,8 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
     tied = [r for r in range(len(spans)) if _close(float(spans[r]), float(spans[slowest]))]
     bubbles = [float(bubble_fraction(forward[r:r + 1], ratio * forward[r:r + 1], spec)[0]) for r in tied]
     if not any(_close(st.bubble_fraction, b) for b in bubbles):
-        bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts "
-            f"{bubbles[0] if len(bubbles) == 1 else bubbles!r} (the slowest replica's"
-            f"{'' if len(bubbles) == 1 else f', one of {len(bubbles)} tied'})")
+        predicted = f"{bubbles[0]!r}" if len(bubbles) == 1 else f"one of {bubbles!r} ({len(bubbles)} replicas tied)"
+        bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts {predicted}")
 
 
 def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:
