@@ -151,7 +151,8 @@ def test_pipeline_stats_are_checked_to_a_relative_millionth():
     st = pp.stats[0]
     nudged = st.bubble_fraction * (1 + 2e-6)  # 0.18 off by about 4e-7: above a millionth of itself
     assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, bubble_fraction=nudged)] + pp.stats[1:])) == [
-        f"stats[0].bubble_fraction = {nudged!r} but the schedule predicts {st.bubble_fraction!r}"]
+        f"stats[0].bubble_fraction = {nudged!r} but the schedule predicts {st.bubble_fraction!r} (the slowest "
+        f"replica's)"]
     close = st.bubble_fraction * (1 + 5e-7)
     assert check_schedule(tamper(pp, stats=[dataclasses.replace(st, bubble_fraction=close)] + pp.stats[1:])) == []
     for missing in ("predicted_makespan", "bubble_fraction"):
@@ -178,3 +179,95 @@ def test_equal_inputs_short_step_lists_and_the_alignment_report(schedule):
     assert check_schedule(tamper(schedule, samples_per_step=[8], rollouts_per_step=[6], loss_tokens_per_step=[8])) \
         == [f"{name} has 1 entries for 2 steps" for name in ("samples_per_step", "rollouts_per_step",
                                                              "loss_tokens_per_step")]
+
+
+def test_a_static_micro_batch_beyond_micro_batch_size_is_reported():
+    full = plan_schedule(list(range(10, 22)), ParallelConfig(dp_size=2), BatchConfig(global_batch_size=12,
+                                                                                     micro_batch_size=2))
+    assert full.micro_batch_indices[0] == [[0, 1], [2, 3], [4, 5]]
+    three = copy.deepcopy(full.micro_batch_indices)
+    three[0] = [[0, 1, 2], [3], [4, 5]]  # still tiles rank 0, with as many micro-batches
+    assert check_schedule(tamper(full, micro_batch_indices=three)) == [
+        "rank 0 step 0: static micro-batch of 3 samples > micro_batch_size 2"]
+
+
+def test_more_than_five_lost_samples_show_five(schedule):
+    parts = copy.deepcopy(schedule.partitions)
+    parts[0] = [16 + i for i in range(len(parts[0]))]  # all 7 of rank 0's samples point outside: each is lost
+    assert "7 samples are neither scheduled nor reported dropped, e.g. [0, 3, 5, 7, 8]" in check_schedule(
+        tamper(schedule, partitions=parts))
+
+
+def test_a_split_rollout_is_found_after_samples_of_no_step(schedule):
+    mbis = copy.deepcopy(schedule.micro_batch_indices)
+    mbis[0][0] = mbis[0][0][::-1]  # rank 0's samples are accounted first, for no step
+    parts = copy.deepcopy(schedule.partitions)
+    assert parts[1][1] == 6 and parts[1][5] == 13 and IDS[12] == IDS[13] == 10  # rollout 10: samples 12, 13
+    parts[1][1], parts[1][5] = parts[1][5], parts[1][1]  # rank 1: sample 13 into step 0, its rollout's 12 in step 1
+    assert "rollout 10 is split across steps 0 and 1" in check_schedule(
+        tamper(schedule, partitions=parts, micro_batch_indices=mbis))
+
+
+def test_part_of_the_last_scheduled_rollout_dropped(schedule):
+    ids = list(IDS)
+    ids[15] = 11  # the dropped sample 15 now belongs to rollout 11, the last one scheduled
+    assert check_schedule(tamper(schedule, rollout_ids=ids)) == [
+        "rollout 11 is partly dropped and partly scheduled",
+        "dropped holds samples of a rollout before the last scheduled one (only trailing rollouts may drop)"]
+
+
+def test_the_v024_budget_names_the_kept_count_while_dropping():
+    rounds = BatchConfig(global_batch_size=None, use_dynamic_global_batch_size=True, use_dynamic_batch_size=True,
+                         max_tokens_per_gpu=100, dynamic_global_batch_rounds_samples=True)
+    s = plan_schedule(LENGTHS[:11], ParallelConfig(dp_size=3), rounds)  # 11 samples: 9 kept, 2 dropped
+    assert len(s.dropped) == 2 and check_schedule(s) == []
+    g = min(s.dropped)
+    parts, mbis = copy.deepcopy(s.partitions), copy.deepcopy(s.micro_batch_indices)
+    parts[0].append(g)  # one dropped sample scheduled: 10 kept, 1 still dropped
+    mbis[0][-1].append(len(parts[0]) - 1)
+    report = check_schedule(tamper(s, partitions=parts, micro_batch_indices=mbis, dropped=[max(s.dropped)]))
+    assert ("use_dynamic_global_batch_size (slime v0.2.4's rule) keeps at most 9 samples (the sample count rounded "
+            "down to a multiple of dp_size), not 10") in report
+
+
+def test_step_samples_of_another_length(schedule):
+    assert check_schedule(tamper(schedule, step_samples=schedule.step_samples[:1])) == [
+        "step_samples has 1 entries for 2 steps"]
+
+
+def test_recorded_rollout_ids_of_another_length_are_a_recorded_input_problem(schedule):
+    # the recorded inputs are checked first (input_problem), so check_schedule's own count of rollout_ids per sample
+    # is a backstop no schedule reaches
+    assert check_schedule(tamper(schedule, rollout_ids=IDS[:-1])) == [
+        "recorded input: rollout_ids has 15 entries but total_lengths has 16; give exactly one per sample"]
+
+
+def test_fields_of_the_wrong_type_are_refused_by_name(schedule):
+    assert check_schedule("a schedule") == ["not a DPSchedule: str"]
+    wrong = ("parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, "
+             "CostModel or CostProfile")
+    for change in (dict(parallel=schedule.parallel.to_dict()), dict(batch=schedule.batch.to_dict()),
+                   dict(stats=tuple(schedule.stats)), dict(stats=[dataclasses.asdict(schedule.stats[0])]),
+                   dict(cost_model={"hidden_size": 64})):
+        assert check_schedule(tamper(schedule, **change)) == [wrong], change
+
+
+def test_a_cost_model_edited_in_memory_is_checked_as_recorded(schedule):
+    from slime_ext.schedule import CostModel
+    model = CostModel(hidden_size=64, num_layers=4, num_attention_heads=4)
+    object.__setattr__(model, "hidden_size", -1)  # past the frozen dataclass's own check
+    report = check_schedule(tamper(schedule, cost_model=model))
+    assert len(report) == 1 and report[0].startswith("recorded input: ") and "hidden_size" in report[0]
+
+
+def test_a_step_the_pipeline_model_refuses_is_reported():
+    from slime_ext.schedule import CostModel
+    parallel = ParallelConfig(dp_size=2, pp_size=2, decoder_first_pipeline_num_layers=1)
+    pp = plan_schedule(LENGTHS, parallel, DYNAMIC, rollout_ids=IDS,
+                       cost_model=CostModel(hidden_size=64, num_layers=4, num_attention_heads=4))
+    assert check_schedule(pp) == []
+    one_layer = CostModel(hidden_size=64, num_layers=1, num_attention_heads=4)  # no layer left for the last stage
+    refusals = [p for p in check_schedule(tamper(pp, cost_model=one_layer)) if "refuses" in p]
+    assert refusals == [f"step {s}: the pipeline model refuses the step: decoder_first/last_pipeline_num_layers = "
+                        f"1/None with num_layers = 1 leave 0 layers for 1 middle pipeline ranks (Megatron refuses "
+                        f"it); the first, last and middle layers must add up to num_layers" for s in (0, 1)]
