@@ -174,11 +174,21 @@ def test_one_repeat_cannot_tell_noise_from_cost_and_warns(caplog):
     assert profile.backward_forward_ratio == pytest.approx(RATIO, rel=1e-6)  # the data still support the fit
 
 
-def test_an_unphysical_ratio_from_repeats_that_agree_is_refused():
-    """Forward-only passes as slow as training, every repeat alike: not noise, the timer misses the backward."""
+def test_an_unphysical_ratio_from_repeats_that_agree_is_held_at_the_floor_naming_the_timer(caplog):
+    """Forward-only passes as slow as training, every repeat alike: not noise in the repeats, so the warning names the
+    timer first (it may miss the backward); the profile still holds the physical floor (a loaded node measured 0.95
+    with repeats 8% apart: a refusal there would fail a user's calibration for load)."""
     worker = _FakeWorker(lambda kind, mbs: STEP_OVERHEAD * (kind == "train") + _forward(mbs))
-    with pytest.raises(CalibrationError, match=r"backward/forward = .*although the repeats agree.*--timer cuda"):
-        _calibrate(worker, repeats=3)
+    with caplog.at_level(logging.WARNING, logger="slime_ext.calibrate"):
+        profile, _ = _calibrate(worker, repeats=3)
+    assert profile.backward_forward_ratio == MIN_BACKWARD_FORWARD_RATIO
+    warned = [w for w in profile.meta["warnings"] if "backward/forward = " in w]
+    assert len(warned) == 1 and "although the repeats agree" in warned[0] and "--timer cuda" in warned[0], warned
+
+
+def test_a_ratio_that_cannot_be_fitted_is_refused():
+    with pytest.raises(CalibrationError, match="no ratio can be fitted"):
+        fit_backward_forward_ratio([np.inf, 1.0], [0.5, 0.5], 0.0)
 
 
 def test_ratio_fit_from_train_and_forward_times():
