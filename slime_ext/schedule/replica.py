@@ -113,9 +113,7 @@ def _cap(cap: object) -> int:
 @lru_cache(maxsize=64)
 def _cached_pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
                     forward_only: bool) -> PipelinePricing | None:
-    if forward_only:
-        return pipeline_pricing(parallel, cost_model, cap, config, forward_only=True)  # type: ignore[call-arg]
-    return pipeline_pricing(parallel, cost_model, cap, config)
+    return pipeline_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
 
 
 def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
