@@ -61,7 +61,7 @@ import numpy as np
 from .errors import ScheduleError
 from .cost import bin_costs
 from .pipeline_orders import group_peaks, heuristic_best, heuristic_orders
-from .pipeline_pricing import Budget, PipelinePricing
+from .pipeline_pricing import Budget, PipelinePricing, beats
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
 from .pipeline_shape import Shape, ShapeSamples, pack_many, pack_rows, replica_members
@@ -70,11 +70,6 @@ from .profile import CostProfile
 from .step_plan import StepPlan, search_counts
 
 __all__ = ["CANDIDATES", "StepSearch", "beats", "choose_pipeline_step", "shaped_step"]
-
-
-def beats(a: float, b: float, config: PlannerConfig) -> bool:
-    """The search's one comparison: makespan ``a`` beats ``b`` when lower by more than ``config.tie`` of ``b``."""
-    return a < b * (1 - config.tie)
 
 
 @dataclass
@@ -284,7 +279,7 @@ def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve:
     out = []
     for (k, spans, packs), order, got in zip(results, orders, got_all):
         spans, packs = spans.copy(), list(packs)
-        for t in np.flatnonzero(got < spans * (1 - budget.pricing.config.tie)).tolist():
+        for t in np.flatnonzero(beats(got, spans, budget.pricing.config)).tolist():
             where = np.empty(k, dtype=np.int64)
             where[order[t]] = np.arange(k)  # the bin at position p of the new order is the old bin order[t][p]
             packs[t] = (packs[t][0], where[packs[t][1]])

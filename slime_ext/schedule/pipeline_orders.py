@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .pipeline_pricing import Budget, PipelinePricing
+from .pipeline_pricing import Budget, PipelinePricing, beats
 
 __all__ = ["best_orders", "group_peaks", "heuristic_best", "heuristic_orders", "improve_orders"]
 
@@ -133,7 +133,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
         got = np.full((r, p), np.inf)
         got[useful] = _price(pricing, budget, c[useful])
         best = got.argmin(axis=1)
-        rows = np.flatnonzero(got[np.arange(r), best] < span * (1 - cfg.tie))
+        rows = np.flatnonzero(beats(got[np.arange(r), best], span, cfg))
         if not len(rows):
             break
         order[rows] = cand[rows, best[rows]]

@@ -49,7 +49,13 @@ from .validate import check_bool
 if TYPE_CHECKING:
     from .dp_schedule import DPSchedule
 
-__all__ = ["PipelinePricing", "pipeline_pricing", "predicted_makespans", "step_microbatch_costs"]
+__all__ = ["PipelinePricing", "beats", "pipeline_pricing", "predicted_makespans", "step_microbatch_costs"]
+
+
+def beats(a, b, config: PlannerConfig, by: float | None = None):
+    """The search's one comparison (every part of it calls this): makespan ``a`` beats ``b`` when lower by more
+    than ``config.tie`` of ``b`` (``by``: a loop's stop rule, ``config.min_gain``). Elementwise on arrays."""
+    return a < b * (1 - (config.tie if by is None else by))
 
 
 @dataclass(frozen=True)

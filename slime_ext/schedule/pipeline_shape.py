@@ -307,9 +307,6 @@ class ShapeSamples:
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
 
-    def group_tokens(self, ids: np.ndarray) -> int:
-        return self._once("tokens", ids, lambda: int(self.lengths[ids].sum()))
-
     def cheapest_first(self, ids: np.ndarray) -> np.ndarray:
         """The group's ids by increasing cost, ties by id."""
         return self._once("order", ids, lambda: ids[np.lexsort((ids, self.costs[ids]))])

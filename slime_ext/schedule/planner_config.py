@@ -22,10 +22,6 @@ from .errors import ScheduleError
 __all__ = ["DEFAULT_CONFIG", "PlannerConfig"]
 
 
-def _doc(text: str) -> Any:
-    return {"doc": text}
-
-
 @dataclass(frozen=True)
 class PlannerConfig:
     """The planner's tunables. Sections: the objective's prices (pipeline only), the one comparison rule, the
@@ -236,6 +232,9 @@ class PlannerConfig:
     lead_share: float = 0.5
     #: moves drawn per round of the refinement, priced in one call
     refine_moves: int = 256
+    #: the share of its swaps whose other sample is drawn from the slowest replica itself (the rest: from one of the
+    #: ``balance_partners`` fastest); inherited, an even split
+    swap_within_share: float = 0.5
     #: the refinement stops once its last ``refine_patience`` rounds together lowered the slowest makespan by less
     #: than ``min_gain`` of it (with many replicas near the slowest, a round gains little: it stops early there)
     refine_patience: int = 8
@@ -274,7 +273,7 @@ class PlannerConfig:
                                     f"{default!r}); see the field's documentation in "
                                     f"slime_ext/schedule/planner_config.py")
         for name in ("microbatch_overhead", "tie", "count_tie", "min_gain", "strip_share", "refine_share",
-                     "scan_share"):
+                     "scan_share", "swap_within_share"):
             if getattr(self, name) >= 1:
                 raise ScheduleError(f"PlannerConfig.{name} = {getattr(self, name)!r} is a share: pass a value in "
                                     f"[0, 1)")

@@ -42,7 +42,7 @@ from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
 from .pipeline_orders import best_orders, heuristic_best
-from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from .pipeline_pricing import Budget, PipelinePricing, beats, pipeline_pricing
 from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .request import PlanRequest, plan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
@@ -91,7 +91,7 @@ class ReplicaScan:
         if self.pricing is not None and reorder:
             row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
             order, got = heuristic_best(self.pricing, row)
-            if got[0] < span * (1 - self.pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
+            if beats(got[0], span, self.pricing.config):  # relabel: the bin at run position p is order[0][p]
                 where = np.empty(count, dtype=np.int64)
                 where[order[0]] = np.arange(count)
                 labels, span = where[labels], float(got[0])
@@ -313,6 +313,6 @@ def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPl
         own = float(pricing.makespans(row)[0])
     else:
         own = plan.predicted_makespan
-    if float(span[0]) < own * (1 - pricing.config.tie):
+    if beats(float(span[0]), own, pricing.config):
         return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
     return ReplicaPlan(mbs, own)
