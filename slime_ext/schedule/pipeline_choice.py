@@ -353,131 +353,214 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
     fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
     cap), or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only
     count (a request's ``microbatches_per_rank``)."""
-    pricing = budget.pricing
-    cfg = pricing.config
-    pp = pricing.spec.pp_size
-    shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shapes))  # (per-stage ramps may meet fixed ones)
-    scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.scan_shapes))  # the same objects (cached)
-    rest = [shape for shape in shapes if not any(shape is t for t in scan_shapes)]
-    members = replica_members(replica_of, samples.costs, dp, samples.order)
-    n_min = int((members >= 0).sum(axis=1).min())
-    counts = shape_counts(k0, samples.step, n_min, pricing)
-    if fixed_count:
-        counts = counts[:1] if counts and counts[0] == k0 else []
-    if not counts:
+    shaping = _Shaped.start(budget, samples, replica_of, k0, dp, fixed_count)
+    if shaping is None:
         return []
-    total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
-    largest = samples.costs[np.maximum(members[:, 0], 0)]
-    budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
-    refine_keep = cfg.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
-    # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
-    peaks = budget.model_cost(dp * cfg.rebalanced_counts, max(counts)) if pricing.spec.vpp_size > 1 else 0.0
-    keep = refine_keep + peaks
-    allowance = budget.left() - keep
-    n_all, k_top = members.shape[1], max(counts)
-
-    def work(rows: int, k: int) -> float:  # one packing call and one pass of the model
-        return budget.pack_cost(rows, n_all, k) + budget.model_cost(rows, k)
-
-    # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
-    # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where the
-    # pipeline's fill and drain matter least)
-    fewest = min(dp, cfg.min_scan_replicas)
-    if work(fewest * len(scan_shapes), counts[0]) + work(dp, counts[0]) > allowance:
+    scanned = shaping.scan()
+    if scanned is None:
         return []
+    results = shaping.rebalanced(*shaping.packed(*scanned))
+    if budget.pricing.spec.vpp_size > 1:
+        results = _group_peaked(budget, samples, results, shaping.refine_keep)
+    return shaping.plans(results, replica_of, k0, strategy, target)
 
-    def scan_work(r: int, c: int) -> float:  # the scan of c of the counts (spread: the last among them) on r replicas
-        rows = r * c * len(scan_shapes)
-        more = r * min(cfg.rebalanced_counts, c) * (len(shapes) - len(scan_shapes))
-        k = counts[-1] if c > 1 else counts[0]
-        return work(rows, k) + work(more, k)
 
-    def rebalancing(c: int, k: int) -> float:  # the rebalancing of c counts side by side (one call a round): its
-        if dp <= cfg.water_fill_replicas:         # water-filling rounds re-packing every replica at worst, then
-            return 0.0                            # its single moves (a few rows per share tried)
-        water = cfg.water_rounds * (c * budget.replica_cost(dp) + work(dp * c, k))
+@dataclass
+class _Shaped:
+    """What the stages of :func:`shaped_step` share: the step's samples, each replica's (``members``), the counts
+    and shapes, and the budget the refinement (``refine_keep``) and the group peaks keep (``keep``: both)."""
+
+    budget: Budget
+    samples: ShapeSamples
+    members: np.ndarray
+    counts: list[int]
+    shapes: list[Shape]
+    scan_shapes: list[Shape]
+    total: np.ndarray  # each replica's cost
+    refine_keep: float
+    keep: float
+
+    @classmethod
+    def start(cls, budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
+              fixed_count: bool) -> "_Shaped | None":
+        pricing = budget.pricing
+        cfg = pricing.config
+        pp = pricing.spec.pp_size
+        shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shapes))  # (per-stage ramps may meet fixed ones)
+        scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.scan_shapes))  # the same objects (cached)
+        members = replica_members(replica_of, samples.costs, dp, samples.order)
+        counts = shape_counts(k0, samples.step, int((members >= 0).sum(axis=1).min()), pricing)
+        if fixed_count:
+            counts = counts[:1] if counts and counts[0] == k0 else []
+        if not counts:
+            return None
+        total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
+        budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
+        refine_keep = cfg.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
+        # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
+        peaks = budget.model_cost(dp * cfg.rebalanced_counts, max(counts)) if pricing.spec.vpp_size > 1 else 0.0
+        return cls(budget, samples, members, counts, shapes, scan_shapes, total, refine_keep, refine_keep + peaks)
+
+    @property
+    def cfg(self) -> PlannerConfig:
+        return self.budget.pricing.config
+
+    @property
+    def dp(self) -> int:
+        return len(self.members)
+
+    def work(self, rows: int, k: int) -> float:
+        """One packing call and one pass of the model."""
+        return self.budget.pack_cost(rows, self.members.shape[1], k) + self.budget.model_cost(rows, k)
+
+    def scan_work(self, r: int, c: int) -> float:
+        """The scan of ``c`` of the counts (spread: the last among them) on ``r`` replicas."""
+        rows = r * c * len(self.scan_shapes)
+        more = r * min(self.cfg.rebalanced_counts, c) * (len(self.shapes) - len(self.scan_shapes))
+        k = self.counts[-1] if c > 1 else self.counts[0]
+        return self.work(rows, k) + self.work(more, k)
+
+    def rebalancing(self, c: int, k: int) -> float:
+        """The rebalancing of ``c`` counts side by side (one call a round): its water-filling rounds re-packing
+        every replica at worst, then its single moves (a few rows per share tried)."""
+        cfg, dp = self.cfg, self.dp
+        if dp <= cfg.water_fill_replicas:
+            return 0.0
+        water = cfg.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
         rows = len(cfg.shed_shares) * (1 + cfg.balance_partners) * c  # each share tried: the slowest, its partners
-        moves = cfg.shed_moves_after_water * (c * budget.charge_round_cost + work(rows, k))
+        moves = cfg.shed_moves_after_water * (c * self.budget.charge_round_cost + self.work(rows, k))
         return water + moves
 
-    def later(c: int) -> float:  # every replica in c counts, and their rebalancing
-        k = counts[len(counts) // 2]
-        return work(dp * c, k) + rebalancing(c, k)
+    def later(self, c: int) -> float:
+        """Every replica in ``c`` counts, and their rebalancing."""
+        k = self.counts[len(self.counts) // 2]
+        return self.work(self.dp * c, k) + self.rebalancing(c, k)
 
-    # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
-    n_leads = cfg.rebalanced_counts
-    smallest = work(fewest * len(counts) * len(scan_shapes), counts[-1])  # every count, the scan shapes alone
-    while n_leads > 1 and smallest + later(n_leads) > allowance:
-        n_leads -= 1
-    scan_allowance = max(smallest, min(allowance * cfg.scan_share, allowance - later(n_leads)))
-    # the scan: every count on as many of the likely slowest replicas as its allowance pays for (at least
-    # min_scan_replicas), or, where even that does not fit, as many of the first counts (at least min_scan_counts)
-    scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
-                              if scan_work(r, len(counts)) <= scan_allowance])
-    if dp > cfg.water_fill_replicas:  # the rebalancing levels the replicas: also typical ones (the middle half)
-        by_total = np.argsort(total, kind="stable")
-        typical = by_total[np.linspace(dp // 4, 3 * dp // 4, max(1, scanned // 2)).round().astype(int)]
-        pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
-    else:
-        pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
-                                                  np.argsort(-largest, kind="stable")[:scanned]))))
-    sub = members[np.asarray(pick[:scanned])] if dp > scanned else members
-    # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays for,
-    # spread over that range (its first and last included)
-    counts = [k for k in counts if k <= int((sub >= 0).sum(axis=1).min())] or counts[:1]
-    fit = max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (the other shapes may be cut)
-                                       if work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
-    if fit < len(counts):
-        counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
-    # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept);
-    # where every shape at every count is a small packing, all in one call (the same prices, one call fewer)
-    combos = [(k, shape) for k in counts for shape in scan_shapes]
-    every = combos + [(k, shape) for k in counts for shape in rest]
-    if len(every) * len(sub) <= cfg.one_scan_rows and work(len(every) * len(sub), counts[-1]) <= scan_allowance:
-        seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
-        scan = np.asarray([seen[combo] for combo in combos])
-    else:
+    def scan(self) -> tuple[list, list[int], int] | None:
+        """Stage 1 of :func:`shaped_step`: ``(the combinations best first, the counts ranked, how many lead)``, or
+        ``None`` where no count fits the budget or none packs. The work is sized to the budget left after what
+        comes later: first the full packing and rebalancing of as many counts as fit beside a scan of every count
+        on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to ``config.scan_share``
+        of the allowance: more replicas, then the other shapes at the best counts, as far as they fit)."""
+        cfg, dp, scan_shapes = self.cfg, self.dp, self.scan_shapes
+        allowance = self.budget.left() - self.keep
+        # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
+        # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where
+        # the pipeline's fill and drain matter least)
+        fewest = min(dp, cfg.min_scan_replicas)
+        if self.work(fewest * len(scan_shapes), self.counts[0]) + self.work(dp, self.counts[0]) > allowance:
+            return None
+        # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
+        n_leads = cfg.rebalanced_counts
+        smallest = self.work(fewest * len(self.counts) * len(scan_shapes), self.counts[-1])
+        while n_leads > 1 and smallest + self.later(n_leads) > allowance:
+            n_leads -= 1
+        scan_allowance = max(smallest, min(allowance * cfg.scan_share, allowance - self.later(n_leads)))
+        # every count on as many of the likely slowest replicas as the allowance pays for (at least
+        # min_scan_replicas), or, where even that does not fit, as many of the first counts (min_scan_counts)
+        scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
+                                  if self.scan_work(r, len(self.counts)) <= scan_allowance])
+        sub = self._likely_slowest(scanned)
+        # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays
+        # for, spread over that range (its first and last included)
+        counts = [k for k in self.counts if k <= int((sub >= 0).sum(axis=1).min())] or self.counts[:1]
+        fit = max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (the other shapes may be cut)
+                                           if self.work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
+        if fit < len(counts):
+            counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
+        self.counts = counts
+        combos, scan, seen = self._scan_counts(sub, scan_allowance)
+        combos, scan = self._widen(sub, combos, scan, seen, n_leads)
+        best_first = [combos[i] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])]
+        if not best_first:
+            return None
+        return best_first, _rank_counts(combos, scan, cfg, dp), n_leads
+
+    def _likely_slowest(self, scanned: int) -> np.ndarray:
+        """The members of up to ``scanned`` replicas likely to be slowest: those holding the costliest samples, and
+        the heaviest or, with many replicas (the rebalancing levels them), typical ones (the middle of the range
+        ``config.typical_replicas``)."""
+        cfg, dp, total = self.cfg, self.dp, self.total
+        largest = self.samples.costs[np.maximum(self.members[:, 0], 0)]
+        if dp > cfg.water_fill_replicas:
+            by_total = np.argsort(total, kind="stable")
+            lo, hi = (int(share * dp) for share in cfg.typical_replicas)
+            typical = by_total[np.linspace(lo, hi, max(1, scanned // 2)).round().astype(int)]
+            pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
+        else:
+            pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
+                                                      np.argsort(-largest, kind="stable")[:scanned]))))
+        return self.members[np.asarray(pick[:scanned])] if dp > scanned else self.members
+
+    def _scan_counts(self, sub: np.ndarray, scan_allowance: float) -> tuple[list, np.ndarray, dict]:
+        """Every count with the scan shapes on ``sub``; where every shape at every count is a small packing, all
+        in one call (the same prices, one call fewer): ``(combinations, their spans, every span seen)``."""
+        counts, budget, samples = self.counts, self.budget, self.samples
+        combos = [(k, shape) for k in counts for shape in self.scan_shapes]
+        rest = [shape for shape in self.shapes if not any(shape is t for t in self.scan_shapes)]
+        every = combos + [(k, shape) for k in counts for shape in rest]
+        if len(every) * len(sub) <= self.cfg.one_scan_rows \
+                and self.work(len(every) * len(sub), counts[-1]) <= scan_allowance:
+            seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
+            return combos, np.asarray([seen[combo] for combo in combos]), seen
         scan = pack_many(budget, samples, sub, combos)[0].max(axis=1)
-        seen = dict(zip(combos, scan))
-    best_counts = _rank_counts(combos, scan, cfg, dp)
-    combos = [(k, shape) for shape in shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
-    fresh = [combo for combo in combos if combo not in seen]
-    room = budget.left() - keep - later(n_leads)
-    while fresh and work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
-        fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
-    if fresh:
-        seen.update(zip(fresh, pack_many(budget, samples, sub, fresh)[0].max(axis=1)))
-    combos = [combo for combo in combos if combo in seen]
-    scan = np.asarray([seen[combo] for combo in combos])
-    best_first = [combos[i] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])]
-    if not best_first:
-        return []
-    # per count (the ``config.rebalanced_counts`` best): its best combination, then its other leading ones (of the
-    # ``config.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps its
-    # fastest. Every replica is packed in each count's best; in the others, every replica where the budget pays for
-    # it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as it pays
-    def full_packing(leads: list[int]) -> tuple[list, np.ndarray, np.ndarray, list]:
-        """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of,
-        each replica's shape per count)``."""
+        return combos, scan, dict(zip(combos, scan))
+
+    def _widen(self, sub: np.ndarray, combos: list, scan: np.ndarray, seen: dict, n_leads: int):
+        """Every shape at the best counts (those scanned already kept), the last shapes cut first where the budget
+        left after what comes later does not pay for them all: ``(combinations, their spans)``."""
+        best_counts = _rank_counts(combos, scan, self.cfg, self.dp)
+        combos = [(k, shape) for shape in self.shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
+        fresh = [combo for combo in combos if combo not in seen]
+        room = self.budget.left() - self.keep - self.later(n_leads)
+        while fresh and self.work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
+            fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
+        if fresh:
+            seen.update(zip(fresh, pack_many(self.budget, self.samples, sub, fresh)[0].max(axis=1)))
+        combos = [combo for combo in combos if combo in seen]
+        return combos, np.asarray([seen[combo] for combo in combos])
+
+    def packed(self, best_first: list, ordered_counts: list[int], n_leads: int):
+        """Stage 2 of :func:`shaped_step`: every replica in the leading counts (as many as the budget pays for);
+        where a count fails on every replica, the next count scanned, as far as the budget pays for it."""
+        budget, keep = self.budget, self.keep
+        leads = ordered_counts[:n_leads]
+        while len(leads) > 1 and not budget.allows(self.work(self.dp * len(leads), max(leads)) + keep):
+            leads.pop()  # every replica in each count's best: as many counts as the budget pays for
+        first, best_span, best_bin, choice = self._full_packing(leads, best_first)
+        following = ordered_counts[len(leads):]
+        while following and not np.isfinite(best_span).all(axis=1).any() \
+                and budget.allows(self.work(self.dp, following[0]) + keep):
+            f2, s2, b2, c2 = self._full_packing([following.pop(0)], best_first)
+            first, best_span, best_bin, choice = first + f2, np.vstack((best_span, s2)), \
+                np.vstack((best_bin, b2)), choice + c2
+        return first, best_span, best_bin, choice
+
+    def _full_packing(self, leads: list[int], best_first: list) -> tuple[list, np.ndarray, np.ndarray, list]:
+        """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of, each
+        replica's shape per count)``. Per count its best combination, then its other leading ones (of the
+        ``config.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps
+        its fastest. Every replica is packed in each count's best; in the others, every replica where the budget
+        pays for it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as
+        it pays."""
+        cfg, budget, samples, members, dp = self.cfg, self.budget, self.samples, self.members, self.dp
         per_count = []
         for k in leads:
             mine = [c for c in best_first[:cfg.shaped_combos] if c[0] == k]
             mine = mine or [next(c for c in best_first if c[0] == k)]
-            per_count.append(mine + ([(k, shapes[0])] if (k, shapes[0]) not in mine else []))
+            per_count.append(mine + ([(k, self.shapes[0])] if (k, self.shapes[0]) not in mine else []))
         first = [combos_k[0] for combos_k in per_count]
         extras = [(c, combo) for c, combos_k in enumerate(per_count) for combo in combos_k[1:]]
         k_max = max(leads)
-        reserve = keep + rebalancing(len(leads), k_max)  # the rebalancing comes first
-        full = work(dp * (len(first) + len(extras)), k_max)
-        if not extras or budget.allows(full + reserve):  # every replica in every combination: one call
+        reserve = self.keep + self.rebalancing(len(leads), k_max)  # the rebalancing comes first
+        if not extras or budget.allows(self.work(dp * (len(first) + len(extras)), k_max) + reserve):
             spans, bin_of = pack_many(budget, samples, members, first + [combo for _, combo in extras])
             best_span, best_bin = spans[:len(first)].copy(), bin_of[:len(first)].copy()
-            tried = [(c, np.arange(dp), spans[len(first) + i], bin_of[len(first) + i])
-                     for i, (c, _) in enumerate(extras)]
+            tried = [(np.arange(dp), spans[len(first) + i], bin_of[len(first) + i]) for i in range(len(extras))]
         else:
             best_span, best_bin = pack_many(budget, samples, members, first)
             # as many of each count's slowest replicas as the budget pays for (the estimate is affine in the rows)
-            fixed, per_row = work(0, k_max), work(1, k_max) - work(0, k_max)
+            fixed, per_row = self.work(0, k_max), self.work(1, k_max) - self.work(0, k_max)
             contenders = min(dp, max(0, int((budget.left() - reserve - fixed) / (per_row * len(extras)))))
             # ... and at least the replicas a count failed on (rare and few: without them the count is lost)
             contenders = max(contenders, int((~np.isfinite(best_span)).sum(axis=1).max()))
@@ -485,9 +568,9 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
             if contenders:
                 rows = [np.argsort(-best_span[c], kind="stable")[:contenders] for c, _ in extras]
                 got_spans, got_bins = pack_rows(budget, samples, members, rows, [combo for _, combo in extras])
-                tried = [(c, r, sp, bo) for (c, _), r, sp, bo in zip(extras, rows, got_spans, got_bins)]
+                tried = list(zip(rows, got_spans, got_bins))
         choice = [[combo[1]] * dp for combo in first]
-        for (c, (_, shape)), (_, rows, sp, bo) in zip(extras, tried):  # in order: only a faster one replaces
+        for (c, (_, shape)), (rows, sp, bo) in zip(extras, tried):  # in order: only a faster one replaces
             better = sp < best_span[c][rows]
             if better.any():
                 hit = rows[better]
@@ -496,50 +579,45 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
                     choice[c][r] = shape
         return first, best_span, best_bin, choice
 
-    ordered_counts = _rank_counts(combos, scan, cfg, dp)
-    leads = ordered_counts[:n_leads]
-    while len(leads) > 1 and not budget.allows(work(dp * len(leads), max(leads)) + keep):
-        leads.pop()  # every replica in each count's best: as many counts as the budget pays for
-    first, best_span, best_bin, choice = full_packing(leads)
-    # a count can fail on a replica the scan did not see (no shape packs its samples there): then the next count
-    # scanned, as far as the budget pays for it
-    following = ordered_counts[len(leads):]
-    while following and not np.isfinite(best_span).all(axis=1).any() \
-            and budget.allows(work(dp, following[0]) + keep):
-        f2, s2, b2, c2 = full_packing([following.pop(0)])
-        first, best_span, best_bin, choice = first + f2, np.vstack((best_span, s2)), np.vstack((best_bin, b2)), \
-            choice + c2
-    valid = members >= 0
-    start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
-    runs = []  # per count: (k, its rebalancing run), or (k, the result without one)
-    for c, (k, _) in enumerate(first):
-        got = best_span[c]
-        if not np.isfinite(got).all():
-            continue
-        groups, shapes_k = list(start), choice[c]
-        budget.spent += budget.arrangement_cost(0, dp)  # each replica's packing, as a run takes it
-        packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, best_bin[c])]
-        runs.append((k, rebalance_run(budget, samples, groups, k, shapes_k, got, packs, keep) if dp > 1
-                     else (groups, shapes_k, got, packs)))
-    # the counts' rebalancing side by side (one packing call and one pass of the model per round)
-    moving = [i for i, (_, run) in enumerate(runs) if not isinstance(run, tuple)]
-    # (the rebalancing comes before the refinement's share: a run's own checks keep it for its single moves)
-    done = dict(zip(moving, lockstep(budget, samples, [runs[i][1] for i in moving])))
-    results = [(k, *done.get(i, run)[2:]) for i, (k, run) in enumerate(runs)]
-    if pricing.spec.vpp_size > 1:
-        results = _group_peaked(budget, samples, results, refine_keep)
-    # the counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes
-    ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:cfg.finalists]
-    out = []
-    for k, spans, packs in (results[i] for i in ranked):  # each replica as last packed in its shape
-        budget.spent += budget.arrangement_cost(len(replica_of), dp)
-        step_bin = np.full(len(replica_of), -1, dtype=np.int64)
-        step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate([t * k + labels
-                                                                              for t, (_, labels) in enumerate(packs)])
-        count = k * dp
-        slowest = int(np.argmax(spans))
-        mem, labels = packs[slowest]
-        row = samples.bin_rows(mem[None, :], labels[None, :], k)[0]
-        out.append(StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}",
-                            target, np.arange(count), spans, pricing.bubble(row, spans[slowest])))
-    return out
+    def rebalanced(self, first: list, best_span: np.ndarray, best_bin: np.ndarray, choice: list) -> list:
+        """Stage 3 of :func:`shaped_step`: per count that packed on every replica, samples moved off the slowest
+        replicas, the counts side by side: ``[(k, spans, packs)]``."""
+        budget, members, dp = self.budget, self.members, self.dp
+        valid = members >= 0
+        start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
+        runs, fixed = [], {}  # per count: (k, its rebalancing run); the result of a single replica's
+        for c, (k, _) in enumerate(first):
+            got = best_span[c]
+            if not np.isfinite(got).all():
+                continue
+            budget.spent += budget.arrangement_cost(0, dp)  # each replica's packing, as a run takes it
+            packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, best_bin[c])]
+            if dp > 1:
+                runs.append((k, rebalance_run(budget, self.samples, list(start), k, choice[c], got, packs,
+                                              self.keep)))
+            else:
+                fixed[len(runs)] = (k, got, packs)
+                runs.append((k, None))
+        # (the rebalancing comes before the refinement's share: a run's own checks keep it for its single moves)
+        moving = [i for i, (_, run) in enumerate(runs) if run is not None]
+        done = dict(zip(moving, lockstep(budget, self.samples, [runs[i][1] for i in moving])))
+        return [fixed[i] if i in fixed else (k, *done[i][2:]) for i, (k, _) in enumerate(runs)]
+
+    def plans(self, results: list, replica_of: np.ndarray, k0: int, strategy: str, target: int) -> list[StepPlan]:
+        """The counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes,
+        each replica as last packed in its shape."""
+        budget, pricing, dp = self.budget, self.budget.pricing, self.dp
+        ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:self.cfg.finalists]
+        out = []
+        for k, spans, packs in (results[i] for i in ranked):
+            budget.spent += budget.arrangement_cost(len(replica_of), dp)
+            step_bin = np.full(len(replica_of), -1, dtype=np.int64)
+            step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate(
+                [t * k + labels for t, (_, labels) in enumerate(packs)])
+            count = k * dp
+            slowest = int(np.argmax(spans))
+            mem, labels = packs[slowest]
+            row = self.samples.bin_rows(mem[None, :], labels[None, :], k)[0]
+            out.append(StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}",
+                                target, np.arange(count), spans, pricing.bubble(row, spans[slowest])))
+        return out

@@ -147,6 +147,9 @@ class PlannerConfig:
     #: the yardstick's rl-dp8-pp8 went from 1.016 to 1.070 of its best: at a few replicas the scan is the count
     #: search)
     scan_share: float = 0.5
+    #: with more than ``water_fill_replicas`` replicas the scan takes half its replicas from this range of the
+    #: replicas by cost (shares of dp: the middle half), since the rebalancing levels them; inherited
+    typical_replicas: tuple[float, ...] = (0.25, 0.75)
     #: the scan covers as many counts as the budget pays for, at least this many (cfaa6b5's large steps: 3)
     min_scan_counts: int = 3
     #: per-replica counts scanned: the pp-unaware count times these factors, rounded up to the step and at least one
