@@ -182,18 +182,7 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     # shorter rows finish (their padding would change nothing); undone at the end
     by_size = np.argsort(-(members >= 0).sum(axis=1), kind="stable")
     members, weights = members[by_size], weights[by_size]
-    valid = members >= 0
-    safe = np.where(valid, members, 0)
-    lens = np.where(valid, lengths[safe], 0)
-    cst = np.where(valid, costs[safe], 0.0)
-    unused = weights < 0
-    # target cost left per micro-batch; a micro-batch the row lacks never has room
-    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
-    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
-    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
-    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
-    limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
-    lens_t, cst_t = np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
+    valid, unused, room, tok, limit, lens_t, cst_t = _pack_tables(lengths, costs, members, weights, cap)
     # samples left minus micro-batches still empty: at <= 0 every sample left must open an empty micro-batch
     # (padding comes last in a row, so what it does to this count never matters). It drops by one at most per
     # sample, so no row is forced before sample ``min(slack)``: until then it is not tracked.
@@ -254,6 +243,23 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     back = np.empty_like(by_size)
     back[by_size] = np.arange(rows)
     return bin_of[back], ok[back]
+
+
+def _pack_tables(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weights: np.ndarray, cap: int):
+    """:func:`shape_pack`'s tables: ``(valid, unused micro-batches, target cost left, tokens held, per sample rank
+    the most tokens a micro-batch may hold before taking it, the lengths and costs per sample rank)``."""
+    valid = members >= 0
+    safe = np.where(valid, members, 0)
+    lens = np.where(valid, lengths[safe], 0)
+    cst = np.where(valid, costs[safe], 0.0)
+    unused = weights < 0
+    # target cost left per micro-batch; a micro-batch the row lacks never has room
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
+    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
+    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
+    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
+    limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
+    return valid, unused, room, tok, limit, np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
 
 
 # ---------------------------------------------------------------------------------------------------- a step's samples
