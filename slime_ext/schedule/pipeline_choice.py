@@ -21,9 +21,7 @@ registry's order (``PlannerConfig.candidates`` may leave some out, e.g. for a be
    replica packed at the best counts, samples moved off the slowest replicas (:mod:`.pipeline_rebalance`), under
    VPP each replica's groups peaked where that is faster; one candidate per count, best first
    (:func:`shaped_step`);
-4. ``recounted`` (dynamic batches): more micro-batches, packed by stages 2-4 themselves (every guard of the
-   planner's own path), each rank in its best order;
-5. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by order swaps
+4. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by order swaps
    on the slowest replica, each order found tried on every replica (:func:`~.pipeline_refine.polish_orders`), then
    by local moves on the slowest replica (:func:`~.pipeline_refine.refine`: order swaps; with dynamic batches also
    single samples moved or swapped, within the replica or with the fastest replicas).
@@ -60,14 +58,14 @@ import numpy as np
 
 from .errors import ScheduleError
 from .cost import bin_costs
-from .pipeline_orders import group_peaks, heuristic_best, heuristic_orders
+from .pipeline_orders import group_peaks, heuristic_orders
 from .pipeline_pricing import Budget, PipelinePricing, beats
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
 from .pipeline_shape import Shape, ShapeSamples, pack_many, pack_rows, replica_members
 from .planner_config import PlannerConfig
 from .profile import CostProfile
-from .step_plan import StepPlan, search_counts
+from .step_plan import StepPlan
 
 __all__ = ["CANDIDATES", "StepSearch", "beats", "choose_pipeline_step", "shaped_step"]
 
@@ -80,7 +78,7 @@ class StepSearch:
     ``heaviest``: the key its ranks run their micro-batches by (heaviest first); ``lengths``/``costs``: the step's
     samples; ``profile``: a measured profile (micro-batches priced whole) or ``None``; ``cap``: the token cap,
     ``None`` for static batches (whose micro-batches never change); ``samples``: what shaping needs (dynamic
-    batches); ``budget``: the step's work budget; ``recount``/``align``: see the fields."""
+    batches); ``budget``: the step's work budget; ``align``, ``fixed_count``: see the fields."""
 
     pricing: PipelinePricing
     unaware: StepPlan
@@ -93,13 +91,10 @@ class StepSearch:
     cap: int | None
     samples: ShapeSamples | None
     budget: Budget
-    #: dynamic batches: stages 2-4 at exactly that many micro-batches (the planner's own path, every guard
-    #: included), ``None`` where they cannot reach it; ``None`` for static batches
-    recount: Callable[[int], StepPlan | None] | None = None
     #: the count moves by multiples of this (``dp_size * microbatch_group_size_per_vp_stage`` under VPP)
     align: int = 1
     #: the request fixed the count (``PlanRequest.microbatches_per_rank``): every candidate keeps ``unaware.count``
-    #: (the shaped candidate is scanned at that count alone; no ``recount``)
+    #: (the shaped candidate is scanned at that count alone)
     fixed_count: bool = False
     #: what several generators share (the heuristic orders' prices)
     memo: dict = field(default_factory=dict)
@@ -157,45 +152,6 @@ def ordered(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
                       f"{search.unaware.strategy}+pp-order")]
 
 
-def recounted(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
-    """Dynamic batches: more micro-batches, packed by stages 2-4 themselves (``search.recount``), each rank in the
-    best of the heuristic orders: ``align`` more at a time, up to ``config.max_extra_count_rounds`` times; the count
-    search (:func:`~.step_plan.search_counts`) stops after ``config.extra_count_patience`` counts in a row that do
-    not beat the best of them, or when the budget cannot pay for another (keeping the refinement's share). The
-    best is the candidate."""
-    if search.recount is None:
-        return []
-    cfg, budget = search.config, search.budget
-    n = len(search.lengths)
-
-    keep = cfg.refine_share * budget.floor  # what the refinement keeps
-
-    def cost(k: int) -> float:  # stages 2-4 and one call of the model
-        return budget.sample_cost(n) + budget.model_cost(4 * search.dp, k // search.dp) + budget.charge_round_cost \
-            + keep
-
-    def evaluate(k: int) -> StepPlan | None:
-        if not budget.allows(cost(k)):
-            return None
-        budget.spent += budget.sample_cost(n) + budget.charge_round_cost
-        plan = search.recount(k)
-        if plan is None:
-            return None
-        prices = bin_costs(search.lengths, search.costs, plan.bin_of, k, search.profile)
-        by_rank = np.lexsort((np.arange(k), -prices, plan.rank_of_bin)).reshape(search.dp, -1)
-        order, spans = heuristic_best(search.pricing, prices[by_rank], budget)
-        by_rank = np.take_along_axis(by_rank, order, axis=1)
-        slowest = int(np.argmax(spans))
-        return StepPlan(plan.bin_of, plan.rank_of_bin, k, f"{plan.strategy}+pp-count+{k - search.unaware.count}",
-                        search.unaware.target, by_rank.reshape(-1), spans,
-                        search.pricing.bubble(prices[by_rank[slowest]], spans[slowest]))
-
-    counts = [search.unaware.count + extra * search.align for extra in range(1, cfg.max_extra_count_rounds + 1)]
-    best = search_counts(counts, evaluate, lambda a, b: beats(a.slowest, b.slowest, cfg), cfg.extra_count_patience,
-                         enough=lambda _, k: not budget.allows(cost(k + search.align)))
-    return [] if best is None else [best]
-
-
 def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
     """Dynamic batches: :func:`shaped_step` from the pp-unaware plan's replicas."""
     if search.samples is None:
@@ -234,8 +190,7 @@ def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
 
 
 #: the registry, in the order the candidates are made and preferred on a tie
-CANDIDATES: dict[str, Generator] = {"unaware": unaware, "ordered": ordered, "shaped": shaped, "recounted": recounted,
-                                    "refined": refined}
+CANDIDATES: dict[str, Generator] = {"unaware": unaware, "ordered": ordered, "shaped": shaped, "refined": refined}
 
 
 def choose_pipeline_step(search: StepSearch) -> StepPlan:

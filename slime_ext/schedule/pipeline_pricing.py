@@ -223,7 +223,7 @@ class Budget:
       samples into ``k`` micro-batches: ``work_round_us`` for the work around it and ``n`` passes, each
       ``work_pass_us``, ``work_pass_row_us`` per row and ``work_pack_cell_us`` per row x micro-batch;
     * a round of the refinement or of an order improvement: its model call and ``work_round_us``; a round of
-      water-filling: ``work_replica_us`` per replica; stages 2-4 at another count: ``work_sample_us`` per sample.
+      water-filling: ``work_replica_us`` per replica.
 
     A step's budget (:meth:`for_step`) grows smoothly with the step, and no threshold switches a part of the
     search on or off. Every part of the search asks before it runs whether its estimate fits what is left
@@ -240,14 +240,14 @@ class Budget:
         self._call, self._level, self._cell = c.work_call_us, c.work_level_us, c.work_model_cell_us
         self._pass, self._pass_row, self._pack_cell = c.work_pass_us, c.work_pass_row_us, c.work_pack_cell_us
         self._round = c.work_round_us
-        self._replica, self._sample = c.work_replica_us, c.work_sample_us
+        self._replica = c.work_replica_us
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
         """``min(budget_floor_max_us, budget_floor_us / replicas ** budget_floor_power) + budget_per_sample_us *
         samples + budget_per_replica_us * pp ** budget_pp_power * replicas``: the search around the slowest
-        replicas (the scan, the recount, the refinement) has a fixed part, generous for a few replicas and shrinking
+        replicas (the scan, the refinement) has a fixed part, generous for a few replicas and shrinking
         as more share the step; the search over every replica (packing, rebalancing) grows with the samples and the
         replicas (a deeper pipeline pays for more: its bubbles are longer). The fixed part is :attr:`floor`."""
         c = pricing.config
@@ -305,10 +305,6 @@ class Budget:
         """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
         overhead."""
         return self.model_cost(draws + draws // 2, k) + self._round
-
-    def sample_cost(self, samples: int) -> float:
-        """Stages 2-4 of the planner over ``samples`` (a re-packed count)."""
-        return self._sample * samples
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
         """Samples and replicas put into arrays or lists (a plan taken apart or put together, each replica's

@@ -269,9 +269,7 @@ def _plan_for_pipeline(
         heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted without a pipeline
         dp=dp, lengths=lengths, costs=costs, profile=profile, cap=cap,
         samples=None if cap is None else ShapeSamples(lengths, costs, cap, profile, parallel.align // dp),
-        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count,
-        recount=None if cap is None or fixed_count else (
-            lambda k: _plan_dynamic(lengths, costs, cap, parallel, batch, step, profile, pricing.config, count=k)))
+        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count)
     return choose_pipeline_step(search)
 
 

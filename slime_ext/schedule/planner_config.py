@@ -72,7 +72,7 @@ class PlannerConfig:
     # ------------------------------------------------------------------ pipeline search: candidates and budget
     #: the candidate generators that run, in registry order (:data:`slime_ext.schedule.pipeline_choice.CANDIDATES`);
     #: the first must be "unaware" (the guard). A bench may leave one out to measure what it brings
-    candidates: tuple[str, ...] = ("unaware", "ordered", "shaped", "recounted", "refined")
+    candidates: tuple[str, ...] = ("unaware", "ordered", "shaped", "refined")
     #: the step's work budget in estimated microseconds (:class:`~slime_ext.schedule.pipeline_pricing.Budget`):
     #: ``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power) + budget_per_sample_us * samples +
     #: budget_per_replica_us * pp ** budget_pp_power * dp``. The fixed part (the search around the slowest replicas:
@@ -89,7 +89,7 @@ class PlannerConfig:
     budget_per_sample_us: float = 0.36
     budget_per_replica_us: float = 8.5
     budget_pp_power: float = 0.5
-    #: the share of the budget's fixed part the shaped and recounted candidates leave to the refinement
+    #: the share of the budget's fixed part the shaped candidate leaves to the refinement
     refine_share: float = 0.15
     #: the work estimate's coefficients (:class:`~slime_ext.schedule.pipeline_pricing.Budget`), fitted to the
     #: packing and model calls of ``bench.pipeline_speed``'s issue-22 grid and of the yardstick's 23 cases
@@ -118,8 +118,6 @@ class PlannerConfig:
     #: ... a water-filling round's Python per replica (after its vectorised prefilters): 0.3-0.4 ms per round at
     #: dp 128, 1-1.5 ms at dp 512
     work_replica_us: float = 3.0
-    #: ... and stages 2-4 re-run at another count, per sample (the pp = 1 planning: 0.6-1.7 us per sample)
-    work_sample_us: float = 1.5
 
     # ------------------------------------------------------------------ pipeline search: order
     #: the swaps tried per rank and round when an order is improved: every pair of positions while there are at
@@ -132,10 +130,6 @@ class PlannerConfig:
     order_rounds: int = 6
 
     # ------------------------------------------------------------------ pipeline search: more micro-batches
-    #: re-packed counts tried (``align`` more each); the count search stops after ``extra_count_patience`` that do
-    #: not gain in a row (inherited, issue 15)
-    max_extra_count_rounds: int = 8
-    extra_count_patience: int = 2
 
     # ------------------------------------------------------------------ pipeline search: shaped micro-batches
     #: replicas the count is chosen on (the heaviest by cost and by largest sample), as many as the budget pays

@@ -74,7 +74,7 @@ def test_the_search_keeps_the_earliest_of_near_equal_candidates(monkeypatch):
 
 
 def test_the_registry_runs_every_generator_with_one_signature():
-    assert list(CANDIDATES) == ["unaware", "ordered", "shaped", "recounted", "refined"]
+    assert list(CANDIDATES) == ["unaware", "ordered", "shaped", "refined"]
     assert PlannerConfig().candidates == tuple(CANDIDATES)
     for name, gen in CANDIDATES.items():
         assert list(gen.__code__.co_varnames[:gen.__code__.co_argcount]) == ["search", "found"], name
