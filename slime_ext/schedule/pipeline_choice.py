@@ -27,7 +27,7 @@ registry's order (``PlannerConfig.candidates`` may leave some out, e.g. for a be
    single samples moved or swapped, within the replica or with the fastest replicas).
 
 **The comparison.** One rule, one tolerance (:func:`beats`): a candidate replaces the best so far only when its
-slowest makespan is lower by more than ``PlannerConfig.tie``; so of near-equal candidates the earliest in the
+slowest makespan is lower by more than ``PlannerConfig.objective.tie``; so of near-equal candidates the earliest in the
 registry wins (the pp-unaware plan first). The same rule stops every loop of the search ("while a step gains"),
 and keeps ``found`` best first (a candidate goes before the first it beats).
 
@@ -162,19 +162,19 @@ def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
 
 
 def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
-    """The best plans so far (the best of each count, up to ``config.finalists`` counts, best first), each improved
+    """The best plans so far (the best of each count, up to ``refinement.finalists`` counts, best first), each improved
     by order swaps (:func:`~.pipeline_refine.polish_orders`), then by :func:`~.pipeline_refine.refine`, within its
-    share of what is left of the budget: ``config.lead_share`` for the best, the rest in equal shares (a share one
+    share of what is left of the budget: ``refinement.lead_share`` for the best, the rest in equal shares (a share one
     leaves unspent passes on)."""
     cfg, budget = search.config, search.budget
     finalists: dict[int, StepPlan] = {}
     for plan in found:  # best first: the first of each count
-        if len(finalists) < cfg.finalists:
+        if len(finalists) < cfg.refinement.finalists:
             finalists.setdefault(plan.count, plan)
     out = []
     for n, best in enumerate(finalists.values()):
         left = len(finalists) - n
-        share = budget.left() * (1.0 if left == 1 else cfg.lead_share if n == 0 else 1 / left)
+        share = budget.left() * (1.0 if left == 1 else cfg.refinement.lead_share if n == 0 else 1 / left)
         if not budget.allows(2 * budget.arrangement_cost(len(search.lengths), search.dp)):
             break
         budget.spent += 2 * budget.arrangement_cost(len(search.lengths), search.dp)  # taken apart, put together
@@ -182,7 +182,7 @@ def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
                                     budget)
         with budget.capped(budget.spent + share):
             polish_orders(arr)
-            refine(arr, np.random.default_rng(cfg.refine_seed), movable=search.cap is not None)
+            refine(arr, np.random.default_rng(cfg.refinement.refine_seed), movable=search.cap is not None)
         if beats(float(arr.spans.max()), best.slowest, search.config):
             how = "" if "+pp-" in best.strategy else "+pp"
             out.append(arr.to_plan(f"{best.strategy}{how}-refined", best.target))
@@ -245,7 +245,7 @@ def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve:
 
 def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: PlannerConfig, dp: int) -> list[int]:
     """The scanned counts, best first by their best combination's span (``scan``; ``inf``: did not pack), except
-    that with several replicas the counts within ``config.count_tie`` of the best come first, the most
+    that with several replicas the counts within ``count_search.count_tie`` of the best come first, the most
     micro-batches first: the scan prices each replica's own samples before the rebalancing moves any, and of counts
     it cannot tell apart the one with more micro-batches levels the slowest replicas further (more, smaller pieces
     to move). One replica has nothing to level: the scan's order stands."""
@@ -256,18 +256,18 @@ def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: Planner
     ranked = sorted(best, key=best.__getitem__)  # (ties: the count scanned first)
     if not ranked:
         return []
-    tie = cfg.count_tie if dp > 1 else 0.0
+    tie = cfg.count_search.count_tie if dp > 1 else 0.0
     near = sorted((k for k in ranked if best[k] <= best[ranked[0]] * (1 + tie)), reverse=True)
     return near + [k for k in ranked if k not in near]
 
 
 def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> list[int]:
-    """The per-replica counts the shaped candidate scans: ``k0`` times ``config.count_factors``, each rounded up to
+    """The per-replica counts the shaped candidate scans: ``k0`` times ``count_search.count_factors``, each rounded up to
     the step and at least ``i`` steps above ``k0`` (small counts reach far enough) but not above the largest
     factor's count or ``k0`` plus one per factor (under VPP a step is a whole group), at most ``most`` (the smallest
     replica's samples), those megatron-core accepts."""
     out = []
-    factors = pricing.config.count_factors
+    factors = pricing.config.count_search.count_factors
     # the largest factor's count, or one more micro-batch per factor (not whole VPP groups)
     reach = max(-(-int(round(k0 * max(factors))) // step) * step, k0 + len(factors) - 1)
     for i, f in enumerate(factors):
@@ -286,14 +286,14 @@ def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> lis
 def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
                 strategy: str, target: int, fixed_count: bool = False) -> list[StepPlan]:
     """The shaped plans of the step's samples, one per count rebalanced (fastest first, at most
-    ``config.finalists``), starting from each replica's samples (``replica_of``):
+    ``refinement.finalists``), starting from each replica's samples (``replica_of``):
 
-    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``config.scan_shapes``,
-       on up to ``config.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
+    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``shaping.scan_shapes``,
+       on up to ``count_search.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
        samples; with many replicas also typical ones, since the rebalancing levels them), then every shape at the
        best counts on those replicas; the counts ranked by :func:`_rank_counts` (near-ties: more micro-batches
        first);
-    2. every replica packed in the best combination of each of the best counts (up to ``config.rebalanced_counts``;
+    2. every replica packed in the best combination of each of the best counts (up to ``count_search.rebalanced_counts``;
        where a count fails on every one, the next count scanned), and in the count's other leading combinations
        and the flat shape (it packs wherever any does): every replica where the budget pays for it, else the slowest
        ones (and those the count failed on); per count each replica keeps its fastest;
@@ -301,10 +301,10 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
        (:func:`~.pipeline_rebalance.lockstep`); under VPP each replica's groups peaked where that is faster
        (:func:`_group_peaked`).
 
-    The work is sized to the budget, less what the refinement keeps (``config.refine_share`` of the budget's fixed
+    The work is sized to the budget, less what the refinement keeps (``budget.refine_share`` of the budget's fixed
     part) and under VPP the group peaks: first the full packing and rebalancing of as many counts as fit beside a
-    scan of every count on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
-    ``config.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
+    scan of every count on ``count_search.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
+    ``count_search.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
     fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
     cap), or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only
     count (a request's ``microbatches_per_rank``)."""
@@ -341,8 +341,9 @@ class _Shaped:
         pricing = budget.pricing
         cfg = pricing.config
         pp = pricing.spec.pp_size
-        shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shapes))  # (per-stage ramps may meet fixed ones)
-        scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.scan_shapes))  # the same objects (cached)
+        # (per-stage ramps may meet fixed ones)
+        shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shaping.shapes))
+        scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shaping.scan_shapes))  # the same objects (cached)
         members = replica_members(replica_of, samples.costs, dp, samples.order)
         counts = shape_counts(k0, samples.step, int((members >= 0).sum(axis=1).min()), pricing)
         if fixed_count:
@@ -351,9 +352,10 @@ class _Shaped:
             return None
         total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
         budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
-        refine_keep = cfg.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
+        refine_keep = cfg.budget.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
         # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
-        peaks = budget.model_cost(dp * cfg.rebalanced_counts, max(counts)) if pricing.spec.vpp_size > 1 else 0.0
+        peaks = budget.model_cost(dp * cfg.count_search.rebalanced_counts, max(counts)) \
+            if pricing.spec.vpp_size > 1 else 0.0
         return cls(budget, samples, members, counts, shapes, scan_shapes, total, refine_keep, refine_keep + peaks)
 
     @property
@@ -371,7 +373,7 @@ class _Shaped:
     def scan_work(self, r: int, c: int) -> float:
         """The scan of ``c`` of the counts (spread: the last among them) on ``r`` replicas."""
         rows = r * c * len(self.scan_shapes)
-        more = r * min(self.cfg.rebalanced_counts, c) * (len(self.shapes) - len(self.scan_shapes))
+        more = r * min(self.cfg.count_search.rebalanced_counts, c) * (len(self.shapes) - len(self.scan_shapes))
         k = self.counts[-1] if c > 1 else self.counts[0]
         return self.work(rows, k) + self.work(more, k)
 
@@ -379,11 +381,12 @@ class _Shaped:
         """The rebalancing of ``c`` counts side by side (one call a round): its water-filling rounds re-packing
         every replica at worst, then its single moves (a few rows per share tried)."""
         cfg, dp = self.cfg, self.dp
-        if dp <= cfg.water_fill_replicas:
+        if dp <= cfg.rebalancing.water_fill_replicas:
             return 0.0
-        water = cfg.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
-        rows = len(cfg.shed_shares) * (1 + cfg.balance_partners) * c  # each share tried: the slowest, its partners
-        moves = cfg.shed_moves_after_water * (c * self.budget.charge_round_cost + self.work(rows, k))
+        water = cfg.rebalancing.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
+        # each share tried: the slowest, its partners
+        rows = len(cfg.rebalancing.shed_shares) * (1 + cfg.rebalancing.balance_partners) * c
+        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.charge_round_cost + self.work(rows, k))
         return water + moves
 
     def later(self, c: int) -> float:
@@ -395,31 +398,31 @@ class _Shaped:
         """Stage 1 of :func:`shaped_step`: ``(the combinations best first, the counts ranked, how many lead)``, or
         ``None`` where no count fits the budget or none packs. The work is sized to the budget left after what
         comes later: first the full packing and rebalancing of as many counts as fit beside a scan of every count
-        on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to ``config.scan_share``
+        on ``count_search.min_scan_replicas`` replicas with the scan shapes, then the scan (up to ``count_search.scan_share``
         of the allowance: more replicas, then the other shapes at the best counts, as far as they fit)."""
         cfg, dp, scan_shapes = self.cfg, self.dp, self.scan_shapes
         allowance = self.budget.left() - self.keep
         # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
         # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where
         # the pipeline's fill and drain matter least)
-        fewest = min(dp, cfg.min_scan_replicas)
+        fewest = min(dp, cfg.count_search.min_scan_replicas)
         if self.work(fewest * len(scan_shapes), self.counts[0]) + self.work(dp, self.counts[0]) > allowance:
             return None
         # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
-        n_leads = cfg.rebalanced_counts
+        n_leads = cfg.count_search.rebalanced_counts
         smallest = self.work(fewest * len(self.counts) * len(scan_shapes), self.counts[-1])
         while n_leads > 1 and smallest + self.later(n_leads) > allowance:
             n_leads -= 1
-        scan_allowance = max(smallest, min(allowance * cfg.scan_share, allowance - self.later(n_leads)))
+        scan_allowance = max(smallest, min(allowance * cfg.count_search.scan_share, allowance - self.later(n_leads)))
         # every count on as many of the likely slowest replicas as the allowance pays for (at least
         # min_scan_replicas), or, where even that does not fit, as many of the first counts (min_scan_counts)
-        scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
+        scanned = max([fewest] + [r for r in range(1, min(dp, cfg.count_search.scan_replicas) + 1)
                                   if self.scan_work(r, len(self.counts)) <= scan_allowance])
         sub = self._likely_slowest(scanned)
         # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays
         # for, spread over that range (its first and last included)
         counts = [k for k in self.counts if k <= int((sub >= 0).sum(axis=1).min())] or self.counts[:1]
-        fit = max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (the other shapes may be cut)
+        fit = max([cfg.count_search.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (other shapes: cut)
                                            if self.work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
         if fit < len(counts):
             counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
@@ -434,12 +437,12 @@ class _Shaped:
     def _likely_slowest(self, scanned: int) -> np.ndarray:
         """The members of up to ``scanned`` replicas likely to be slowest: those holding the costliest samples, and
         the heaviest or, with many replicas (the rebalancing levels them), typical ones (the middle of the range
-        ``config.typical_replicas``)."""
+        ``count_search.typical_replicas``)."""
         cfg, dp, total = self.cfg, self.dp, self.total
         largest = self.samples.costs[np.maximum(self.members[:, 0], 0)]
-        if dp > cfg.water_fill_replicas:
+        if dp > cfg.rebalancing.water_fill_replicas:
             by_total = np.argsort(total, kind="stable")
-            lo, hi = (int(share * dp) for share in cfg.typical_replicas)
+            lo, hi = (int(share * dp) for share in cfg.count_search.typical_replicas)
             typical = by_total[np.linspace(lo, hi, max(1, scanned // 2)).round().astype(int)]
             pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
         else:
@@ -454,7 +457,7 @@ class _Shaped:
         combos = [(k, shape) for k in counts for shape in self.scan_shapes]
         rest = [shape for shape in self.shapes if not any(shape is t for t in self.scan_shapes)]
         every = combos + [(k, shape) for k in counts for shape in rest]
-        if len(every) * len(sub) <= self.cfg.one_scan_rows \
+        if len(every) * len(sub) <= self.cfg.count_search.one_scan_rows \
                 and self.work(len(every) * len(sub), counts[-1]) <= scan_allowance:
             seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
             return combos, np.asarray([seen[combo] for combo in combos]), seen
@@ -494,14 +497,14 @@ class _Shaped:
     def _full_packing(self, leads: list[int], best_first: list) -> tuple[list, np.ndarray, np.ndarray, list]:
         """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of, each
         replica's shape per count)``. Per count its best combination, then its other leading ones (of the
-        ``config.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps
+        ``count_search.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps
         its fastest. Every replica is packed in each count's best; in the others, every replica where the budget
         pays for it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as
         it pays."""
         cfg, budget, samples, members, dp = self.cfg, self.budget, self.samples, self.members, self.dp
         per_count = []
         for k in leads:
-            mine = [c for c in best_first[:cfg.shaped_combos] if c[0] == k]
+            mine = [c for c in best_first[:cfg.count_search.shaped_combos] if c[0] == k]
             mine = mine or [next(c for c in best_first if c[0] == k)]
             per_count.append(mine + ([(k, self.shapes[0])] if (k, self.shapes[0]) not in mine else []))
         first = [combos_k[0] for combos_k in per_count]
@@ -562,7 +565,7 @@ class _Shaped:
         """The counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes,
         each replica as last packed in its shape."""
         budget, pricing, dp = self.budget, self.budget.pricing, self.dp
-        ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:self.cfg.finalists]
+        ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:self.cfg.refinement.finalists]
         out = []
         for k, spans, packs in (results[i] for i in ranked):
             budget.spent += budget.arrangement_cost(len(replica_of), dp)

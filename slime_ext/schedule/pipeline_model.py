@@ -765,7 +765,7 @@ def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
     of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
-    replicas cut into pieces of one width, ``PlannerConfig.model_pieces``), so many small groups cost about what the largest
+    replicas cut into pieces of one width, ``PlannerConfig.model.model_pieces``), so many small groups cost about what the largest
     alone does; the makespans are exactly those of separate calls."""
     return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
 
@@ -783,19 +783,19 @@ def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: Pipelin
                      config: PlannerConfig = DEFAULT_CONFIG) -> list[np.ndarray]:
     """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_table_rows`' layouts;
     :func:`_cost_table` writes them from costs, the planner's pricing directly). Groups evaluated together are cut
-    into pieces of one width (the narrowest group's, or the widest's over ``config.model_pieces``), so that a
-    narrow group is not padded to a wide one's replicas; a pass evaluates at most ``config.model_table_entries``
+    into pieces of one width (the narrowest group's, or the widest's over ``model.model_pieces``), so that a
+    narrow group is not padded to a wide one's replicas; a pass evaluates at most ``model.model_table_entries``
     computes x replicas (memory). Neither changes a makespan."""
     if not tables:
         return []
     widths = [t.shape[1] for t, _, _ in tables]
-    width = max(1, min(widths), -(-max(widths) // config.model_pieces))
+    width = max(1, min(widths), -(-max(widths) // config.model.model_pieces))
     pieces = []  # (group, first replica, its table's columns): every piece at most `width` replicas
     for d, (t, form, m) in enumerate(tables):
         for lo in range(0, max(widths[d], 1), width):
             pieces.append((d, lo, t[:, lo:lo + width], _spec_key(spec, m, form)))
     sweep = _sweep(tuple(key for *_, key in pieces))
-    block = max(1, config.model_table_entries // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
+    block = max(1, config.model.model_table_entries // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
     out = [np.empty(w) for w in widths]
     for lo in range(0, width, block):
         hi = min(width, lo + block)

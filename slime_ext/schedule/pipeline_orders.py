@@ -108,18 +108,18 @@ def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
 def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray, span: np.ndarray,
                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swap pairs of positions (:func:`swap_pairs`) in the given rows' orders while that lowers their makespans by
-    more than ``config.tie`` (every pair of a row at once, each row taking its best swap), for at most
-    ``config.order_rounds`` rounds, and while the budget allows a round."""
+    more than ``objective.tie`` (every pair of a row at once, each row taking its best swap), for at most
+    ``refinement.order_rounds`` rounds, and while the budget allows a round."""
     cfg = pricing.config
     order, span = order.copy(), span.copy()
     r, k = costs.shape
-    pairs = swap_pairs(k, cfg.max_order_swaps, _group(pricing))
+    pairs = swap_pairs(k, cfg.refinement.max_order_swaps, _group(pricing))
     p = len(pairs)
     if not p or not r:
         return order, span
     a, b = pairs[:, 0], pairs[:, 1]
     cols = np.arange(p)
-    for _ in range(cfg.order_rounds):
+    for _ in range(cfg.refinement.order_rounds):
         if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.charge_round_cost):
             break
         if budget is not None:

@@ -29,9 +29,9 @@ __all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_f
 
 
 def dominant(top, total, cfg: PlannerConfig):
-    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.strip_share`` of the replica's cost
+    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.rebalancing.strip_share`` of the replica's cost
     (``total``): the replica may keep it with only the step's cheapest samples. Elementwise on arrays."""
-    return top >= cfg.strip_share * total
+    return top >= cfg.rebalancing.strip_share * total
 
 
 #: a replica's packing: its sample ids by decreasing cost (ties by id) and the micro-batch of each, in run order
@@ -105,7 +105,7 @@ def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> boo
 
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                    shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Level the replicas' makespans in a few global rounds (``config.water_rounds``), for many replicas at once.
+    """Level the replicas' makespans in a few global rounds (``rebalancing.water_rounds``), for many replicas at once.
 
     A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
     its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
@@ -123,7 +123,7 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     cfg = budget.pricing.config
     groups, packs = list(groups), list(packs)
     n_max = max(len(g) for g in groups)
-    for _ in range(cfg.water_rounds):
+    for _ in range(cfg.rebalancing.water_rounds):
         # the round's own work, and a re-packing of a few replicas, must fit (lockstep checks the re-packing)
         if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
                              + budget.model_cost(1, k)):
@@ -183,7 +183,7 @@ class _Level:
 
 class _Receivers:
     """The replicas below the level, taking samples furthest below first while they have token room
-    (``config.token_fill`` of ``k * cap``), then in turn (``spill``); records who gives and takes what."""
+    (``rebalancing.token_fill`` of ``k * cap``), then in turn (``spill``); records who gives and takes what."""
 
     def __init__(self, samples: ShapeSamples, groups: list[np.ndarray], lv: _Level, k: int, cfg: PlannerConfig):
         self.samples, self.groups = samples, groups
@@ -196,7 +196,7 @@ class _Receivers:
         self.taken = 0
         self.spill = itertools.cycle(self.below)  # where samples go once no replica is below the level
         self.tokens = dict(zip(self.below, lv.held[self.below].astype(np.int64).tolist()))
-        self.room = cfg.token_fill * k * samples.cap
+        self.room = cfg.rebalancing.token_fill * k * samples.cap
         self.add: dict[int, list[int]] = {}  # replica -> samples it takes
         self.drop: dict[int, list[int]] = {}  # replica -> samples it gives
 
@@ -269,7 +269,7 @@ def _givers(lv: _Level, spans: np.ndarray, k: int, costs: np.ndarray, cfg: Plann
     """The replicas above the level, by decreasing excess, up to the first within ``min_gain`` of the level; of
     those, the ones that act: a dominant costliest sample, or a first movable sample within the excess."""
     order = np.argsort(-lv.excess, kind="stable")
-    on = (lv.excess[order] > 0) & (spans[order] > lv.level * (1 + cfg.min_gain))
+    on = (lv.excess[order] > 0) & (spans[order] > lv.level * (1 + cfg.objective.min_gain))
     order = order[:len(order) if on.all() else int(np.argmin(on))]
     cum = np.concatenate(([0.0], np.cumsum(costs[lv.by_cost])))
     head, top = lv.starts[order], costs[lv.by_cost[lv.starts[order + 1] - 1]]
@@ -305,9 +305,9 @@ def _movable(mine: np.ndarray, k: int) -> np.ndarray:
 def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
     """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
-    makespan: a share (``config.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
-    costliest, cheapest first, dealt over the ``config.balance_partners`` fastest, each replica re-packed in its
-    own shape; at most ``config.max_shed_moves`` moves, while a move gains ``config.min_gain``. A replica holding a
+    makespan: a share (``rebalancing.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
+    costliest, cheapest first, dealt over the ``rebalancing.balance_partners`` fastest, each replica re-packed in its
+    own shape; at most ``rebalancing.max_shed_moves`` moves, while a move gains ``objective.min_gain``. A replica holding a
     sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
     replica keeps at least ``k`` samples.
 
@@ -316,22 +316,23 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     cfg = budget.pricing.config
     groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
-    many = len(groups) > cfg.water_fill_replicas
+    many = len(groups) > cfg.rebalancing.water_fill_replicas
     if many:
         # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
-    for _ in range(cfg.shed_moves_after_water if many else cfg.max_shed_moves):
+    for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
         if not budget.allows(budget.charge_round_cost + reserve):
             break
         budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
         s = int(np.argmax(spans))
-        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.balance_partners]
+        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.rebalancing.balance_partners]
         mine = samples.cheapest_first(groups[s])  # cheapest first
         keep, movable = mine[:k - 1], _movable(mine, k)
         if not partners or not len(movable):
             break
         cum = np.cumsum(costs[movable])
-        moves = sorted(set(np.clip(np.searchsorted(cum, np.asarray(cfg.shed_shares) * cum[-1], side="right"), 1,
+        shares = np.asarray(cfg.rebalancing.shed_shares)
+        moves = sorted(set(np.clip(np.searchsorted(cum, shares * cum[-1], side="right"), 1,
                                    len(movable)).tolist()))
         cands = []
         for m in moves:
@@ -368,7 +369,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
         c = int(np.argmin(worst))
-        if not beats(worst[c], spans[s], cfg, by=cfg.min_gain):
+        if not beats(worst[c], spans[s], cfg, by=cfg.objective.min_gain):
             break  # the slowest replica gains (almost) nothing
         for (ci, t), v, row, pack in zip(owners, got, rows, packed):
             if ci == c:

@@ -1,17 +1,17 @@
 """Local moves on the slowest replica of a step's plan, while they lower the slowest predicted makespan (the
 pipeline search's ``refined`` candidate, :mod:`.pipeline_choice`).
 
-A round draws ``config.refine_moves`` moves from a seeded random stream (``config.refine_seed``: the same input
+A round draws ``refinement.refine_moves`` moves from a seeded random stream (``refinement.refine_seed``: the same input
 gives the same plan) and prices them in one call of the model; the move whose result has the lowest slowest
-makespan is made if it beats the current one (``config.tie``). The moves, all on the slowest replica ``s``:
+makespan is made if it beats the current one (``objective.tie``). The moves, all on the slowest replica ``s``:
 
 * two of its micro-batches trade places in the run order (always: the gradient is a sum);
 * with dynamic batches also: one of its samples moves to another of its micro-batches, or to a micro-batch of one
-  of the ``config.balance_partners`` fastest replicas; or it trades places with a sample there.
+  of the ``rebalancing.balance_partners`` fastest replicas; or it trades places with a sample there.
 
 Every move keeps the plan valid: no micro-batch empties, none holding two or more samples exceeds the cap, every
 replica keeps its count (static batches keep their micro-batches: only the order moves). The search stops once
-its last ``config.refine_patience`` rounds together lowered the slowest makespan by less than ``config.min_gain``
+its last ``refinement.refine_patience`` rounds together lowered the slowest makespan by less than ``objective.min_gain``
 of it, or when the budget cannot pay for another round.
 
 Pure: standard library and numpy.
@@ -150,15 +150,16 @@ def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrange
     cfg = arr.budget.pricing.config
     budget = arr.budget
     history = [float(arr.spans.max())]  # the slowest makespan after each round
-    while budget.allows(budget.refine_round_cost(cfg.refine_moves, arr.k)):
-        window = history[-cfg.refine_patience - 1:]
-        if len(window) > cfg.refine_patience and not beats(window[-1], window[0], cfg, by=cfg.min_gain):
+    while budget.allows(budget.refine_round_cost(cfg.refinement.refine_moves, arr.k)):
+        window = history[-cfg.refinement.refine_patience - 1:]
+        if len(window) > cfg.refinement.refine_patience \
+                and not beats(window[-1], window[0], cfg, by=cfg.objective.min_gain):
             break
         budget.charge_round()
         history.append(history[-1])
         s = int(np.argmax(arr.spans))
-        fast = [int(t) for t in np.argsort(arr.spans, kind="stable")[:cfg.balance_partners + 1] if t != s]
-        moves = _draw(arr, rng, s, fast[:cfg.balance_partners], movable)
+        fast = [int(t) for t in np.argsort(arr.spans, kind="stable")[:cfg.rebalancing.balance_partners + 1] if t != s]
+        moves = _draw(arr, rng, s, fast[:cfg.rebalancing.balance_partners], movable)
         if len(moves.kind):
             _make_best(arr, moves, s)
         history[-1] = float(arr.spans.max())
@@ -166,10 +167,10 @@ def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrange
 
 
 def _draw(arr: Arrangement, rng: np.random.Generator, s: int, fast: list[int], movable: bool) -> Moves:
-    """``config.refine_moves`` moves drawn at random from replica ``s`` (to the ``fast`` replicas), those that keep
+    """``refinement.refine_moves`` moves drawn at random from replica ``s`` (to the ``fast`` replicas), those that keep
     the plan valid: no micro-batch empties, none of two or more samples exceeds the cap."""
     cfg = arr.budget.pricing.config
-    draws, k = cfg.refine_moves, arr.k
+    draws, k = cfg.refinement.refine_moves, arr.k
     lengths, costs = arr.lengths.astype(np.float64), arr.costs
     cap = np.inf if arr.cap is None else arr.cap
     mine = np.flatnonzero(arr.rep == s)
@@ -184,7 +185,7 @@ def _draw(arr: Arrangement, rng: np.random.Generator, s: int, fast: list[int], m
     if movable:
         if fast:
             t = np.where(kind >= Move.MOVE_OUT, np.asarray(fast)[rng.integers(0, len(fast), draws)], s)
-        t = np.where(swap, np.where(rng.random(draws) < cfg.swap_within_share, s, t), t)
+        t = np.where(swap, np.where(rng.random(draws) < cfg.refinement.swap_within_share, s, t), t)
         pick = rng.random(draws)
         for u in {s, *fast}:  # the sample y of a swap: a random sample of replica t
             theirs = mine if u == s else np.flatnonzero(arr.rep == u)

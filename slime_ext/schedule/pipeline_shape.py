@@ -79,7 +79,7 @@ class Shape:
 
     @classmethod
     def of(cls, fields: tuple, pp: int = 1) -> "Shape":
-        """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise[,
+        """A shape from ``PlannerConfig.shaping.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise[,
         per_stage]]]])``; ``up < 0`` rises over the whole step (:data:`RISING`). ``per_stage`` true: ``up`` and
         ``down`` (where >= 0) count micro-batches per pipeline stage, so the ramps are as long as the pipeline of
         ``pp`` stages is deep (rounded half up, at least one where not 0). The same tuple and depth give the same

@@ -175,9 +175,9 @@ def _plan_dynamic(
         return StepPlan(bin_of, serpentine(prices, dp), count, strategy, target)
 
     # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
-    good = floor_at(count) * (1 + config.balance_tolerance)
-    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.refine_tolerance,
-                                  config.refine_rounds, config.dense_swap_limit)
+    good = floor_at(count) * (1 + config.packing.balance_tolerance)
+    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
+                                  config.packing.refine_rounds, config.packing.dense_swap_limit)
     best_max = slowest(bin_of, rank_of_bin)
     if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
         strided = serpentine(prices, dp)
@@ -202,13 +202,14 @@ def _plan_dynamic(
 
     def better(cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
         # FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly
-        min_gain = config.extra_microbatch_gain if cand[0].count > incumbent[0].count and profile is None else 0.0
+        more = cand[0].count > incumbent[0].count and profile is None
+        min_gain = config.packing.extra_microbatch_gain if more else 0.0
         return cand[1] < incumbent[1] * (1 - min_gain)
 
-    extras = 0 if fixed else config.max_extra_rounds
+    extras = 0 if fixed else config.packing.max_extra_rounds
     found = search_counts([target + extra * align for extra in range(extras + 1)], per_rank, better, patience=1,
                           best=(best, best_max),  # no assignment could cut the slowest rank by the margin any more:
-                          enough=lambda b, k: b[1] <= floor_at(k) * (1 + config.extra_microbatch_gain))
+                          enough=lambda b, k: b[1] <= floor_at(k) * (1 + config.packing.extra_microbatch_gain))
     return found[0]
 
 

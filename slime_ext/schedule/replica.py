@@ -6,7 +6,7 @@ host that holds one rank's samples and asks for a count (verl's Megatron engine 
 * **no pipeline** (``pp_size == 1``): balanced packing. The samples, costliest first, each into the micro-batch with
   the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
   with one flat target: the whole-step planner's shaping routine, one row);
-* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shapes`` packed at
+* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shaping.shapes`` packed at
   ``count`` in one :func:`.pipeline_shape.pack_relabelled` call (the rows :func:`.pipeline_shape.pack_many` makes
   for the whole-step planner's shaped candidate, one replica), every packing priced by the pipeline model in one
   pass, the fastest kept; its run order then improved by the model's order search
@@ -19,7 +19,7 @@ host that holds one rank's samples and asks for a count (verl's Megatron engine 
   ask for instead.
 
 :func:`scan_replica` is the same shaping at many counts (a host choosing among them): every shape of
-``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
+``PlannerConfig.shaping.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
 one pass of the model, each in its shape's run order; :meth:`ReplicaScan.plan` gives one count's micro-batches, in
 the fastest of that order and the heuristic orders (:func:`.pipeline_orders.heuristic_best`). :func:`pack_replica`
 is the planner's own packing of one replica at the count it chooses (the fewest it needs).
@@ -183,7 +183,7 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                  config: PlannerConfig | None = None) -> ReplicaScan:
-    """The samples shaped at each of ``counts``: every ``PlannerConfig.scan_shapes`` shape at every count, one
+    """The samples shaped at each of ``counts``: every ``PlannerConfig.shaping.scan_shapes`` shape at every count, one
     packing call and one pass of the model, each count's fastest packing in its shape's run order
     (:meth:`ReplicaScan.plan` orders the one asked for). Counts where no scan shape holds the cap, above the sample
     count or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each
@@ -196,7 +196,7 @@ def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], par
     if pricing is None:
         packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
         return ReplicaScan(dict.fromkeys(packed), packed)
-    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
+    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shaping.scan_shapes))
     return _shaped(pricing, samples, counts, shapes)
 
 
@@ -227,7 +227,7 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
         labels = _balanced(samples, count)
         got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
     else:
-        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
+        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shaping.shapes))
         scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
         got = ReplicaPlan(_groups(scan.labels[count], count), scan.spans[count]) if count in scan else None
     if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
