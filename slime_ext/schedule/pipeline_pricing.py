@@ -242,6 +242,7 @@ class Budget:
         self._pass, self._pass_row, self._pack_cell = b.work_pass_us, b.work_pass_row_us, b.work_pack_cell_us
         self._round = b.work_round_us
         self._replica = b.work_replica_us
+        self._partner_rows, self._replica_passes = b.refine_partner_rows, b.replica_passes
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
@@ -306,12 +307,12 @@ class Budget:
     def refine_round_cost(self, draws: int, k: int) -> float:
         """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
         overhead."""
-        return self.model_cost(draws + draws // 2, k) + self._round
+        return self.model_cost(draws + draws * self._partner_rows // 2, k) + self._round
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
         """Samples and replicas put into arrays or lists (a plan taken apart or put together, each replica's
         packing): a vectorised pass over the samples and about ten per replica, ``work_pass_row_us`` each."""
-        return self._pass_row * (samples + 10 * replicas)
+        return self._pass_row * (samples + self._replica_passes * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from .cost import bin_costs
 from .pipeline_pricing import Budget
+from .planner_config import ShapeSpec
 from .profile import CostProfile
 
 __all__ = ["Shape", "ShapeSamples", "by_decreasing_cost", "pack_many", "ramp_weights", "replica_members",
@@ -78,22 +79,21 @@ class Shape:
         return np.take_along_axis(asc, src, axis=1)
 
     @classmethod
-    def of(cls, fields: tuple, pp: int = 1) -> "Shape":
-        """A shape from ``PlannerConfig.shaping.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise[,
-        per_stage]]]])``; ``up < 0`` rises over the whole step (:data:`RISING`). ``per_stage`` true: ``up`` and
-        ``down`` (where >= 0) count micro-batches per pipeline stage, so the ramps are as long as the pipeline of
-        ``pp`` stages is deep (rounded half up, at least one where not 0). The same tuple and depth give the same
+    def of(cls, spec: ShapeSpec | tuple, pp: int = 1) -> "Shape":
+        """The shape a :class:`~.planner_config.ShapeSpec` (or its fields as a tuple) configures for a pipeline of
+        ``pp`` stages: ``up < 0`` rises over the whole step (:data:`RISING`); ``per_stage``: ``up`` and ``down``
+        (where >= 0) times ``pp``, rounded half up, at least one where not 0. The same spec and depth give the same
         object."""
-        fields = tuple(fields)
-        return _shape_of(fields, int(pp) if len(fields) > 6 and fields[6] else 1)
+        spec = ShapeSpec.of(spec)
+        return _shape_of(spec, int(pp) if spec.per_stage else 1)
 
 
 @lru_cache(maxsize=1024)
-def _shape_of(fields: tuple, depth: int) -> Shape:
-    up, down, *rest = fields[:6]
-    if len(fields) > 6 and fields[6]:  # ramps in micro-batches per stage: times the depth
+def _shape_of(spec: ShapeSpec, depth: int) -> Shape:
+    up, down = spec.up, spec.down
+    if spec.per_stage:  # ramps in micro-batches per stage: times the depth
         up, down = (max(1, int(x * depth + 0.5)) if x > 0 else x for x in (up, down))
-    return Shape(RISING if up < 0 else int(up), int(down), *rest)
+    return Shape(RISING if up < 0 else int(up), int(down), spec.low, spec.order, spec.grouped, spec.rise)
 
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)

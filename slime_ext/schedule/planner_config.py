@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from .errors import ScheduleError
 
 __all__ = ["BudgetConfig", "CountSearchConfig", "DEFAULT_CONFIG", "ModelConfig", "ObjectiveConfig", "PackingConfig",
-           "PlannerConfig", "RebalancingConfig", "RefinementConfig", "ShapingConfig"]
+           "PlannerConfig", "RebalancingConfig", "RefinementConfig", "ShapeSpec", "ShapingConfig"]
 
 
 class _Section:
@@ -116,7 +116,32 @@ class CountSearchConfig(_Section):
     _SHARES = ("scan_share", "count_tie")
 
 
-#: the shapes' plain tuples ``(up, down, low[, order[, grouped[, rise[, per_stage]]]])`` (:class:`~.pipeline_shape.Shape`)
+@dataclass(frozen=True)
+class ShapeSpec:
+    """One configured shape of a replica's micro-batch sizes (:class:`~.pipeline_shape.Shape` once the pipeline's
+    depth is known): ``up`` micro-batches rising from ``low`` of the plateau to it, the plateau, ``down`` falling
+    back to ``low``. A config or ``--set`` may give one as a list ``[up, down, low, ...]`` in this field order."""
+
+    up: float  # micro-batches rising to the plateau (-1: over the whole step)
+    down: float  # micro-batches falling from it at the end (-1: every one after the peak)
+    low: float  # the first (last) micro-batch's target, a share of the plateau's
+    order: str = "target"  # the run order: "target" (as shaped) or "rising" (cheapest first, the costliest second last)
+    grouped: bool = False  # the ramps count whole VPP groups of micro-batches
+    rise: float = 0.0  # > 1: the rise is geometric, each of the ``up`` micro-batches ``1 / rise`` of the next
+    per_stage: bool = False  # ``up`` and ``down`` count micro-batches per pipeline stage (ramps as deep as the pipeline)
+
+    @classmethod
+    def of(cls, value: Any, where: str = "ShapingConfig.shapes") -> "ShapeSpec":
+        if isinstance(value, ShapeSpec):
+            return value
+        problem = _shape_problem(value)
+        if problem:
+            raise ScheduleError(f"{where} holds {value!r}: {problem}; a shape is (up, down, low[, order[, grouped[, "
+                                f"rise[, per_stage]]]]), e.g. (3, 8, 0.3) or (1.25, -1, 0.05, 'target', False, 0.0, "
+                                f"True)")
+        return cls(*value)
+
+
 _SHAPES = ((0, 0, 1.0), (1, 4, 0.3), (2, 4, 0.3), (2, 6, 0.5), (3, 6, 0.3), (3, 8, 0.3), (4, 8, 0.3), (2, 2, 0.5),
            (-1, 1, 0.5), (-1, 2, 0.6), (0, 0, 1.0, "rising"), (3, 8, 0.6), (5, 10, 0.5), (4, 12, 0.4),
            (1, 1, 0.3, "target", True), (1, 2, 0.3, "target", True), (2, 3, 0.3, "target", True),
@@ -127,6 +152,7 @@ _SHAPES = ((0, 0, 1.0), (1, 4, 0.3), (2, 4, 0.3), (2, 6, 0.5), (3, 6, 0.3), (3, 
 _SCAN_SHAPES = ((0, 0, 1.0), (0, 0, 1.0, "rising"), (3, -1, 0.1, "target", False, 2.0),
                 (5, -1, 0.1, "target", False, 1.6), (1, 2, 0.3, "target", True),
                 (1.25, -1, 0.05, "target", False, 0.0, True))
+_SHAPES, _SCAN_SHAPES = (tuple(ShapeSpec(*s) for s in shapes) for shapes in (_SHAPES, _SCAN_SHAPES))
 
 
 @dataclass(frozen=True)
@@ -135,20 +161,15 @@ class ShapingConfig(_Section):
 
     #: the shapes tried, read off the yardstick's best plans (scanning only ``scan_shapes``: pinned steps up to 1.9%
     #: slower, ``docs/pipeline.md``'s table)
-    shapes: tuple[tuple, ...] = _SHAPES
+    shapes: tuple[ShapeSpec, ...] = _SHAPES
     #: the shapes every count is scanned with, entries of ``shapes`` (``--large`` under VPP: +1.2% -> +0.3% of the
     #: earlier planner's makespans)
-    scan_shapes: tuple[tuple, ...] = _SCAN_SHAPES
+    scan_shapes: tuple[ShapeSpec, ...] = _SCAN_SHAPES
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("shapes", "scan_shapes"):
-            for shape in getattr(self, name):
-                problem = _shape_problem(shape)
-                if problem:
-                    raise ScheduleError(f"ShapingConfig.{name} holds {shape!r}: {problem}; a shape is (up, down, "
-                                        f"low[, order[, grouped[, rise[, per_stage]]]]), e.g. (3, 8, 0.3) or "
-                                        f"(1.25, -1, 0.05, 'target', False, 0.0, True)")
+            object.__setattr__(self, name, tuple(ShapeSpec.of(s, f"ShapingConfig.{name}") for s in getattr(self, name)))
         missing = [s for s in self.scan_shapes if s not in self.shapes]
         if missing:
             raise ScheduleError(f"ShapingConfig.scan_shapes holds {missing}, which are not in shapes; scan a subset "
@@ -243,6 +264,10 @@ class BudgetConfig(_Section):
     work_round_us: float = 250.0
     #: a water-filling round's Python per replica (fitted: 0.3-0.4 ms a round at dp 128)
     work_replica_us: float = 3.0
+    #: a refinement round prices its drawn moves' rows and, per two of them, this many partner rows (estimated)
+    refine_partner_rows: int = 1
+    #: a plan taken apart or put together: one pass-row per sample and this many per replica (fitted)
+    replica_passes: int = 10
 
     _SHARES = ("refine_share",)
 

@@ -16,7 +16,7 @@ import pytest
 
 import slime_ext.schedule as schedule_pkg
 from slime_ext.schedule.planner_config import (SECTIONS, BudgetConfig, CountSearchConfig, ObjectiveConfig,
-                                               ShapingConfig)
+                                               ShapeSpec, ShapingConfig)
 from slime_ext.schedule import (BatchConfig, CostModel, ParallelConfig, PlannerConfig, ScheduleError, check_schedule,
                                 plan_schedule)
 from slime_ext.schedule import pipeline_choice
@@ -164,7 +164,8 @@ def test_config_overrides_parse_and_refuse_with_the_field_named():
         (1e-6, 4, (1.0, 1.5), ("unaware", "ordered"))
     assert c.describe() == {"candidates": ("unaware", "ordered"), "objective.tie": 1e-6,
                             "count_search.scan_replicas": 4, "count_search.count_factors": (1.0, 1.5),
-                            "shaping.shapes": ((0, 0, 1.0), (2, -1, 0.1)), "shaping.scan_shapes": ((0, 0, 1.0),)}
+                            "shaping.shapes": (ShapeSpec(0, 0, 1.0), ShapeSpec(2, -1, 0.1)),
+                            "shaping.scan_shapes": (ShapeSpec(0, 0, 1.0),)}
     assert PlannerConfig().replace_from(["shaping.shapes=[[0, 0, 1.0]]", "scan_shapes=[[0, 0, 1.0]]"]) == \
         PlannerConfig(shaping=ShapingConfig(shapes=((0, 0, 1.0),), scan_shapes=((0, 0, 1.0),)))
     for bad, match in (("nope=1", "PlannerConfig field"), ("tie", "NAME=VALUE"), ("scan_replicas=x", "integer"),
