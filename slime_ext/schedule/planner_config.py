@@ -134,6 +134,7 @@ class ShapeSpec:
     def of(cls, value: Any, where: str = "ShapingConfig.shapes") -> "ShapeSpec":
         if isinstance(value, ShapeSpec):
             return value
+        value = tuple(value) if isinstance(value, list) else value
         problem = _shape_problem(value)
         if problem:
             raise ScheduleError(f"{where} holds {value!r}: {problem}; a shape is (up, down, low[, order[, grouped[, "
