@@ -26,27 +26,23 @@ registry's order (``PlannerConfig.candidates`` may leave some out, e.g. for a be
    by local moves on the slowest replica (:func:`~.pipeline_refine.refine`: order swaps; with dynamic batches also
    single samples moved or swapped, within the replica or with the fastest replicas).
 
-**The comparison.** One rule, one tolerance (:func:`beats`): a candidate replaces the best so far only when its
-slowest makespan is lower by more than ``PlannerConfig.objective.tie``; so of near-equal candidates the earliest in the
-registry wins (the pp-unaware plan first). The same rule stops every loop of the search ("while a step gains"),
-and keeps ``found`` best first (a candidate goes before the first it beats).
+**The comparison.** One rule, one tolerance (:func:`~.pipeline_pricing.beats`, which every part calls): a
+candidate replaces the best so far only when its slowest makespan is lower by more than ``objective.tie``; so of
+near-equal candidates the earliest in the registry wins (the pp-unaware plan first), and ``found`` stays best first
+(a candidate goes before the first it beats). The loops that move samples stop by the same rule with
+``objective.min_gain``.
 
-**When it stops: the budget.** Every generator runs once. Each part of the search estimates its work before it
-runs (:class:`~slime_ext.schedule.pipeline_pricing.Budget`: estimated microseconds of the model calls, packing
-calls and Python per replica it makes, fitted to measured calls), runs only where the step's budget still pays for
-it, and is charged: the scan sizes its replicas and counts, the shaped candidate its counts and the replicas that
-try every shape, the rebalancing its rounds, the refinement its rounds; loops stop when a round gains nothing, at
-their round limits, or when the next round does not fit. The parts that act on every replica (packing them all,
-rebalancing) are reserved first, the refinement keeps ``refine_share`` of the budget's fixed part. The budget is
-``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power) + budget_per_sample_us * samples +
-budget_per_replica_us * pp ** budget_pp_power * dp``: it grows smoothly with the step (no threshold switches a
-part of the search on or off), is generous for small steps (a few replicas: the search around the slowest is
-most of it) and sized to the issue-22 grid of ``bench.pipeline_speed`` for large ones (every number is a
-documented :class:`~slime_ext.schedule.planner_config.PlannerConfig` field).
+**When it stops: the budget.** Every generator runs once. Each part estimates its work before it runs
+(:class:`~.pipeline_pricing.Budget`, counted from the model and packing calls it makes, never timed: the same
+input always plans alike), runs only where the step's budget still pays for it, and is charged; loops stop when a
+round gains nothing, at their round limits, or when the next round does not fit. What acts on every replica
+(packing them all, rebalancing) is reserved first; the refinement keeps ``budget.refine_share`` of the fixed part.
+The budget grows smoothly with the step (:meth:`~.pipeline_pricing.Budget.for_step`: no threshold switches a part
+on or off), generous for a few replicas and sized for many by ``bench.pipeline_speed``'s grid.
 
-``bench/pipeline_search.py`` is the yardstick (a long annealing search under the same model; the planner's gap to
-it per case), ``bench/pipeline_speed.py`` what the search costs against pp = 1 planning. Pure: standard library
-and numpy.
+What each part earns (each turned off in turn): ``docs/pipeline.md``. ``bench/pipeline_search.py`` is the yardstick
+(a long annealing search under the same model), ``bench/pipeline_speed.py`` what the search costs against pp = 1
+planning. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -301,13 +297,9 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
        (:func:`~.pipeline_rebalance.lockstep`); under VPP each replica's groups peaked where that is faster
        (:func:`_group_peaked`).
 
-    The work is sized to the budget, less what the refinement keeps (``budget.refine_share`` of the budget's fixed
-    part) and under VPP the group peaks: first the full packing and rebalancing of as many counts as fit beside a
-    scan of every count on ``count_search.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
-    ``count_search.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
-    fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
-    cap), or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only
-    count (a request's ``microbatches_per_rank``)."""
+    The work is sized to the budget (:meth:`_Shaped.scan`). Empty where no count fits (too few samples, the cap),
+    or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only count (a
+    request's ``microbatches_per_rank``)."""
     shaping = _Shaped.start(budget, samples, replica_of, k0, dp, fixed_count)
     if shaping is None:
         return []

@@ -35,14 +35,9 @@ Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollou
      layout flags make them uneven), backward = ``backward_forward_ratio`` x forward, nothing outside the pipeline
      (optimizer, DP reduction). Prices (:mod:`.pipeline_pricing`): a profile's
      seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
-     charged 2% of a full one. Candidates compared by that model, none by a fixed rule: with dynamic batches
-     each replica's samples re-packed into micro-batches *shaped* for the pipeline (small ones first, rising to
-     the largest, a slow descent, small ones last), their count and shape chosen by the model, and samples moved
-     off the slowest replicas (a replica with a dominant sample keeps it with only the step's cheapest); each
-     rank's order of the pp-unaware micro-batches (heaviest first, ascending, cheapest at both ends, ...; the
-     gradient is a sum, so any order trains the same); and on small steps also the older candidates (pair swaps,
-     bins moved between ranks, more micro-batches re-packed). The pp-unaware plan of stages 1-4, heaviest first,
-     is always a candidate, so a step is never predicted slower than it. Each step records its
+     charged 2% of a full one. The search over micro-batches, counts, replicas and orders is stated once, in
+     :mod:`slime_ext.schedule.pipeline_choice`'s docstring; the pp-unaware plan of stages 1-4 is always a candidate,
+     so a step is never predicted slower than it. Each step records its
      ``predicted_makespan`` and ``bubble_fraction``. A forward-only request (``PlanRequest.forward_only``) is
      priced with megatron-core's forward-only schedule instead of training's.
 
