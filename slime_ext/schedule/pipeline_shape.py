@@ -326,14 +326,6 @@ class ShapeSamples:
         ids = members[valid]
         return bin_costs(self.lengths[ids], self.costs[ids], flat, rows * k, self.profile).reshape(rows, k)
 
-    def in_run_order(self, shape: Shape, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
-        """``bin_of`` relabelled so that bin ``j`` is the ``j``-th to run in ``shape``'s order (unchanged for the
-        shape's own target order)."""
-        if shape.order == "target":
-            return bin_of
-        rank = np.argsort(shape.run_order(self.bin_rows(members, bin_of, k)), axis=1)  # bin -> its run position
-        return np.where(bin_of >= 0, np.take_along_axis(rank, np.maximum(bin_of, 0), axis=1), -1)
-
     def pad(self, groups: list[np.ndarray]) -> np.ndarray:
         """Rows of sample ids by decreasing cost (ties by id), padded with -1."""
         sizes = np.asarray([len(g) for g in groups], dtype=np.int64)
