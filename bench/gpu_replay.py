@@ -25,29 +25,14 @@ import time
 
 import numpy as np
 
-from bench.workloads import make_lengths
+from bench.workloads import GPU_REPLAY_SEEDS, OURS, OURS_FLAGS, SCHEMES, Workload
 from bench.verdict import verdict
 
 #: ~1.0B parameters (16 x 12 x 2048^2 + embeddings): fits with room on one 80 GB+ GPU at 4k-token micro-batches
 GPU_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32000)
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=128)
 OPTIM = dict(optimizer="sgd", sgd_momentum=0.0, lr=1e-4, weight_decay=0.0, clip_grad=1.0, seed=1234)
-SCHEMES = ("legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops")
-OURS = "ours:balance_by_flops"
 DP = 8
-
-
-def reasoning_lengths(n: int, seed: int) -> np.ndarray:
-    """Reasoning-like: short prompts, long chains of thought (lognormal around 6k tokens, capped at 32k)."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(100, 1000, size=n, endpoint=True)
-    response = np.minimum(np.rint(rng.lognormal(mean=8.7, sigma=0.6, size=n)), 32000)
-    return (prompt + response).astype(np.int64)
-
-
-def lengths_for(dist: str, n: int, seed: int, scale: float, max_len: int) -> list[int]:
-    raw = reasoning_lengths(n, seed) if dist == "reasoning" else make_lengths(dist, n, seed)
-    return np.clip(np.rint(raw * scale), 8, max_len).astype(int).tolist()
 
 
 def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, profile) -> list[list[list[int]]]:
@@ -62,8 +47,7 @@ def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, p
         sched = BASELINES[scheme].schedule(lengths, ParallelConfig(dp_size=DP), batch, global_batch_size=n,
                                            cost_model=CostModel(**model))
     else:
-        bd, bf = {"ours:strided": (False, False), "ours:balance_data": (True, False),
-                  "ours:balance_by_flops": (True, True)}[scheme]
+        bd, bf = OURS_FLAGS[scheme]
         sched = plan_schedule(lengths, ParallelConfig(dp_size=DP),
                               BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                                           balance_data=bd, balance_by_flops=bf), cost_model=profile)
@@ -127,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.setup()
     results: dict[tuple[str, str], dict] = {}
     try:
-        for dist in ("rl", "heavy", "reasoning"):
-            lengths = lengths_for(dist, n, seed={"rl": 21, "heavy": 22, "reasoning": 23}[dist], scale=scale,
-                                  max_len=cap)
+        for dist, seed in GPU_REPLAY_SEEDS.items():
+            lengths = Workload(dist, dist, n, seed, cap=cap, scale=scale, max_len=cap).lengths().tolist()
             say(f"- {dist}: {n} samples, {sum(lengths)} tokens, max {max(lengths)}, median {int(np.median(lengths))}")
             plans = {s: rank_micro_batches(s, lengths, cap, model, profile) for s in schemes}
             steps = [(s, r, plans[s][r]) for s in schemes for r in range(DP)]

@@ -18,9 +18,8 @@ of the step's work). Pricing as the planner's (FLOPs, backward = 2 x forward, p2
 of a full one: :mod:`slime_ext.schedule.pipeline_pricing`). These are predictions of the model, not measurements:
 ``bench/pipeline.py`` replays plans through megatron-core's schedule.
 
-Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps): ``rl`` and ``heavy`` (long tail) from
-``bench/workloads.py``; ``bimodal`` here: 80% short (prompt U[100, 1500] + response U[100, 1000]) and 20% long
-(prompt U[100, 1500] + response U[6000, 14000]).
+Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps), the rollout shapes of
+:data:`bench.workloads.ROLLOUT_SHAPES`.
 """
 
 from __future__ import annotations
@@ -37,25 +36,9 @@ from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_orders import best_orders
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
 
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 N, GBS, DP, SEED = 1024, 256, 8, 1
-
-
-def bimodal_lengths(n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(100, 1500, size=n, endpoint=True)
-    long = rng.random(n) < 0.2
-    response = np.where(long, rng.integers(6000, 14000, size=n, endpoint=True),
-                        rng.integers(100, 1000, size=n, endpoint=True))
-    return (prompt + response).astype(np.int64)
-
-
-WORKLOADS = {
-    "rl-like": lambda: make_lengths("rl", N, SEED),
-    "bimodal": lambda: bimodal_lengths(N, SEED),
-    "long tail": lambda: make_lengths("heavy", N, SEED),
-}
 
 
 def row(name: str, lengths: np.ndarray, pp: int, vpp: int = 1, overlap: bool = False) -> dict:
@@ -139,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| rollouts | dp x pp | pp-unaware | reordered only | pipeline-aware | bound | micro-batches/rank "
           f"before -> after | plan time (s) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, make in WORKLOADS.items():
-        lengths = make()
+    for name, dist in ROLLOUT_SHAPES.items():
+        lengths = make_lengths(dist, N, SEED)
         for pp, vpp, overlap in layouts:
             r = row(name, lengths, pp, vpp, overlap)
             print(f"| {r['name']} | {r['layout']} | 1 | {r['reordered']:.3f} | {r['after']:.3f} | {r['bound']:.3f} | "

@@ -28,15 +28,15 @@ from pathlib import Path
 import numpy as np
 
 from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
-from bench.train_step import MODEL, OPTIM, Workload, make_samples, workload_lengths
+from bench.train_step import MODEL, OPTIM, make_samples
+from bench.workloads import REAL_PIPELINE_WORKLOADS as WORKLOADS
+from bench.workloads import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "docs" / "cpu_bench_profile.json"
 PP = 2
 REPEATS = 6
 HEAVIEST = "after, heaviest first"
-WORKLOADS = (Workload("rl", "rl", n=32, seed=21, cap=512, scale=1 / 24, max_len=512),
-             Workload("bimodal", "bimodal", n=32, seed=22, cap=512, scale=1 / 24, max_len=512))
 
 
 def load_profile():
@@ -122,7 +122,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
               "global_batch_size": WORKLOADS[0].n}
     runs, predicted, counts = [], {}, {}
     for w in WORKLOADS:
-        samples = make_samples(workload_lengths(w), w.seed, MODEL["vocab_size"])
+        samples = make_samples(w.lengths().tolist(), w.seed, MODEL["vocab_size"])
         before = rollout_payloads(samples, plan(samples, w, profile, False))[0]
         after = rollout_payloads(samples, plan(samples, w, profile, True))[0]
         for name, payload in (("before", before), (HEAVIEST, heaviest_first(after, profile)), ("after", after)):

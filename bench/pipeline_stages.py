@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, WORKLOADS, _parallel, bench_profile,
+from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, bench_profile, parallel_for,
                             calibration_run, fit_p2p, plan_ours, spec_for)
 from bench.pipeline_costs import stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
-from bench.workloads import MODEL_DIMS, make_lengths
+from bench.workloads import MODEL_DIMS, REPLAY_WORKLOADS, make_lengths
 from bench.verdict import verdict
 
 TARGET = 0.03
@@ -107,11 +107,11 @@ def slowest_replica(setup: Setup, n: int) -> tuple[np.ndarray, np.ndarray]:
     run order, every stage alike."""
     from slime_ext.schedule.pipeline_model import pipeline_makespan
 
-    wl = WORKLOADS["rl-like"]
+    wl = REPLAY_WORKLOADS["rl-like"]
     lengths = make_lengths(wl.dist, n, wl.seed)
     profile = bench_profile()
     plan = plan_ours(lengths, setup, profile, True)
-    costs = [stage_costs(profile, mbs, _parallel(setup)) for mbs in plan.ranks]
+    costs = [stage_costs(profile, mbs, parallel_for(setup)) for mbs in plan.ranks]
     f, b = np.stack([c[0] for c in costs]), np.stack([c[1] for c in costs])
     r = int(np.argmax(pipeline_makespan(f, b, spec_for(setup))))
     return f[r], b[r]

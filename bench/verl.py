@@ -74,8 +74,7 @@ from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline_model import PipelineSpec
 from slime_ext.schedule.pipeline_pricing import PipelinePricing, pipeline_pricing
 
-from .pipeline_model_table import bimodal_lengths
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 N, DP, MINI_BATCHES, SEED = 1024, 8, 4, 1
 #: the engine depth before issue 30 (every rank planned every rank), for the 'before' columns
@@ -84,11 +83,6 @@ BASELINE = "cfaa6b5"
 #: shared, and wall time there would count other people's work too)
 CLOCK = time.process_time
 PP_SIZES = (1, 4, 8)
-WORKLOADS = {
-    "rl-like": lambda n: make_lengths("rl", n, SEED),
-    "bimodal": lambda n: bimodal_lengths(n, SEED),
-    "long tail": lambda n: make_lengths("heavy", n, SEED),
-}
 
 
 def dispatch(lengths: np.ndarray, dp: int) -> list[np.ndarray]:
@@ -248,7 +242,7 @@ def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES,
     cost_model = CostModel(**MODEL_DIMS)
     cap = MAX_TOKENS_PER_GPU
     # verl refuses a sample longer than the cap (its config makes max prompt + response fit): clip to it
-    lengths = np.minimum(np.asarray(WORKLOADS[name](n), dtype=np.int64), cap)
+    lengths = np.minimum(make_lengths(ROLLOUT_SHAPES[name], n, SEED), cap)
     costs = sample_costs(lengths, cost_model)
     minis = _minis(dispatch(lengths, dp), mini_batches)
     # the trainer depth: slime-ext's dispatch (per mini-batch, equal counts), then the engine depth
@@ -498,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no 'before' column: {got}")
         else:
             baseline = got
-    names = ["rl-like"] if args.quick else list(WORKLOADS)
+    names = ["rl-like"] if args.quick else list(ROLLOUT_SHAPES)
     pps = (1, 4) if args.quick else PP_SIZES
     n = 256 if args.quick else args.samples
     if args.only != "time":
