@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ import time
 import numpy as np
 
 from bench.workloads import GPU_REPLAY_SEEDS, OURS, OURS_FLAGS, SCHEMES, Workload
-from bench.verdict import verdict
+from bench.runner import markdown_table, parser, target
 
 #: ~1.0B parameters (16 x 12 x 2048^2 + embeddings): fits with room on one 80 GB+ GPU at 4k-token micro-batches
 GPU_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32000)
@@ -55,7 +54,7 @@ def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_replay", description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, prog="python -m bench.gpu_replay")
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, small workloads (checks the code path)")
     p.add_argument("--repeats", type=int, default=None, help="replays per scheme (default 2; dry run 1)")
     p.add_argument("--out", help="also write the report (markdown) here")
@@ -127,24 +126,23 @@ def main(argv: list[str] | None = None) -> int:
         worker.shutdown()
 
     say(f"\n## Step time = slowest of {DP} ranks (median of {repeats} replays per rank), ratio = scheme / {OURS}\n")
-    say("| distribution | scheme | #mb/rank | step (ms) | mean rank (ms) | ratio | predicted ratio |"
-        " worst rank pred error |")
-    say("|---|---|---|---|---|---|---|---|")
-    for dist in ("rl", "heavy", "reasoning"):
-        ours = results[(dist, OURS)]
-        for s in schemes:
-            r = results[(dist, s)]
-            say(f"| {dist} | {s} | {r['mbs']} | {1000 * r['step']:.1f} | {1000 * r['mean']:.1f} | "
-                f"{r['step'] / ours['step']:.3f} | {r['pred'] / ours['pred']:.3f} | {100 * r['err']:+.1f}% |")
+    rows = [[dist, s, r["mbs"], f"{1000 * r['step']:.1f}", f"{1000 * r['mean']:.1f}",
+             f"{r['step'] / ours['step']:.3f}", f"{r['pred'] / ours['pred']:.3f}", f"{100 * r['err']:+.1f}%"]
+            for dist in GPU_REPLAY_SEEDS for ours in [results[(dist, OURS)]]
+            for s in schemes for r in [results[(dist, s)]]]
+    for line in markdown_table(["distribution", "scheme", "#mb/rank", "step (ms)", "mean rank (ms)", "ratio",
+                                "predicted ratio", "worst rank pred error"], rows):
+        say(line)
     say("\n## Targets\n")
-    for dist in ("rl", "heavy", "reasoning"):
+    for dist in GPU_REPLAY_SEEDS:
         ours = results[(dist, OURS)]
         for other in [s for s in ("legacy", "reference") if s in schemes]:
             ratio = results[(dist, other)]["step"] / ours["step"]
-            say(f"- {verdict(ratio >= 1, 1, '')} {dist}: ours not slower than {other} (ratio {ratio:.3f})")
+            say(target(ratio >= 1, 1, "", f"{dist}: ours not slower than {other} (ratio {ratio:.3f})", markdown=True))
     errs = [abs(r["err"]) for r in results.values()]
-    say(f"- {verdict(max(errs, default=0) <= 0.05, len(errs), 'no scheme timed')} predicted per-rank time within 5% "
-        f"of measured (worst {100 * max(errs, default=0):.1f}%)")
+    say(target(max(errs, default=0) <= 0.05, len(errs), "no scheme timed",
+               f"predicted per-rank time within 5% of measured (worst {100 * max(errs, default=0):.1f}%)",
+               markdown=True))
     say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         with open(args.out, "w") as fh:

@@ -63,7 +63,6 @@ lengths are not correlated here). These are predictions of a model, not measurem
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import inspect
@@ -83,6 +82,7 @@ import numpy as np
 from slime_ext.integrations.megatron_rl.plan import plan_collection
 from slime_ext.schedule import CostModel, ParallelConfig, PipelinePricing, PipelineSpec, pipeline_pricing
 
+from .runner import parser
 from .verdict import verdict
 from .workloads import MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
@@ -523,10 +523,9 @@ def summarize(cases: list[Case]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_TREE"),
                     help="a Megatron-LM tree (default: $MEGATRON_LM_TREE)")
-    ap.add_argument("--quick", action="store_true", help="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
     mlm = load_megatron_lm(args.megatron_lm)

@@ -43,7 +43,6 @@ slime HEAD (slower = by more than :data:`NOISE`, the replay's repeat noise).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
 from bench.workloads import (MAX_TOKENS_PER_GPU, MODEL_DIMS, REPLAY_QUICK_WORKLOADS, REPLAY_WORKLOADS,
                              Workload)
-from bench.verdict import verdict
+from bench.runner import parser, target
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the e2e harness: process launcher
@@ -412,14 +411,8 @@ def targets(rows: list[Row]) -> list[tuple[bool | None, str, int]]:
     return out
 
 
-def _verdict(ok: bool | None, cases: int) -> str:
-    """A target's verdict; SKIP where its runs were not measured (its line says which)."""
-    return verdict(bool(ok), cases, "not measured")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one small case (pp=2, rl-like, 128 samples), one repeat")
+    p = parser(__doc__, quick="one small case (pp=2, rl-like, 128 samples), one repeat")
     p.add_argument("--repeats", type=int, default=None, help="measured calls per run after the warm-up "
                                                              "(default 2; 1 with --quick)")
     p.add_argument("--min-op-ms", type=float, default=20.0, help="shortest sleep of any run (ms)")
@@ -465,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     print("\ntargets:")
     for ok, text, cases in targets(rows):
-        print(f"  {_verdict(ok, cases)}  {text}")
+        print(target(bool(ok), cases, "not measured", text))  # SKIP where its runs were not measured
     return 0
 
 

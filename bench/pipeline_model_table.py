@@ -24,7 +24,6 @@ Workloads: ``n = 1024`` samples, ``global_batch_size = 256`` (4 steps), the roll
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
@@ -36,6 +35,7 @@ from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_orders import best_orders
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
 
+from .runner import parser
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 N, GBS, DP, SEED = 1024, 256, 8, 1
@@ -108,7 +108,7 @@ def speed() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--pp", type=int, nargs="*", default=[4, 8])
     p.add_argument("--vpp", action="store_true", help="also pp 4 x vpp 2 (group 4), batched and overlapped p2p")
     p.add_argument("--speed", action="store_true", help="only time the model (128 x 64 x 8)")

@@ -32,7 +32,6 @@ many-micro-batch layouts at most 4x the pp = 1 planning + 20 ms per step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -45,6 +44,7 @@ from slime_ext.schedule import build_dp_schedule
 
 from .pipeline_search import SEARCH_DIMS
 from .workloads import MAX_TOKENS_PER_GPU, make_lengths
+from .runner import add_planner_fields, parser, planner_config
 from .verdict import verdict
 
 LAYOUTS = [(4, 1), (4, 2), (8, 1), (8, 2)]
@@ -138,18 +138,13 @@ def baseline_times(root: str, cases: list[SpeedCase], repeats: int) -> list[dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="one size (dp 128, 2048 samples) at pp 4, no static or many-step case")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU for the step time column")
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--baseline", metavar="DIR", help="also time the planner of the checkout at DIR (same run)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field; repeatable")
+    add_planner_fields(ap)
     args = ap.parse_args(argv)
-    config = None
-    if args.overrides:
-        from slime_ext.schedule import PlannerConfig
-        config = PlannerConfig().replace_from(args.overrides)
+    config = planner_config(args.overrides)
     cases = grid(args.quick)
     print(f"rl-like, balance_data, Qwen3-8B-like; median CPU time of {args.repeats} warm calls (cold: the first "
           f"call of the layout in this process)" + (f"; config {config.describe()}" if config else ""))

@@ -54,7 +54,6 @@ Targets are printed as PASS/FAIL lines, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -64,6 +63,7 @@ import numpy as np
 
 from bench.workloads import (OURS, OURS_FLAGS, SCHEMES, TRAIN_STEP_QUICK_WORKLOADS, TRAIN_STEP_WORKLOADS,
                              Workload)
+from bench.runner import parser, target
 from bench.verdict import verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -389,8 +389,7 @@ def run(argv: list[str] | None = None) -> int:
     from slime_ext.schemes import BASELINES
     from slime_ext.training.calibrate import calibration_design
 
-    p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one small workload, DP=2 only, one repeat (~1 min)")
+    p = parser(__doc__, prog="python -m bench.train_step", quick="one small workload, DP=2 only, one repeat (~1 min)")
     p.add_argument("--repeats", type=int, default=None,
                    help="repeats per scheme (default 3 for DP=2 and 2 for DP=2 x PP=2; --quick 1)")
     p.add_argument("--profile", help="use this saved cost profile instead of calibrating")
@@ -528,7 +527,7 @@ def run(argv: list[str] | None = None) -> int:
             say(f"    {line}")
     say("\n## Targets\n")
     for ok, text in targets:
-        say(f"- {verdict(ok, 1, '')} {text}")
+        say(target(ok, 1, "", text, markdown=True))
     say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         with open(args.out, "w") as fh:

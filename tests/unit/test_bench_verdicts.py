@@ -68,3 +68,16 @@ def test_quick_modes_without_upstream_print_no_pass_over_nothing(argv):
     if argv[0] == "bench.run" and importlib.util.find_spec("slime") is None:
         line = next(ln for ln in res.stdout.splitlines() if "FLOPs max/mean <= reference (b)" in ln)
         assert "SKIP (no cases: upstream slime is not available" in line, line
+
+
+def test_runner_prints_targets_and_tables_one_way():
+    from bench.runner import markdown_table, parser, planner_config, target
+
+    assert target(True, 2, "x", "fast enough") == "  PASS (2 cases)  fast enough"
+    assert target(True, 0, "no GPU", "fast enough", markdown=True) == "- SKIP (no cases: no GPU) fast enough"
+    assert markdown_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        markdown_table(["a", "b"], [[1]])
+    args = parser("One line.\n\nMore.", quick="small").parse_args(["--quick"])
+    assert args.quick
+    assert planner_config([]) is None
