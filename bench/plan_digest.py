@@ -49,7 +49,7 @@ _MODELS = [
 ]
 
 
-def _digest(outcome) -> str:
+def digest(outcome) -> str:
     """A refusal as it is; a schedule as the hash of its decisions."""
     if isinstance(outcome, str):
         return outcome
@@ -89,7 +89,7 @@ def record(outcome) -> str | dict:
         return outcome
     steps = rank_steps(outcome)
     full = len(outcome.total_lengths) <= FULL_RECORD_SAMPLES
-    return {"sha": _digest(outcome), "dropped": sorted(outcome.dropped),
+    return {"sha": digest(outcome), "dropped": sorted(outcome.dropped),
             "steps": [[mbs if full else _short(mbs) for mbs in step] for step in steps]}
 
 
@@ -256,7 +256,7 @@ def outcomes(quick: bool = False, config=None):
 
 
 def all_digests(quick: bool = False) -> dict[str, str]:
-    return {label: _digest(outcome) for label, outcome in outcomes(quick)}
+    return {label: digest(outcome) for label, outcome in outcomes(quick)}
 
 
 def all_records(quick: bool = False) -> dict[str, str | dict]:
