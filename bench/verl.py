@@ -45,7 +45,7 @@ the micro-batch TensorDicts), and the 'before' engine depth (all-gathered length
 one call = one rank's time, its all-gathers not run). Times are CPU time of this process (``CLOCK``), each rank's
 best of ``--repeats`` runs, median and max over the ranks.
 
-Workloads (:mod:`bench.workloads`, ``bench.pipeline_model_table``): ``rl-like``, ``bimodal``, ``long tail``; 1024
+Workloads (:data:`bench.workloads.ROLLOUT_SHAPES`): ``rl-like``, ``bimodal``, ``long tail``; 1024
 samples per trainer step, dp 8, 4 mini-batches (32 samples per rank per mini-batch), cap 16384; lengths are clipped to
 the cap, since verl refuses a longer sample (its config makes the longest prompt + response fit).
 """

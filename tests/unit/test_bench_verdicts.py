@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,19 @@ def test_runner_prints_targets_and_tables_one_way():
     args = parser("One line.\n\nMore.", quick="small").parse_args(["--quick"])
     assert args.quick
     assert planner_config([]) is None
+
+
+def test_every_bench_the_docs_and_ci_name_exists():
+    """``python -m bench.X`` and ``bench/X.py`` in the README, docs/, ci/ and bench/ name a module that is there (a
+    bench removed or moved takes its mentions with it)."""
+    named = set()
+    texts = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(p for p in (REPO / "ci").rglob("*") if p.is_file()),
+             REPO / ".ci" / "run", *(REPO / "bench").glob("*.py")]
+    for path in texts:
+        if path.suffix in ("", ".md", ".py", ".sh") and path.exists():
+            text = path.read_text(errors="replace")
+            named |= {(path.name, m) for m in re.findall(r"\bbench[./]([a-z_]+)\b(?!\.json)", text)}
+    assert len(named) > 20, named  # the scan reads the places it names
+    missing = sorted((where, m) for where, m in named if not (REPO / "bench" / f"{m}.py").exists()
+                     and m not in ("md", "py"))
+    assert not missing, f"named but not in bench/: {missing}"
