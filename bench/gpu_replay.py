@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from bench.workloads import GPU_REPLAY_SEEDS, OURS, OURS_FLAGS, SCHEMES, Workload
 from bench.runner import markdown_table, parser, target
+from bench.workloads import GPU_REPLAY_SEEDS, OURS, OURS_FLAGS, SCHEMES, Workload
 
 #: ~1.0B parameters (16 x 12 x 2048^2 + embeddings): fits with room on one 80 GB+ GPU at 4k-token micro-batches
 GPU_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32000)

@@ -65,8 +65,8 @@ import numpy as np
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule, pipeline_pricing, sample_costs
 from slime_ext.schedule.packing import halve_by_tokens
 
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 from .runner import add_planner_fields, parser
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 from .verdict import verdict
 
 #: Qwen3-8B-like with 32 layers, so that every layout of the table splits its layers evenly, as Megatron requires

@@ -49,8 +49,8 @@ from types import SimpleNamespace
 from slime_ext.schedule import build_dp_schedule
 
 from .pipeline_search import SEARCH_DIMS
-from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 from .runner import add_planner_fields, parser, planner_config
+from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 from .verdict import verdict
 
 LAYOUTS = [(4, 1), (4, 2), (8, 1), (8, 2)]

@@ -41,8 +41,8 @@ from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, bench_pro
                             calibration_run, fit_p2p, plan_ours, spec_for)
 from bench.pipeline_costs import stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
-from bench.workloads import MODEL_DIMS, REPLAY_WORKLOADS, make_lengths
 from bench.runner import parser, target
+from bench.workloads import MODEL_DIMS, REPLAY_WORKLOADS, make_lengths
 
 TARGET = 0.03
 

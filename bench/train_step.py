@@ -61,9 +61,9 @@ import time
 
 import numpy as np
 
+from bench.runner import parser, target
 from bench.workloads import (OURS, OURS_FLAGS, SCHEMES, TRAIN_STEP_QUICK_WORKLOADS, TRAIN_STEP_WORKLOADS,
                              Workload)
-from bench.runner import parser, target
 from bench.verdict import verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
