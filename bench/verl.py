@@ -52,7 +52,6 @@ the cap, since verl refuses a longer sample (its config makes the longest prompt
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -74,6 +73,7 @@ from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline_model import PipelineSpec
 from slime_ext.schedule.pipeline_pricing import PipelinePricing, pipeline_pricing
 
+from .runner import add_planner_fields, parser, planner_config
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 N, DP, MINI_BATCHES, SEED = 1024, 8, 4, 1
@@ -460,9 +460,8 @@ def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collect
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="rl-like only, pp 1 and 4, 256 samples; dp 8 and 32, 16 "
-                                                          "samples per rank in the timing table")
+    ap = parser(__doc__, quick="rl-like only, pp 1 and 4, 256 samples; dp 8 and 32, 16 samples per rank in the "
+                               "timing table")
     ap.add_argument("--dp", type=int, default=DP)
     ap.add_argument("--samples", type=int, default=N, help="samples per trainer step")
     ap.add_argument("--mini-batches", type=int, default=MINI_BATCHES)
@@ -475,16 +474,15 @@ def main(argv: list[str] | None = None) -> int:
         if f.type in ("float", "bool"):
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int,
                             default=None, help=f"EngineSearch.{f.name} (default {f.default})")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field for the engine depth's shaping (its shapes, scan_shapes, ...), e.g. "
-                         "--set scan_shapes=[[0,0,1.0]]; repeatable")
+    add_planner_fields(ap, "the engine depth's shaping (its shapes, scan_shapes, ...), e.g. "
+                           "--set scan_shapes=[[0,0,1.0]]")
     args = ap.parse_args(argv)
     import verl
 
     search = EngineSearch(**{f.name: (bool if f.type == "bool" else float)(getattr(args, f.name))
                              for f in dataclasses.fields(EngineSearch)
                              if f.type in ("float", "bool") and getattr(args, f.name) is not None},
-                          planner=PlannerConfig().replace_from(args.overrides))
+                          planner=planner_config(args.overrides) or PlannerConfig())
     baseline = None
     if args.baseline != "none":
         got = load_baseline(args.baseline)
