@@ -53,8 +53,7 @@ import numpy as np
 from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
 from bench.runner import parser, target
-from bench.workloads import (MAX_TOKENS_PER_GPU, MODEL_DIMS, REPLAY_QUICK_WORKLOADS, REPLAY_WORKLOADS,
-                             Workload)
+from bench.workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, REPLAY_QUICK_WORKLOADS, REPLAY_WORKLOADS, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the e2e harness: process launcher

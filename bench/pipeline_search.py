@@ -66,8 +66,8 @@ from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_sche
 from slime_ext.schedule.packing import halve_by_tokens
 
 from .runner import add_planner_fields, parser
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 from .verdict import verdict
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
 #: Qwen3-8B-like with 32 layers, so that every layout of the table splits its layers evenly, as Megatron requires
 #: without the layout flags (36 layers do not split over pp 8, nor over pp 4 x vpp 2); the last stage also holds

@@ -50,8 +50,8 @@ from slime_ext.schedule import build_dp_schedule
 
 from .pipeline_search import SEARCH_DIMS
 from .runner import add_planner_fields, parser, planner_config
-from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 from .verdict import verdict
+from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 
 LAYOUTS = [(4, 1), (4, 2), (8, 1), (8, 2)]
 

@@ -62,9 +62,9 @@ import time
 import numpy as np
 
 from bench.runner import parser, target
+from bench.verdict import verdict
 from bench.workloads import (OURS, OURS_FLAGS, SCHEMES, TRAIN_STEP_QUICK_WORKLOADS, TRAIN_STEP_WORKLOADS,
                              Workload)
-from bench.verdict import verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))  # the e2e harness: process launcher, parameter checks
