@@ -44,40 +44,76 @@ def check_schedule(
     if problem:
         bad(problem)
         return out
-    dp = sched.parallel.dp_size
-    align = sched.parallel.align
-    lengths = sched.total_lengths
-    n = len(lengths)
-    try:  # the caller's inputs by the same rules (an int(), as before, would read 2.5 as 2)
+    rids = _check_given_inputs(sched, total_lengths, rollout_ids, bad)
+    if rids is None or not _check_counts(sched, bad):
+        return out
+    step_of_sample, step_members, measured = _walk_ranks(sched, bad)
+    # disjoint union of partitions + dropped == every sample exactly once
+    dropped = set(sched.dropped)
+    if len(dropped) != len(sched.dropped):
+        bad("dropped lists a sample twice")
+    both = dropped & step_of_sample.keys()
+    if both:
+        bad(f"{len(both)} samples are both dropped and scheduled, e.g. {sorted(both)[:5]}")
+    lost = set(range(len(sched.total_lengths))) - dropped - step_of_sample.keys()
+    if lost:
+        bad(f"{len(lost)} samples are neither scheduled nor reported dropped, e.g. {sorted(lost)[:5]}")
+    fixed = sched.microbatches_per_rank
+    if fixed is not None and any(m != fixed for m in sched.num_microbatches):
+        bad(f"num_microbatches={sched.num_microbatches} but the request fixed microbatches_per_rank={fixed}")
+    if sched.step_of is not None:
+        _check_explicit_steps(sched, rids, step_members, dropped, bad)
+    else:
+        _check_rollout_steps(sched, rids, step_of_sample, step_members, dropped, bad)
+    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
+        if len(sched.step_samples) != len(step_members):
+            bad(f"step_samples has {len(sched.step_samples)} entries for {len(step_members)} steps")
+        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
+            if sorted(recorded) != sorted(members):
+                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
+    if not out:
+        _check_stats(sched, measured, bad)
+    return out
+
+
+def _check_given_inputs(sched: DPSchedule, total_lengths, rollout_ids, bad) -> list[int] | None:
+    """The caller's inputs against the recorded ones (by the planner's rules: an int() would read 2.5 as 2); the
+    rollout id of every sample, or ``None`` where checking cannot go on."""
+    n = len(sched.total_lengths)
+    try:
         given_lengths = None if total_lengths is None else check_int_array("total_lengths", total_lengths).tolist()
         given_ids = None if rollout_ids is None else check_int_array("rollout_ids", rollout_ids).tolist()
     except ScheduleError as e:
         bad(f"the given {e}")
-        return out
-    if given_lengths is not None and given_lengths != list(lengths):
+        return None
+    if given_lengths is not None and given_lengths != list(sched.total_lengths):
         bad("total_lengths recorded in the schedule differ from the input lengths")
     if given_ids is not None and (sched.rollout_ids is None or given_ids != sched.rollout_ids):
         bad("rollout_ids recorded in the schedule differ from the input rollout ids")
     rids = sched.rollout_ids if sched.rollout_ids is not None else list(range(n))
     if len(rids) != n:
         bad(f"rollout_ids has {len(rids)} entries for {n} samples")
-        return out
+        return None
+    return rids
 
-    # same rank count; same number of micro-batches per rank
+
+def _check_counts(sched: DPSchedule, bad) -> bool:
+    """Ranks, steps and per-step list lengths; ``False`` where the structure cannot be walked."""
+    dp, align, n = sched.parallel.dp_size, sched.parallel.align, len(sched.total_lengths)
     if len(sched.partitions) != dp or len(sched.micro_batch_indices) != dp:
         bad(f"{len(sched.partitions)} partitions / {len(sched.micro_batch_indices)} micro-batch lists for dp_size={dp}")
-        return out
+        return False
     num_steps = len(sched.num_microbatches)
     if num_steps == 0:
         bad("the schedule has no steps")
     total_mbs = sum(sched.num_microbatches)
     if total_mbs > n:  # every micro-batch holds a sample: no rank can have more micro-batches than samples
         bad(f"num_microbatches sums to {total_mbs} per rank, more than the {n} samples")
-        return out
+        return False
     outside = [g for g in sched.dropped if not 0 <= g < n]
     if outside:
         bad(f"dropped lists sample indices outside [0, {n}), e.g. {outside[:5]}")
-        return out
+        return False
     for s, m in enumerate(sched.num_microbatches):
         if m < 1 or (m * dp) % align:
             bad(f"step {s}: num_microbatches={m} per rank; total {m * dp} is not a positive multiple of align={align}")
@@ -86,8 +122,14 @@ def check_schedule(
             bad(f"{name} has {len(getattr(sched, name))} entries for {num_steps} steps")
     if sched.loss_tokens_per_step is not None and len(sched.loss_tokens_per_step) != num_steps:
         bad(f"loss_tokens_per_step has {len(sched.loss_tokens_per_step)} entries for {num_steps} steps")
+    return True
 
-    cap = sched.cap
+
+def _walk_ranks(sched: DPSchedule, bad):
+    """Every rank's micro-batches: tiling, cap, size and each sample once. Returns the step of every scheduled
+    sample (``None``: on a broken rank), the samples of every step and per step ``(rank, tokens, members)``."""
+    lengths, n, num_steps = sched.total_lengths, len(sched.total_lengths), len(sched.num_microbatches)
+    cap, total_mbs = sched.cap, sum(sched.num_microbatches)
     mbs_limit = None if cap is not None else sched.batch.micro_batch_size
     step_of_mb = [s for s, m in enumerate(sched.num_microbatches) for _ in range(m)]
     step_of_sample: dict[int, int | None] = {}
@@ -101,7 +143,7 @@ def check_schedule(
         if s is not None:
             step_members[s].append(g)
 
-    for r in range(dp):
+    for r in range(sched.parallel.dp_size):
         part = sched.partitions[r]
         mbis = sched.micro_batch_indices[r]
         steps_here: list[int | None] = step_of_mb
@@ -132,34 +174,7 @@ def check_schedule(
                 account(g, s)
             if s is not None:
                 measured[s].append((r, tokens, members))
-
-    # disjoint union of partitions + dropped == every sample exactly once
-    dropped = set(sched.dropped)
-    if len(dropped) != len(sched.dropped):
-        bad("dropped lists a sample twice")
-    both = dropped & step_of_sample.keys()
-    if both:
-        bad(f"{len(both)} samples are both dropped and scheduled, e.g. {sorted(both)[:5]}")
-    lost = set(range(n)) - dropped - step_of_sample.keys()
-    if lost:
-        bad(f"{len(lost)} samples are neither scheduled nor reported dropped, e.g. {sorted(lost)[:5]}")
-
-    fixed = sched.microbatches_per_rank
-    if fixed is not None and any(m != fixed for m in sched.num_microbatches):
-        bad(f"num_microbatches={sched.num_microbatches} but the request fixed microbatches_per_rank={fixed}")
-    if sched.step_of is not None:
-        _check_explicit_steps(sched, rids, step_members, dropped, bad)
-    else:
-        _check_rollout_steps(sched, rids, step_of_sample, step_members, dropped, bad)
-    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
-        if len(sched.step_samples) != num_steps:
-            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
-        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
-            if sorted(recorded) != sorted(members):
-                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
-    if not out:
-        _check_stats(sched, measured, bad)
-    return out
+    return step_of_sample, step_members, measured
 
 
 def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dict[int, int | None],
