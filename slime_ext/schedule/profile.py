@@ -9,20 +9,11 @@ as::
                                             + per_sample_quadratic   * sum(len**2) # attention within each sample
                                             + packed_quadratic       * T**2 )      # attention over the packed row
 
-``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels; this repo's training
-adapter packs THD and runs :mod:`slime_ext.training.thd_attention` on CPU, so it pays this term too);
-``packed_quadratic`` is attention computed over the whole packed row and masked (megatron-core's local
-``DotProductAttention`` with a block-diagonal mask, which a path that packs without THD pays). A calibration fits all
-terms and lets the data say which ones matter (non-negative least squares, weighted by relative error).
-
-:func:`fit_profile` turns timed observations into a :class:`CostProfile`; it rejects data that cannot determine
-the coefficients (too few points, columns that are linear combinations of each other, such as equal sample
-lengths or only single-sample micro-batches, negative or non-finite timings) with a :class:`ScheduleError` that
-names the field. The planner uses a profile through three methods: :meth:`CostProfile.sample_costs` (the additive
-per-sample part, what balancing balances), :attr:`CostProfile.microbatch_overhead_s` (what an extra micro-batch
-costs) and :meth:`CostProfile.rank_time` (the exact prediction it compares candidate schedules by).
-
-Pure: standard library and numpy only.
+``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels, and this repo's CPU
+THD attention); ``packed_quadratic`` is attention over the whole packed row, masked (a path that packs without THD).
+:func:`fit_profile` fits all terms, non-negative, and refuses timings that cannot determine them, naming the field.
+The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances),
+:attr:`CostProfile.microbatch_overhead_s` and :meth:`CostProfile.rank_time` (the prediction it compares by).
 """
 
 from __future__ import annotations

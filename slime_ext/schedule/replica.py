@@ -1,32 +1,13 @@
-"""One replica's samples in exactly ``count`` micro-batches: the planner's shaping (:mod:`.pipeline_shape`) for a
-host that holds one rank's samples and asks for a count (verl's Megatron engine plans each DP rank inside the step).
+"""One replica's samples in exactly ``count`` micro-batches, for a host that plans one rank inside its engine
+(verl's Megatron engine plans each DP rank inside the step).
 
-:func:`shape_replica` answers "these samples, exactly ``count`` micro-batches, this layout, this cap":
-
-* **no pipeline** (``pp_size == 1``): balanced packing. The samples, costliest first, each into the micro-batch with
-  the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
-  with one flat target: the whole-step planner's shaping routine, one row);
-* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shapes`` packed at
-  ``count`` in one :func:`.pipeline_shape.pack_relabelled` call (the rows :func:`.pipeline_shape.pack_many` makes
-  for the whole-step planner's shaped candidate, one replica), every packing priced by the pipeline model in one
-  pass, the fastest kept; its run order then improved by the model's order search
-  (:func:`.pipeline_orders.best_orders`);
-* where no shape holds the cap at ``count`` (the greedy packing can miss a tight fit): the planner's own capped
-  packing of the samples (:func:`pack_replica`) with its costliest micro-batches split in two until there are
-  ``count``; subsets of capped micro-batches stay capped;
-* where ``count`` cannot hold the samples (fewer micro-batches than the cap needs, more than there are samples, a
-  count megatron-core refuses for the layout): a :class:`ScheduleError` naming ``count``, ``cap`` and the count to
-  ask for instead.
-
-:func:`scan_replica` is the same shaping at many counts (a host choosing among them): every shape of
-``PlannerConfig.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
-one pass of the model, each in its shape's run order; :meth:`ReplicaScan.plan` gives one count's micro-batches, in
-the fastest of that order and the heuristic orders (:func:`.pipeline_orders.heuristic_best`). :func:`pack_replica`
-is the planner's own packing of one replica at the count it chooses (the fewest it needs).
-
-Forward-only passes (``forward_only=True``: log-probs, a reference model) are priced by the pipeline model's
-forward-only schedules (:func:`.pipeline_pricing.pipeline_pricing` with ``forward_only``; without a pipeline nothing is
-priced). Pure: standard library and numpy.
+:func:`shape_replica`: without a pipeline, balanced packing (:func:`.pipeline_shape.shape_pack` with one flat
+target); with one, every shape of ``PlannerConfig.shapes`` packed at ``count`` and priced by the pipeline model in one
+pass, the fastest kept and its run order improved by :func:`.pipeline_orders.best_orders`. Where no shape holds the
+cap at ``count``, the planner's own packing (:func:`pack_replica`) is split up to ``count``; where ``count`` cannot
+hold the samples, a :class:`ScheduleError` names the count to ask for. :func:`scan_replica` is the same shaping at
+many counts (``PlannerConfig.scan_shapes``), priced in one pass. Forward-only passes are priced by the forward-only
+schedules.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
 
-A host (slime, Megatron-RL, verl, NeMo-RL, a bench) states what it wants planned in one :class:`PlanRequest`:
-
-* **the samples**: ``lengths`` (tokens per sample), optionally ``rollout_ids`` and ``loss_tokens``;
-* **the steps**: ``step_of`` (the optimizer step of every sample, ``0..S-1``), or ``None`` for the steps derived
-  from whole rollouts and ``batch.global_batch_size`` (slime's rule: :func:`~.steps.split_into_steps`);
-* **the layout and the cap**: ``parallel`` (dp, pp, vpp, group, layout flags, p2p mode) and ``batch`` (the token cap
-  ``max_tokens_per_gpu`` with dynamic batches, or ``micro_batch_size``; balancing flags);
-* **the pass**: ``forward_only`` -- a training pass (forward and backward) or a forward-only pass (log-probs); with
-  pipeline parallelism the count and order are chosen for that pass's schedule;
-* optionally **a fixed count**: ``microbatches_per_rank`` micro-batches on every DP rank in every step;
-* the **cost** (``cost_model``: FLOPs from model dims, or a measured ``CostProfile``) and the tunables (``config``).
-
-The request checks itself on construction (:class:`ScheduleError` naming the field, the value and the fix), so a
-request that exists can be planned or refused only for what the packing itself finds. :func:`plan` returns the
-:class:`~.dp_schedule.DPSchedule`, which records the pass (``forward_only``), the explicit steps (``step_of``) and
-the fixed count. :func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's
-flags read off ``args``) build a request and call :func:`plan`.
+A :class:`PlanRequest` holds the samples (``lengths``, optionally ``rollout_ids`` and ``loss_tokens``), the steps
+(``step_of``, or ``None`` for steps of whole rollouts and ``global_batch_size``), the layout and cap (``parallel``,
+``batch``), the pass (``forward_only``: with pipeline parallelism count and order are chosen for that pass's
+schedule), optionally a fixed count (``microbatches_per_rank``), the cost and the tunables. It checks itself on
+construction (:class:`ScheduleError` naming the field, the value and the fix), so a request that exists is refused
+only for what the packing itself finds. :func:`plan_schedule` (the keyword form) and
+:func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a request and call :func:`plan`.
 """
 
 from __future__ import annotations
@@ -144,24 +134,12 @@ def plan(request: PlanRequest) -> DPSchedule:
     return plan_steps(request)
 
 
-def plan_schedule(
-    total_lengths: Sequence[int] | np.ndarray,
-    parallel: ParallelConfig,
-    batch: BatchConfig,
-    *,
-    rollout_ids: Sequence[int] | np.ndarray | None = None,
-    loss_tokens: Sequence[int] | np.ndarray | None = None,
-    cost_model: CostModel | CostProfile | None = None,
-    config: PlannerConfig | None = None,
-) -> DPSchedule:
+def plan_schedule(total_lengths: Sequence[int] | np.ndarray, parallel: ParallelConfig, batch: BatchConfig, *,
+                  rollout_ids: Sequence[int] | np.ndarray | None = None,
+                  loss_tokens: Sequence[int] | np.ndarray | None = None,
+                  cost_model: CostModel | CostProfile | None = None, config: PlannerConfig | None = None
+                  ) -> DPSchedule:
     """Plan one rollout of training steps derived from whole rollouts: :func:`plan` of the same
-    :class:`PlanRequest` (``total_lengths`` is its ``lengths``).
-
-    ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
-    sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
-    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
-    seconds and prices every micro-batch. ``config``: the planner's tunables (:class:`PlannerConfig`, default
-    ``PlannerConfig()``).
-    """
+    :class:`PlanRequest` (``total_lengths`` is its ``lengths``; the other fields as there)."""
     return plan(PlanRequest(lengths=total_lengths, parallel=parallel, batch=batch, rollout_ids=rollout_ids,
                             loss_tokens=loss_tokens, cost_model=cost_model, config=config))
