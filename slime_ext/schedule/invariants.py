@@ -1,8 +1,6 @@
-"""The schedule's invariants, written once. Every test and ``slime-ext plan --from-json`` run them.
-
-:func:`check_schedule` returns every violation as a readable line (empty list = valid);
-:func:`assert_valid_schedule` raises :class:`ScheduleError` listing them.
-"""
+"""The schedule's invariants (:mod:`.planner`'s docstring lists them), written once: :func:`check_schedule` returns
+every violation as a readable line (empty: valid), :func:`assert_valid_schedule` raises them. Every test and
+``slime-ext plan --from-json`` run them."""
 
 from __future__ import annotations
 
@@ -260,11 +258,8 @@ def _check_step_counts(sched: DPSchedule, s: int, members: list[int], rollouts: 
 
 
 def input_problem(sched: DPSchedule) -> str | None:
-    """Why ``sched``'s fields or recorded inputs are not what the planner accepts, or ``None``.
-
-    The same checks as :meth:`DPSchedule.from_dict` (lengths in ``[1, MAX_TOKENS]``, ``0 <= loss_tokens <=
-    length``, integer rollout ids, integer lists for the structure), for a schedule built or edited in memory.
-    """
+    """Why ``sched``'s fields or recorded inputs are not what the planner accepts (the checks of
+    :meth:`DPSchedule.from_dict`, for a schedule built or edited in memory), or ``None``."""
     if not isinstance(sched, DPSchedule):
         return f"not a DPSchedule: {type(sched).__name__}"
     kinds = ((sched.parallel, ParallelConfig), (sched.batch, BatchConfig))
@@ -351,10 +346,7 @@ def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config:
 
 def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
                       forward_only: bool = False) -> np.ndarray:
-    """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it (:func:`micro_batch_makespans`
-    on the schedule's micro-batches), with the per-stage forwards, the backward ratio and the spec it ran.
-    ``forward_only``: the step priced as a forward-only pass (the same forwards, no backward, the forward-only
-    schedule); the returned ratio is then 0."""
+    """:func:`micro_batch_makespans` of ``step``'s micro-batches, replica by replica."""
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
     start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
     replicas = [[lengths[[sched.partitions[r][i] for i in mb]] for mb in sched.micro_batch_indices[r][start:start + m]]
@@ -367,12 +359,9 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
                           replicas: Sequence[Sequence[Sequence[int]]], config: PlannerConfig | None = None, *,
                           forward_only: bool = False):
     """Each replica's makespan of its micro-batches (``replicas[r][k]``: the sample lengths of replica ``r``'s
-    ``k``-th micro-batch, in run order; the same count on every replica) as the pipeline model predicts it, priced
-    here from the documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
-    (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
-    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
-    ``forward_only``: priced as a forward-only pass (megatron-core's forward-only schedule, no backward).
-    Returns ``(spans (R,), forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
+    ``k``-th micro-batch, in run order), priced from :mod:`.pipeline_pricing`'s documented rule and run through the
+    public model, not the planner's own pricing, so that a pricing bug of the planner shows. Returns ``(spans (R,),
+    forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
     config = DEFAULT_CONFIG if config is None else config
     pp, vpp = parallel.pp_size, parallel.vpp_size
     model = cost_model
@@ -404,9 +393,8 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
 
 
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
-    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
-    prediction for the slowest replica, re-priced here (:func:`replica_makespans`) for the schedule's pass (training,
-    or forward-only: ``DPSchedule.forward_only``)."""
+    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the slowest
+    replica's, re-priced (:func:`replica_makespans`) for the schedule's pass."""
     if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:

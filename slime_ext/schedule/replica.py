@@ -42,8 +42,7 @@ class ReplicaPlan:
 
     #: indices into the samples given, per micro-batch, in the order the replica runs them; each index once
     micro_batches: tuple[tuple[int, ...], ...]
-    #: the pipeline model's makespan of this run order (the pricing's units: seconds with a ``CostProfile``, else
-    #: per-stage forward FLOPs or tokens); ``None`` without a pipeline
+    #: the pipeline model's makespan of this run order (the pricing's units); ``None`` without a pipeline
     predicted_makespan: float | None
 
 
@@ -64,8 +63,7 @@ class ReplicaScan:
 
     def plan(self, count: int, *, reorder: bool = True) -> ReplicaPlan | None:
         """The packing at ``count`` (``None`` where it did not pack); with a pipeline and ``reorder``, in the fastest
-        of its run order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model:
-        its makespan is at most ``spans[count]``), else in its shape's run order."""
+        of its run order and :func:`~.pipeline_orders.heuristic_best`'s orders, else in its shape's run order."""
         if count not in self.spans:
             return None
         labels, span = self.labels[count], self.spans[count]
@@ -127,9 +125,8 @@ def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
 # ---------------------------------------------------------------------------------------------------- the fallback
 def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
                  cost_model: CostModel | CostProfile | None = None) -> tuple[tuple[int, ...], ...]:
-    """The whole-step planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it
-    chooses itself (the planner's request: one replica, one step; no pipeline), as index tuples in its run
-    order: what a host that asks for a count takes as the fewest its samples need."""
+    """The planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it chooses (one
+    replica, one step, no pipeline), as index tuples in run order: the fewest the samples need."""
     x, cap = _lengths(lengths), _cap(cap)
     batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                         balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
@@ -164,11 +161,8 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                  config: PlannerConfig | None = None) -> ReplicaScan:
-    """The samples shaped at each of ``counts``: every ``PlannerConfig.scan_shapes`` shape at every count, one
-    packing call and one pass of the model, each count's fastest packing in its shape's run order
-    (:meth:`ReplicaScan.plan` orders the one asked for). Counts where no scan shape holds the cap, above the sample
-    count or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each
-    count (spans ``None``)."""
+    """The samples shaped at each of ``counts`` (module docstring), each count's fastest packing in its shape's run
+    order; counts that do not pack under the cap, exceed the samples or megatron-core refuses are left out."""
     config = DEFAULT_CONFIG if config is None else config
     x, cap = _lengths(lengths), _cap(cap)
     pricing = _pricing(parallel, cost_model, cap, config, forward_only)
@@ -185,10 +179,8 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
                   cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                   config: PlannerConfig | None = None) -> ReplicaPlan:
     """One replica's samples (``lengths``: tokens per sample) in exactly ``count`` micro-batches of at most ``cap``
-    tokens each (a sample longer than the cap sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is
-    not read: this is one replica): see the module docstring. ``forward_only``: the pass has no backward (priced
-    by the forward-only schedules). ``config``: the planner's tunables (the shapes). Raises :class:`ScheduleError`
-    where ``count`` cannot hold the samples, naming the count to ask for."""
+    tokens (a longer sample sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is not read): the
+    module docstring."""
     config = DEFAULT_CONFIG if config is None else config
     x = _lengths(lengths)
     if cap is None:
@@ -247,9 +239,8 @@ def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
 
 @lru_cache(maxsize=256)
 def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list]:
-    """The packing rows of every shape at every count, as :func:`pack_many` makes them (shapes whose targets and
-    run order coincide at a count share one row): ``(weights (rows, max count), parts)``; made
-    once per counts, shapes and VPP group (read-only), since a host asks for the same few every step."""
+    """The packing rows of every shape at every count, as :func:`pack_many` makes them (coinciding shapes share a
+    row): ``(weights (rows, max count), parts)``, cached (read-only): a host asks for the same few every step."""
     first: dict[tuple, tuple[int, Shape]] = {}
     for k in counts:
         for shape in shapes:
@@ -263,9 +254,8 @@ def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tupl
 
 
 def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
-    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call (one replica: the
-    rows :func:`~.pipeline_shape.pack_many` would make), each in its shape's run order, all priced in one pass of the
-    model; the fastest per count kept (ties: the earlier shape)."""
+    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call and priced in one
+    pass of the model; the fastest per count kept (ties: the earlier shape)."""
     if not counts:
         return ReplicaScan({}, {})
     weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
@@ -290,10 +280,7 @@ def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPl
         labels[list(mb)] = b
     row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
     order, span = best_orders(pricing, row)
-    if plan.predicted_makespan is None:
-        own = float(pricing.makespans(row)[0])
-    else:
-        own = plan.predicted_makespan
+    own = float(pricing.makespans(row)[0]) if plan.predicted_makespan is None else plan.predicted_makespan
     if float(span[0]) < own * (1 - pricing.config.tie):
         return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
     return ReplicaPlan(mbs, own)
