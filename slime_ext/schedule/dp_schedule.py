@@ -1,8 +1,6 @@
 """``DPSchedule``: the contract between the rollout side (which computes it) and the training side (which runs it).
-
-Everything is plain Python data (ints, floats, lists, nested frozen dataclasses), so the object pickles through
-Ray and round-trips through JSON with :meth:`DPSchedule.to_dict` / :meth:`DPSchedule.from_dict`.
-"""
+Plain Python data in frozen dataclasses: it pickles through Ray and round-trips through JSON (``to_dict`` /
+``from_dict``)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int,
                        check_samples, int_list, is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
 
-SCHEMA_VERSION = 3  # 2: StepStats.aligned_lower_bound renamed packing_target; 3: rank_flops_* -> rank_cost_*
-#: StepStats fields renamed in schema 3 (they hold the cost model's unit, seconds with a CostProfile); a schema-2
-#: schedule is read with these names mapped
+SCHEMA_VERSION = 3
+#: StepStats fields renamed in schema 3 (they hold the cost model's unit); a schema-2 schedule is read with them mapped
 RENAMED_IN_3 = {"rank_flops_max": "rank_cost_max", "rank_flops_mean": "rank_cost_mean",
                 "microbatch_flops_max": "microbatch_cost_max", "microbatch_flops_mean": "microbatch_cost_mean"}
 
@@ -99,14 +96,11 @@ class DPSchedule:
     cost_model: CostModel | CostProfile | None = None
     #: global sample indices of step ``s`` in rollout order (before distribution); handy for ledgers
     step_samples: list[list[int]] = field(default_factory=list)
-    #: the explicit steps the request gave (``PlanRequest.step_of``: the step of every sample), ``None`` where the
-    #: steps were derived from whole rollouts and ``global_batch_size``
+    #: the explicit steps the request gave (``PlanRequest.step_of``), ``None`` where steps were derived
     step_of: list[int] | None = None
-    #: the pass this plan is for: ``False`` training (forward and backward), ``True`` forward-only (log-prob
-    #: passes); with pipeline parallelism its count and order were chosen for that pass
+    #: the pass this plan is for: ``False`` training, ``True`` forward-only (``PlanRequest.forward_only``)
     forward_only: bool = False
-    #: the micro-batch count per DP rank the request fixed for every step (``PlanRequest.microbatches_per_rank``),
-    #: ``None`` where the planner chose it
+    #: the count per DP rank the request fixed (``PlanRequest.microbatches_per_rank``), ``None`` where chosen
     microbatches_per_rank: int | None = None
 
     # ------------------------------------------------------------------ views

@@ -16,7 +16,6 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
-from .config import LAYOUT_FLAGS
 from .pipeline_model import PipelineSpec, bubble_fraction, pipeline_makespan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .stages import StageCosts
@@ -330,13 +329,8 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
 def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config: PlannerConfig) -> np.ndarray | None:
     """Each virtual stage's share of a micro-batch, as documented in :mod:`.pipeline_pricing` (``None``: every
     stage alike): the stages' coefficients weighed on ``cap`` tokens in samples of ``stage_share_sample * cap``."""
-    try:
-        stages = StageCosts.from_model(cost_model, parallel)
-    except ScheduleError:
-        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
-            raise
-        return None
-    if not stages.uneven:
+    stages = StageCosts.if_split(cost_model, parallel)
+    if stages is None or not stages.uneven:
         return None
     tokens = float(cap if cap is not None else config.stage_share_tokens)
     weight = [lin * tokens + quad * tokens * tokens * config.stage_share_sample

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ParallelConfig
+from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS
 from .errors import ScheduleError
 from .pipeline_layout import StageLayers, parse_layout
@@ -126,6 +126,17 @@ class StageCosts:
                        tuple(quadratic * np.asarray(quad_share)), "seconds", basis)
         raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}")
 
+    @classmethod
+    def if_split(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts | None":
+        """:meth:`from_model`, or ``None`` (every stage alike) for dims Megatron cannot split over this layout
+        (approximate dims); where the user placed layers (:data:`LAYOUT_FLAGS`) the refusal stands."""
+        try:
+            return cls.from_model(cost_model, parallel)
+        except ScheduleError:
+            if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
+                raise
+            return None
+
 
 def _share(values: np.ndarray) -> np.ndarray:
     total = values.sum()
@@ -173,8 +184,7 @@ def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers:
         return None
     if not all(np.isfinite([emb, layer, head])) or min(emb, layer, head) < 0:
         return None
-    if num_layers is None and parallel.pipeline_model_parallel_layout is not None:
-        num_layers = sum(stage.count("t") for stage in parse_layout(parallel.pipeline_model_parallel_layout))
+    num_layers = _layer_count(parallel, num_layers)
     if num_layers is None:
         return None
     layers = parallel.stage_layers(num_layers)
@@ -188,11 +198,17 @@ def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers:
 def _layer_share(parallel: ParallelConfig, num_layers: int | None) -> tuple[np.ndarray, str]:
     """Each virtual stage's share of the decoder layers, and how it was found."""
     v = parallel.pp_size * parallel.vpp_size
-    layout = parallel.pipeline_model_parallel_layout
-    if num_layers is None and layout is not None:
-        num_layers = sum(stage.count("t") for stage in parse_layout(layout))
+    num_layers = _layer_count(parallel, num_layers)
     if num_layers is None:
         return np.full(v, 1.0 / v), "an even split (the layer count is unknown)"
     layers: StageLayers = parallel.stage_layers(num_layers)
     counts = np.asarray(layers.decoder, dtype=np.float64)
     return _share(counts), "each stage's share of the decoder layers"
+
+
+def _layer_count(parallel: ParallelConfig, num_layers: int | None) -> int | None:
+    """``num_layers``, else the decoder layers of the layout string, else ``None``."""
+    layout = parallel.pipeline_model_parallel_layout
+    if num_layers is None and layout is not None:
+        return sum(stage.count("t") for stage in parse_layout(layout))
+    return num_layers
