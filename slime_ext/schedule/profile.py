@@ -54,8 +54,7 @@ class CostProfile:
     packed_quadratic_s: float = 0.0
     #: where it was measured and how well it fits: device, model dims, points, rms/max relative error, ...
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    #: pipeline model (``pp_size > 1``): a micro-batch's backward takes this many times its forward; the seconds
-    #: above (forward + backward of the whole model) split into ``1 : backward_forward_ratio``
+    #: pipeline model: a micro-batch's backward over its forward (the seconds above split ``1 : ratio``)
     backward_forward_ratio: float = 2.0
     #: pipeline model: seconds of one stage-boundary send/recv of one micro-batch's activation or gradient
     p2p_s: float = 0.0
@@ -82,11 +81,8 @@ class CostProfile:
 
     # ------------------------------------------------------------------ what the planner uses
     def sample_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The additive per-sample part (seconds): ``per_token * L + (per_sample_quadratic + packed_quadratic) * L**2``.
-
-        The packed term's cross terms (``2 * L_i * L_j`` of two samples sharing a micro-batch) belong to no single
-        sample; :meth:`microbatch_time` counts them.
-        """
+        """The additive per-sample part (seconds): ``per_token * L + (per_sample_quadratic + packed_quadratic) * L**2``
+        (the packed term's cross terms belong to no single sample; :meth:`microbatch_time` counts them)."""
         L = np.asarray(lengths, dtype=np.float64)
         return L * (self.per_token_s + (self.per_sample_quadratic_s + self.packed_quadratic_s) * L)
 
@@ -100,9 +96,7 @@ class CostProfile:
     def microbatch_time(self, lengths: Sequence[int]) -> float:
         """Predicted seconds of one micro-batch holding samples of ``lengths``."""
         L = np.asarray(lengths, dtype=np.float64)
-        tokens = float(L.sum())
-        return (self.microbatch_overhead_s + self.per_token_s * tokens
-                + self.per_sample_quadratic_s * float((L * L).sum()) + self.packed_quadratic_s * tokens * tokens)
+        return float(self.price_sums(float(L.sum()), float((L * L).sum())))
 
     def rank_time(self, micro_batches: Sequence[Sequence[int]]) -> float:
         """Predicted busy seconds of one rank in one step: ``step_overhead`` plus its micro-batches."""
