@@ -22,13 +22,8 @@ from .stages import StageCosts
 from .validate import check_int_array
 
 
-def check_schedule(
-    schedule: DPSchedule,
-    *,
-    total_lengths: Sequence[int] | None = None,
-    rollout_ids: Sequence[int] | None = None,
-    max_report: int = 50,
-) -> list[str]:
+def check_schedule(schedule: DPSchedule, *, total_lengths: Sequence[int] | None = None,
+                   rollout_ids: Sequence[int] | None = None, max_report: int = 50) -> list[str]:
     """All invariant violations of ``schedule``; ``total_lengths``/``rollout_ids`` re-check the recorded inputs."""
     out: list[str] = []
 

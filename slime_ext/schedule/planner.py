@@ -198,9 +198,7 @@ def _plan_dynamic(
     return found[0]
 
 
-def _plan_static(
-    n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int
-) -> StepPlan:
+def _plan_static(n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int) -> StepPlan:
     mbs = batch.micro_batch_size
     align, dp = parallel.align, parallel.dp_size
     count = -(-n // mbs)
