@@ -32,25 +32,22 @@ __all__ = ["PlanRequest", "plan", "plan_schedule"]
 class PlanRequest:
     """One planning request (the module docstring). Sequences are stored as int64 arrays once checked."""
 
-    #: total tokens of every sample (prompt and response), each in ``[1, MAX_TOKENS]`` (its refusals call it
-    #: ``total_lengths``, slime's name, as every entry point does)
+    #: total tokens of every sample, each in ``[1, MAX_TOKENS]`` (refusals call it slime's ``total_lengths``)
     lengths: Sequence[int] | np.ndarray
     #: the layout: dp (resolved), cp, pp, vpp and its group, Megatron's layout flags, the p2p mode
     parallel: ParallelConfig
-    #: the cap (``max_tokens_per_gpu`` with ``use_dynamic_batch_size``) or ``micro_batch_size``, the balancing
-    #: flags, and ``global_batch_size`` (rollouts per step; not used with explicit ``step_of``)
+    #: the cap or ``micro_batch_size``, the balancing flags, ``global_batch_size`` (unused with ``step_of``)
     batch: BatchConfig
     #: the rollout of every sample (samples of one rollout stay in one derived step); ``None``: one per sample
     rollout_ids: Sequence[int] | np.ndarray | None = None
     #: loss-mask tokens of every sample (``0 <= loss_tokens[i] <= lengths[i]``): ``loss_tokens_per_step``
     loss_tokens: Sequence[int] | np.ndarray | None = None
-    #: explicit steps: the optimizer step of every sample, ``0..S-1``, every step holding at least ``dp_size``
-    #: samples; ``None``: steps of whole rollouts and ``global_batch_size`` as slime derives them
+    #: explicit steps: the optimizer step of every sample, ``0..S-1``, each step at least ``dp_size`` samples;
+    #: ``None``: steps of whole rollouts and ``global_batch_size`` as slime derives them
     step_of: Sequence[int] | np.ndarray | None = None
     #: the pass: ``False`` training (forward and backward), ``True`` forward-only (a log-prob pass)
     forward_only: bool = False
-    #: micro-batches per DP rank in every step, fixed (a multiple of the VPP group under VPP); ``None``: the
-    #: planner chooses each step's count
+    #: micro-batches per DP rank in every step (a multiple of the VPP group); ``None``: the planner chooses
     microbatches_per_rank: int | None = None
     #: FLOPs from model dims (``CostModel``), measured seconds (``CostProfile``), or ``None``: tokens
     cost_model: CostModel | CostProfile | None = None

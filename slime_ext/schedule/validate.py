@@ -28,13 +28,9 @@ MAX_PARALLEL_SIZE = 2**24
 MAX_MODEL_DIM = 2**30
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-LIMIT_NAMES = {
-    MAX_TOKENS: "MAX_TOKENS = 2**32 = 4,294,967,296",
-    MAX_SAMPLES: "MAX_SAMPLES = 2**27 = 134,217,728",
-    MAX_PARALLEL_SIZE: "MAX_PARALLEL_SIZE = 2**24 = 16,777,216",
-    MAX_MODEL_DIM: "MAX_MODEL_DIM = 2**30 = 1,073,741,824",
-    INT64_MAX: "2**63 - 1 (int64)",
-}
+LIMIT_NAMES = {value: f"{name} = 2**{value.bit_length() - 1} = {value:,}" for name, value in (
+    ("MAX_TOKENS", MAX_TOKENS), ("MAX_SAMPLES", MAX_SAMPLES), ("MAX_PARALLEL_SIZE", MAX_PARALLEL_SIZE),
+    ("MAX_MODEL_DIM", MAX_MODEL_DIM))} | {INT64_MAX: "2**63 - 1 (int64)"}
 _WHY = {
     MAX_TOKENS: "so that token sums stay far inside int64",
     MAX_SAMPLES: "so that token sums stay far inside int64 and the plan fits in memory",
