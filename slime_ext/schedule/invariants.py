@@ -278,8 +278,8 @@ def _close(a: float, b: float) -> bool:
 
 def _check_stats(sched: DPSchedule, measured, bad) -> None:
     """``stats`` must describe the schedule as it is (re-measured here from the structure alone)."""
-    costs = sample_costs(np.asarray(sched.total_lengths, dtype=np.int64), sched.cost_model)
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
+    costs = sample_costs(lengths, sched.cost_model)
     dp, cap, align = sched.parallel.dp_size, sched.cap, sched.parallel.align
     for s, (st, mbs) in enumerate(zip(sched.stats, measured)):
         members = [g for _, _, m in mbs for g in m]
@@ -287,30 +287,21 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
         rank_cost = np.zeros(dp)
         for (r, _, _), c in zip(mbs, mb_cost):
             rank_cost[r] += c
-        expect = {
-            "step": s,
-            "num_samples": len(members),
-            "total_tokens": int(lengths[members].sum()),
-            "num_microbatches": sched.num_microbatches[s],
-            "total_microbatches": sched.num_microbatches[s] * dp,
-            "cap": cap,
-            "num_rollouts": sched.rollouts_per_step[s],
-            "packing_target": (sched.microbatches_per_rank * dp if sched.microbatches_per_rank is not None
-                               else microbatch_target(lengths[members], cap, align) if cap is not None
-                               else -(-len(members) // sched.batch.micro_batch_size)),
-            "largest_bin_tokens": max(t for _, t, _ in mbs),
-            "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
-        }
+        expect = dict(
+            step=s, num_samples=len(members), total_tokens=int(lengths[members].sum()),
+            num_microbatches=sched.num_microbatches[s], total_microbatches=sched.num_microbatches[s] * dp, cap=cap,
+            num_rollouts=sched.rollouts_per_step[s],
+            packing_target=(sched.microbatches_per_rank * dp if sched.microbatches_per_rank is not None
+                            else microbatch_target(lengths[members], cap, align) if cap is not None
+                            else -(-len(members) // sched.batch.micro_batch_size)),
+            largest_bin_tokens=max(t for _, t, _ in mbs),
+            cap_violations=sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1))
         for name, value in expect.items():
             if getattr(st, name) != value:
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule has {value!r}")
-        floats = {
-            "rank_cost_max": float(rank_cost.max()),
-            "rank_cost_mean": float(rank_cost.mean()),
-            "microbatch_cost_max": max(mb_cost),
-            "microbatch_cost_mean": float(np.mean(mb_cost)),
-            "balance_lower_bound": max(1.0, float(costs[members].max()) / float(rank_cost.mean())),
-        }
+        floats = dict(rank_cost_max=float(rank_cost.max()), rank_cost_mean=float(rank_cost.mean()),
+                      microbatch_cost_max=max(mb_cost), microbatch_cost_mean=float(np.mean(mb_cost)),
+                      balance_lower_bound=max(1.0, float(costs[members].max()) / float(rank_cost.mean())))
         for name, value in floats.items():
             if not _close(getattr(st, name), value):
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule measures {value!r}")
