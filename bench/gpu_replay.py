@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from slime_ext.schedule.profile import fit_summary
+    from slime_ext.training.profile_fit import fit_summary
     from slime_ext.training.calibrate import calibrate, time_steps
     from slime_ext.schemes import BASELINES
     from slime_ext.training.worker import TrainWorker

@@ -385,7 +385,8 @@ def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths
 def run(argv: list[str] | None = None) -> int:
     from train_harness import launch, rendezvous
 
-    from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
+    from slime_ext.schedule.profile import CostProfile
+    from slime_ext.training.profile_fit import fit_profile, fit_summary
     from slime_ext.schemes import BASELINES
     from slime_ext.training.calibrate import calibration_design
 
