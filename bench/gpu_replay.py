@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,29 +24,14 @@ import time
 
 import numpy as np
 
-from bench.workloads import make_lengths
-from bench.verdict import verdict
+from bench.runner import markdown_table, parser, target
+from bench.workloads import GPU_REPLAY_SEEDS, OURS, OURS_FLAGS, SCHEMES, Workload
 
 #: ~1.0B parameters (16 x 12 x 2048^2 + embeddings): fits with room on one 80 GB+ GPU at 4k-token micro-batches
 GPU_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=32000)
 TINY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=128)
 OPTIM = dict(optimizer="sgd", sgd_momentum=0.0, lr=1e-4, weight_decay=0.0, clip_grad=1.0, seed=1234)
-SCHEMES = ("legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops")
-OURS = "ours:balance_by_flops"
 DP = 8
-
-
-def reasoning_lengths(n: int, seed: int) -> np.ndarray:
-    """Reasoning-like: short prompts, long chains of thought (lognormal around 6k tokens, capped at 32k)."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(100, 1000, size=n, endpoint=True)
-    response = np.minimum(np.rint(rng.lognormal(mean=8.7, sigma=0.6, size=n)), 32000)
-    return (prompt + response).astype(np.int64)
-
-
-def lengths_for(dist: str, n: int, seed: int, scale: float, max_len: int) -> list[int]:
-    raw = reasoning_lengths(n, seed) if dist == "reasoning" else make_lengths(dist, n, seed)
-    return np.clip(np.rint(raw * scale), 8, max_len).astype(int).tolist()
 
 
 def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, profile) -> list[list[list[int]]]:
@@ -62,8 +46,7 @@ def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, p
         sched = BASELINES[scheme].schedule(lengths, ParallelConfig(dp_size=DP), batch, global_batch_size=n,
                                            cost_model=CostModel(**model))
     else:
-        bd, bf = {"ours:strided": (False, False), "ours:balance_data": (True, False),
-                  "ours:balance_by_flops": (True, True)}[scheme]
+        bd, bf = OURS_FLAGS[scheme]
         sched = plan_schedule(lengths, ParallelConfig(dp_size=DP),
                               BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                                           balance_data=bd, balance_by_flops=bf), cost_model=profile)
@@ -71,7 +54,7 @@ def rank_micro_batches(scheme: str, lengths: list[int], cap: int, model: dict, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_replay", description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, prog="python -m bench.gpu_replay")
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, small workloads (checks the code path)")
     p.add_argument("--repeats", type=int, default=None, help="replays per scheme (default 2; dry run 1)")
     p.add_argument("--out", help="also write the report (markdown) here")
@@ -82,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from slime_ext.schedule.profile import fit_summary
+    from slime_ext.training.profile_fit import fit_summary
     from slime_ext.training.calibrate import calibrate, time_steps
     from slime_ext.schemes import BASELINES
     from slime_ext.training.worker import TrainWorker
@@ -127,9 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.setup()
     results: dict[tuple[str, str], dict] = {}
     try:
-        for dist in ("rl", "heavy", "reasoning"):
-            lengths = lengths_for(dist, n, seed={"rl": 21, "heavy": 22, "reasoning": 23}[dist], scale=scale,
-                                  max_len=cap)
+        for dist, seed in GPU_REPLAY_SEEDS.items():
+            lengths = Workload(dist, dist, n, seed, cap=cap, scale=scale, max_len=cap).lengths().tolist()
             say(f"- {dist}: {n} samples, {sum(lengths)} tokens, max {max(lengths)}, median {int(np.median(lengths))}")
             plans = {s: rank_micro_batches(s, lengths, cap, model, profile) for s in schemes}
             steps = [(s, r, plans[s][r]) for s in schemes for r in range(DP)]
@@ -144,24 +126,23 @@ def main(argv: list[str] | None = None) -> int:
         worker.shutdown()
 
     say(f"\n## Step time = slowest of {DP} ranks (median of {repeats} replays per rank), ratio = scheme / {OURS}\n")
-    say("| distribution | scheme | #mb/rank | step (ms) | mean rank (ms) | ratio | predicted ratio |"
-        " worst rank pred error |")
-    say("|---|---|---|---|---|---|---|---|")
-    for dist in ("rl", "heavy", "reasoning"):
-        ours = results[(dist, OURS)]
-        for s in schemes:
-            r = results[(dist, s)]
-            say(f"| {dist} | {s} | {r['mbs']} | {1000 * r['step']:.1f} | {1000 * r['mean']:.1f} | "
-                f"{r['step'] / ours['step']:.3f} | {r['pred'] / ours['pred']:.3f} | {100 * r['err']:+.1f}% |")
+    rows = [[dist, s, r["mbs"], f"{1000 * r['step']:.1f}", f"{1000 * r['mean']:.1f}",
+             f"{r['step'] / ours['step']:.3f}", f"{r['pred'] / ours['pred']:.3f}", f"{100 * r['err']:+.1f}%"]
+            for dist in GPU_REPLAY_SEEDS for ours in [results[(dist, OURS)]]
+            for s in schemes for r in [results[(dist, s)]]]
+    for line in markdown_table(["distribution", "scheme", "#mb/rank", "step (ms)", "mean rank (ms)", "ratio",
+                                "predicted ratio", "worst rank pred error"], rows):
+        say(line)
     say("\n## Targets\n")
-    for dist in ("rl", "heavy", "reasoning"):
+    for dist in GPU_REPLAY_SEEDS:
         ours = results[(dist, OURS)]
         for other in [s for s in ("legacy", "reference") if s in schemes]:
             ratio = results[(dist, other)]["step"] / ours["step"]
-            say(f"- {verdict(ratio >= 1, 1, '')} {dist}: ours not slower than {other} (ratio {ratio:.3f})")
+            say(target(ratio >= 1, 1, "", f"{dist}: ours not slower than {other} (ratio {ratio:.3f})", markdown=True))
     errs = [abs(r["err"]) for r in results.values()]
-    say(f"- {verdict(max(errs, default=0) <= 0.05, len(errs), 'no scheme timed')} predicted per-rank time within 5% "
-        f"of measured (worst {100 * max(errs, default=0):.1f}%)")
+    say(target(max(errs, default=0) <= 0.05, len(errs), "no scheme timed",
+               f"predicted per-rank time within 5% of measured (worst {100 * max(errs, default=0):.1f}%)",
+               markdown=True))
     say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         with open(args.out, "w") as fh:

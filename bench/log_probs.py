@@ -33,7 +33,6 @@ predicted at least as fast (the table shows the search's own time beside it).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from slime_ext.schedule.dp_schedule import DPSchedule
 from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, step_microbatch_costs
 
+from .runner import add_planner_fields, parser, planner_config
 from .verdict import verdict
 from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
@@ -197,14 +197,12 @@ def _has_megatron() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="rl only, 128 samples, the slowest replica replayed")
+    ap = parser(__doc__, quick="rl only, 128 samples, the slowest replica replayed")
     ap.add_argument("--samples", type=int, default=512, help="samples per rollout (default 512, 64 per rank)")
     ap.add_argument("--no-replay", action="store_true", help="skip the replay (no megatron-core needed)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field for both plans (repeatable)")
+    add_planner_fields(ap, "both plans")
     args = ap.parse_args(argv)
-    config = PlannerConfig().replace_from(args.overrides) if args.overrides else None
+    config = planner_config(args.overrides)
     dists = ("rl",) if args.quick else DISTS
     n = 128 if args.quick else args.samples
     replay = None

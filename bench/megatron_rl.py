@@ -54,7 +54,7 @@ segment (:func:`bin_cost`); a slime-ext micro-batch computes its real tokens onl
 * ``mb/rank/step``: micro-batches per DP rank per optimizer step (the same on every rank);
 * ``twice``, ``never``: samples trained twice (or more) in the pass, and samples not trained at all.
 
-**Cases**: the workloads of bench/verl.py and bench/pipeline_model_table.py (rl-like, bimodal, long tail); a GRPO
+**Cases**: the rollout shapes of :data:`bench.workloads.ROLLOUT_SHAPES` (rl-like, bimodal, long tail); a GRPO
 collection of prompts x 16 rows (64 prompts = 1024 rows at dp 8, 256 prompts = 4096 rows at dp 32), lengths clipped
 to ``seq_length`` = 16384 (Megatron-RL's generation limit makes every rollout fit: ``prepare_trajectories`` asserts
 it); pp 1 and 4; 1 and 4 optimizer steps per collection. The lengths are drawn independently (a GRPO group's
@@ -63,7 +63,6 @@ lengths are not correlated here). These are predictions of a model, not measurem
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import inspect
@@ -83,9 +82,9 @@ import numpy as np
 from slime_ext.integrations.megatron_rl.plan import plan_collection
 from slime_ext.schedule import CostModel, ParallelConfig, PipelinePricing, PipelineSpec, pipeline_pricing
 
-from .pipeline_model_table import bimodal_lengths
+from .runner import parser
 from .verdict import verdict
-from .workloads import MODEL_DIMS, make_lengths
+from .workloads import MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 SEQ_LENGTH = 16384
 #: --rl-sequence-packing-max-sequences-per-bin's default (the SequencePacker class default, 16, is not used)
@@ -98,11 +97,6 @@ PP_SIZES = (1, 4)
 STEPS_PER_COLLECTION = (1, 4)
 ALGOS = ("fifo", "round-robin")
 SEED = 1
-WORKLOADS: dict[str, Callable[[int, int], np.ndarray]] = {
-    "rl-like": lambda n, seed: make_lengths("rl", n, seed),
-    "bimodal": bimodal_lengths,
-    "long tail": lambda n, seed: make_lengths("heavy", n, seed),
-}
 #: the issue's goals: predicted training step at most this share of Megatron-RL's better algorithm (geomean, pp 1 and
 #: pp 4), log-prob passes at least this many times faster at pp 4 (geomean)
 GOAL_STEP_RATIO = 0.85
@@ -434,7 +428,7 @@ class Case:
 
 def collection(workload: str, dp: int, seq_length: int) -> np.ndarray:
     rows = PROMPTS_PER_DP_RANK * dp * GROUP_SIZE
-    return np.minimum(WORKLOADS[workload](rows, SEED), seq_length).astype(np.int64)
+    return np.minimum(make_lengths(ROLLOUT_SHAPES[workload], rows, SEED), seq_length).astype(np.int64)
 
 
 def run_cases(mlm: MegatronLM, workloads: Sequence[str], dps: Sequence[int], pps: Sequence[int],
@@ -529,14 +523,13 @@ def summarize(cases: list[Case]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_TREE"),
                     help="a Megatron-LM tree (default: $MEGATRON_LM_TREE)")
-    ap.add_argument("--quick", action="store_true", help="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
     mlm = load_megatron_lm(args.megatron_lm)
-    workloads = ["rl-like"] if args.quick else list(WORKLOADS)
+    workloads = ["rl-like"] if args.quick else list(ROLLOUT_SHAPES)
     dps = DP_SIZES[:1] if args.quick else DP_SIZES
     t = time.perf_counter()
     cases = run_cases(mlm, workloads, dps, PP_SIZES, STEPS_PER_COLLECTION,

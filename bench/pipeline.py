@@ -43,7 +43,6 @@ slime HEAD (slower = by more than :data:`NOISE`, the replay's repeat noise).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,8 +52,8 @@ import numpy as np
 
 from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
-from bench.workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
-from bench.verdict import verdict
+from bench.runner import parser, target
+from bench.workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, REPLAY_QUICK_WORKLOADS, REPLAY_WORKLOADS, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # the e2e harness: process launcher
@@ -67,21 +66,6 @@ MICROBATCH_OVERHEAD_SHARE = 0.02
 NOISE = 0.005
 #: a run is repeated up to this many times --repeats while its two fastest calls disagree by more than NOISE
 MAX_REPEATS_FACTOR = 4
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    dist: str
-    n: int  # samples of the rollout (= global batch size: one step)
-    seed: int
-
-
-WORKLOADS = {
-    "rl-like": Workload("rl-like", "rl", 256, 151),
-    "bimodal": Workload("bimodal", "bimodal", 256, 152),
-    "long-tail": Workload("long-tail", "heavy", 256, 153),
-}
 
 
 @dataclass(frozen=True)
@@ -107,7 +91,6 @@ SETUPS = (
     Setup(Layout(2, 2), False, ("rl-like", "bimodal")),
 )
 QUICK_SETUPS = (Setup(Layout(2), False, ("rl-like",)),)
-QUICK_WORKLOADS = {"rl-like": Workload("rl-like", "rl", 128, 151)}
 
 
 # ---------------------------------------------------------------------------------------------------- costs
@@ -141,7 +124,7 @@ def _first_step(lengths: np.ndarray, partitions, micro_batch_indices, num_microb
             for part, mbi in zip(partitions, micro_batch_indices)]
 
 
-def _parallel(setup: Setup, pipeline_aware: bool = True):
+def parallel_for(setup: Setup, pipeline_aware: bool = True):
     """The planner's layout: dp x pp (x vpp, Megatron's default group size pp), the replay's p2p mode; without
     ``pipeline_aware`` the pipeline size is left out (``pp_size = 1``, the planner before issue 15)."""
     from slime_ext.schedule import ParallelConfig
@@ -158,7 +141,7 @@ def plan_ours(lengths: np.ndarray, setup: Setup, profile, pipeline_aware: bool) 
     n = len(lengths)
     batch = BatchConfig(global_batch_size=n, use_dynamic_batch_size=True, max_tokens_per_gpu=MAX_TOKENS_PER_GPU,
                         balance_data=True)
-    sch = plan_schedule([int(x) for x in lengths], _parallel(setup, pipeline_aware), batch,
+    sch = plan_schedule([int(x) for x in lengths], parallel_for(setup, pipeline_aware), batch,
                         rollout_ids=list(range(n)), cost_model=profile)
     return Plan("after" if pipeline_aware else "before",
                 _first_step(lengths, sch.partitions, sch.micro_batch_indices, sch.num_microbatches))
@@ -235,13 +218,13 @@ def plan_rows(setup: Setup, workloads: dict[str, Workload], profile, slime_build
     spec = spec_for(setup)
     for wname in setup.workloads:
         w = workloads[wname]
-        lengths = make_lengths(w.dist, w.n, w.seed)
+        lengths = w.lengths()
         plans = [plan_ours(lengths, setup, profile, False), plan_ours(lengths, setup, profile, True),
                  plan_slime(lengths, setup, slime_build)]
         for plan in plans:
             row = Row(setup, wname, plan.name, skipped=plan.skipped)
             if plan.ranks is not None:
-                costs = [stage_costs(profile, mbs, _parallel(setup)) for mbs in plan.ranks]
+                costs = [stage_costs(profile, mbs, parallel_for(setup)) for mbs in plan.ranks]
                 fwd, bwd = np.stack([c[0] for c in costs]), np.stack([c[1] for c in costs])
                 spans = pipeline_makespan(fwd, bwd, spec)
                 row.replica = int(np.argmax(spans))
@@ -427,14 +410,8 @@ def targets(rows: list[Row]) -> list[tuple[bool | None, str, int]]:
     return out
 
 
-def _verdict(ok: bool | None, cases: int) -> str:
-    """A target's verdict; SKIP where its runs were not measured (its line says which)."""
-    return verdict(bool(ok), cases, "not measured")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one small case (pp=2, rl-like, 128 samples), one repeat")
+    p = parser(__doc__, quick="one small case (pp=2, rl-like, 128 samples), one repeat")
     p.add_argument("--repeats", type=int, default=None, help="measured calls per run after the warm-up "
                                                              "(default 2; 1 with --quick)")
     p.add_argument("--min-op-ms", type=float, default=20.0, help="shortest sleep of any run (ms)")
@@ -453,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.setups:
         wanted = set(args.setups.split(","))
         setups = tuple(s for s in setups if s.layout.name in wanted or s.name in wanted)
-    workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
+    workloads = REPLAY_QUICK_WORKLOADS if args.quick else REPLAY_WORKLOADS
     repeats = args.repeats or (1 if args.quick else 2)
     min_op_s = args.min_op_ms / 1e3
 
@@ -480,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     print("\ntargets:")
     for ok, text, cases in targets(rows):
-        print(f"  {_verdict(ok, cases)}  {text}")
+        print(target(bool(ok), cases, "not measured", text))  # SKIP where its runs were not measured
     return 0
 
 

@@ -28,15 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from bench.pipeline_costs import BACKWARD_FORWARD_RATIO, stage_costs
-from bench.train_step import MODEL, OPTIM, Workload, make_samples, workload_lengths
+from bench.train_step import MODEL, OPTIM, make_samples
+from bench.workloads import REAL_PIPELINE_WORKLOADS, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "docs" / "cpu_bench_profile.json"
 PP = 2
 REPEATS = 6
 HEAVIEST = "after, heaviest first"
-WORKLOADS = (Workload("rl", "rl", n=32, seed=21, cap=512, scale=1 / 24, max_len=512),
-             Workload("bimodal", "bimodal", n=32, seed=22, cap=512, scale=1 / 24, max_len=512))
 
 
 def load_profile():
@@ -119,10 +118,10 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     spec = PipelineSpec(PP)
     config = {**MODEL, **OPTIM, "seq_length": 512, "pipeline_model_parallel_size": PP, "dp_schedule": "rollout",
               "use_dynamic_batch_size": True, "balance_data": True, "dist_timeout_seconds": 120,
-              "global_batch_size": WORKLOADS[0].n}
+              "global_batch_size": REAL_PIPELINE_WORKLOADS[0].n}
     runs, predicted, counts = [], {}, {}
-    for w in WORKLOADS:
-        samples = make_samples(workload_lengths(w), w.seed, MODEL["vocab_size"])
+    for w in REAL_PIPELINE_WORKLOADS:
+        samples = make_samples(w.lengths().tolist(), w.seed, MODEL["vocab_size"])
         before = rollout_payloads(samples, plan(samples, w, profile, False))[0]
         after = rollout_payloads(samples, plan(samples, w, profile, True))[0]
         for name, payload in (("before", before), (HEAVIEST, heaviest_first(after, profile)), ("after", after)):
@@ -133,7 +132,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
             predicted[label] = float(np.max(pipeline_makespan(fwd, bwd, spec))) + profile.step_overhead_s
             counts[label] = len(mbs)
             runs.append({"label": label, "payload": payload})
-    config["max_tokens_per_gpu"] = max(w.cap for w in WORKLOADS)
+    config["max_tokens_per_gpu"] = max(w.cap for w in REAL_PIPELINE_WORKLOADS)
     t0 = time.perf_counter()
     with rendezvous() as port:
         results = launch([(real_job, (rank, port, config, runs, repeats)) for rank in range(PP)], timeout=900)
@@ -142,7 +141,7 @@ def real_section(repeats: int = REPEATS) -> list[str]:
     spread = {label: max(v) / min(v) - 1 for label, v in results[0]["seconds"].items()}
     lines = ["| workload | plan | #mb | predicted s | measured s | spread | model err | / before, measured "
              "| / before, predicted |", "|---" * 9 + "|"]
-    for w in WORKLOADS:
+    for w in REAL_PIPELINE_WORKLOADS:
         b, a = f"{w.name}/before", f"{w.name}/after"
         for label in (b, f"{w.name}/{HEAVIEST}", a):
             ratios = ["", ""] if label == b else [f"{seconds[label] / seconds[b]:.3f}",

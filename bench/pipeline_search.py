@@ -53,7 +53,6 @@ worst plan / best <= 1.02, and with ``--stability`` every case's best moved by <
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -66,8 +65,9 @@ import numpy as np
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, plan_schedule, pipeline_pricing, sample_costs
 from slime_ext.schedule.packing import halve_by_tokens
 
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .runner import add_planner_fields, parser
 from .verdict import verdict
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
 
 #: Qwen3-8B-like with 32 layers, so that every layout of the table splits its layers evenly, as Megatron requires
 #: without the layout flags (36 layers do not split over pp 8, nor over pp 4 x vpp 2); the last stage also holds
@@ -556,17 +556,15 @@ def run_case(case: SearchCase, budget: int, settings: Anneal = Anneal(), overrid
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="two small cases, 300 batches each")
     ap.add_argument("--budget", type=int, default=24000, help="annealing batches per case (default 24,000; "
                     "dp / 32 times that beyond 32 replicas)")
     ap.add_argument("--case", action="append", help="run only these cases (by name); repeatable")
-    ap.add_argument("--quick", action="store_true", help="two small cases, 300 batches each")
     ap.add_argument("--stability", action="store_true", help="also a 4x longer search per case")
     ap.add_argument("--record", metavar="FILE", help="write every case's best (JSON)")
     ap.add_argument("--best", metavar="FILE", help="reuse the bests of a --record file instead of searching")
     ap.add_argument("--baseline", metavar="DIR", help="also plan with the planner of the checkout at DIR")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field for this run's planner; repeatable")
+    add_planner_fields(ap)
     ap.add_argument("--search", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting of the search itself (Anneal); repeatable")
     args = ap.parse_args(argv)

@@ -4,6 +4,7 @@
     python -m bench.pipeline_speed --quick                # dp 128, 2,048 samples, pp 4 (CI smoke)
     python -m bench.pipeline_speed --baseline ../old      # also the planner of another checkout, in the same run
     python -m bench.pipeline_speed --set NAME=VALUE       # a PlannerConfig field
+    python -m bench.pipeline_speed --model                # instead: the pipeline model's own speed (below)
 
 **Layouts.** Dynamic batches (the issue-22 grid): one rollout of rl-like samples (:mod:`bench.workloads`: prompt
 U[100, 1500] + lognormal(7.5, 1.0) response capped at 16,000), one step, ``--max-tokens-per-gpu 16384``,
@@ -28,11 +29,15 @@ the pipeline model's schedule for the counts it meets, once per process and layo
 RolloutManager does; the cold first call is printed too). On a shared 2-core machine read the ratios, not the
 absolute times. Targets (printed, never asserted in tests): the issue-22 grid at most 4x the pp = 1 planning, the
 many-micro-batch layouts at most 4x the pp = 1 planning + 20 ms per step.
+
+**The model's own speed** (``--model``): ``pipeline_makespan`` of 128 replicas x 64 micro-batches x 8 stages
+(lognormal costs, seed 0), every stage alike and with per-stage costs (a heavier first and last stage), per call
+(mean of 20 after the first, which compiles the schedule), for pp 8 and pp 8 x VPP 2 with batched and overlapped
+p2p.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -44,8 +49,9 @@ from types import SimpleNamespace
 from slime_ext.schedule import build_dp_schedule
 
 from .pipeline_search import SEARCH_DIMS
-from .workloads import MAX_TOKENS_PER_GPU, make_lengths
+from .runner import add_planner_fields, parser, planner_config
 from .verdict import verdict
+from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 
 LAYOUTS = [(4, 1), (4, 2), (8, 1), (8, 2)]
 
@@ -137,19 +143,45 @@ def baseline_times(root: str, cases: list[SpeedCase], repeats: int) -> list[dict
     return json.loads(got.stdout)
 
 
+def model_speed(replicas: int = 128, micro_batches: int = 64, calls: int = 20) -> None:
+    """Print how long ``pipeline_makespan`` takes per call (module docstring)."""
+    import numpy as np
+
+    from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
+
+    f = np.random.default_rng(0).lognormal(0.0, 0.6, (replicas, micro_batches))
+    for spec in (PipelineSpec(8, p2p_s=0.01), PipelineSpec(8, 2, p2p_s=0.01),
+                 PipelineSpec(8, 2, p2p_s=0.01, overlap_p2p_comm=True)):
+        weight = np.ones(spec.pp_size)
+        weight[0], weight[-1] = 1.3, 1.5  # a heavier first and last stage, as Megatron's embedding and output layer
+        per_stage = f[:, None, :] * weight[None, :, None]
+        times = []
+        for costs in (f, per_stage):
+            t0 = time.perf_counter()
+            pipeline_makespan(costs, 2 * costs, spec)  # compiles the schedule (cached per layout and count)
+            t1 = time.perf_counter()
+            for _ in range(calls):
+                pipeline_makespan(costs, 2 * costs, spec)
+            times.append((t1 - t0, (time.perf_counter() - t1) / calls))
+        (first, alike), (_, staged) = times
+        print(f"pipeline_makespan, pp={spec.pp_size} vpp={spec.vpp_size} overlap_p2p_comm={spec.overlap_p2p_comm}: "
+              f"{replicas} replicas x {micro_batches} micro-batches in {1e3 * alike:.1f} ms per call "
+              f"({1e3 * first:.0f} ms the first, compiling the schedule); per-stage costs ({replicas}, "
+              f"{spec.pp_size}, {micro_batches}): {1e3 * staged:.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="one size (dp 128, 2048 samples) at pp 4, no static or many-step case")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU for the step time column")
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--baseline", metavar="DIR", help="also time the planner of the checkout at DIR (same run)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field; repeatable")
+    ap.add_argument("--model", action="store_true", help="instead: time the pipeline model itself (128 x 64 x 8)")
+    add_planner_fields(ap)
     args = ap.parse_args(argv)
-    config = None
-    if args.overrides:
-        from slime_ext.schedule import PlannerConfig
-        config = PlannerConfig().replace_from(args.overrides)
+    if args.model:
+        model_speed()
+        return 0
+    config = planner_config(args.overrides)
     cases = grid(args.quick)
     print(f"rl-like, balance_data, Qwen3-8B-like; median CPU time of {args.repeats} warm calls (cold: the first "
           f"call of the layout in this process)" + (f"; config {config.describe()}" if config else ""))

@@ -31,19 +31,18 @@ tests): the model within 3% of the replay on every uneven case.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, WORKLOADS, _parallel, bench_profile,
+from bench.pipeline import (DP_SIZE, MAX_REPEATS_FACTOR, NOISE, Setup, bench_profile, parallel_for,
                             calibration_run, fit_p2p, plan_ours, spec_for)
 from bench.pipeline_costs import stage_costs
 from bench.pipeline_replay import Layout, ReplayRun, replay_job
-from bench.workloads import MODEL_DIMS, make_lengths
-from bench.verdict import verdict
+from bench.runner import parser, target
+from bench.workloads import MODEL_DIMS, REPLAY_WORKLOADS, make_lengths
 
 TARGET = 0.03
 
@@ -107,11 +106,11 @@ def slowest_replica(setup: Setup, n: int) -> tuple[np.ndarray, np.ndarray]:
     run order, every stage alike."""
     from slime_ext.schedule.pipeline_model import pipeline_makespan
 
-    wl = WORKLOADS["rl-like"]
+    wl = REPLAY_WORKLOADS["rl-like"]
     lengths = make_lengths(wl.dist, n, wl.seed)
     profile = bench_profile()
     plan = plan_ours(lengths, setup, profile, True)
-    costs = [stage_costs(profile, mbs, _parallel(setup)) for mbs in plan.ranks]
+    costs = [stage_costs(profile, mbs, parallel_for(setup)) for mbs in plan.ranks]
     f, b = np.stack([c[0] for c in costs]), np.stack([c[1] for c in costs])
     r = int(np.argmax(pipeline_makespan(f, b, spec_for(setup))))
     return f[r], b[r]
@@ -229,8 +228,7 @@ QUICK_SETUPS = (Setup(Layout(2), False, ("rl-like",)),)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="pp 2, two cases, one repeat (CI smoke run)")
+    p = parser(__doc__, quick="pp 2, two cases, one repeat (CI smoke run)")
     p.add_argument("--repeats", type=int, default=None, help="measured calls per run (default 2; 1 with --quick)")
     p.add_argument("--min-op-ms", type=float, default=20.0, help="shortest sleep of any run (ms)")
     p.add_argument("--max-run-s", type=float, default=4.0, help="longest predicted run (s); caps the scale")
@@ -260,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
           "\n  reordered = the same micro-batches in an order chosen for these stage costs (best swaps by the"
           "\n  per-stage model, from the plan's order); gain = 1 - reordered measured / measured.")
     ok = max(worst, default=0) <= TARGET
-    print(f"\ntargets:\n  {verdict(ok, len(worst), 'no uneven case replayed')}  model within {TARGET:.0%} of the "
-          f"replay on uneven stages: worst {max(worst, default=0):.1%} over {len(worst)} cases")
+    print("\ntargets:")
+    print(target(ok, len(worst), "no uneven case replayed", f"model within {TARGET:.0%} of the replay on uneven "
+                 f"stages: worst {max(worst, default=0):.1%} over {len(worst)} cases"))
     return 0
 
 

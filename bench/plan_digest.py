@@ -25,7 +25,6 @@ order and count the pipeline model chooses.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -36,6 +35,7 @@ import numpy as np
 
 from slime_ext.schedule import BatchConfig, CostModel, CostProfile, ParallelConfig, build_dp_schedule, plan_schedule
 
+from .runner import parser
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, make_lengths
 
 RANDOM_CASES = 400
@@ -49,7 +49,7 @@ _MODELS = [
 ]
 
 
-def _digest(outcome) -> str:
+def digest(outcome) -> str:
     """A refusal as it is; a schedule as the hash of its decisions."""
     if isinstance(outcome, str):
         return outcome
@@ -89,7 +89,7 @@ def record(outcome) -> str | dict:
         return outcome
     steps = rank_steps(outcome)
     full = len(outcome.total_lengths) <= FULL_RECORD_SAMPLES
-    return {"sha": _digest(outcome), "dropped": sorted(outcome.dropped),
+    return {"sha": digest(outcome), "dropped": sorted(outcome.dropped),
             "steps": [[mbs if full else _short(mbs) for mbs in step] for step in steps]}
 
 
@@ -256,7 +256,7 @@ def outcomes(quick: bool = False, config=None):
 
 
 def all_digests(quick: bool = False) -> dict[str, str]:
-    return {label: _digest(outcome) for label, outcome in outcomes(quick)}
+    return {label: digest(outcome) for label, outcome in outcomes(quick)}
 
 
 def all_records(quick: bool = False) -> dict[str, str | dict]:
@@ -277,11 +277,10 @@ def write_records(records: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, quick="the random cases only (no benchmark cases)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="FILE", help="write the records (hashes and compact plans) as JSON")
     g.add_argument("--check", metavar="FILE", help="compare with records written before; exit 1 on any change")
-    p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     args = p.parse_args(argv)
     records = all_records(args.quick)
     refused = sum(1 for v in records.values() if isinstance(v, str))

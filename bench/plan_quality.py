@@ -30,7 +30,6 @@ same model rather than each under its own.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -41,6 +40,7 @@ from slime_ext.schedule.pipeline_pricing import predicted_makespans
 
 from .plan_digest import outcomes
 from .pipeline_search import SEARCH_DIMS
+from .runner import add_planner_fields, parser, planner_config
 from .workloads import MAX_TOKENS_PER_GPU, make_lengths
 
 #: the large steps of ``--large``: one rl-like, bimodal or long-tail rollout of ``n`` samples as one step,
@@ -125,24 +125,20 @@ def _spans(steps: list) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, quick="the random cases only (no benchmark cases)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="FILE", help="write every case's per-step counts and slowest-rank costs")
     g.add_argument("--compare", metavar="FILE", help="compare with a file written before; exit 1 if any got worse")
     p.add_argument("--write-plans", metavar="FILE", help="with --write: also write the pipeline cases' schedules")
     p.add_argument("--reprice", metavar="FILE", help="with --compare: price the old pipeline plans of FILE "
                                                      "(--write-plans) by the current pipeline model")
-    p.add_argument("--quick", action="store_true", help="the random cases only (no benchmark cases)")
     p.add_argument("--large", action="store_true", help="the large pipelined steps instead (LARGE_*)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help="a PlannerConfig field for this run's planner (the pipeline cases); repeatable")
+    add_planner_fields(p, "this run's planner (the pipeline cases)")
     args = p.parse_args(argv)
     if args.write_plans and not args.write or args.reprice and not args.compare:
         p.error("--write-plans goes with --write, --reprice with --compare")
-    config = None
-    if args.overrides:
-        from slime_ext.schedule import PlannerConfig
-        config = PlannerConfig().replace_from(args.overrides)
+    config = planner_config(args.overrides)
+    if config is not None:
         print(f"planner config: {config.describe()}")
     results = list(large_outcomes(config) if args.large else outcomes(args.quick, config))
     now = {label: summary(outcome) for label, outcome in results}

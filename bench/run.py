@@ -28,7 +28,6 @@ Timing notes:
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import math
@@ -43,7 +42,7 @@ from slime_ext.metrics import Metrics, fwd_flops, measure
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, check_schedule, plan_schedule
 from slime_ext.schemes import BASELINES
 
-from .verdict import verdict
+from .runner import parser, target
 from .workloads import CASES, FLAG_SETS, MODEL_DIMS, Case, make_lengths
 
 QUICK_CASES = ("rl-1k-dp8", "heavy-4k-dp32-gbs1k", "uniform-4k-dp32")
@@ -183,8 +182,7 @@ class Target:
     why_none: str = ""
 
     def line(self) -> str:
-        return f"        {self.text}" if self.ok is None else \
-            f"  {verdict(self.ok, self.cases, self.why_none)}  {self.text}"
+        return f"        {self.text}" if self.ok is None else target(self.ok, self.cases, self.why_none, self.text)
 
 
 def _targets(rows: list[Row], reference_missing: str | None = None) -> list[Target]:
@@ -261,9 +259,8 @@ def _targets(rows: list[Row], reference_missing: str | None = None) -> list[Targ
 
 # ---------------------------------------------------------------------------------------------------- main
 def run(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_CASES)}; 3 repeats; "
-                                                        f"reference FLOPs-mode budget 5 s")
+    p = parser(__doc__, prog="python -m bench.run",
+               quick=f"only {', '.join(QUICK_CASES)}; 3 repeats; reference FLOPs-mode budget 5 s")
     p.add_argument("--repeats", type=int, default=None, help="max repeats per scheme (default 7, quick 3)")
     p.add_argument("--cases", default=None, help="comma-separated case names: " + ", ".join(c.name for c in CASES))
     p.add_argument("--flags", default=None, help="comma-separated: " + ", ".join(f[0] for f in FLAG_SETS))

@@ -37,6 +37,7 @@ import numpy as np
 from slime_ext.schedule.pipeline_model import PipelineSpec
 
 from .pipeline_replay import Layout, ReplayRun
+from .runner import parser
 
 #: seconds of real time a rank waits for a peer before the replay calls the schedule deadlocked
 DEADLOCK_S = 30.0
@@ -346,10 +347,8 @@ def sleep_check(unit_s: float = 0.025, repeats: int = 3, timeout: float = 600.0)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="The pipeline model against megatron-core's schedule replayed in "
-                                             "virtual time, over a grid of layouts, counts and random costs.")
+    ap = parser("The pipeline model against megatron-core's schedule replayed in virtual time, over a grid of "
+                "layouts, counts and random costs.")
     ap.add_argument("--training", action="store_true", help="training passes instead of forward-only ones")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sleep", action="store_true", help="instead: megatron-core's real forward-only schedule over "

@@ -54,17 +54,17 @@ Targets are printed as PASS/FAIL lines, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from bench.workloads import make_lengths
+from bench.runner import parser, target
 from bench.verdict import verdict
+from bench.workloads import (OURS, OURS_FLAGS, SCHEMES, TRAIN_STEP_QUICK_WORKLOADS, TRAIN_STEP_WORKLOADS,
+                             Workload)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))  # the e2e harness: process launcher, parameter checks
@@ -72,29 +72,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))  # the e2e harness: proce
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, vocab_size=1024)
 # SGD without momentum: equal parameters <=> equal gradients (see tests/e2e/train_harness.py)
 OPTIM = dict(optimizer="sgd", sgd_momentum=0.0, lr=0.5, weight_decay=0.0, clip_grad=1.0, seed=1234)
-SCHEMES = ("legacy", "reference", "ours:strided", "ours:balance_data", "ours:balance_by_flops")
-OURS = "ours:balance_by_flops"
-OURS_FLAGS = {"ours:strided": (False, False), "ours:balance_data": (True, False), "ours:balance_by_flops": (True, True)}
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    dist: str
-    n: int  # samples = rollouts in the one step
-    seed: int
-    cap: int  # max_tokens_per_gpu
-    scale: float  # lengths of bench.workloads' distribution times this (clipped to [8, max_len])
-    max_len: int
-
-
-def full_workloads() -> list[Workload]:
-    return [Workload("rl", "rl", n=32, seed=11, cap=1024, scale=1 / 12, max_len=1024),
-            Workload("heavy", "heavy", n=64, seed=12, cap=1024, scale=1 / 10, max_len=1024)]
-
-
-def quick_workloads() -> list[Workload]:
-    return [Workload("heavy-small", "heavy", n=32, seed=13, cap=512, scale=1 / 16, max_len=512)]
 
 
 def model_dims() -> dict:
@@ -103,11 +80,6 @@ def model_dims() -> dict:
                 num_attention_heads=MODEL["num_attention_heads"], num_query_groups=MODEL["num_attention_heads"],
                 kv_channels=MODEL["hidden_size"] // MODEL["num_attention_heads"],
                 ffn_hidden_size=MODEL["ffn_hidden_size"], vocab_size=MODEL["vocab_size"])
-
-
-def workload_lengths(w: Workload) -> list[int]:
-    raw = make_lengths(w.dist, w.n, w.seed).astype(np.float64) * w.scale
-    return np.clip(np.rint(raw), 8, w.max_len).astype(int).tolist()
 
 
 def make_samples(lengths: list[int], seed: int, vocab: int) -> list[dict]:
@@ -413,12 +385,12 @@ def analyse(say: Report, layout_name: str, results: list[dict], profile, lengths
 def run(argv: list[str] | None = None) -> int:
     from train_harness import launch, rendezvous
 
-    from slime_ext.schedule.profile import CostProfile, fit_profile, fit_summary
+    from slime_ext.schedule.profile import CostProfile
+    from slime_ext.training.profile_fit import fit_profile, fit_summary
     from slime_ext.schemes import BASELINES
     from slime_ext.training.calibrate import calibration_design
 
-    p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="one small workload, DP=2 only, one repeat (~1 min)")
+    p = parser(__doc__, prog="python -m bench.train_step", quick="one small workload, DP=2 only, one repeat (~1 min)")
     p.add_argument("--repeats", type=int, default=None,
                    help="repeats per scheme (default 3 for DP=2 and 2 for DP=2 x PP=2; --quick 1)")
     p.add_argument("--profile", help="use this saved cost profile instead of calibrating")
@@ -432,7 +404,7 @@ def run(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="also write the report (markdown) to this file")
     args = p.parse_args(argv)
     repeats_of = {1: args.repeats or (1 if args.quick else 3), 2: args.repeats or 2}  # by pp size
-    workloads = quick_workloads() if args.quick else full_workloads()
+    workloads = TRAIN_STEP_QUICK_WORKLOADS if args.quick else TRAIN_STEP_WORKLOADS
     layouts = [("DP=2", 2, 1)] if (args.quick or args.no_pp) else [("DP=2", 2, 1), ("DP=2 x PP=2", 2, 2)]
     if args.no_concurrent:
         layouts = []
@@ -468,7 +440,7 @@ def run(argv: list[str] | None = None) -> int:
     say("\n## Workloads (one rollout = one optimizer step; lengths from bench/workloads.py, scaled)\n")
     lengths_of, samples_of = {}, {}
     for w in workloads:
-        lengths = workload_lengths(w)
+        lengths = w.lengths().tolist()
         lengths_of[w.name], samples_of[w.name] = lengths, make_samples(lengths, w.seed, MODEL["vocab_size"])
         say(f"- {w.name}: {w.n} samples, {sum(lengths)} tokens, max {max(lengths)}, median "
             f"{int(np.median(lengths))}, max_tokens_per_gpu {w.cap}")
@@ -556,7 +528,7 @@ def run(argv: list[str] | None = None) -> int:
             say(f"    {line}")
     say("\n## Targets\n")
     for ok, text in targets:
-        say(f"- {verdict(ok, 1, '')} {text}")
+        say(target(ok, 1, "", text, markdown=True))
     say(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     if args.out:
         with open(args.out, "w") as fh:

@@ -45,14 +45,13 @@ the micro-batch TensorDicts), and the 'before' engine depth (all-gathered length
 one call = one rank's time, its all-gathers not run). Times are CPU time of this process (``CLOCK``), each rank's
 best of ``--repeats`` runs, median and max over the ranks.
 
-Workloads (:mod:`bench.workloads`, ``bench.pipeline_model_table``): ``rl-like``, ``bimodal``, ``long tail``; 1024
+Workloads (:data:`bench.workloads.ROLLOUT_SHAPES`): ``rl-like``, ``bimodal``, ``long tail``; 1024
 samples per trainer step, dp 8, 4 mini-batches (32 samples per rank per mini-batch), cap 16384; lengths are clipped to
 the cap, since verl refuses a longer sample (its config makes the longest prompt + response fit).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -74,8 +73,8 @@ from slime_ext.schedule.cost import sample_costs
 from slime_ext.schedule.pipeline_model import PipelineSpec
 from slime_ext.schedule.pipeline_pricing import PipelinePricing, pipeline_pricing
 
-from .pipeline_model_table import bimodal_lengths
-from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, make_lengths
+from .runner import add_planner_fields, parser, planner_config
+from .workloads import MAX_TOKENS_PER_GPU, MODEL_DIMS, ROLLOUT_SHAPES, make_lengths
 
 N, DP, MINI_BATCHES, SEED = 1024, 8, 4, 1
 #: the engine depth before issue 30 (every rank planned every rank), for the 'before' columns
@@ -84,11 +83,6 @@ BASELINE = "cfaa6b5"
 #: shared, and wall time there would count other people's work too)
 CLOCK = time.process_time
 PP_SIZES = (1, 4, 8)
-WORKLOADS = {
-    "rl-like": lambda n: make_lengths("rl", n, SEED),
-    "bimodal": lambda n: bimodal_lengths(n, SEED),
-    "long tail": lambda n: make_lengths("heavy", n, SEED),
-}
 
 
 def dispatch(lengths: np.ndarray, dp: int) -> list[np.ndarray]:
@@ -248,7 +242,7 @@ def run_case(name: str, n: int, dp: int, mini_batches: int, pp_sizes=PP_SIZES,
     cost_model = CostModel(**MODEL_DIMS)
     cap = MAX_TOKENS_PER_GPU
     # verl refuses a sample longer than the cap (its config makes max prompt + response fit): clip to it
-    lengths = np.minimum(np.asarray(WORKLOADS[name](n), dtype=np.int64), cap)
+    lengths = np.minimum(make_lengths(ROLLOUT_SHAPES[name], n, SEED), cap)
     costs = sample_costs(lengths, cost_model)
     minis = _minis(dispatch(lengths, dp), mini_batches)
     # the trainer depth: slime-ext's dispatch (per mini-batch, equal counts), then the engine depth
@@ -466,9 +460,8 @@ def print_planning_times(dps, sizes, layouts, repeats, baseline, search, collect
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="rl-like only, pp 1 and 4, 256 samples; dp 8 and 32, 16 "
-                                                          "samples per rank in the timing table")
+    ap = parser(__doc__, quick="rl-like only, pp 1 and 4, 256 samples; dp 8 and 32, 16 samples per rank in the "
+                               "timing table")
     ap.add_argument("--dp", type=int, default=DP)
     ap.add_argument("--samples", type=int, default=N, help="samples per trainer step")
     ap.add_argument("--mini-batches", type=int, default=MINI_BATCHES)
@@ -481,16 +474,15 @@ def main(argv: list[str] | None = None) -> int:
         if f.type in ("float", "bool"):
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.type == "float" else int,
                             default=None, help=f"EngineSearch.{f.name} (default {f.default})")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                    help="a PlannerConfig field for the engine depth's shaping (its shapes, scan_shapes, ...), e.g. "
-                         "--set scan_shapes=[[0,0,1.0]]; repeatable")
+    add_planner_fields(ap, "the engine depth's shaping (its shapes, scan_shapes, ...), e.g. "
+                           "--set scan_shapes=[[0,0,1.0]]")
     args = ap.parse_args(argv)
     import verl
 
     search = EngineSearch(**{f.name: (bool if f.type == "bool" else float)(getattr(args, f.name))
                              for f in dataclasses.fields(EngineSearch)
                              if f.type in ("float", "bool") and getattr(args, f.name) is not None},
-                          planner=PlannerConfig().replace_from(args.overrides))
+                          planner=planner_config(args.overrides) or PlannerConfig())
     baseline = None
     if args.baseline != "none":
         got = load_baseline(args.baseline)
@@ -498,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no 'before' column: {got}")
         else:
             baseline = got
-    names = ["rl-like"] if args.quick else list(WORKLOADS)
+    names = ["rl-like"] if args.quick else list(ROLLOUT_SHAPES)
     pps = (1, 4) if args.quick else PP_SIZES
     n = 256 if args.quick else args.samples
     if args.only != "time":

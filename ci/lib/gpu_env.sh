@@ -2,7 +2,7 @@
 #
 # The target: one GPU, no network, a Python with a preinstalled CUDA torch, no Ray, no megatron-core, and only what
 # is carried in with the tree (at most 64 MiB). So nothing here needs Ray or pytest: the train ranks start through
-# torch.multiprocessing (slime_ext.rollout.processes) and the checks are plain Python modules (bench/gpu_e2e.py,
+# torch.multiprocessing (slime_ext.rollout.processes) and the checks are plain Python (tests/e2e/gpu_e2e.py,
 # bench/gpu_replay.py). Two wheels are carried, built on a connected machine by ci/build_wheelhouse:
 # megatron-core (~2.6 MB, without its dependencies) and slime-ext's own.
 #

@@ -118,7 +118,7 @@ def run(args) -> int:
         raise CLIError(f"calibrate needs the training extra ({e}): pip install \"./slime-ext[train]\" from a clone "
                        f"of slime-ext (docs/install.md)") from None
     from ..schedule import ScheduleError
-    from ..schedule.profile import fit_summary
+    from ..training.profile_fit import fit_summary
 
     if args.threads is not None:
         if args.threads < 1:

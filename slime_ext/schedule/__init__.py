@@ -12,15 +12,9 @@ micro-batch count per rank)::
                                 microbatches_per_rank=None,  # k: exactly k micro-batches per rank, every step
                                 cost_model=CostModel(...)))
 
-The keyword form (steps of whole rollouts; the same request underneath)::
-
-    schedule = plan_schedule(lengths, parallel, batch, rollout_ids=ids, loss_tokens=loss_tokens,
-                             cost_model=CostModel(...))
-
-slime-compatible API::
-
-    partitions, micro_batch_indices, num_microbatches, global_batch_sizes = build_dp_schedule(
-        args, train_parallel_config, total_lengths, global_batch_size=gbs, rollout_indices=ids)
+``plan_schedule(lengths, parallel, batch, rollout_ids=ids, ...)`` is the keyword form of the same request;
+``build_dp_schedule(args, train_parallel_config, total_lengths, global_batch_size=gbs, rollout_indices=ids)`` is
+slime's (it unpacks as ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes``).
 
 **Module map** (the planner walks its stages in this order; a module imports only from those above it):
 
@@ -32,17 +26,20 @@ cost model                ``cost`` (CostModel: FLOPs per sample; ``bin_costs``: 
 1. steps                  ``steps`` (whole rollouts per step)
 2.-3. packing             ``packing`` (capped micro-batches, aligned to DP x VPP), ``bounds``
 4. distribution           ``distribute`` (equal counts per DP rank, balanced)
-5. the pipeline choice    ``pipeline_model`` (megatron-core's schedule: makespans, bound, bubble),
-                          ``pipeline_pricing`` (costs -> per-stage times; the search's work budget),
-                          ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
+5. the pipeline choice    ``pipeline_model`` (megatron-core's schedule), ``pipeline_pricing`` (costs -> per-stage
+                          times), ``pipeline_orders``, ``pipeline_shape``, ``pipeline_rebalance``, ``pipeline_refine``
                           (the candidates' pieces), ``pipeline_choice`` (the search, stated once)
 the planner               ``step_plan`` (StepPlan: one step's plan), ``planner`` (stages 1-5 of one request)
 one replica               ``replica`` (shape_replica, scan_replica, pack_replica: one replica's samples in exactly
-                          ``count`` micro-batches by the planner's shaping, for hosts that plan inside their engine)
+                          ``count`` micro-batches, for hosts that plan inside their engine)
 its record                ``dp_schedule`` (DPSchedule, StepStats), ``payload``, ``invariants`` (check_schedule)
 the request               ``request`` (PlanRequest, checked on construction; plan: the entry point; plan_schedule)
 slime's entry             ``compat`` (slime's args -> a PlanRequest; build_dp_schedule)
 ========================  ===========================================================================================
+
+For hosts that plan inside their engine: ``pipeline_pricing`` (the pipeline objective; its ``makespans``),
+``microbatch_costs``, ``sample_costs``, ``best_orders`` (the order the model predicts fastest), ``PipelineSpec`` and
+``pipeline_makespan`` (the model itself), ``shape_replica`` and ``scan_replica``.
 """
 
 from .compat import build_dp_schedule
@@ -60,39 +57,9 @@ from .profile import CostProfile
 from .replica import ReplicaPlan, ReplicaScan, pack_replica, scan_replica, shape_replica
 from .request import PlanRequest, plan, plan_schedule
 
-# The public API; the rest (fit_profile, ...) is imported from its module. For integrations that plan inside a
-# host's engine (verl: one rank's micro-batches, ordered for the pipeline), the pipeline objective:
-# pipeline_pricing(parallel, cost_model, cap) -> PipelinePricing (its makespans(mb_costs)), microbatch_costs (the
-# planner's price of micro-batches given as sample lists), best_orders (the order the model predicts fastest) and
-# sample_costs (the per-sample costs the planner balances); PipelineSpec and pipeline_makespan are the model itself.
-# shape_replica (one replica's samples in exactly `count` micro-batches, shaped for the pipeline by the planner's
-# own shaping) and scan_replica (the same at many counts, priced in one pass) are what such a host plans with.
 __all__ = [
-    "BatchConfig",
-    "CostModel",
-    "CostProfile",
-    "DPSchedule",
-    "ParallelConfig",
-    "PipelinePricing",
-    "PipelineSpec",
-    "PlanRequest",
-    "PlannerConfig",
-    "RankPayload",
-    "ReplicaPlan",
-    "ReplicaScan",
-    "SampleBatch",
-    "ScheduleError",
-    "StepStats",
-    "best_orders",
-    "build_dp_schedule",
-    "check_schedule",
-    "microbatch_costs",
-    "pack_replica",
-    "pipeline_makespan",
-    "pipeline_pricing",
-    "plan",
-    "plan_schedule",
-    "sample_costs",
-    "scan_replica",
-    "shape_replica",
+    "BatchConfig", "CostModel", "CostProfile", "DPSchedule", "ParallelConfig", "PipelinePricing", "PipelineSpec",
+    "PlanRequest", "PlannerConfig", "RankPayload", "ReplicaPlan", "ReplicaScan", "SampleBatch", "ScheduleError",
+    "StepStats", "best_orders", "build_dp_schedule", "check_schedule", "microbatch_costs", "pack_replica",
+    "pipeline_makespan", "pipeline_pricing", "plan", "plan_schedule", "sample_costs", "scan_replica", "shape_replica",
 ]

@@ -26,13 +26,10 @@ def align_up(count: int, align: int) -> int:
 
 
 def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
-    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``.
-
-    Raised, where packing needs more, to :func:`bin_lower_bound`. Oversize samples count with all their tokens:
-    a packing could put each alone into one bin and use fewer, but the spare bins are what lets the ranks around
-    an oversize sample stay balanced -- unless that would need more micro-batches than there are samples; then
-    the largest aligned count the samples can fill (never below the true lower bound).
-    """
+    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``, raised to
+    :func:`bin_lower_bound` where packing needs more. Oversize samples count with all their tokens (the spare bins
+    keep the ranks around them balanced), unless the samples cannot fill that many; then the largest aligned count
+    they can fill (never below the true lower bound)."""
     needed = align_up(bin_lower_bound(lengths, cap), align)
     by_tokens = align_up(-(-int(lengths.sum()) // cap), align)
     fillable = len(lengths) // align * align

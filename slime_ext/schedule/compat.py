@@ -1,19 +1,13 @@
 """slime's flags -> the planner's request, and the slime-compatible entry point built on it.
 
-One reading of slime's ``args`` for every caller: :func:`build_dp_schedule` here (the library's drop-in for upstream's
-``slime.utils.dp_schedule.build_dp_schedule``) and the slime integration (:mod:`slime_ext.integrations.slime.planner`)
-both build their :class:`~.request.PlanRequest` with :func:`request_from_args` (its inputs from
-:func:`planner_inputs`), so they plan alike:
-
-* the layout (:func:`parallel_from_args`): slime's ``train_parallel_config`` dict, which has no pipeline size,
-  p2p mode or layout flags (``--decoder-first/last-pipeline-num-layers``, ``--pipeline-model-parallel-layout``,
-  ``--account-for-embedding/loss-in-pipeline-split``), completed from Megatron's args (:data:`LAYOUT_ARGS`), and
-  checked against ``args.num_layers`` as Megatron checks it. **The rule**: a field the dict lacks (or gives
-  as ``None``) is read off ``args``; a field both give must agree, else :class:`ScheduleError` names both values
-  (never one silently winning); under VPP a p2p mode neither gives is Megatron-LM's default, on. The dict's VPP
-  and group sizes are used as they are (slime fills them from Megatron's model config);
-* the batch flags (:meth:`BatchConfig.from_args`);
-* the cost (:func:`cost_from_args`): the measured profile at ``args.cost_profile``, else FLOPs from the model dims.
+:func:`build_dp_schedule` (the drop-in for upstream's ``slime.utils.dp_schedule.build_dp_schedule``) and the slime
+integration (:mod:`slime_ext.integrations.slime.planner`) both build their request with :func:`request_from_args`,
+so they plan alike. The layout (:func:`parallel_from_args`) is slime's ``train_parallel_config`` dict completed from
+Megatron's args (:data:`LAYOUT_ARGS`: the pipeline size, p2p mode and layout flags the dict lacks): a field the dict
+lacks (or gives as ``None``) is read off ``args``; a field both give must agree, else :class:`ScheduleError` names
+both values; under VPP a p2p mode neither gives is Megatron-LM's default, on. The batch flags are
+:meth:`BatchConfig.from_args`; the cost (:func:`cost_from_args`) the profile at ``args.cost_profile``, else FLOPs
+from the model dims.
 """
 
 from __future__ import annotations
@@ -112,16 +106,10 @@ def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | Paralle
                          cost_model=cost_from_args(args))
 
 
-def request_from_args(
-    args: Any,
-    train_parallel_config: Mapping[str, Any] | ParallelConfig,
-    total_lengths: Sequence[int],
-    *,
-    global_batch_size: int | None = None,
-    rollout_indices: Sequence[int] | None = None,
-    loss_tokens: Sequence[int] | None = None,
-    config: PlannerConfig | None = None,
-) -> PlanRequest:
+def request_from_args(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig,
+                      total_lengths: Sequence[int], *, global_batch_size: int | None = None,
+                      rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
+                      config: PlannerConfig | None = None) -> PlanRequest:
     """The :class:`~.request.PlanRequest` of one slime rollout: its steps derived from whole rollouts, the layout,
     batch flags and cost read off ``args`` (:func:`planner_inputs`); ``config``: the planner's tunables."""
     inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
@@ -130,30 +118,17 @@ def request_from_args(
                        config=config)
 
 
-def build_dp_schedule(
-    args: Any,
-    train_parallel_config: Mapping[str, Any] | ParallelConfig,
-    total_lengths: Sequence[int],
-    *,
-    global_batch_size: int | None = None,
-    rollout_indices: Sequence[int] | None = None,
-    loss_tokens: Sequence[int] | None = None,
-    config: PlannerConfig | None = None,
-) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (any attribute object): :func:`~.request.plan` of
-    :func:`request_from_args`, as the slime integration plans; ``config``: the planner's tunables (default
-    ``PlannerConfig()``).
+def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig,
+                      total_lengths: Sequence[int], *, global_batch_size: int | None = None,
+                      rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
+                      config: PlannerConfig | None = None) -> DPSchedule:
+    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans.
 
     ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
-    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``). ``args.pipeline_model_parallel_size``
-    (and, under VPP, ``args.overlap_p2p_comm``) complete slime's parallel dict, which lacks them; a value the dict
-    also gives must agree. Model dims on ``args`` (``hidden_size``, ``num_layers``, ...) feed the FLOPs model;
-    without them balancing is by tokens. ``args.cost_profile`` (a JSON file from ``slime-ext calibrate``) replaces
-    the FLOPs model with measured seconds.
-
-    The result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)``
-    and is also the full :class:`DPSchedule` (slime's rollout hook hands slime plain lists:
-    :func:`slime_ext.integrations.slime.planner.slime_dp_schedule`).
+    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``); model dims on ``args`` feed the
+    FLOPs model (without them balancing is by tokens), ``args.cost_profile`` replaces it with measured seconds. The
+    result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` and is
+    also the full :class:`DPSchedule`.
     """
     return plan(request_from_args(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
                                   rollout_indices=rollout_indices, loss_tokens=loss_tokens, config=config))

@@ -1,7 +1,5 @@
-"""The planning layer's two inputs besides the samples: the parallel layout and slime's batch flags.
-
-Both are frozen, validate themselves on construction and raise :class:`ScheduleError` naming the field, the value
-and the fix. Every other layer (the training config, the run config, the CLI) reuses them instead of re-checking.
+"""The planning layer's two inputs besides the samples: the parallel layout and slime's batch flags. Both are
+frozen and validate themselves on construction; every other layer reuses them instead of re-checking.
 """
 
 from __future__ import annotations
@@ -16,27 +14,16 @@ from .validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS,
 
 #: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-#: ... and the pipeline size, the p2p mode and the tensor-parallel size, which slime's dict may lack (then 1, False
-#: and 1); ``ParallelConfig.from_megatron`` reads them from Megatron's args
+#: ... and those slime's dict may lack (then 1, False and 1)
 FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm", "tp_size")
-#: Megatron's flags that place layers on pipeline stages (argparse dests; :mod:`slime_ext.schedule.pipeline_layout`):
-#: the per-stage costs (:mod:`slime_ext.schedule.stages`) follow them
+#: Megatron's flags that place layers on pipeline stages (argparse dests); the per-stage costs follow them
 LAYOUT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                 "account_for_loss_in_pipeline_split")
 FROM_DICT_KEYS += LAYOUT_FLAGS
 #: slime flag names (argparse dests) that the scheduler reads.
-BATCH_FLAGS = (
-    "global_batch_size",
-    "use_dynamic_batch_size",
-    "max_tokens_per_gpu",
-    "micro_batch_size",
-    "balance_data",
-    "balance_by_flops",
-    "use_dynamic_global_batch_size",
-    "disable_rollout_trim_samples",
-)
-
+BATCH_FLAGS = ("global_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "balance_data",
+               "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples")
 
 _BOOL_FLAGS = ("use_dynamic_batch_size", "balance_data", "balance_by_flops", "use_dynamic_global_batch_size",
                "disable_rollout_trim_samples", "dynamic_global_batch_rounds_samples")
@@ -58,46 +45,32 @@ def megatron_mb_group_size(microbatch_group_size_per_vp_stage: int | None,
     return 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size
 
 
-#: what a planner entry says when it is handed a layout whose data-parallel size is not known yet
-DP_SIZE_UNRESOLVED = "parallel.dp_size is None: resolve it with ParallelConfig.for_world(world_size)"
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The training job's parallel layout (slime's ``train_parallel_config``, plus the pipeline and tensor-parallel
-    sizes): the one class for it, used by the planner, the training config and the CLI alike."""
+    """The training job's parallel layout (slime's ``train_parallel_config`` plus the pipeline and tensor-parallel
+    sizes), used by the planner, the training config and the CLI alike."""
 
-    #: data-parallel ranks: each gets the same number of micro-batches per step. ``None``: whatever the world size
-    #: leaves (the training config does not know its world size); :meth:`for_world` resolves it, and the planner
-    #: refuses a layout without it
+    #: data-parallel ranks, each with the same micro-batch count per step; ``None``: whatever the world size
+    #: leaves (:meth:`for_world` resolves it; the planner refuses a layout without it)
     dp_size: int | None = 1
     cp_size: int = 1  # context-parallel size: a micro-batch may hold max_tokens_per_gpu * cp_size tokens
     vpp_size: int = 1  # virtual pipeline stages per rank (Megatron's interleaved schedule)
-    #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; None there is
-    #: Megatron's default, the pipeline size (:func:`megatron_mb_group_size`; required when pp_size is 1, as
-    #: slime's dict has no pipeline size); unused (1) without VPP
+    #: with vpp_size > 1, every step's micro-batch count is a multiple of dp_size times this; ``None``: Megatron's
+    #: default, the pipeline size (required when pp_size is 1); 1 without VPP
     microbatch_group_size_per_vp_stage: int | None = None
-    #: pipeline stages (Megatron's --pipeline-model-parallel-size); with pp_size > 1 the planner minimises the
-    #: slowest replica's predicted pipeline makespan (slime_ext.schedule.pipeline_model); 1 plans exactly as before
+    #: pipeline stages; with pp_size > 1 the planner minimises the slowest replica's predicted makespan
     pp_size: int = 1
-    #: Megatron's ``overlap_p2p_comm``: under VPP, p2p is posted early and waited just before use instead of one
-    #: blocking batch per iteration (the pipeline model follows the mode); False without VPP (megatron-core refuses
-    #: it there), so configs that plan alike compare equal
+    #: Megatron's ``overlap_p2p_comm`` under VPP (p2p posted early, waited just before use); False without VPP
     overlap_p2p_comm: bool = False
-    #: tensor-parallel size: the planner ignores it; the world-size arithmetic (:meth:`for_world`) and the CLI's
-    #: step-time estimate use it
+    #: tensor-parallel size: only the world-size arithmetic (:meth:`for_world`) and the CLI's estimates read it
     tp_size: int = 1
-    #: Megatron's ``--decoder-first-pipeline-num-layers``: decoder layers on the first pipeline rank (the other
-    #: ranks split the rest evenly); None: the even split
+    #: Megatron's layout flags (:data:`LAYOUT_FLAGS`, :mod:`.pipeline_layout`): decoder layers on the first / last
+    #: pipeline rank (``None``: the even split), a layout string such as ``"Ett|(tt|)*6,tL"`` (it fixes vpp_size;
+    #: excludes the others), and whether the embedding / loss counts as a layer in the even split (False without
+    #: pipelining)
     decoder_first_pipeline_num_layers: int | None = None
-    #: Megatron's ``--decoder-last-pipeline-num-layers``: decoder layers on the last pipeline rank; None: even
     decoder_last_pipeline_num_layers: int | None = None
-    #: Megatron's ``--pipeline-model-parallel-layout``, e.g. ``"Ett|(tt|)*6,tL"``: the layers of every virtual
-    #: stage (it fixes vpp_size: its stage count / pp_size); excludes the four other layout flags
     pipeline_model_parallel_layout: str | None = None
-    #: megatron-core's ``account_for_embedding_in_pipeline_split`` / ``..._loss_...``: the embedding (loss) counts
-    #: as one layer in the even split, so the first (last) model chunk holds one decoder layer fewer; False without
-    #: pipelining, where they change nothing
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
 
@@ -156,7 +129,7 @@ class ParallelConfig:
     def require_dp_size(self) -> int:
         """``dp_size``, or the :class:`ScheduleError` every planner entry raises for a layout that has none yet."""
         if self.dp_size is None:
-            raise ScheduleError(DP_SIZE_UNRESOLVED)
+            raise ScheduleError("parallel.dp_size is None: resolve it with ParallelConfig.for_world(world_size)")
         return self.dp_size
 
     @property
@@ -212,11 +185,8 @@ class ParallelConfig:
         account_for_embedding_in_pipeline_split: bool | None = False,
         account_for_loss_in_pipeline_split: bool | None = False,
     ) -> "ParallelConfig":
-        """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, and the group size defaults to the
-        pipeline size (:func:`megatron_mb_group_size`, 1 without one). It only counts with virtual pipelining;
-        without, it is 1, so configs that plan alike compare equal. ``overlap_p2p_comm=None`` is Megatron-LM
-        training's default: on with VPP. Without a virtual pipeline size, a layout string gives it (its stage count
-        / the pipeline size, as Megatron-LM derives it); the layout flags are :data:`LAYOUT_FLAGS`."""
+        """From Megatron's sizes, resolved as Megatron does: ``None`` sizes are 1, the group size defaults to the
+        pipeline size, ``overlap_p2p_comm=None`` is on with VPP, and a layout string gives a missing VPP size."""
         def given(size: int | None, default: int | None) -> int | None:
             return default if size is None else size
 
@@ -245,8 +215,7 @@ class ParallelConfig:
 class BatchConfig:
     """slime's batch flags, under slime's names: the one place they are validated."""
 
-    #: rollouts (not samples) per training step: one rollout may emit several samples; required unless
-    #: use_dynamic_global_batch_size
+    #: rollouts (not samples) per training step; required unless use_dynamic_global_batch_size
     global_batch_size: int | None = None
     #: pack micro-batches up to max_tokens_per_gpu * cp_size tokens (else micro_batch_size samples each)
     use_dynamic_batch_size: bool = False
@@ -254,12 +223,11 @@ class BatchConfig:
     micro_batch_size: int | None = 1  # samples per micro-batch without use_dynamic_batch_size
     balance_data: bool = False  # balance estimated FLOPs across DP ranks (equal micro-batch counts either way)
     balance_by_flops: bool = False  # also balance FLOPs across a step's micro-batches (dynamic batches only)
-    #: one step for the whole input (a slime rollout batch), whatever its size: every whole rollout in it, as long as
-    #: it has a sample for each of the dp_size*mb_group micro-batch slots (samples count here, not rollouts)
+    #: one step for the whole input: every whole rollout the layout can train (:func:`~.steps.dynamic_step_rollouts`)
     use_dynamic_global_batch_size: bool = False
     disable_rollout_trim_samples: bool = False  # an incomplete trailing step is an error instead of dropped
-    #: with use_dynamic_global_batch_size: slime v0.2.4's rule for that flag, the step keeps only the whole rollouts
-    #: inside the sample count rounded down to a multiple of dp_size (set by the v0.2.4 adapter; not a slime flag)
+    #: slime v0.2.4's rule for use_dynamic_global_batch_size (the sample count rounded down to a multiple of
+    #: dp_size); set by the v0.2.4 adapter, not a slime flag
     dynamic_global_batch_rounds_samples: bool = False
 
     def __post_init__(self) -> None:

@@ -1,9 +1,6 @@
-"""Estimated forward FLOPs per sample, from the model dims: ``cost(L) = linear * L + quadratic * L**2``.
-
-The linear term covers the QKV/output projections, the MLP (dense, or MoE with top-k routed plus shared experts)
-and the LM head; the quadratic term is causal self-attention (``QK^T`` and ``AV``, each half of a full ``L x L``).
-Backward is a constant multiple of forward, so forward FLOPs are enough to balance by. Without model dims the
-cost falls back to tokens (``linear=1, quadratic=0``).
+"""Estimated forward FLOPs per sample from the model dims, ``cost(L) = linear * L + quadratic * L**2``: projections,
+MLP (dense, or MoE with top-k routed plus shared experts) and LM head linear, causal self-attention quadratic.
+Backward is a constant multiple of forward, so forward FLOPs are enough to balance by; without dims, tokens.
 """
 
 from __future__ import annotations
@@ -27,12 +24,9 @@ def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Transformer dims, with Megatron's argument names (missing optional dims take Megatron's defaults).
-
-    The one declaration of the model dims: the CLI's options (:data:`slime_ext.cli.options.MODEL`), the validation
-    (:func:`slime_ext.schedule.validate.check_cost_model_fields`: the dims without a default are required, those
-    defaulting to ``None`` are optional positive sizes) and :meth:`from_args` all read these fields.
-    """
+    """Transformer dims under Megatron's argument names (missing optional dims take Megatron's defaults): the one
+    declaration the CLI's options, the validation (dims without a default are required, ``None`` ones optional) and
+    :meth:`from_args` read."""
 
     hidden_size: int = _dim()
     num_layers: int = _dim()
@@ -50,8 +44,6 @@ class CostModel:
     swiglu: bool = _dim(False, "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)", kind="bool")
 
     def __post_init__(self) -> None:
-        # every dim is an exact, bounded integer (numpy ints become int, a list moe_layer_freq a tuple) and the
-        # coefficients are finite and positive: see slime_ext.schedule.validate
         fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
                                          required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
         for name, value in fields.items():
@@ -67,12 +59,9 @@ class CostModel:
         return self.num_layers - moe, moe
 
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:
-        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``.
-
-        ``formula="upstream"`` reproduces upstream slime's ``calculate_fwd_flops`` (dense layers only): its K/V
-        projection ``2 h (heads // groups) kv`` and output projection ``2 h h``; "exact" counts a GQA K+V projection
-        as ``2 h 2 groups kv`` and the output as ``2 heads kv h``.
-        """
+        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``. ``"upstream"``: upstream
+        slime's ``calculate_fwd_flops`` (dense only; K/V ``2 h (heads // groups) kv``, output ``2 h h``); ``"exact"``
+        counts a GQA K+V projection as ``2 h 2 groups kv`` and the output as ``2 heads kv h``."""
         dense_layer, moe_layer, layer_quadratic, head = self.layer_terms(formula)
         dense, moe = self._layer_counts()
         linear = dense * dense_layer + head
@@ -81,10 +70,9 @@ class CostModel:
         return float(linear), float(self.num_layers * layer_quadratic)
 
     def layer_terms(self, formula: str = "exact") -> tuple[int, int, int, int]:
-        """Forward FLOPs per token of the model's pieces, exact integers: ``(dense layer, MoE layer, one layer's
-        attention per token of the sample's length, output layer)``; a layer of a sample of ``L`` tokens costs
-        ``(dense or MoE) * L + attention * L**2``, the output layer ``2 h vocab * L`` (the embedding, a lookup,
-        costs none). :meth:`coefficients` sums them over the layers; :mod:`slime_ext.schedule.stages` per stage."""
+        """Forward FLOPs of the model's pieces, exact integers: ``(dense layer, MoE layer, attention, output layer)``;
+        a layer of a sample of ``L`` tokens costs ``(dense or MoE) * L + attention * L**2``, the output layer
+        ``2 h vocab * L``. :meth:`coefficients` sums them over the layers, :mod:`.stages` per stage."""
         h = self.hidden_size
         heads = self.num_attention_heads
         groups = self.num_query_groups or heads

@@ -1,10 +1,5 @@
-"""Stage 4: give every DP rank the same number of micro-batches.
-
-Over packed bins (``rank_of_bin`` arrays): :func:`serpentine` (round-robin over the bins in decreasing cost,
-reversing every round), :func:`lpt_equal_count` (each round hands the next ``dp`` bins, heaviest first, to the
-lightest ranks) and :func:`refine_by_swaps` (heaviest ranks swap bins with the lightest while that lowers the
-maximum). With bins chosen per rank, :func:`build_rank_bins` deals samples, not bins.
-"""
+"""Stage 4: give every DP rank the same number of micro-batches (``rank_of_bin`` over packed bins), or with
+:func:`build_rank_bins` deal samples, not bins, into bins chosen per rank."""
 
 from __future__ import annotations
 
@@ -50,11 +45,10 @@ def refine_by_swaps(
 ) -> np.ndarray:
     """Lower the heaviest ranks by swapping bins with light ranks; every rank keeps its number of bins.
 
-    Each round pairs the i-th heaviest rank with the i-th lightest and, in every pair at once, makes the one swap
-    that brings the two closest to their average (moving ``d`` with ``0 < d < gap``). Stops when the heaviest rank
-    is within ``tolerance`` of the mean, a round does not lower the maximum, or after ``max_rounds`` rounds. Every
-    rank holds ``len(bin_costs) / dp_size >= 1`` bins. Up to ``dense_limit`` bins per rank every pair of bins is
-    scored at once (``per_rank**2`` memory per rank pair), above it by binary search per bin (the same swaps).
+    Each round pairs the i-th heaviest rank with the i-th lightest and in every pair makes the one swap that brings
+    the two closest to their average. Stops when the heaviest rank is within ``tolerance`` of the mean, a round does
+    not lower the maximum, or after ``max_rounds``. Up to ``dense_limit`` bins per rank all pairs are scored at once,
+    above it by binary search per bin (the same swaps, less memory).
     """
     count = len(bin_costs)
     per_rank = count // dp_size
@@ -108,14 +102,10 @@ def refine_by_swaps(
 
 
 class LightestWithRoom:
-    """The lightest of some bins (or ranks) that has room for a sample, when samples come longest first.
-
-    ``push(load, item, room)`` offers an item; ``pop(need)`` removes and returns ``(load, item)`` of the lightest
-    item with ``room >= need`` (ties: the lowest item), or ``None``. The needs never grow, so an item too full for
-    one sample waits in a second heap keyed by its room until the samples are small enough: ``O(log items)``
-    amortised per pop. An item is offered again, with its new load and room, only while it can take something.
-    :func:`build_rank_bins` picks ranks (a rank's room: its roomiest bin's) and, by cost, a rank's bins with it.
-    """
+    """The lightest of some bins (or ranks) with room for a sample, when samples come longest first: ``pop(need)``
+    removes and returns ``(load, item)`` of the lightest item with ``room >= need`` (ties: the lowest item), or
+    ``None``. Needs never grow, so a too-full item waits in a second heap keyed by its room (``O(log items)``
+    amortised per pop)."""
 
     __slots__ = ("ready", "waiting")
 
@@ -143,13 +133,10 @@ class LightestWithRoom:
 def build_rank_bins(
     lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, cap: int, dp_size: int, per_rank: int, by_cost: bool
 ) -> list[list[list[int]]] | None:
-    """Bins chosen per rank: deal samples (decreasing cost) to the lightest rank with room.
-
-    Each rank owns ``per_rank`` capped bins; inside it a sample goes to the fullest bin it fits (best fit), or with
-    ``by_cost`` to the cheapest bin it fits (ranks and cheapest bins: :class:`LightestWithRoom`). A rank left with
-    fewer samples than bins (one holding a very costly sample) takes the cheapest samples of ranks that have more;
-    bins still empty are filled by halving the rank's largest bins. Returns ``None`` when some sample fits no rank.
-    """
+    """Bins chosen per rank: samples (decreasing cost) dealt to the lightest rank with room, inside it to the
+    fullest bin it fits (or with ``by_cost`` the cheapest). A rank with fewer samples than its ``per_rank`` bins
+    takes the cheapest samples of ranks with more; empty bins are filled by halving its largest. ``None`` when some
+    sample fits no rank."""
     stride = per_rank + 1
     keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
     room = [[cap] * per_rank for _ in range(dp_size)]

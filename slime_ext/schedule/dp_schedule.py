@@ -1,8 +1,6 @@
 """``DPSchedule``: the contract between the rollout side (which computes it) and the training side (which runs it).
-
-Everything is plain Python data (ints, floats, lists, nested frozen dataclasses), so the object pickles through
-Ray and round-trips through JSON with :meth:`DPSchedule.to_dict` / :meth:`DPSchedule.from_dict`.
-"""
+Plain Python data in frozen dataclasses: it pickles through Ray and round-trips through JSON (``to_dict`` /
+``from_dict``)."""
 
 from __future__ import annotations
 
@@ -18,9 +16,8 @@ from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int,
                        check_samples, int_list, is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
 
-SCHEMA_VERSION = 3  # 2: StepStats.aligned_lower_bound renamed packing_target; 3: rank_flops_* -> rank_cost_*
-#: StepStats fields renamed in schema 3 (they hold the cost model's unit, seconds with a CostProfile); a schema-2
-#: schedule is read with these names mapped
+SCHEMA_VERSION = 3
+#: StepStats fields renamed in schema 3 (they hold the cost model's unit); a schema-2 schedule is read with them mapped
 RENAMED_IN_3 = {"rank_flops_max": "rank_cost_max", "rank_flops_mean": "rank_cost_mean",
                 "microbatch_flops_max": "microbatch_cost_max", "microbatch_flops_mean": "microbatch_cost_mean"}
 
@@ -37,18 +34,15 @@ class StepStats:
     num_microbatches: int
     #: micro-batches over all ranks (``num_microbatches * dp_size``)
     total_microbatches: int
-    #: the micro-batch count the planner aimed for: ``ceil(ceil(tokens / cap) / align) * align``, raised where
-    #: packing provably needs more (not a lower bound: with samples above the cap fewer bins could do). Static:
-    #: ``ceil(n / micro_batch_size)``. ``total_microbatches`` exceeds it when the target does not fit, or when
-    #: balance_data spends extra micro-batches on a capacity-bound step (``strategy`` then ends in ``+N``)
+    #: the count the planner aimed for (:func:`~.bounds.microbatch_target`; static: ``ceil(n / micro_batch_size)``);
+    #: ``total_microbatches`` exceeds it where that does not fit or balancing spends more (``strategy`` ends ``+N``)
     packing_target: int
     #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
     cap: int | None
     largest_bin_tokens: int
     #: micro-batches above the cap that hold more than one sample (must be 0)
     cap_violations: int
-    #: estimated cost summed per rank, max and mean over ranks, in ``DPSchedule.cost_unit``: forward FLOPs with a
-    #: CostModel, seconds with a measured CostProfile, tokens without a cost model
+    #: estimated cost summed per rank, max and mean over ranks, in ``DPSchedule.cost_unit``
     rank_cost_max: float
     rank_cost_mean: float
     #: ``max(1, cost of the largest sample / rank_cost_mean)``: no assignment can do better
@@ -58,9 +52,7 @@ class StepStats:
     microbatch_cost_mean: float
     #: which packing produced the step (for diagnostics): e.g. ``"rank-greedy"``, ``"lpt"``, ``"bfd"``, ``"static"``
     strategy: str = ""
-    #: with pipeline parallelism (``pp_size > 1``), the slowest replica's predicted makespan of the step
-    #: (:mod:`slime_ext.schedule.pipeline_model`): seconds with a measured ``CostProfile``, else per-stage forward-FLOP
-    #: units (tokens without model dims; see :mod:`slime_ext.schedule.pipeline_pricing`); ``None`` without
+    #: with ``pp_size > 1``, the slowest replica's predicted makespan (:mod:`.pipeline_pricing`'s units); else ``None``
     predicted_makespan: float | None = None
     #: that replica's bubble fraction, ``1 - (one stage's work) / makespan``; ``None`` without pipeline parallelism
     bubble_fraction: float | None = None
@@ -80,52 +72,35 @@ class StepStats:
 
 @dataclass(frozen=True)
 class DPSchedule:
-    """One rollout's schedule for every DP rank.
+    """One rollout's schedule for every DP rank. The inputs it was planned from travel with it, so the invariant
+    checker can validate a saved schedule on its own. It unpacks like upstream's ``build_dp_schedule``:
+    ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes`` (the last: ``rollouts_per_step``)."""
 
-    * ``partitions[r]``: global sample indices owned by DP rank ``r``, in micro-batch order, all steps concatenated.
-    * ``micro_batch_indices[r][k]``: indices *local to* ``partitions[r]`` of micro-batch ``k``; flattened they equal
-      ``range(len(partitions[r]))``.
-    * ``num_microbatches[s]``: micro-batches per rank in step ``s`` (identical on every rank -- PP lockstep).
-    * ``samples_per_step[s]`` / ``rollouts_per_step[s]``: what step ``s`` really trains on (the LR scheduler is
-      stepped by ``samples_per_step[s]``).
-    * ``loss_tokens_per_step[s]``: loss-mask tokens in step ``s`` over all ranks, when loss masks were given, so each
-      rank can normalise a per-token loss without an all-reduce.
-    * ``dropped``: global indices of trimmed samples (trailing rollouts that do not fill a step). Never silent.
-    * ``stats[s]``: :class:`StepStats`.
-
-    The inputs it was planned from (lengths, rollout ids, loss tokens, configs) travel with it, so the invariant
-    checker can validate a saved schedule on its own.
-
-    For slime callers it unpacks like upstream ``build_dp_schedule``:
-    ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes = schedule`` (the last being
-    ``rollouts_per_step``).
-    """
-
+    #: global sample indices owned by DP rank ``r``, in micro-batch order, all steps concatenated
     partitions: list[list[int]]
+    #: ``[r][k]``: indices into ``partitions[r]`` of micro-batch ``k``, tiling ``range(len(partitions[r]))``
     micro_batch_indices: list[list[list[int]]]
-    num_microbatches: list[int]
-    samples_per_step: list[int]
+    num_microbatches: list[int]  # per step, micro-batches per rank (the same on every rank: PP lockstep)
+    samples_per_step: list[int]  # what each step trains on (the LR scheduler is stepped by it)
     rollouts_per_step: list[int]
-    dropped: list[int]
+    dropped: list[int]  # trimmed samples (trailing rollouts that do not fill a step): never silent
     stats: list[StepStats]
     parallel: ParallelConfig
     batch: BatchConfig
     total_lengths: list[int]
     rollout_ids: list[int] | None = None
     loss_tokens: list[int] | None = None
+    #: loss-mask tokens per step over all ranks (when loss masks were given): a per-token loss normaliser
     loss_tokens_per_step: list[int] | None = None
     #: what the costs were estimated with (see :attr:`cost_unit`)
     cost_model: CostModel | CostProfile | None = None
     #: global sample indices of step ``s`` in rollout order (before distribution); handy for ledgers
     step_samples: list[list[int]] = field(default_factory=list)
-    #: the explicit steps the request gave (``PlanRequest.step_of``: the step of every sample), ``None`` where the
-    #: steps were derived from whole rollouts and ``global_batch_size``
+    #: the explicit steps the request gave (``PlanRequest.step_of``), ``None`` where steps were derived
     step_of: list[int] | None = None
-    #: the pass this plan is for: ``False`` training (forward and backward), ``True`` forward-only (log-prob
-    #: passes); with pipeline parallelism its count and order were chosen for that pass
+    #: the pass this plan is for: ``False`` training, ``True`` forward-only (``PlanRequest.forward_only``)
     forward_only: bool = False
-    #: the micro-batch count per DP rank the request fixed for every step (``PlanRequest.microbatches_per_rank``),
-    #: ``None`` where the planner chose it
+    #: the count per DP rank the request fixed (``PlanRequest.microbatches_per_rank``), ``None`` where chosen
     microbatches_per_rank: int | None = None
 
     # ------------------------------------------------------------------ views
@@ -186,27 +161,8 @@ class DPSchedule:
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:
         """Plain JSON-ready data; every list is a fresh copy (the caller may edit it, the schedule stays as it is)."""
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "partitions": [list(p) for p in self.partitions],
-            "micro_batch_indices": [[list(mb) for mb in r] for r in self.micro_batch_indices],
-            "num_microbatches": list(self.num_microbatches),
-            "samples_per_step": list(self.samples_per_step),
-            "rollouts_per_step": list(self.rollouts_per_step),
-            "dropped": list(self.dropped),
-            "stats": [dataclasses.asdict(s) for s in self.stats],
-            "parallel": self.parallel.to_dict(),
-            "batch": self.batch.to_dict(),
-            "total_lengths": list(self.total_lengths),
-            "rollout_ids": None if self.rollout_ids is None else list(self.rollout_ids),
-            "loss_tokens": None if self.loss_tokens is None else list(self.loss_tokens),
-            "loss_tokens_per_step": None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
-            "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
-            "step_samples": [list(s) for s in self.step_samples],
-            "step_of": None if self.step_of is None else list(self.step_of),
-            "forward_only": self.forward_only,
-            "microbatches_per_rank": self.microbatches_per_rank,
-        }
+        fields = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {"schema_version": SCHEMA_VERSION, **fields}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DPSchedule":
@@ -239,6 +195,15 @@ class DPSchedule:
         except (TypeError, KeyError, ValueError, AttributeError) as e:  # a backstop: every field is checked first
             raise ScheduleError(f"malformed schedule dict ({type(e).__name__}: {e}); it was not written by "
                                 f"DPSchedule.to_dict or was edited") from None
+
+
+def _plain(value: Any) -> Any:
+    """A field as JSON-ready data: lists copied, records as dicts."""
+    if isinstance(value, list):
+        return [_plain(x) for x in value] if value and isinstance(value[0], (list, StepStats)) else list(value)
+    if isinstance(value, StepStats):
+        return dataclasses.asdict(value)
+    return value.to_dict() if hasattr(value, "to_dict") else value
 
 
 def _names(cls) -> list[str]:

@@ -1,8 +1,6 @@
-"""The schedule's invariants, written once. Every test and ``slime-ext plan --from-json`` run them.
-
-:func:`check_schedule` returns every violation as a readable line (empty list = valid);
-:func:`assert_valid_schedule` raises :class:`ScheduleError` listing them.
-"""
+"""The schedule's invariants (:mod:`.planner`'s docstring lists them), written once: :func:`check_schedule` returns
+every violation as a readable line (empty: valid), :func:`assert_valid_schedule` raises them. Every test and
+``slime-ext plan --from-json`` run them."""
 
 from __future__ import annotations
 
@@ -18,20 +16,14 @@ from .cost import CostModel, sample_costs
 from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
-from .config import LAYOUT_FLAGS
 from .pipeline_model import PipelineSpec, bubble_fraction, pipeline_makespan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .stages import StageCosts
 from .validate import check_int_array
 
 
-def check_schedule(
-    schedule: DPSchedule,
-    *,
-    total_lengths: Sequence[int] | None = None,
-    rollout_ids: Sequence[int] | None = None,
-    max_report: int = 50,
-) -> list[str]:
+def check_schedule(schedule: DPSchedule, *, total_lengths: Sequence[int] | None = None,
+                   rollout_ids: Sequence[int] | None = None, max_report: int = 50) -> list[str]:
     """All invariant violations of ``schedule``; ``total_lengths``/``rollout_ids`` re-check the recorded inputs."""
     out: list[str] = []
 
@@ -44,40 +36,76 @@ def check_schedule(
     if problem:
         bad(problem)
         return out
-    dp = sched.parallel.dp_size
-    align = sched.parallel.align
-    lengths = sched.total_lengths
-    n = len(lengths)
-    try:  # the caller's inputs by the same rules (an int(), as before, would read 2.5 as 2)
+    rids = _check_given_inputs(sched, total_lengths, rollout_ids, bad)
+    if rids is None or not _check_counts(sched, bad):
+        return out
+    step_of_sample, step_members, measured = _walk_ranks(sched, bad)
+    # disjoint union of partitions + dropped == every sample exactly once
+    dropped = set(sched.dropped)
+    if len(dropped) != len(sched.dropped):
+        bad("dropped lists a sample twice")
+    both = dropped & step_of_sample.keys()
+    if both:
+        bad(f"{len(both)} samples are both dropped and scheduled, e.g. {sorted(both)[:5]}")
+    lost = set(range(len(sched.total_lengths))) - dropped - step_of_sample.keys()
+    if lost:
+        bad(f"{len(lost)} samples are neither scheduled nor reported dropped, e.g. {sorted(lost)[:5]}")
+    fixed = sched.microbatches_per_rank
+    if fixed is not None and any(m != fixed for m in sched.num_microbatches):
+        bad(f"num_microbatches={sched.num_microbatches} but the request fixed microbatches_per_rank={fixed}")
+    if sched.step_of is not None:
+        _check_explicit_steps(sched, rids, step_members, dropped, bad)
+    else:
+        _check_rollout_steps(sched, rids, step_of_sample, step_members, dropped, bad)
+    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
+        if len(sched.step_samples) != len(step_members):
+            bad(f"step_samples has {len(sched.step_samples)} entries for {len(step_members)} steps")
+        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
+            if sorted(recorded) != sorted(members):
+                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
+    if not out:
+        _check_stats(sched, measured, bad)
+    return out
+
+
+def _check_given_inputs(sched: DPSchedule, total_lengths, rollout_ids, bad) -> list[int] | None:
+    """The caller's inputs against the recorded ones (by the planner's rules: an int() would read 2.5 as 2); the
+    rollout id of every sample, or ``None`` where checking cannot go on."""
+    n = len(sched.total_lengths)
+    try:
         given_lengths = None if total_lengths is None else check_int_array("total_lengths", total_lengths).tolist()
         given_ids = None if rollout_ids is None else check_int_array("rollout_ids", rollout_ids).tolist()
     except ScheduleError as e:
         bad(f"the given {e}")
-        return out
-    if given_lengths is not None and given_lengths != list(lengths):
+        return None
+    if given_lengths is not None and given_lengths != list(sched.total_lengths):
         bad("total_lengths recorded in the schedule differ from the input lengths")
     if given_ids is not None and (sched.rollout_ids is None or given_ids != sched.rollout_ids):
         bad("rollout_ids recorded in the schedule differ from the input rollout ids")
     rids = sched.rollout_ids if sched.rollout_ids is not None else list(range(n))
     if len(rids) != n:
         bad(f"rollout_ids has {len(rids)} entries for {n} samples")
-        return out
+        return None
+    return rids
 
-    # same rank count; same number of micro-batches per rank
+
+def _check_counts(sched: DPSchedule, bad) -> bool:
+    """Ranks, steps and per-step list lengths; ``False`` where the structure cannot be walked."""
+    dp, align, n = sched.parallel.dp_size, sched.parallel.align, len(sched.total_lengths)
     if len(sched.partitions) != dp or len(sched.micro_batch_indices) != dp:
         bad(f"{len(sched.partitions)} partitions / {len(sched.micro_batch_indices)} micro-batch lists for dp_size={dp}")
-        return out
+        return False
     num_steps = len(sched.num_microbatches)
     if num_steps == 0:
         bad("the schedule has no steps")
     total_mbs = sum(sched.num_microbatches)
     if total_mbs > n:  # every micro-batch holds a sample: no rank can have more micro-batches than samples
         bad(f"num_microbatches sums to {total_mbs} per rank, more than the {n} samples")
-        return out
+        return False
     outside = [g for g in sched.dropped if not 0 <= g < n]
     if outside:
         bad(f"dropped lists sample indices outside [0, {n}), e.g. {outside[:5]}")
-        return out
+        return False
     for s, m in enumerate(sched.num_microbatches):
         if m < 1 or (m * dp) % align:
             bad(f"step {s}: num_microbatches={m} per rank; total {m * dp} is not a positive multiple of align={align}")
@@ -86,8 +114,14 @@ def check_schedule(
             bad(f"{name} has {len(getattr(sched, name))} entries for {num_steps} steps")
     if sched.loss_tokens_per_step is not None and len(sched.loss_tokens_per_step) != num_steps:
         bad(f"loss_tokens_per_step has {len(sched.loss_tokens_per_step)} entries for {num_steps} steps")
+    return True
 
-    cap = sched.cap
+
+def _walk_ranks(sched: DPSchedule, bad):
+    """Every rank's micro-batches: tiling, cap, size and each sample once. Returns the step of every scheduled
+    sample (``None``: on a broken rank), the samples of every step and per step ``(rank, tokens, members)``."""
+    lengths, n, num_steps = sched.total_lengths, len(sched.total_lengths), len(sched.num_microbatches)
+    cap, total_mbs = sched.cap, sum(sched.num_microbatches)
     mbs_limit = None if cap is not None else sched.batch.micro_batch_size
     step_of_mb = [s for s, m in enumerate(sched.num_microbatches) for _ in range(m)]
     step_of_sample: dict[int, int | None] = {}
@@ -101,7 +135,7 @@ def check_schedule(
         if s is not None:
             step_members[s].append(g)
 
-    for r in range(dp):
+    for r in range(sched.parallel.dp_size):
         part = sched.partitions[r]
         mbis = sched.micro_batch_indices[r]
         steps_here: list[int | None] = step_of_mb
@@ -132,34 +166,7 @@ def check_schedule(
                 account(g, s)
             if s is not None:
                 measured[s].append((r, tokens, members))
-
-    # disjoint union of partitions + dropped == every sample exactly once
-    dropped = set(sched.dropped)
-    if len(dropped) != len(sched.dropped):
-        bad("dropped lists a sample twice")
-    both = dropped & step_of_sample.keys()
-    if both:
-        bad(f"{len(both)} samples are both dropped and scheduled, e.g. {sorted(both)[:5]}")
-    lost = set(range(n)) - dropped - step_of_sample.keys()
-    if lost:
-        bad(f"{len(lost)} samples are neither scheduled nor reported dropped, e.g. {sorted(lost)[:5]}")
-
-    fixed = sched.microbatches_per_rank
-    if fixed is not None and any(m != fixed for m in sched.num_microbatches):
-        bad(f"num_microbatches={sched.num_microbatches} but the request fixed microbatches_per_rank={fixed}")
-    if sched.step_of is not None:
-        _check_explicit_steps(sched, rids, step_members, dropped, bad)
-    else:
-        _check_rollout_steps(sched, rids, step_of_sample, step_members, dropped, bad)
-    if sched.step_samples:  # optional (a diagnostic for ledgers), but when recorded it must be the steps' samples
-        if len(sched.step_samples) != num_steps:
-            bad(f"step_samples has {len(sched.step_samples)} entries for {num_steps} steps")
-        for s, (recorded, members) in enumerate(zip(sched.step_samples, step_members)):
-            if sorted(recorded) != sorted(members):
-                bad(f"step {s}: step_samples does not list the step's {len(members)} scheduled samples")
-    if not out:
-        _check_stats(sched, measured, bad)
-    return out
+    return step_of_sample, step_members, measured
 
 
 def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dict[int, int | None],
@@ -245,11 +252,8 @@ def _check_step_counts(sched: DPSchedule, s: int, members: list[int], rollouts: 
 
 
 def input_problem(sched: DPSchedule) -> str | None:
-    """Why ``sched``'s fields or recorded inputs are not what the planner accepts, or ``None``.
-
-    The same checks as :meth:`DPSchedule.from_dict` (lengths in ``[1, MAX_TOKENS]``, ``0 <= loss_tokens <=
-    length``, integer rollout ids, integer lists for the structure), for a schedule built or edited in memory.
-    """
+    """Why ``sched``'s fields or recorded inputs are not what the planner accepts (the checks of
+    :meth:`DPSchedule.from_dict`, for a schedule built or edited in memory), or ``None``."""
     if not isinstance(sched, DPSchedule):
         return f"not a DPSchedule: {type(sched).__name__}"
     kinds = ((sched.parallel, ParallelConfig), (sched.batch, BatchConfig))
@@ -274,8 +278,8 @@ def _close(a: float, b: float) -> bool:
 
 def _check_stats(sched: DPSchedule, measured, bad) -> None:
     """``stats`` must describe the schedule as it is (re-measured here from the structure alone)."""
-    costs = sample_costs(np.asarray(sched.total_lengths, dtype=np.int64), sched.cost_model)
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
+    costs = sample_costs(lengths, sched.cost_model)
     dp, cap, align = sched.parallel.dp_size, sched.cap, sched.parallel.align
     for s, (st, mbs) in enumerate(zip(sched.stats, measured)):
         members = [g for _, _, m in mbs for g in m]
@@ -283,30 +287,21 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
         rank_cost = np.zeros(dp)
         for (r, _, _), c in zip(mbs, mb_cost):
             rank_cost[r] += c
-        expect = {
-            "step": s,
-            "num_samples": len(members),
-            "total_tokens": int(lengths[members].sum()),
-            "num_microbatches": sched.num_microbatches[s],
-            "total_microbatches": sched.num_microbatches[s] * dp,
-            "cap": cap,
-            "num_rollouts": sched.rollouts_per_step[s],
-            "packing_target": (sched.microbatches_per_rank * dp if sched.microbatches_per_rank is not None
-                               else microbatch_target(lengths[members], cap, align) if cap is not None
-                               else -(-len(members) // sched.batch.micro_batch_size)),
-            "largest_bin_tokens": max(t for _, t, _ in mbs),
-            "cap_violations": sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1),
-        }
+        expect = dict(
+            step=s, num_samples=len(members), total_tokens=int(lengths[members].sum()),
+            num_microbatches=sched.num_microbatches[s], total_microbatches=sched.num_microbatches[s] * dp, cap=cap,
+            num_rollouts=sched.rollouts_per_step[s],
+            packing_target=(sched.microbatches_per_rank * dp if sched.microbatches_per_rank is not None
+                            else microbatch_target(lengths[members], cap, align) if cap is not None
+                            else -(-len(members) // sched.batch.micro_batch_size)),
+            largest_bin_tokens=max(t for _, t, _ in mbs),
+            cap_violations=sum(1 for _, t, m in mbs if cap is not None and t > cap and len(m) > 1))
         for name, value in expect.items():
             if getattr(st, name) != value:
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule has {value!r}")
-        floats = {
-            "rank_cost_max": float(rank_cost.max()),
-            "rank_cost_mean": float(rank_cost.mean()),
-            "microbatch_cost_max": max(mb_cost),
-            "microbatch_cost_mean": float(np.mean(mb_cost)),
-            "balance_lower_bound": max(1.0, float(costs[members].max()) / float(rank_cost.mean())),
-        }
+        floats = dict(rank_cost_max=float(rank_cost.max()), rank_cost_mean=float(rank_cost.mean()),
+                      microbatch_cost_max=max(mb_cost), microbatch_cost_mean=float(np.mean(mb_cost)),
+                      balance_lower_bound=max(1.0, float(costs[members].max()) / float(rank_cost.mean())))
         for name, value in floats.items():
             if not _close(getattr(st, name), value):
                 bad(f"stats[{s}].{name} = {getattr(st, name)!r} but the schedule measures {value!r}")
@@ -320,13 +315,8 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
 def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config: PlannerConfig) -> np.ndarray | None:
     """Each virtual stage's share of a micro-batch, as documented in :mod:`.pipeline_pricing` (``None``: every
     stage alike): the stages' coefficients weighed on ``cap`` tokens in samples of ``stage_share_sample * cap``."""
-    try:
-        stages = StageCosts.from_model(cost_model, parallel)
-    except ScheduleError:
-        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
-            raise
-        return None
-    if not stages.uneven:
+    stages = StageCosts.if_split(cost_model, parallel)
+    if stages is None or not stages.uneven:
         return None
     tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
     weight = [lin * tokens + quad * tokens * tokens * config.objective.stage_share_sample
@@ -336,10 +326,7 @@ def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config:
 
 def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
                       forward_only: bool = False) -> np.ndarray:
-    """``(dp,)`` each replica's makespan of ``step`` as the pipeline model predicts it (:func:`micro_batch_makespans`
-    on the schedule's micro-batches), with the per-stage forwards, the backward ratio and the spec it ran.
-    ``forward_only``: the step priced as a forward-only pass (the same forwards, no backward, the forward-only
-    schedule); the returned ratio is then 0."""
+    """:func:`micro_batch_makespans` of ``step``'s micro-batches, replica by replica."""
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
     start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
     replicas = [[lengths[[sched.partitions[r][i] for i in mb]] for mb in sched.micro_batch_indices[r][start:start + m]]
@@ -352,12 +339,9 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
                           replicas: Sequence[Sequence[Sequence[int]]], config: PlannerConfig | None = None, *,
                           forward_only: bool = False):
     """Each replica's makespan of its micro-batches (``replicas[r][k]``: the sample lengths of replica ``r``'s
-    ``k``-th micro-batch, in run order; the same count on every replica) as the pipeline model predicts it, priced
-    here from the documented rule (:mod:`.pipeline_pricing`'s docstring) and run through the public model
-    (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespan`, per virtual stage): not through the planner's own
-    :class:`~slime_ext.schedule.pipeline_pricing.PipelinePricing`, so that a pricing bug of the planner shows.
-    ``forward_only``: priced as a forward-only pass (megatron-core's forward-only schedule, no backward).
-    Returns ``(spans (R,), forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
+    ``k``-th micro-batch, in run order), priced from :mod:`.pipeline_pricing`'s documented rule and run through the
+    public model, not the planner's own pricing, so that a pricing bug of the planner shows. Returns ``(spans (R,),
+    forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
     config = DEFAULT_CONFIG if config is None else config
     pp, vpp = parallel.pp_size, parallel.vpp_size
     model = cost_model
@@ -389,9 +373,8 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
 
 
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
-    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the pipeline model's
-    prediction for the slowest replica, re-priced here (:func:`replica_makespans`) for the schedule's pass (training,
-    or forward-only: ``DPSchedule.forward_only``)."""
+    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the slowest
+    replica's, re-priced (:func:`replica_makespans`) for the schedule's pass."""
     if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:

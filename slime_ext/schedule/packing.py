@@ -1,13 +1,5 @@
-"""Bin packing of samples into micro-batches under a token cap.
-
-A packing is bins of indices into ``lengths`` (``list[list[int]]``) or a label per sample (``bin_of``). A sample
-longer than the cap always sits alone in its bin; every other bin holds at most ``cap`` tokens.
-
-* :func:`lpt_pack` -- exactly ``num_bins`` bins, evenly loaded by tokens or by FLOPs (LPT, vectorised by rounds:
-  whole rounds, or cut to sequential LPT's order with ``graham``); ``None`` when it cannot fit.
-* :func:`best_fit_decreasing` -- fewest bins in practice (within 11/9 OPT + 1 of the optimum), for the steps LPT
-  cannot fit; :func:`grow_to_count` then grows the packing to the aligned count by halving the fullest
-  multi-sample bins (halves never exceed their parent, so the cap keeps holding).
+"""Bin packing of samples into micro-batches under a token cap: bins of indices into ``lengths``, or a label per
+sample (``bin_of``). A sample longer than the cap sits alone; every other bin holds at most ``cap`` tokens.
 """
 
 from __future__ import annotations
@@ -21,11 +13,8 @@ import numpy as np
 
 
 def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None = None) -> list[list[int]]:
-    """Best fit decreasing: longest first, each into the fullest bin that still has room.
-
-    ``order`` may pass a precomputed decreasing-length order. Residuals live in one sorted list of
-    ``residual * stride + bin`` keys, so "smallest residual >= length" is a single bisect.
-    """
+    """Best fit decreasing (fewest bins in practice, within 11/9 OPT + 1): longest first (``order``, when given),
+    each into the fullest bin with room; residuals are sorted ``residual * stride + bin`` keys, one bisect each."""
     if order is None:
         order = np.argsort(-np.asarray(lengths), kind="stable")
     stride = len(order) + 1
@@ -49,12 +38,8 @@ def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None 
 
 
 def halve_by_tokens(members: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-    """One bin cut in two halves of about equal tokens: ``[first, second]``.
-
-    The members are dealt longest first (equal lengths in their order in the bin); each goes to the half that holds
-    fewer tokens so far, the first half when they hold the same. Each half is a subset of the bin, so neither holds
-    more tokens than the bin did.
-    """
+    """One bin cut in two halves of about equal tokens, ``[first, second]``: members longest first (ties in bin
+    order), each to the half with fewer tokens (the first on a tie). Neither half holds more than the bin did."""
     first: list[int] = []
     second: list[int] = []
     lead = 0  # tokens in ``first`` minus tokens in ``second``
@@ -71,12 +56,9 @@ def halve_by_tokens(members: Sequence[int], lengths: Sequence[int]) -> list[list
 def grow_to_count(
     bins: list[list[int]], target_count: int, lengths: Sequence[int], loads: Sequence[int] | None = None
 ) -> None:
-    """Grow ``bins`` in place to ``target_count`` bins: halve (:func:`halve_by_tokens`) the bin with the most tokens
-    among those of two or more samples, again and again; the second half is appended as a new bin.
-
-    Stops early when every bin is a single sample (the caller checks the count). Of equally full bins the one with
-    the higher index is halved first. ``loads`` may pass the bins' token counts when the caller has them.
-    """
+    """Grow ``bins`` in place to ``target_count``: halve (:func:`halve_by_tokens`) the fullest bin of two or more
+    samples (of equal ones the higher index), appending the second half, until there are enough or every bin is one
+    sample (the caller checks the count). ``loads``: the bins' tokens, when the caller has them."""
     if len(bins) >= target_count:
         return
     lens = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
@@ -98,18 +80,16 @@ def grow_to_count(
 def lpt_pack(
     lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, num_bins: int, cap: int, graham: bool = False
 ) -> np.ndarray | None:
-    """LPT into exactly ``num_bins`` capped bins, vectorised by rounds; returns ``bin_of`` per sample or ``None``.
+    """LPT into exactly ``num_bins`` capped bins, vectorised by rounds: ``bin_of`` per sample, or ``None`` when a
+    round places nothing.
 
-    ``order`` lists the samples by decreasing length and weight (``weights``: tokens for even micro-batches, FLOPs
-    for ``balance_by_flops``). Each round deals the next samples, the largest to the bin with the least weight so
-    far. Whole rounds give every open bin one sample, so bins hold alike mixes of long and short samples (the
-    strided deal of stage 4 balances those best), but can break Graham's bound ([3, 1, 1, 1] into 2 bins: 4 | 2).
-    With ``graham`` a round ends before the first sample whose bin would no longer be the lightest: the deal is
-    then sequential LPT, within ``4/3 - 1/(3 num_bins)`` of the optimal heaviest bin, and it spreads room less
-    evenly, so it fits steps where whole rounds stall. A sample that would overflow its bin gets a second chance
-    in a bin left unused this round (most room first), else waits for the next round; an oversize sample takes an
-    empty bin and closes it. ``None`` when a round places nothing (no bin has room for the largest waiting
-    sample).
+    ``order``: the samples by decreasing length and weight (``weights``: tokens, or FLOPs with
+    ``balance_by_flops``). Each round deals the next samples, the largest to the lightest bin. Whole rounds give
+    every open bin one sample (alike mixes, which stage 4 balances best) but can break Graham's bound; with
+    ``graham`` a round ends before the first sample whose bin would no longer be the lightest: sequential LPT,
+    within ``4/3 - 1/(3 num_bins)`` of the optimum, which fits steps where whole rounds stall. A sample that
+    overflows its bin gets a bin unused this round (most room first), else waits; an oversize sample takes an
+    empty bin and closes it.
     """
     n = len(order)
     if n < num_bins:

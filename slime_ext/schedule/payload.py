@@ -1,9 +1,5 @@
-"""``RankPayload``: what one DP rank receives for one rollout -- its samples and its slice of the schedule.
-
-The rollout side builds it (the ``dp_schedule`` scheme's ``plan``, :mod:`slime_ext.schemes`), Ray pickles it, the
-training side reads it. It is the only declaration of the fields that cross that boundary; both dataclasses validate
-themselves on construction, so a payload that exists is consistent.
-"""
+"""``RankPayload``: what one DP rank receives for one rollout, its samples and its slice of the schedule: the one
+declaration of the fields that cross from the rollout side to the training side (validated on construction)."""
 
 from __future__ import annotations
 

@@ -2,62 +2,38 @@
 
 Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollout):
 
-  1. **Steps.** Explicit steps (``PlanRequest.step_of``) are taken as given, nothing dropped. Else: group samples
-     by rollout id (first-occurrence order; all samples of a rollout stay in one step) and cut the rollouts into
-     steps of ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``). Trailing rollouts
-     that do not fill a step are dropped and reported in ``DPSchedule.dropped``; with
-     ``disable_rollout_trim_samples`` an incomplete step is an error instead. A request's
-     ``microbatches_per_rank`` fixes every step's count below (stages 2-5 search shapes, ranks and order at that
-     count only).
-  2. **Pack first.** Per step, group the samples into micro-batches: fixed ``micro_batch_size`` chunks (static), or
-     bins of at most ``cap = max_tokens_per_gpu * cp_size`` tokens (dynamic). The dynamic count is the aligned
-     token bound ``ceil(ceil(tokens / cap) / align) * align`` (raised where packing provably needs more), reached
-     by LPT -- evenly loaded bins, by tokens, or by estimated FLOPs with ``balance_by_flops`` -- dealt in whole
-     rounds (bins of alike mixes), else in sequential LPT's order (which fits tighter), or, when LPT does not fit,
-     by best-fit decreasing.
+  1. **Steps.** Explicit steps (``PlanRequest.step_of``) are taken as given, nothing dropped. Else samples are
+     grouped by rollout id (first-occurrence order; a rollout stays in one step) and cut into steps of
+     ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``); trailing rollouts that do
+     not fill a step are reported in ``DPSchedule.dropped`` (an error with ``disable_rollout_trim_samples``). A
+     request's ``microbatches_per_rank`` fixes every step's count below.
+  2. **Pack first.** Static: ``micro_batch_size`` chunks. Dynamic: bins of at most ``cap = max_tokens_per_gpu *
+     cp_size`` tokens, as many as the aligned token bound (:func:`~.bounds.microbatch_target`), by LPT on tokens
+     (or estimated FLOPs with ``balance_by_flops``), else best fit decreasing (:func:`pack_step`).
   3. **Align.** The count is a multiple of ``align = dp_size * (mb_group if vpp_size > 1 else 1)``; a packing with
      fewer bins is grown by halving its largest multi-sample bins (halves never exceed their parent).
-  4. **Distribute second.** Each rank gets ``count / dp_size`` micro-batches: round-robin over the bins in
-     serpentine order of cost, or with ``balance_data`` balanced on estimated FLOPs (LPT with equal counts, then
-     swaps). When bins of even size cannot balance the ranks (a sample costing a large share of a rank's work),
-     bins are chosen per rank instead: samples dealt in decreasing cost to the lightest rank that has room in one
-     of its own capped bins; and when even that is capacity-bound, ``align`` more micro-batches are spent if
-     they cut the slowest rank by more than 1%. With a measured :class:`CostProfile` (``slime-ext calibrate``)
-     instead of FLOPs, micro-batches are priced whole (overhead, attention over the packed row) and the choices
-     of this stage are made by the predicted time of the slowest rank: an extra micro-batch must lower it, balancing
-     never predicts slower than the strided deal.
-  5. **Pipeline** (``pp_size > 1`` only; with ``pp_size = 1`` stages 1-4 are the whole plan, unchanged). A
-     pipelined replica's step time is the makespan of megatron-core's schedule (1F1B, or interleaved under VPP with
-     the configured ``microbatch_group_size_per_vp_stage`` and p2p mode), so the objective becomes the slowest
-     replica's makespan as :mod:`slime_ext.schedule.pipeline_model` predicts it: megatron-core's order of operations per
-     stage, blocking p2p calls of ``p2p_s`` per stage boundary, one stage's forward = its share of the
-     micro-batch's cost (``1 / pp`` where the stages are even; the embedding, the output layer and Megatron's
-     layout flags make them uneven), backward = ``backward_forward_ratio`` x forward, nothing outside the pipeline
-     (optimizer, DP reduction). Prices (:mod:`.pipeline_pricing`): a profile's
-     seconds (its ratio and ``p2p_s``), else FLOPs (tokens without dims) with ratio 2, p2p 0 and every micro-batch
-     charged 2% of a full one. The search over micro-batches, counts, replicas and orders is stated once, in
-     :mod:`slime_ext.schedule.pipeline_choice`'s docstring; the pp-unaware plan of stages 1-4 is always a candidate,
-     so a step is never predicted slower than it. Each step records its
-     ``predicted_makespan`` and ``bubble_fraction``. A forward-only request (``PlanRequest.forward_only``) is
-     priced with megatron-core's forward-only schedule instead of training's.
+  4. **Distribute second.** ``count / dp_size`` micro-batches per rank: serpentine over the bins by cost, or with
+     ``balance_data`` balanced on estimated cost (LPT with equal counts, then swaps). Where bins of even size
+     cannot balance the ranks (a sample costing a large share of a rank's work), bins are chosen per rank, and
+     ``align`` more micro-batches are spent while they cut the slowest rank by ``extra_microbatch_gain``. A
+     measured :class:`CostProfile` prices micro-batches whole and compares by the slowest rank's predicted seconds.
+  5. **Pipeline** (``pp_size > 1`` only): micro-batches, count, ranks and run order chosen by the slowest replica's
+     predicted makespan: the search of :mod:`.pipeline_choice`, whose docstring states its space, objective,
+     comparison rule and stop. The pp-unaware plan of stages 1-4 is always a candidate.
 
-Invariants (checked for every schedule the tests build, by :func:`slime_ext.schedule.invariants.check_schedule`):
-
-  - every rank has the same number of micro-batches, ``sum(num_microbatches)``, and per step
-    ``num_microbatches[s] * dp_size`` is a positive multiple of ``align``;
-  - ``micro_batch_indices[r]`` tiles ``range(len(partitions[r]))`` in order, with no empty micro-batch;
-  - the partitions are disjoint and their union plus ``dropped`` is every sample, each exactly once;
-  - dynamic: every micro-batch holds ``<= cap`` tokens unless it is a single oversize sample -- in every mode;
-    static: every micro-batch holds ``micro_batch_size`` samples (the last of a step may hold fewer);
-  - derived steps: all samples of a rollout are in one step; steps hold whole rollouts in order, ``dropped`` only
-    trailing ones; explicit steps: every sample in the step it was given, nothing dropped;
-  - a fixed ``microbatches_per_rank``: every step has exactly that many micro-batches per rank;
-  - the same input gives the same schedule.
+Invariants (:func:`~.invariants.check_schedule` checks every schedule the tests build): every rank has the same
+micro-batch count, each step's total a positive multiple of ``align``; ``micro_batch_indices[r]`` tiles
+``partitions[r]`` in order with no empty micro-batch; every sample is scheduled or dropped exactly once; a dynamic
+micro-batch holds at most ``cap`` tokens unless it is one oversize sample, a static one at most
+``micro_batch_size`` samples; derived steps hold whole rollouts in order, explicit steps their given samples; a
+fixed ``microbatches_per_rank`` holds in every step; the same input gives the same schedule.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -85,10 +61,9 @@ def pack_step(
 ) -> tuple[np.ndarray, int, str]:
     """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins.
 
-    One path: LPT into exactly ``target`` bins, evenly loaded by ``weights``, in whole rounds; where those stall, in
-    sequential LPT's order (same deal, uneven room: it fits steps whole rounds cannot). One exception: when LPT
-    cannot fit at all (little slack: LPT spreads the free room), best fit decreasing packs tighter and is split up
-    to the aligned count.
+    LPT into exactly ``target`` bins, evenly loaded by ``weights``, in whole rounds; where those stall, in
+    sequential LPT's order. When LPT cannot fit at all, best fit decreasing packs tighter and is split up to the
+    aligned count.
     """
     bin_of = lpt_pack(lengths, weights, order, target, cap)
     if bin_of is None:
@@ -110,107 +85,120 @@ def pack_step(
     return bins_to_labels(bins, len(lengths)), count, "bfd"
 
 
+@dataclass(frozen=True)
+class _DynamicStep:
+    """One dynamic step's samples and what prices them. With a measured ``profile`` candidates are compared by the
+    slowest rank's predicted seconds (each micro-batch's overhead and packed attention included), so an extra
+    micro-batch is spent only when it lowers the predicted step time."""
+
+    lengths: np.ndarray
+    costs: np.ndarray
+    cap: int
+    parallel: ParallelConfig
+    batch: BatchConfig
+    step: int
+    profile: CostProfile | None
+    config: PlannerConfig
+
+    def slowest(self, bin_of: np.ndarray, rank_of_bin: np.ndarray) -> float:
+        dp = self.parallel.dp_size
+        if self.profile is not None:
+            return float(self.profile.labelled_rank_times(self.lengths, bin_of, rank_of_bin, dp).max())
+        per_bin = np.bincount(bin_of, weights=self.costs, minlength=len(rank_of_bin))
+        return float(np.bincount(rank_of_bin, weights=per_bin, minlength=dp).max())
+
+    def floor(self, count: int) -> float:
+        """No assignment of ``count`` micro-batches beats this: the mean rank, or the rank of the costliest sample."""
+        dp = self.parallel.dp_size
+        floor = max(float(self.costs.sum()) / dp, float(self.costs.max()))
+        if self.profile is not None:
+            floor += self.profile.step_overhead_s + self.profile.microbatch_overhead_s * (count // dp)
+        return floor
+
+    def pack(self, count: int | None) -> tuple[np.ndarray, int, int, str] | None:
+        """Stages 2-3: ``(bin_of, count, target, strategy)``; ``count`` fixed, or ``None`` where it cannot be packed."""
+        lengths, cap, align, n = self.lengths, self.cap, self.parallel.align, len(self.lengths)
+        target = microbatch_target(lengths, cap, align)
+        if count is not None:
+            if count > n or count < bin_lower_bound(lengths, cap):
+                return None
+            target = count
+        if n < target:
+            raise ScheduleError(
+                f"step {self.step} has {n} samples but needs at least {target} micro-batches (a multiple of "
+                f"dp_size*mb_group = {align} covering its {int(lengths.sum())} tokens under the cap {cap}): too few "
+                f"samples to give every micro-batch one; raise --max-tokens-per-gpu, lower the DP/VPP alignment or "
+                f"put more rollouts per step (--global-batch-size)"
+            )
+        weights = self.costs if self.batch.balance_by_flops else lengths
+        try:
+            bin_of, got, strategy = pack_step(lengths, weights, self.order, cap, target, align, self.step)
+        except ScheduleError:
+            if count is None:
+                raise
+            return None
+        if count is not None and got != count:
+            return None
+        return bin_of, got, target, ("cost-" if self.batch.balance_by_flops else "") + strategy
+
+    @cached_property
+    def order(self) -> np.ndarray:
+        return np.argsort(-self.lengths, kind="stable")  # decreasing length == decreasing cost
+
+    def rank_greedy(self, count: int, target: int) -> tuple[StepPlan, float] | None:
+        """Bins chosen per rank at ``count`` micro-batches, with the slowest rank's cost."""
+        if count > len(self.lengths):
+            return None
+        rank_bins = build_rank_bins(self.lengths, self.costs, self.order, self.cap, self.parallel.dp_size,
+                                    count // self.parallel.dp_size, by_cost=self.batch.balance_by_flops)
+        if rank_bins is None:
+            return None
+        b_of, r_of_b = rank_bins_to_labels(rank_bins, len(self.lengths))
+        name = "rank-greedy" if count == target else f"rank-greedy+{count - target}"
+        return StepPlan(b_of, r_of_b, count, name, target), self.slowest(b_of, r_of_b)
+
+    def better(self, cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
+        """FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly."""
+        extra = cand[0].count > incumbent[0].count and self.profile is None
+        return cand[1] < incumbent[1] * (1 - (self.config.packing.extra_microbatch_gain if extra else 0.0))
+
+
 def _plan_dynamic(
     lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
     profile: CostProfile | None = None, config: PlannerConfig = DEFAULT_CONFIG, count: int | None = None,
 ) -> StepPlan | None:
-    """One dynamic step: capped bins, aligned, on ranks.
-
-    With a measured ``profile`` the candidates below are compared by predicted seconds of the slowest rank
-    (:meth:`CostProfile.labelled_rank_times`: each micro-batch's overhead and packed attention included), so an
-    extra micro-batch is spent only when it lowers the predicted step time. ``count``: plan exactly that many
-    micro-batches (the pipeline search's re-packed counts, or a request's fixed count, with every guard of this
-    path; a count below the aligned target is packed at that count as well), ``None`` where the packing cannot
-    reach it.
-    """
-    n = len(lengths)
-    align, dp = parallel.align, parallel.dp_size
-
-    def slowest(b_of: np.ndarray, r_of_b: np.ndarray) -> float:
-        if profile is not None:
-            return float(profile.labelled_rank_times(lengths, b_of, r_of_b, dp).max())
-        return float(np.bincount(r_of_b, weights=np.bincount(b_of, weights=costs, minlength=len(r_of_b)),
-                                 minlength=dp).max())
-
-    def floor_at(k_count: int) -> float:  # no assignment of k_count micro-batches beats this (cost or seconds)
-        floor = max(float(costs.sum()) / dp, float(costs.max()))
-        if profile is not None:
-            floor += profile.step_overhead_s + profile.microbatch_overhead_s * (k_count // dp)
-        return floor
-
-    target = microbatch_target(lengths, cap, align)
-    fixed = count is not None
-    if fixed:
-        if count > n or count < bin_lower_bound(lengths, cap):
-            return None
-        target = count
-    if n < target:
-        raise ScheduleError(
-            f"step {step} has {n} samples but needs at least {target} micro-batches (a multiple of "
-            f"dp_size*mb_group = {align} covering its {int(lengths.sum())} tokens under the cap {cap}): too few "
-            f"samples to give every micro-batch one; raise --max-tokens-per-gpu, lower the DP/VPP alignment or put "
-            f"more rollouts per step (--global-batch-size)"
-        )
-    order = np.argsort(-lengths, kind="stable")  # decreasing length == decreasing cost (cost is increasing in L)
-    weights = costs if batch.balance_by_flops else lengths
-    try:
-        bin_of, got, strategy = pack_step(lengths, weights, order, cap, target, align, step)
-    except ScheduleError:
-        if not fixed:
-            raise
+    """One dynamic step: capped bins, aligned, on ranks. ``count``: plan exactly that many micro-batches (the
+    pipeline search's re-packed counts, or a request's fixed count, with every guard of this path), ``None`` where
+    the packing cannot reach it."""
+    s = _DynamicStep(lengths, costs, cap, parallel, batch, step, profile, config)
+    packed = s.pack(count)
+    if packed is None:
         return None
-    if fixed and got != count:
-        return None
-    count = got
-    if batch.balance_by_flops:
-        strategy = "cost-" + strategy
-    # a profile prices each micro-batch as a whole (its overhead, attention over the packed row), not as a sum
-    prices = bin_costs(lengths, costs, bin_of, count, profile)
+    bin_of, got, target, strategy = packed
+    dp = parallel.dp_size
+    prices = bin_costs(lengths, costs, bin_of, got, profile)  # a profile prices each micro-batch whole
     if not (batch.balance_data and dp > 1):
-        return StepPlan(bin_of, serpentine(prices, dp), count, strategy, target)
-
-    # balance_data: no assignment beats the mean rank cost, nor the rank holding the costliest sample
-    good = floor_at(count) * (1 + config.packing.balance_tolerance)
+        return StepPlan(bin_of, serpentine(prices, dp), got, strategy, target)
     rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
                                   config.packing.refine_rounds, config.packing.dense_swap_limit)
-    best_max = slowest(bin_of, rank_of_bin)
+    best_max = s.slowest(bin_of, rank_of_bin)
     if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
         strided = serpentine(prices, dp)
-        strided_max = slowest(bin_of, strided)
+        strided_max = s.slowest(bin_of, strided)
         if strided_max < best_max:
             rank_of_bin, best_max = strided, strided_max
-    best = StepPlan(bin_of, rank_of_bin, count, strategy, target)
-    if best_max <= good:
+    best = StepPlan(bin_of, rank_of_bin, got, strategy, target)
+    if best_max <= s.floor(got) * (1 + config.packing.balance_tolerance):
         return best
-
-    # bins of even size cannot balance this step: choose bins per rank, spending `align` extra micro-batches at a
-    # time when the ranks around a costly sample are capacity-bound and that cuts the slowest rank by > 1%
-    def per_rank(k_count: int) -> tuple[StepPlan, float] | None:
-        if k_count > n:
-            return None
-        rank_bins = build_rank_bins(lengths, costs, order, cap, dp, k_count // dp, by_cost=batch.balance_by_flops)
-        if rank_bins is None:
-            return None
-        b_of, r_of_b = rank_bins_to_labels(rank_bins, n)
-        name = "rank-greedy" if k_count == target else f"rank-greedy+{k_count - target}"
-        return StepPlan(b_of, r_of_b, k_count, name, target), slowest(b_of, r_of_b)
-
-    def better(cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
-        # FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly
-        more = cand[0].count > incumbent[0].count and profile is None
-        min_gain = config.packing.extra_microbatch_gain if more else 0.0
-        return cand[1] < incumbent[1] * (1 - min_gain)
-
-    extras = 0 if fixed else config.packing.max_extra_rounds
-    found = search_counts([target + extra * align for extra in range(extras + 1)], per_rank, better, patience=1,
-                          best=(best, best_max),  # no assignment could cut the slowest rank by the margin any more:
-                          enough=lambda b, k: b[1] <= floor_at(k) * (1 + config.packing.extra_microbatch_gain))
+    # bins of even size cannot balance this step: bins per rank, `align` extra micro-batches at a time
+    extras = 0 if count is not None else config.packing.max_extra_rounds
+    found = search_counts([target + extra * parallel.align for extra in range(extras + 1)],
+                          lambda k: s.rank_greedy(k, target), s.better, patience=1, best=(best, best_max),
+                          enough=lambda b, k: b[1] <= s.floor(k) * (1 + config.packing.extra_microbatch_gain))
     return found[0]
 
 
-def _plan_static(
-    n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int
-) -> StepPlan:
+def _plan_static(n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int) -> StepPlan:
     mbs = batch.micro_batch_size
     align, dp = parallel.align, parallel.dp_size
     count = -(-n // mbs)
@@ -270,55 +258,58 @@ def _plan_for_pipeline(
 
 
 # ---------------------------------------------------------------------------------------------------- assembly
-def _emit_step(
-    bin_of: np.ndarray,
-    rank_of_bin: np.ndarray,
-    count: int,
-    step_idx: np.ndarray,
-    step_len: np.ndarray,
-    step_cost: np.ndarray,
-    partitions: list[list[int]],
-    micro_batch_indices: list[list[list[int]]],
-    emit: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Append one step to every rank: micro-batches heaviest first (or in the rank-major bin order ``emit``, which
-    the pipeline objective chooses), samples in a micro-batch by global index.
-
-    Returns, per micro-batch in rank-major emitted order: sample count, cost, tokens.
-    """
-    dp = len(partitions)
+def _emit_step(plan: StepPlan, step_idx: np.ndarray, step_len: np.ndarray, step_cost: np.ndarray,
+               partitions: list[list[int]], micro_batch_indices: list[list[list[int]]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Append one step to every rank: micro-batches heaviest first (or in the rank-major bin order ``plan.emit``,
+    which the pipeline objective chooses), samples in a micro-batch by global index. Returns, per micro-batch in
+    rank-major emitted order: sample count, cost, tokens."""
+    bin_of, count, emit, dp = plan.bin_of, plan.count, plan.emit, len(partitions)
     per_rank = count // dp
     size = np.bincount(bin_of, minlength=count)
     cost = np.bincount(bin_of, weights=step_cost, minlength=count)
     tokens = np.bincount(bin_of, weights=step_len, minlength=count).astype(np.int64)
     if emit is None:
-        emit = np.lexsort((np.arange(count), -cost, rank_of_bin))  # rank-major; per rank heaviest first
+        emit = np.lexsort((np.arange(count), -cost, plan.rank_of_bin))  # rank-major; per rank heaviest first
     slot = np.empty(count, dtype=np.int64)
     slot[emit] = np.arange(count)
     samples = step_idx[np.argsort(slot[bin_of], kind="stable")]  # stable: ascending index inside a micro-batch
     emitted_size = size[emit]
     bounds = np.zeros(dp + 1, dtype=np.int64)
     bounds[1:] = np.cumsum(emitted_size.reshape(dp, per_rank).sum(axis=1))
-    sizes_by_rank = emitted_size.reshape(dp, per_rank).tolist()
-    for r in range(dp):
+    for r, sizes in enumerate(emitted_size.reshape(dp, per_rank).tolist()):
         part, mbis = partitions[r], micro_batch_indices[r]
         base = len(part)
         part.extend(samples[bounds[r]:bounds[r + 1]].tolist())
-        for k in sizes_by_rank[r]:
+        for k in sizes:
             mbis.append(list(range(base, base + k)))
             base += k
     return emitted_size, cost[emit], tokens[emit]
 
 
+def _step_stats(s: int, plan: StepPlan, rollouts: int, step_len: np.ndarray, step_cost: np.ndarray,
+                cap: int | None, dp: int, emitted: tuple[np.ndarray, np.ndarray, np.ndarray]) -> StepStats:
+    """What step ``s``'s plan achieved, measured on its emitted micro-batches."""
+    mb_sizes, mb_cost, mb_tokens = emitted
+    rank_cost = mb_cost.reshape(dp, plan.count // dp).sum(axis=1)
+    mean = float(rank_cost.mean())
+    return StepStats(
+        step=s, num_samples=len(step_len), num_rollouts=rollouts, total_tokens=int(step_len.sum()),
+        num_microbatches=plan.count // dp, total_microbatches=plan.count, packing_target=plan.target, cap=cap,
+        largest_bin_tokens=int(mb_tokens.max()),
+        cap_violations=0 if cap is None else int(np.count_nonzero((mb_tokens > cap) & (mb_sizes > 1))),
+        rank_cost_max=float(rank_cost.max()), rank_cost_mean=mean,
+        balance_lower_bound=max(1.0, float(step_cost.max()) / mean) if mean > 0 else 1.0,
+        microbatch_cost_max=float(mb_cost.max()), microbatch_cost_mean=float(mb_cost.mean()),
+        strategy=plan.strategy, predicted_makespan=None if plan.makespans is None else plan.slowest,
+        bubble_fraction=plan.bubble)
+
+
 # ---------------------------------------------------------------------------------------------------- the planner
 def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
-    """Stage 1 for a :class:`~.request.PlanRequest`: ``(sample indices of each step, rollouts per step, dropped
-    sample indices)``.
-
-    Explicit steps (``request.step_of``): step ``s`` holds exactly the samples whose step is ``s``, grouped by rollout
-    in first-occurrence order (as :func:`~.steps.split_into_steps` orders a step), nothing dropped; its rollout
-    count is the number of distinct rollout ids in it. Else the steps of whole rollouts and ``global_batch_size``.
-    """
+    """Stage 1: ``(sample indices of each step, rollouts per step, dropped sample indices)``. Explicit steps
+    (``request.step_of``) hold exactly their samples, grouped by rollout in first-occurrence order, nothing dropped;
+    else the steps of whole rollouts and ``global_batch_size`` (:func:`~.steps.split_into_steps`)."""
     if request.step_of is None:
         return split_into_steps(ordinals, request.lengths, request.parallel, request.batch)
     step_of = request.step_of
@@ -360,106 +351,64 @@ def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: P
             f"microbatches_per_rank to at least {least} or raise max_tokens_per_gpu")
 
 
+def _plan_step(request, s: int, step_len: np.ndarray, step_cost: np.ndarray, pricing: PipelinePricing | None,
+               profile: CostProfile | None) -> StepPlan:
+    """Stages 2-5 of step ``s``: ``bin_of[i]`` the micro-batch of the step's i-th sample, ``rank_of_bin[b]`` its
+    rank, and with pipeline parallelism the run order the search chose (a fixed count stays fixed)."""
+    parallel, batch, fixed = request.parallel, request.batch, request.microbatches_per_rank
+    dp, cap = parallel.dp_size, batch.cap(parallel.cp_size)
+    if fixed is not None:
+        check_fixed_count(s, step_len, fixed, parallel, batch)
+    if cap is None:
+        plan = _plan_static(len(step_len), step_cost, parallel, batch, s)
+    else:
+        plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=request.config,
+                             count=None if fixed is None else fixed * dp)
+        if plan is None:
+            raise ScheduleError(
+                f"microbatches_per_rank = {fixed}: the packing found no {fixed * dp} micro-batches of at most "
+                f"{cap} tokens for step {s} ({len(step_len)} samples, {int(step_len.sum())} tokens); raise "
+                f"microbatches_per_rank or max_tokens_per_gpu")
+    if pricing is not None:
+        plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile,
+                                  fixed_count=fixed is not None)
+    return plan
+
+
+def _check_fills_ranks(s: int, n: int, dp: int) -> None:
+    if n < dp:
+        raise ScheduleError(f"step {s} has {n} samples but dp_size = {dp}: every rank needs at least one "
+                            f"micro-batch; raise --global-batch-size or collect more samples per rollout")
+
+
 def plan_steps(request) -> DPSchedule:
-    """Plan one validated :class:`~.request.PlanRequest` (``request``; :mod:`.request` sits above this module):
-    walk the stages of the module docstring for every step
-    (the public entry is :func:`slime_ext.schedule.request.plan`)."""
-    lengths, ids, loss = request.lengths, request.rollout_ids, request.loss_tokens
-    parallel, batch, cost_model, config = request.parallel, request.batch, request.cost_model, request.config
-    fixed = request.microbatches_per_rank
-    n = len(lengths)
-    ordinals = rollout_ordinals(ids, n)
-    costs = sample_costs(lengths, cost_model)  # a CostProfile gives seconds (its per-sample part)
-    profile = cost_model if isinstance(cost_model, CostProfile) else None
-    cap = batch.cap(parallel.cp_size)
-    dp = parallel.dp_size
+    """Plan one validated :class:`~.request.PlanRequest` (:mod:`.request` sits above this module; the public entry
+    is :func:`slime_ext.schedule.request.plan`): the stages of the module docstring, step by step."""
+    lengths, ids, loss, parallel = request.lengths, request.rollout_ids, request.loss_tokens, request.parallel
+    ordinals = rollout_ordinals(ids, len(lengths))
+    costs = sample_costs(lengths, request.cost_model)  # a CostProfile gives seconds (its per-sample part)
+    profile = request.cost_model if isinstance(request.cost_model, CostProfile) else None
+    cap, dp = request.batch.cap(parallel.cp_size), parallel.dp_size
     # None without pipeline parallelism; with it, the pass's schedule (training, or forward-only) is priced
-    pricing = pipeline_pricing(parallel, cost_model, cap, config, forward_only=request.forward_only)
-
-    # 1. steps: given, or of whole rollouts (the trimmed tail is reported, never silent)
+    pricing = pipeline_pricing(parallel, request.cost_model, cap, request.config, forward_only=request.forward_only)
     steps, rollouts_per_step, dropped = request_steps(request, ordinals)
-    if len(steps[0]) < dp:  # before any per-rank allocation: dp_size can be huge (the step loop repeats this)
-        raise ScheduleError(
-            f"step 0 has {len(steps[0])} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
-            f"raise --global-batch-size or collect more samples per rollout"
-        )
-
+    _check_fills_ranks(0, len(steps[0]), dp)  # before any per-rank allocation: dp_size can be huge
     partitions: list[list[int]] = [[] for _ in range(dp)]
     micro_batch_indices: list[list[list[int]]] = [[] for _ in range(dp)]
-    num_microbatches: list[int] = []
     stats: list[StepStats] = []
     for s, step_idx in enumerate(steps):
-        n_s = len(step_idx)
-        if n_s < dp:
-            raise ScheduleError(
-                f"step {s} has {n_s} samples but dp_size = {dp}: every rank needs at least one micro-batch; "
-                f"raise --global-batch-size or collect more samples per rollout"
-            )
+        _check_fills_ranks(s, len(step_idx), dp)
         step_len, step_cost = lengths[step_idx], costs[step_idx]
-        if fixed is not None:
-            check_fixed_count(s, step_len, fixed, parallel, batch)
-        # 2.-4. pack, align, distribute: bin_of[i] = micro-batch of the step's i-th sample, rank_of_bin[b] = rank
-        if cap is None:
-            plan = _plan_static(n_s, step_cost, parallel, batch, s)
-        else:
-            plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=config,
-                                 count=None if fixed is None else fixed * dp)
-            if plan is None:
-                raise ScheduleError(
-                    f"microbatches_per_rank = {fixed}: the packing found no {fixed * dp} micro-batches of at most "
-                    f"{cap} tokens for step {s} ({n_s} samples, {int(step_len.sum())} tokens); raise "
-                    f"microbatches_per_rank or max_tokens_per_gpu")
-        # 5. with pipeline parallelism: micro-batches, count, assignment and order by the slowest replica's
-        # predicted makespan (the pipeline search; a fixed count stays fixed)
-        if pricing is not None:
-            plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile,
-                                      fixed_count=fixed is not None)
-        count = plan.count
-        mb_sizes, mb_cost, mb_tokens = _emit_step(plan.bin_of, plan.rank_of_bin, count, step_idx, step_len,
-                                                  step_cost, partitions, micro_batch_indices, plan.emit)
-        per_rank = count // dp
-        num_microbatches.append(per_rank)
-        rank_cost = mb_cost.reshape(dp, per_rank).sum(axis=1)
-        mean = float(rank_cost.mean())
-        violations = 0 if cap is None else int(np.count_nonzero((mb_tokens > cap) & (mb_sizes > 1)))
-        stats.append(StepStats(
-            step=s,
-            num_samples=n_s,
-            num_rollouts=rollouts_per_step[s],
-            total_tokens=int(step_len.sum()),
-            num_microbatches=per_rank,
-            total_microbatches=count,
-            packing_target=plan.target,
-            cap=cap,
-            largest_bin_tokens=int(mb_tokens.max()),
-            cap_violations=violations,
-            rank_cost_max=float(rank_cost.max()),
-            rank_cost_mean=mean,
-            balance_lower_bound=max(1.0, float(step_cost.max()) / mean) if mean > 0 else 1.0,
-            microbatch_cost_max=float(mb_cost.max()),
-            microbatch_cost_mean=float(mb_cost.mean()),
-            strategy=plan.strategy,
-            predicted_makespan=None if plan.makespans is None else plan.slowest,
-            bubble_fraction=plan.bubble,
-        ))
-
+        plan = _plan_step(request, s, step_len, step_cost, pricing, profile)
+        emitted = _emit_step(plan, step_idx, step_len, step_cost, partitions, micro_batch_indices)
+        stats.append(_step_stats(s, plan, rollouts_per_step[s], step_len, step_cost, cap, dp, emitted))
     return DPSchedule(
-        partitions=partitions,
-        micro_batch_indices=micro_batch_indices,
-        num_microbatches=num_microbatches,
-        samples_per_step=[len(x) for x in steps],
-        rollouts_per_step=rollouts_per_step,
-        dropped=dropped.tolist(),
-        stats=stats,
-        parallel=parallel,
-        batch=batch,
-        total_lengths=lengths.tolist(),
-        rollout_ids=None if ids is None else ids.tolist(),
+        partitions=partitions, micro_batch_indices=micro_batch_indices,
+        num_microbatches=[st.num_microbatches for st in stats], samples_per_step=[len(x) for x in steps],
+        rollouts_per_step=rollouts_per_step, dropped=dropped.tolist(), stats=stats, parallel=parallel,
+        batch=request.batch, total_lengths=lengths.tolist(), rollout_ids=None if ids is None else ids.tolist(),
         loss_tokens=None if loss is None else loss.tolist(),
         loss_tokens_per_step=None if loss is None else [int(loss[x].sum()) for x in steps],
-        cost_model=cost_model,
-        step_samples=[x.tolist() for x in steps],
-        step_of=None if request.step_of is None else request.step_of.tolist(),
-        forward_only=request.forward_only,
-        microbatches_per_rank=fixed,
-    )
+        cost_model=request.cost_model, step_samples=[x.tolist() for x in steps],
+        step_of=None if request.step_of is None else request.step_of.tolist(), forward_only=request.forward_only,
+        microbatches_per_rank=request.microbatches_per_rank)

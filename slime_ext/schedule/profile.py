@@ -9,25 +9,15 @@ as::
                                             + per_sample_quadratic   * sum(len**2) # attention within each sample
                                             + packed_quadratic       * T**2 )      # attention over the packed row
 
-``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels; this repo's training
-adapter packs THD and runs :mod:`slime_ext.training.thd_attention` on CPU, so it pays this term too);
-``packed_quadratic`` is attention computed over the whole packed row and masked (megatron-core's local
-``DotProductAttention`` with a block-diagonal mask, which a path that packs without THD pays). A calibration fits all
-terms and lets the data say which ones matter (non-negative least squares, weighted by relative error).
-
-:func:`fit_profile` turns timed observations into a :class:`CostProfile`; it rejects data that cannot determine
-the coefficients (too few points, columns that are linear combinations of each other, such as equal sample
-lengths or only single-sample micro-batches, negative or non-finite timings) with a :class:`ScheduleError` that
-names the field. The planner uses a profile through three methods: :meth:`CostProfile.sample_costs` (the additive
-per-sample part, what balancing balances), :attr:`CostProfile.microbatch_overhead_s` (what an extra micro-batch
-costs) and :meth:`CostProfile.rank_time` (the exact prediction it compares candidate schedules by).
-
-Pure: standard library and numpy only.
+``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels, and this repo's CPU
+THD attention); ``packed_quadratic`` is attention over the whole packed row, masked (a path that packs without THD).
+:func:`slime_ext.training.profile_fit.fit_profile` fits the terms to timed steps (``slime-ext calibrate``).
+The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances),
+:attr:`CostProfile.microbatch_overhead_s` and :meth:`CostProfile.rank_time` (the prediction it compares by).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -64,8 +54,7 @@ class CostProfile:
     packed_quadratic_s: float = 0.0
     #: where it was measured and how well it fits: device, model dims, points, rms/max relative error, ...
     meta: Mapping[str, Any] = field(default_factory=dict, compare=False)
-    #: pipeline model (``pp_size > 1``): a micro-batch's backward takes this many times its forward; the seconds
-    #: above (forward + backward of the whole model) split into ``1 : backward_forward_ratio``
+    #: pipeline model: a micro-batch's backward over its forward (the seconds above split ``1 : ratio``)
     backward_forward_ratio: float = 2.0
     #: pipeline model: seconds of one stage-boundary send/recv of one micro-batch's activation or gradient
     p2p_s: float = 0.0
@@ -92,11 +81,8 @@ class CostProfile:
 
     # ------------------------------------------------------------------ what the planner uses
     def sample_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The additive per-sample part (seconds): ``per_token * L + (per_sample_quadratic + packed_quadratic) * L**2``.
-
-        The packed term's cross terms (``2 * L_i * L_j`` of two samples sharing a micro-batch) belong to no single
-        sample; :meth:`microbatch_time` counts them.
-        """
+        """The additive per-sample part (seconds): ``per_token * L + (per_sample_quadratic + packed_quadratic) * L**2``
+        (the packed term's cross terms belong to no single sample; :meth:`microbatch_time` counts them)."""
         L = np.asarray(lengths, dtype=np.float64)
         return L * (self.per_token_s + (self.per_sample_quadratic_s + self.packed_quadratic_s) * L)
 
@@ -110,9 +96,7 @@ class CostProfile:
     def microbatch_time(self, lengths: Sequence[int]) -> float:
         """Predicted seconds of one micro-batch holding samples of ``lengths``."""
         L = np.asarray(lengths, dtype=np.float64)
-        tokens = float(L.sum())
-        return (self.microbatch_overhead_s + self.per_token_s * tokens
-                + self.per_sample_quadratic_s * float((L * L).sum()) + self.packed_quadratic_s * tokens * tokens)
+        return float(self.price_sums(float(L.sum()), float((L * L).sum())))
 
     def rank_time(self, micro_batches: Sequence[Sequence[int]]) -> float:
         """Predicted busy seconds of one rank in one step: ``step_overhead`` plus its micro-batches."""
@@ -184,153 +168,4 @@ def is_profile_dict(d: Any) -> bool:
     return isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND
 
 
-# ---------------------------------------------------------------------------------------------------- fitting
-@dataclass(frozen=True)
-class Observation:
-    """One timed step of one rank: its micro-batches (sample lengths of each) and the seconds it took."""
-
-    micro_batches: tuple[tuple[int, ...], ...]
-    seconds: float
-
-
-def design_row(micro_batches: Sequence[Sequence[int]]) -> np.ndarray:
-    """The five columns of :data:`TERMS` for one observation."""
-    row = np.zeros(len(TERMS))
-    row[0] = 1.0
-    for mb in micro_batches:
-        L = np.asarray(mb, dtype=np.float64)
-        t = float(L.sum())
-        row[1] += 1.0
-        row[2] += t
-        row[3] += float((L * L).sum())
-        row[4] += t * t
-    return row
-
-
-@dataclass(frozen=True)
-class FitReport:
-    """How well a fitted profile reproduces its own observations."""
-
-    num_points: int
-    terms_used: tuple[str, ...]
-    rms_rel_error: float
-    max_rel_error: float
-    residuals_rel: tuple[float, ...]
-
-
-def _validate(observations: Sequence[Any], terms: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    unknown = [t for t in terms if t not in TERM_NAMES]
-    if unknown:
-        raise ScheduleError(f"terms {unknown} are not profile terms; choose from {list(TERM_NAMES)}")
-    if "per_token_s" not in terms:
-        raise ScheduleError(f"terms={list(terms)} must include 'per_token_s' (the cost of a token)")
-    need = len(terms) + 2
-    if len(observations) < need:
-        raise ScheduleError(f"observations: {len(observations)} timed steps cannot fit {len(terms)} terms "
-                            f"({', '.join(terms)}) with an error estimate; give at least {need}")
-    rows, seconds = [], []
-    for i, obs in enumerate(observations):
-        mbs, secs = (obs.micro_batches, obs.seconds) if isinstance(obs, Observation) else obs
-        if not isinstance(secs, (int, float)) or isinstance(secs, bool) or not math.isfinite(secs) or secs <= 0:
-            raise ScheduleError(f"observations[{i}].seconds = {secs!r} must be a positive finite time; a negative, "
-                                f"zero or NaN timing means the timer or the run failed -- re-measure that point")
-        if not mbs or any(len(mb) == 0 for mb in mbs):
-            raise ScheduleError(f"observations[{i}].micro_batches = {mbs!r} must hold at least one non-empty "
-                                f"micro-batch")
-        for mb in mbs:
-            for length in mb:
-                if isinstance(length, bool) or int(length) != length or length < 1:
-                    raise ScheduleError(f"observations[{i}].micro_batches holds a sample length {length!r}; "
-                                        f"lengths are positive integers (tokens)")
-        rows.append(design_row(mbs))
-        seconds.append(float(secs))
-    return np.asarray(rows), np.asarray(seconds)
-
-
-def _check_identifiable(X: np.ndarray, terms: Sequence[str]) -> None:
-    """Every column must carry information the others do not: otherwise name the columns that depend on others."""
-    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)
-    full = np.linalg.matrix_rank(scaled, tol=1e-9 * len(X))
-    if full == X.shape[1]:
-        return
-    dependent = [t for j, t in enumerate(terms)
-                 if np.linalg.matrix_rank(np.delete(scaled, j, axis=1), tol=1e-9 * len(X)) == full]
-    described = {name: what for name, what in TERMS}
-    hint = []
-    if "per_sample_quadratic_s" in dependent and "packed_quadratic_s" in dependent:
-        hint.append("every micro-batch holds one sample, so sum(len**2) equals tokens**2: time micro-batches "
-                    "that pack several samples")
-    if "per_token_s" in dependent:
-        hint.append("the sample lengths do not vary (tokens are a multiple of the sample count): time several "
-                    "different lengths")
-    if "microbatch_overhead_s" in dependent and "step_overhead_s" in dependent:
-        hint.append("every step runs the same number of micro-batches: vary the micro-batches per step")
-    raise ScheduleError(
-        f"observations cannot separate the terms {dependent} "
-        f"({'; '.join(f'{t}: {described[t]}' for t in dependent)}) -- their columns are collinear"
-        f"{': ' + '; '.join(hint) if hint else ''}; or drop terms with fit_profile(..., terms=...)"
-    )
-
-
-def fit_profile(observations: Sequence[Observation | tuple], *, terms: Sequence[str] = TERM_NAMES,
-                meta: Mapping[str, Any] | None = None) -> tuple[CostProfile, FitReport]:
-    """Least-squares fit of :class:`CostProfile` to timed steps; returns the profile and its :class:`FitReport`.
-
-    ``observations``: :class:`Observation` or ``(micro_batches, seconds)`` pairs. The fit minimises the squared
-    *relative* error (each row weighted by ``1 / seconds``, so short and long steps count alike) under the
-    constraint that every coefficient is ``>= 0`` -- exactly, by trying every subset of the terms (there are at
-    most 32) and keeping the best fit whose coefficients are all non-negative. ``terms`` restricts the model
-    (the others are fixed at 0).
-    """
-    terms = tuple(terms)
-    X_all, y = _validate(observations, terms)
-    cols = [TERM_NAMES.index(t) for t in terms]
-    X = X_all[:, cols]
-    _check_identifiable(X, terms)
-    W = X / y[:, None]  # relative error: (x.c - y) / y
-    ones = np.ones(len(y))
-    scale = np.maximum(np.abs(W).max(axis=0), 1e-300)
-    best: tuple[float, np.ndarray, tuple[int, ...]] | None = None
-    for k in range(len(cols), 0, -1):
-        for subset in itertools.combinations(range(len(cols)), k):
-            A = W[:, subset] / scale[list(subset)]
-            coef, *_ = np.linalg.lstsq(A, ones, rcond=None)
-            coef = coef / scale[list(subset)]
-            if np.any(coef < 0):
-                continue
-            sse = float(np.sum((W[:, subset] @ coef - ones) ** 2))
-            if best is None or sse < best[0] - 1e-15:
-                best = (sse, coef, subset)
-    if best is None:  # pragma: no cover - a single column with positive data always has a non-negative fit
-        raise ScheduleError("observations: no non-negative fit exists; re-measure")
-    _, coef, subset = best
-    values = dict.fromkeys(TERM_NAMES, 0.0)
-    for c, j in zip(coef, subset):
-        values[terms[j]] = float(c)
-    predicted = X_all @ np.array([values[t] for t in TERM_NAMES])
-    rel = (predicted - y) / y
-    report = FitReport(num_points=len(y), terms_used=tuple(terms[j] for j in subset),
-                       rms_rel_error=float(np.sqrt(np.mean(rel ** 2))), max_rel_error=float(np.abs(rel).max()),
-                       residuals_rel=tuple(float(r) for r in rel))
-    full_meta = dict(meta or {})
-    full_meta.update(num_points=report.num_points, rms_rel_error=report.rms_rel_error,
-                     max_rel_error=report.max_rel_error, terms_used=list(report.terms_used))
-    if values["per_token_s"] + values["per_sample_quadratic_s"] + values["packed_quadratic_s"] <= 0:
-        raise ScheduleError("observations: the best fit charges nothing per token (time does not grow with the "
-                            "micro-batch size); the timings are dominated by noise or overhead -- time longer "
-                            "samples or repeat each point more often")
-    return CostProfile(**values, meta=full_meta), report
-
-
-def fit_summary(profile: CostProfile, report: FitReport) -> str:
-    """A few lines for humans: the coefficients and the fit error."""
-    lines = [f"fitted on {report.num_points} timed steps; terms kept: {', '.join(report.terms_used)}"]
-    for name, what in TERMS:
-        lines.append(f"  {name:<24} = {getattr(profile, name):.4e}   ({what})")
-    lines.append(f"  fit error: rms {100 * report.rms_rel_error:.2f}%, max {100 * report.max_rel_error:.2f}% "
-                 f"(relative, on the calibration points)")
-    return "\n".join(lines)
-
-
-__all__ = ["CostProfile", "FitReport", "Observation", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES",
-           "design_row", "fit_profile", "fit_summary", "is_profile_dict"]
+__all__ = ["CostProfile", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES", "is_profile_dict"]

@@ -1,32 +1,13 @@
-"""One replica's samples in exactly ``count`` micro-batches: the planner's shaping (:mod:`.pipeline_shape`) for a
-host that holds one rank's samples and asks for a count (verl's Megatron engine plans each DP rank inside the step).
+"""One replica's samples in exactly ``count`` micro-batches, for a host that plans one rank inside its engine
+(verl's Megatron engine plans each DP rank inside the step).
 
-:func:`shape_replica` answers "these samples, exactly ``count`` micro-batches, this layout, this cap":
-
-* **no pipeline** (``pp_size == 1``): balanced packing. The samples, costliest first, each into the micro-batch with
-  the most cost left below an equal share that still holds it under the cap (:func:`.pipeline_shape.shape_pack`
-  with one flat target: the whole-step planner's shaping routine, one row);
-* **a pipeline** (``pp_size > 1``, 1F1B or interleaved): every shape of ``PlannerConfig.shaping.shapes`` packed at
-  ``count`` in one :func:`.pipeline_shape.pack_relabelled` call (the rows :func:`.pipeline_shape.pack_many` makes
-  for the whole-step planner's shaped candidate, one replica), every packing priced by the pipeline model in one
-  pass, the fastest kept; its run order then improved by the model's order search
-  (:func:`.pipeline_orders.best_orders`);
-* where no shape holds the cap at ``count`` (the greedy packing can miss a tight fit): the planner's own capped
-  packing of the samples (:func:`pack_replica`) with its costliest micro-batches split in two until there are
-  ``count``; subsets of capped micro-batches stay capped;
-* where ``count`` cannot hold the samples (fewer micro-batches than the cap needs, more than there are samples, a
-  count megatron-core refuses for the layout): a :class:`ScheduleError` naming ``count``, ``cap`` and the count to
-  ask for instead.
-
-:func:`scan_replica` is the same shaping at many counts (a host choosing among them): every shape of
-``PlannerConfig.shaping.scan_shapes`` (the whole-step planner's scan shapes) at every count, packed in one call and priced in
-one pass of the model, each in its shape's run order; :meth:`ReplicaScan.plan` gives one count's micro-batches, in
-the fastest of that order and the heuristic orders (:func:`.pipeline_orders.heuristic_best`). :func:`pack_replica`
-is the planner's own packing of one replica at the count it chooses (the fewest it needs).
-
-Forward-only passes (``forward_only=True``: log-probs, a reference model) are priced by the pipeline model's
-forward-only schedules (:func:`.pipeline_pricing.pipeline_pricing` with ``forward_only``; without a pipeline nothing is
-priced). Pure: standard library and numpy.
+:func:`shape_replica`: without a pipeline, balanced packing (:func:`.pipeline_shape.shape_pack` with one flat
+target); with one, every shape of ``PlannerConfig.shaping.shapes`` packed at ``count`` and priced by the pipeline model in one
+pass, the fastest kept and its run order improved by :func:`.pipeline_orders.best_orders`. Where no shape holds the
+cap at ``count``, the planner's own packing (:func:`pack_replica`) is split up to ``count``; where ``count`` cannot
+hold the samples, a :class:`ScheduleError` names the count to ask for. :func:`scan_replica` is the same shaping at
+many counts (``PlannerConfig.shaping.scan_shapes``), priced in one pass. Forward-only passes are priced by the forward-only
+schedules.
 """
 
 from __future__ import annotations
@@ -61,8 +42,7 @@ class ReplicaPlan:
 
     #: indices into the samples given, per micro-batch, in the order the replica runs them; each index once
     micro_batches: tuple[tuple[int, ...], ...]
-    #: the pipeline model's makespan of this run order (the pricing's units: seconds with a ``CostProfile``, else
-    #: per-stage forward FLOPs or tokens); ``None`` without a pipeline
+    #: the pipeline model's makespan of this run order (the pricing's units); ``None`` without a pipeline
     predicted_makespan: float | None
 
 
@@ -83,8 +63,7 @@ class ReplicaScan:
 
     def plan(self, count: int, *, reorder: bool = True) -> ReplicaPlan | None:
         """The packing at ``count`` (``None`` where it did not pack); with a pipeline and ``reorder``, in the fastest
-        of its run order and the heuristic orders of :func:`~.pipeline_orders.heuristic_best` (one pass of the model:
-        its makespan is at most ``spans[count]``), else in its shape's run order."""
+        of its run order and :func:`~.pipeline_orders.heuristic_best`'s orders, else in its shape's run order."""
         if count not in self.spans:
             return None
         labels, span = self.labels[count], self.spans[count]
@@ -146,9 +125,8 @@ def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
 # ---------------------------------------------------------------------------------------------------- the fallback
 def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
                  cost_model: CostModel | CostProfile | None = None) -> tuple[tuple[int, ...], ...]:
-    """The whole-step planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it
-    chooses itself (the planner's request: one replica, one step; no pipeline), as index tuples in its run
-    order: what a host that asks for a count takes as the fewest its samples need."""
+    """The planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it chooses (one
+    replica, one step, no pipeline), as index tuples in run order: the fewest the samples need."""
     x, cap = _lengths(lengths), _cap(cap)
     batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                         balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
@@ -183,11 +161,8 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                  config: PlannerConfig | None = None) -> ReplicaScan:
-    """The samples shaped at each of ``counts``: every ``PlannerConfig.shaping.scan_shapes`` shape at every count, one
-    packing call and one pass of the model, each count's fastest packing in its shape's run order
-    (:meth:`ReplicaScan.plan` orders the one asked for). Counts where no scan shape holds the cap, above the sample
-    count or refused by megatron-core for the layout are left out. Without a pipeline: the balanced packing at each
-    count (spans ``None``)."""
+    """The samples shaped at each of ``counts`` (module docstring), each count's fastest packing in its shape's run
+    order; counts that do not pack under the cap, exceed the samples or megatron-core refuses are left out."""
     config = DEFAULT_CONFIG if config is None else config
     x, cap = _lengths(lengths), _cap(cap)
     pricing = _pricing(parallel, cost_model, cap, config, forward_only)
@@ -204,10 +179,8 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
                   cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                   config: PlannerConfig | None = None) -> ReplicaPlan:
     """One replica's samples (``lengths``: tokens per sample) in exactly ``count`` micro-batches of at most ``cap``
-    tokens each (a sample longer than the cap sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is
-    not read: this is one replica): see the module docstring. ``forward_only``: the pass has no backward (priced
-    by the forward-only schedules). ``config``: the planner's tunables (the shapes). Raises :class:`ScheduleError`
-    where ``count`` cannot hold the samples, naming the count to ask for."""
+    tokens (a longer sample sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is not read): the
+    module docstring."""
     config = DEFAULT_CONFIG if config is None else config
     x = _lengths(lengths)
     if cap is None:
@@ -266,9 +239,8 @@ def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
 
 @lru_cache(maxsize=256)
 def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list]:
-    """The packing rows of every shape at every count, as :func:`pack_many` makes them (shapes whose targets and
-    run order coincide at a count share one row): ``(weights (rows, max count), parts)``; made
-    once per counts, shapes and VPP group (read-only), since a host asks for the same few every step."""
+    """The packing rows of every shape at every count, as :func:`pack_many` makes them (coinciding shapes share a
+    row): ``(weights (rows, max count), parts)``, cached (read-only): a host asks for the same few every step."""
     first: dict[tuple, tuple[int, Shape]] = {}
     for k in counts:
         for shape in shapes:
@@ -282,9 +254,8 @@ def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tupl
 
 
 def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
-    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call (one replica: the
-    rows :func:`~.pipeline_shape.pack_many` would make), each in its shape's run order, all priced in one pass of the
-    model; the fastest per count kept (ties: the earlier shape)."""
+    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call and priced in one
+    pass of the model; the fastest per count kept (ties: the earlier shape)."""
     if not counts:
         return ReplicaScan({}, {})
     weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
@@ -309,10 +280,7 @@ def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPl
         labels[list(mb)] = b
     row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
     order, span = best_orders(pricing, row)
-    if plan.predicted_makespan is None:
-        own = float(pricing.makespans(row)[0])
-    else:
-        own = plan.predicted_makespan
+    own = float(pricing.makespans(row)[0]) if plan.predicted_makespan is None else plan.predicted_makespan
     if beats(float(span[0]), own, pricing.config):
         return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
     return ReplicaPlan(mbs, own)

@@ -1,22 +1,12 @@
 """The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
 
-A host (slime, Megatron-RL, verl, NeMo-RL, a bench) states what it wants planned in one :class:`PlanRequest`:
-
-* **the samples**: ``lengths`` (tokens per sample), optionally ``rollout_ids`` and ``loss_tokens``;
-* **the steps**: ``step_of`` (the optimizer step of every sample, ``0..S-1``), or ``None`` for the steps derived
-  from whole rollouts and ``batch.global_batch_size`` (slime's rule: :func:`~.steps.split_into_steps`);
-* **the layout and the cap**: ``parallel`` (dp, pp, vpp, group, layout flags, p2p mode) and ``batch`` (the token cap
-  ``max_tokens_per_gpu`` with dynamic batches, or ``micro_batch_size``; balancing flags);
-* **the pass**: ``forward_only`` -- a training pass (forward and backward) or a forward-only pass (log-probs); with
-  pipeline parallelism the count and order are chosen for that pass's schedule;
-* optionally **a fixed count**: ``microbatches_per_rank`` micro-batches on every DP rank in every step;
-* the **cost** (``cost_model``: FLOPs from model dims, or a measured ``CostProfile``) and the tunables (``config``).
-
-The request checks itself on construction (:class:`ScheduleError` naming the field, the value and the fix), so a
-request that exists can be planned or refused only for what the packing itself finds. :func:`plan` returns the
-:class:`~.dp_schedule.DPSchedule`, which records the pass (``forward_only``), the explicit steps (``step_of``) and
-the fixed count. :func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's
-flags read off ``args``) build a request and call :func:`plan`.
+A :class:`PlanRequest` holds the samples (``lengths``, optionally ``rollout_ids`` and ``loss_tokens``), the steps
+(``step_of``, or ``None`` for steps of whole rollouts and ``global_batch_size``), the layout and cap (``parallel``,
+``batch``), the pass (``forward_only``: with pipeline parallelism count and order are chosen for that pass's
+schedule), optionally a fixed count (``microbatches_per_rank``), the cost and the tunables. It checks itself on
+construction (:class:`ScheduleError` naming the field, the value and the fix), so a request that exists is refused
+only for what the packing itself finds. :func:`plan_schedule` (the keyword form) and
+:func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a request and call :func:`plan`.
 """
 
 from __future__ import annotations
@@ -42,25 +32,22 @@ __all__ = ["PlanRequest", "plan", "plan_schedule"]
 class PlanRequest:
     """One planning request (the module docstring). Sequences are stored as int64 arrays once checked."""
 
-    #: total tokens of every sample (prompt and response), each in ``[1, MAX_TOKENS]`` (its refusals call it
-    #: ``total_lengths``, slime's name, as every entry point does)
+    #: total tokens of every sample, each in ``[1, MAX_TOKENS]`` (refusals call it slime's ``total_lengths``)
     lengths: Sequence[int] | np.ndarray
     #: the layout: dp (resolved), cp, pp, vpp and its group, Megatron's layout flags, the p2p mode
     parallel: ParallelConfig
-    #: the cap (``max_tokens_per_gpu`` with ``use_dynamic_batch_size``) or ``micro_batch_size``, the balancing
-    #: flags, and ``global_batch_size`` (rollouts per step; not used with explicit ``step_of``)
+    #: the cap or ``micro_batch_size``, the balancing flags, ``global_batch_size`` (unused with ``step_of``)
     batch: BatchConfig
     #: the rollout of every sample (samples of one rollout stay in one derived step); ``None``: one per sample
     rollout_ids: Sequence[int] | np.ndarray | None = None
     #: loss-mask tokens of every sample (``0 <= loss_tokens[i] <= lengths[i]``): ``loss_tokens_per_step``
     loss_tokens: Sequence[int] | np.ndarray | None = None
-    #: explicit steps: the optimizer step of every sample, ``0..S-1``, every step holding at least ``dp_size``
-    #: samples; ``None``: steps of whole rollouts and ``global_batch_size`` as slime derives them
+    #: explicit steps: the optimizer step of every sample, ``0..S-1``, each step at least ``dp_size`` samples;
+    #: ``None``: steps of whole rollouts and ``global_batch_size`` as slime derives them
     step_of: Sequence[int] | np.ndarray | None = None
     #: the pass: ``False`` training (forward and backward), ``True`` forward-only (a log-prob pass)
     forward_only: bool = False
-    #: micro-batches per DP rank in every step, fixed (a multiple of the VPP group under VPP); ``None``: the
-    #: planner chooses each step's count
+    #: micro-batches per DP rank in every step (a multiple of the VPP group); ``None``: the planner chooses
     microbatches_per_rank: int | None = None
     #: FLOPs from model dims (``CostModel``), measured seconds (``CostProfile``), or ``None``: tokens
     cost_model: CostModel | CostProfile | None = None
@@ -144,24 +131,12 @@ def plan(request: PlanRequest) -> DPSchedule:
     return plan_steps(request)
 
 
-def plan_schedule(
-    total_lengths: Sequence[int] | np.ndarray,
-    parallel: ParallelConfig,
-    batch: BatchConfig,
-    *,
-    rollout_ids: Sequence[int] | np.ndarray | None = None,
-    loss_tokens: Sequence[int] | np.ndarray | None = None,
-    cost_model: CostModel | CostProfile | None = None,
-    config: PlannerConfig | None = None,
-) -> DPSchedule:
+def plan_schedule(total_lengths: Sequence[int] | np.ndarray, parallel: ParallelConfig, batch: BatchConfig, *,
+                  rollout_ids: Sequence[int] | np.ndarray | None = None,
+                  loss_tokens: Sequence[int] | np.ndarray | None = None,
+                  cost_model: CostModel | CostProfile | None = None, config: PlannerConfig | None = None
+                  ) -> DPSchedule:
     """Plan one rollout of training steps derived from whole rollouts: :func:`plan` of the same
-    :class:`PlanRequest` (``total_lengths`` is its ``lengths``).
-
-    ``total_lengths[i]`` is sample ``i``'s token count, ``rollout_ids[i]`` its rollout (default: one rollout per
-    sample), ``loss_tokens[i]`` its loss-mask token count (optional). ``cost_model`` gives FLOPs estimates for
-    balancing (default: tokens); a measured :class:`CostProfile` (``slime-ext calibrate``) replaces it with
-    seconds and prices every micro-batch. ``config``: the planner's tunables (:class:`PlannerConfig`, default
-    ``PlannerConfig()``).
-    """
+    :class:`PlanRequest` (``total_lengths`` is its ``lengths``; the other fields as there)."""
     return plan(PlanRequest(lengths=total_lengths, parallel=parallel, batch=batch, rollout_ids=rollout_ids,
                             loss_tokens=loss_tokens, cost_model=cost_model, config=config))

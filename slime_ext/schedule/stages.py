@@ -1,44 +1,19 @@
 """Per-stage costs: what one micro-batch costs on each pipeline stage, from the model dims and Megatron's layout.
 
-**Contract.** ``StageCosts.from_model(cost_model, parallel)`` takes what the planner prices with (a
-:class:`~slime_ext.schedule.cost.CostModel`, a :class:`~slime_ext.schedule.profile.CostProfile` or ``None``) and
-the :class:`~slime_ext.schedule.config.ParallelConfig` (its pipeline size, VPP size and layout flags) and gives,
-per pipeline rank ``s`` (and per virtual stage ``k = chunk * pp + s``), coefficients such that
+``StageCosts.from_model(cost_model, parallel)`` gives, per virtual stage ``k = chunk * pp + rank``, coefficients with
+``forward of a micro-batch = linear[k] * tokens + quadratic[k] * sum(L**2)``, in the cost model's units (FLOPs for a
+``CostModel``, seconds for a ``CostProfile``, tokens for ``None``). Summed over the stages they are the whole model's
+(:meth:`CostModel.coefficients`; MTP layers of a layout string add their own cost), and ``linear_share`` /
+``quadratic_share`` are each rank's share of those totals (each sums to 1). The layers are split as
+megatron-core splits them (:mod:`.pipeline_layout`): the embedding on the first virtual stage, the output layer
+and the loss on the last.
 
-    stage s's forward of a micro-batch = linear[s] * tokens + quadratic[s] * sum(L**2)
-
-(``tokens`` its tokens, ``L`` its samples' lengths), in the units of the cost model: FLOPs for a ``CostModel``,
-seconds for a ``CostProfile``, tokens for ``None``. Invariants (``tests/unit/test_stages.py``):
-
-1. Summed over the stages they are the whole model's: ``linear.sum(), quadratic.sum() == CostModel.coefficients()``
-   (a profile's ``per_token_s`` and ``per_sample_quadratic_s + packed_quadratic_s``; ``1, 0`` for tokens), except
-   that MTP layers of a layout string add their own cost, which ``CostModel`` does not count.
-2. ``linear_share`` and ``quadratic_share`` are the per-rank shares of those totals (each sums to 1): a planner that
-   prices a micro-batch as a whole multiplies its cost by them.
-3. The split is megatron-core's (:mod:`slime_ext.schedule.pipeline_layout`): ``num_layers`` decoder layers over the
-   virtual stages by the layout flags, the embedding on virtual stage 0, the output layer and the loss on the last.
-4. :meth:`StageCosts.forward` of ``(R, M)`` micro-batch tokens and ``sum(L**2)`` is ``(R, pp, M)`` (``virtual=True``:
-   ``(R, pp * vpp, M)``, one model chunk each): the per-stage forward costs
-   :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` takes; the backward is the planner's
-   ``backward_forward_ratio`` times them.
-
-**What is counted.** With a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq`` and its
-layer number; :meth:`CostModel.layer_terms`), the output layer's ``2 h vocab`` per token on the last virtual
-stage; the embedding (a lookup) and the loss (a softmax over the vocabulary: a few FLOPs per logit, about 0.1% of
-the output layer at ``h = 4096``) count as none. An MTP layer (``m`` in a layout) counts as one decoder layer (MoE
-when the model has experts), its input projection ``2 (2h) h`` and its own output layer.
-
-**A profile** measures the whole model in seconds; it is split by the piece shares ``slime-ext calibrate``
-measured (``meta["piece_shares"]``: the embedding's, one decoder layer's and the output layer's share of the
-forward time; the linear term by them, the quadratic term by decoder layers), else by the FLOPs shares of the
-model dims it records (``meta["model"]``: the linear term by the linear FLOPs' share, the quadratic term by the
-attention's), or, without those either, by each stage's share of the decoder layers (the embedding and the output
-layer then count as nothing). **Without a model** (cost = tokens) the split is by decoder layers too.
-Where the layer count is unknown (no model dims, no layout string, no ``num_layers``), the layers are assumed
-split evenly over the ranks. A profile's per-micro-batch and per-step overheads are not split here: the planner
-decides where they go.
-
-Pure: standard library and numpy.
+Counted with a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq``), the output layer's
+``2 h vocab`` per token on the last stage; the embedding (a lookup) and the loss (about 0.1% of the output layer)
+count as none; an MTP layer counts as a decoder layer plus its ``2 (2h) h`` input projection and its own output
+layer. A profile's seconds are split by the piece shares ``slime-ext calibrate`` measured (``meta["piece_shares"]``),
+else by the FLOPs shares of the model dims it records (``meta["model"]``), else by decoder layers, as a cost of
+tokens is. With no layer count at all, the split is even. Overheads are not split here.
 """
 
 from __future__ import annotations
@@ -47,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ParallelConfig
+from .config import LAYOUT_FLAGS, ParallelConfig
 from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS
 from .errors import ScheduleError
 from .pipeline_layout import StageLayers, parse_layout
@@ -151,6 +126,17 @@ class StageCosts:
                        tuple(quadratic * np.asarray(quad_share)), "seconds", basis)
         raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}")
 
+    @classmethod
+    def if_split(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts | None":
+        """:meth:`from_model`, or ``None`` (every stage alike) for dims Megatron cannot split over this layout
+        (approximate dims); where the user placed layers (:data:`LAYOUT_FLAGS`) the refusal stands."""
+        try:
+            return cls.from_model(cost_model, parallel)
+        except ScheduleError:
+            if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
+                raise
+            return None
+
 
 def _share(values: np.ndarray) -> np.ndarray:
     total = values.sum()
@@ -198,8 +184,7 @@ def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers:
         return None
     if not all(np.isfinite([emb, layer, head])) or min(emb, layer, head) < 0:
         return None
-    if num_layers is None and parallel.pipeline_model_parallel_layout is not None:
-        num_layers = sum(stage.count("t") for stage in parse_layout(parallel.pipeline_model_parallel_layout))
+    num_layers = _layer_count(parallel, num_layers)
     if num_layers is None:
         return None
     layers = parallel.stage_layers(num_layers)
@@ -213,11 +198,17 @@ def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers:
 def _layer_share(parallel: ParallelConfig, num_layers: int | None) -> tuple[np.ndarray, str]:
     """Each virtual stage's share of the decoder layers, and how it was found."""
     v = parallel.pp_size * parallel.vpp_size
-    layout = parallel.pipeline_model_parallel_layout
-    if num_layers is None and layout is not None:
-        num_layers = sum(stage.count("t") for stage in parse_layout(layout))
+    num_layers = _layer_count(parallel, num_layers)
     if num_layers is None:
         return np.full(v, 1.0 / v), "an even split (the layer count is unknown)"
     layers: StageLayers = parallel.stage_layers(num_layers)
     counts = np.asarray(layers.decoder, dtype=np.float64)
     return _share(counts), "each stage's share of the decoder layers"
+
+
+def _layer_count(parallel: ParallelConfig, num_layers: int | None) -> int | None:
+    """``num_layers``, else the decoder layers of the layout string, else ``None``."""
+    layout = parallel.pipeline_model_parallel_layout
+    if num_layers is None and layout is not None:
+        return sum(stage.count("t") for stage in parse_layout(layout))
+    return num_layers

@@ -1,8 +1,5 @@
-"""One step's plan, the record every stage of the planner passes on (:func:`slime_ext.schedule.plan`).
-
-Stages 2-4 make one (pp-unaware), and with pipeline parallelism every candidate of the pipeline search
-(:mod:`.pipeline_choice`) is one, with its run order and predicted makespans. Pure: standard library and numpy.
-"""
+"""One step's plan, the record every stage of the planner passes on: stages 2-4 make one, and every candidate of
+the pipeline search (:mod:`.pipeline_choice`) is one."""
 
 from __future__ import annotations
 
@@ -41,11 +38,9 @@ class StepPlan:
 
 def search_counts(counts: Iterable[int], evaluate: Callable[[int], T | None], better: Callable[[T, T], bool],
                   patience: int, best: T | None = None, enough: Callable[[T, int], bool] | None = None) -> T | None:
-    """The planner's one count search: ``evaluate`` each count in turn (``None``: that count cannot be planned,
-    skipped), keep the best by ``better``; stop after ``patience`` counts in a row that did not beat it (the first
-    count, the one a plan aims at, never counts as a miss), or once ``enough(best, count)`` says no later count can
-    gain. Stage 4's extra micro-batches (:mod:`.planner`) and the pipeline search's re-packed counts
-    (:mod:`.pipeline_choice`) both use it."""
+    """The planner's one count search (stage 4's extra micro-batches, the pipeline search's re-packed counts):
+    ``evaluate`` each count (``None``: skipped), keep the best by ``better``; stop after ``patience`` counts in a row
+    that did not beat it (the first never counts as a miss), or once ``enough(best, count)``."""
     misses = 0
     for n, k in enumerate(counts):
         cand = evaluate(k)

@@ -9,7 +9,7 @@ import numpy as np
 from .bounds import align_up, bin_lower_bound
 from .config import BatchConfig, ParallelConfig
 from .errors import ScheduleError
-from .validate import INT64_MIN, MAX_PARALLEL_SIZE, MAX_SAMPLES, check_int, check_int_array
+from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, check_int, check_int_array
 
 
 def compute_dynamic_global_batch_size(num_samples: int, dp_size: int) -> int:
@@ -21,16 +21,11 @@ def compute_dynamic_global_batch_size(num_samples: int, dp_size: int) -> int:
     return max(dp_size, (num_samples // dp_size) * dp_size)
 
 
-def as_int_array(name: str, values: Sequence[int] | np.ndarray, n: int | None, minimum: int | None) -> np.ndarray:
-    """``values`` as int64, or a :class:`ScheduleError` naming the first bad entry (see :mod:`.validate`)."""
-    return check_int_array(name, values, n=n, minimum=INT64_MIN if minimum is None else minimum)
-
-
 def rollout_ordinals(rollout_ids: Sequence[int] | np.ndarray | None, n: int) -> np.ndarray:
     """Per sample, the rollout's rank in first-occurrence order (0, 1, 2, ...)."""
     if rollout_ids is None:
         return np.arange(n, dtype=np.int64)
-    ids = as_int_array("rollout_ids", rollout_ids, n, minimum=None)
+    ids = check_int_array("rollout_ids", rollout_ids, n=n)
     _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
     rank_of_unique = np.empty(len(first), dtype=np.int64)
     rank_of_unique[np.argsort(first, kind="stable")] = np.arange(len(first))
@@ -39,22 +34,12 @@ def rollout_ordinals(rollout_ids: Sequence[int] | np.ndarray | None, n: int) -> 
 
 def dynamic_step_rollouts(ordinals: np.ndarray, lengths: np.ndarray, parallel: ParallelConfig,
                           batch: BatchConfig) -> int:
-    """With ``use_dynamic_global_batch_size``: how many whole rollouts (first-occurrence order) the one step keeps.
-
-    The unit is the **sample**, not the rollout: the step needs a sample for each of the ``align = dp_size *
-    mb_group`` micro-batch slots, whatever the number of rollouts (three rollouts of four samples fill dp = 4).
-    The step keeps the most whole rollouts that the layout can train:
-
-    * dynamic micro-batches: every rollout, when its samples can fill the aligned micro-batch count their tokens
-      need under the cap (:func:`~.bounds.bin_lower_bound`, as the planner checks); else the longest prefix that can;
-    * static micro-batches of ``micro_batch_size`` samples: the longest prefix whose sample count makes a
-      multiple of ``align`` micro-batches;
-    * with ``dynamic_global_batch_rounds_samples`` (slime v0.2.4's rule for its own flag: the sample count rounded
-      down to a multiple of ``dp_size``, at least ``dp_size``), only prefixes inside that count;
-      ``disable_rollout_trim_samples`` lifts that rounding, as slime v0.2.4 does not trim then.
-
-    The rollouts after the prefix are dropped as trailing rollouts (reported in ``DPSchedule.dropped``).
-    """
+    """With ``use_dynamic_global_batch_size``: how many whole rollouts (first-occurrence order) the one step keeps:
+    the longest prefix the layout can train (samples, not rollouts, fill the ``align`` micro-batch slots). Dynamic
+    batches: samples that fill the aligned count their tokens need under the cap; static: a sample count making a
+    multiple of ``align`` micro-batches; with ``dynamic_global_batch_rounds_samples`` (slime v0.2.4's rule) only
+    prefixes inside :func:`compute_dynamic_global_batch_size`, unless ``disable_rollout_trim_samples``. The rest
+    are dropped as trailing rollouts."""
     n = len(ordinals)
     num_rollouts = int(ordinals.max()) + 1
     align = parallel.align

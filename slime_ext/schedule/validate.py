@@ -1,20 +1,11 @@
-"""The input boundary of the planning layer: type and range checks, written once.
+"""The input boundary of the planning layer: type and range checks, written once, so a bad value is refused the
+same way wherever it enters (every public entry and the CLI readers call these): a :class:`ScheduleError` naming
+the field, the value and the fix.
 
-Every public entry (``plan_schedule``, ``build_dp_schedule``, ``CostModel``, ``ParallelConfig``, ``BatchConfig``,
-``DPSchedule.from_dict``, ``check_schedule``) and the CLI readers call these helpers, so a bad value is refused the
-same way wherever it enters: a :class:`ScheduleError` naming the field, the value and the fix.
-
-The rules:
-
-* **Integers are exact.** ``int`` and numpy integer scalars are accepted (and returned as ``int``); ``bool``,
-  ``numpy.bool_``, floats (even ``2.0``), strings and ``None`` are not. Arrays must be one-dimensional numpy arrays
-  of an integer dtype, or sized sequences of integers; object-dtype and 0-d arrays, sets, mappings and strings are
-  refused.
-* **Every count has an upper bound**, so that no token sum, product or cast can leave int64 / float64:
-  a length or a token cap is at most :data:`MAX_TOKENS`, a rollout holds at most :data:`MAX_SAMPLES` samples
-  (so a token sum is below ``MAX_TOKENS * MAX_SAMPLES = 2**59``), a parallel size is at most
-  :data:`MAX_PARALLEL_SIZE`, a model dimension at most :data:`MAX_MODEL_DIM`.
-* **Booleans are strict**: ``True``/``False`` (or ``numpy.bool_``); ``"False"``, ``0`` and ``1`` are refused.
+Integers are exact (``int`` or numpy integers; not ``bool``, floats, strings or ``None``); arrays are 1-D integer
+arrays or sized sequences of integers. Every count has an upper bound (:data:`MAX_TOKENS`, :data:`MAX_SAMPLES`,
+:data:`MAX_PARALLEL_SIZE`, :data:`MAX_MODEL_DIM`), so no token sum, product or cast leaves int64 / float64.
+Booleans are strict: ``"False"``, ``0`` and ``1`` are refused.
 """
 
 from __future__ import annotations
@@ -37,13 +28,9 @@ MAX_PARALLEL_SIZE = 2**24
 MAX_MODEL_DIM = 2**30
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-LIMIT_NAMES = {
-    MAX_TOKENS: "MAX_TOKENS = 2**32 = 4,294,967,296",
-    MAX_SAMPLES: "MAX_SAMPLES = 2**27 = 134,217,728",
-    MAX_PARALLEL_SIZE: "MAX_PARALLEL_SIZE = 2**24 = 16,777,216",
-    MAX_MODEL_DIM: "MAX_MODEL_DIM = 2**30 = 1,073,741,824",
-    INT64_MAX: "2**63 - 1 (int64)",
-}
+LIMIT_NAMES = {value: f"{name} = 2**{value.bit_length() - 1} = {value:,}" for name, value in (
+    ("MAX_TOKENS", MAX_TOKENS), ("MAX_SAMPLES", MAX_SAMPLES), ("MAX_PARALLEL_SIZE", MAX_PARALLEL_SIZE),
+    ("MAX_MODEL_DIM", MAX_MODEL_DIM))} | {INT64_MAX: "2**63 - 1 (int64)"}
 _WHY = {
     MAX_TOKENS: "so that token sums stay far inside int64",
     MAX_SAMPLES: "so that token sums stay far inside int64 and the plan fits in memory",
@@ -112,20 +99,10 @@ def check_bool(name: str, value: Any, fix: str = "") -> bool:
     return bool(value)
 
 
-def check_int_array(
-    name: str,
-    values: Any,
-    *,
-    n: int | None = None,
-    minimum: int = INT64_MIN,
-    maximum: int = INT64_MAX,
-    what: str = "integer counts",
-) -> np.ndarray:
-    """``values`` as a one-dimensional int64 array with every entry in ``[minimum, maximum]``.
-
-    ``n``: the required number of entries (the number of samples). Accepts a 1-D numpy integer array, or a sized
-    sequence (list, tuple, range, ...) of ints / numpy integer scalars. The error names ``name[i]`` and its value.
-    """
+def check_int_array(name: str, values: Any, *, n: int | None = None, minimum: int = INT64_MIN,
+                    maximum: int = INT64_MAX, what: str = "integer counts") -> np.ndarray:
+    """``values`` (a 1-D integer array or a sized sequence of ints) as int64, every entry in ``[minimum, maximum]``,
+    ``n`` of them when given; the error names ``name[i]`` and its value."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             shape = "a 0-d array (a single number)" if values.ndim == 0 else f"an array of shape {values.shape}"

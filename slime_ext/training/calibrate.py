@@ -54,7 +54,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from slime_ext.schedule.errors import ScheduleError
-from slime_ext.schedule.profile import CostProfile, FitReport, Observation, fit_profile
+from slime_ext.schedule.profile import CostProfile
+
+from .profile_fit import FitReport, Observation, fit_profile
 
 logger = logging.getLogger("slime_ext.calibrate")
 
@@ -398,7 +400,7 @@ def fit_calibration(observations: Sequence[Observation], meta: dict, *,
                     checks: CalibrationChecks = CalibrationChecks()) -> tuple[CostProfile, FitReport]:
     """The profile the measured timings support (:func:`measure`'s ``(observations, meta)``).
 
-    The coefficients are fitted non-negative (:func:`~slime_ext.schedule.profile.fit_profile`); with
+    The coefficients are fitted non-negative (:func:`~.profile_fit.fit_profile`); with
     ``meta["forward_only_seconds"]`` the backward/forward ratio is fitted too (:func:`fit_backward_forward_ratio`,
     at least :data:`MIN_BACKWARD_FORWARD_RATIO`). Timings that are noisy (``meta["repeat_spread"]`` over
     ``checks.noisy_spread``) or repeated once get a WARNING naming the fix; the warnings land in

@@ -4,7 +4,7 @@ The fault injectors are importable by dotted path (``rollout_harness.RaisingTrai
 processes because :func:`ray_session` puts this directory on their ``PYTHONPATH``.
 
 ``SLIME_EXT_DEVICE=cuda`` runs the same tests on NCCL + CUDA (on a GPU machine that has Ray and pytest; the offline
-``ci/gpu_all`` runs ``bench/gpu_e2e.py`` instead); a config that needs more GPUs than the machine has is skipped with
+``ci/gpu_all`` runs ``tests/e2e/gpu_e2e.py`` instead); a config that needs more GPUs than the machine has is skipped with
 the reason.
 """
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.pipeline import Layout, Setup, WORKLOADS, Workload, bench_profile, fit_p2p, plan_rows, spec_for
+from bench.pipeline import Layout, Setup, bench_profile, fit_p2p, plan_rows, spec_for
 from bench.pipeline_replay import settled
+from bench.workloads import REPLAY_WORKLOADS, Workload
 from slime_ext.schedule.pipeline_model import PipelineSpec, pipeline_makespan
 
 
@@ -50,7 +51,7 @@ def test_rows_replay_each_plans_slowest_replica():
     # the pipeline-aware plan of the same samples is predicted no slower (the planner's promise)
     assert pipeline_makespan(after.fwd, after.bwd, spec_for(setup)) <= \
         pipeline_makespan(before.fwd, before.bwd, spec_for(setup)) * (1 + 1e-12)
-    assert set(WORKLOADS) == {"rl-like", "bimodal", "long-tail"}
+    assert set(REPLAY_WORKLOADS) == {"rl-like", "bimodal", "long-tail"}
 
 
 def test_heaviest_first_reorders_micro_batches_and_keeps_the_samples():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,32 @@ def test_quick_modes_without_upstream_print_no_pass_over_nothing(argv):
     if argv[0] == "bench.run" and importlib.util.find_spec("slime") is None:
         line = next(ln for ln in res.stdout.splitlines() if "FLOPs max/mean <= reference (b)" in ln)
         assert "SKIP (no cases: upstream slime is not available" in line, line
+
+
+def test_runner_prints_targets_and_tables_one_way():
+    from bench.runner import markdown_table, parser, planner_config, target
+
+    assert target(True, 2, "x", "fast enough") == "  PASS (2 cases)  fast enough"
+    assert target(True, 0, "no GPU", "fast enough", markdown=True) == "- SKIP (no cases: no GPU) fast enough"
+    assert markdown_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
+    with pytest.raises(ValueError, match="every row needs 2 cells"):
+        markdown_table(["a", "b"], [[1]])
+    args = parser("One line.\n\nMore.", quick="small").parse_args(["--quick"])
+    assert args.quick
+    assert planner_config([]) is None
+
+
+def test_every_bench_the_docs_and_ci_name_exists():
+    """``python -m bench.X`` and ``bench/X.py`` in the README, docs/, ci/ and bench/ name a module that is there (a
+    bench removed or moved takes its mentions with it)."""
+    named = set()
+    texts = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(p for p in (REPO / "ci").rglob("*") if p.is_file()),
+             REPO / ".ci" / "run", *(REPO / "bench").glob("*.py")]
+    for path in texts:
+        if path.suffix in ("", ".md", ".py", ".sh") and path.exists():
+            text = path.read_text(errors="replace")
+            named |= {(path.name, m) for m in re.findall(r"\bbench[./]([a-z_]+)\b(?!\.json)", text)}
+    assert len(named) > 20, named  # the scan reads the places it names
+    missing = sorted((where, m) for where, m in named if not (REPO / "bench" / f"{m}.py").exists()
+                     and m not in ("md", "py"))
+    assert not missing, f"named but not in bench/: {missing}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -242,20 +241,6 @@ def test_the_checker_catches_a_pricing_bug_the_planner_makes(monkeypatch):
     monkeypatch.setattr(PipelinePricing, "makespans_many", lambda self, c: [x * 1.01 for x in honest(self, c)])
     wrong = plan_schedule(lengths, parallel, batch, cost_model=CostModel(**DIMS))
     assert any("predicted_makespan" in p for p in check_schedule(wrong))
-
-
-# ---------------------------------------------------------------------------------------------------- the digests
-def test_plan_digests_hash_the_decisions_only():
-    from bench.plan_digest import _digest
-    s = plan_schedule(_lengths(), ParallelConfig(dp_size=2, pp_size=2),
-                      BatchConfig(global_batch_size=120, use_dynamic_batch_size=True, max_tokens_per_gpu=8192))
-    nudged = dataclasses.replace(s, stats=[dataclasses.replace(st, predicted_makespan=st.predicted_makespan * (1 + 1e-12),
-                                                               rank_cost_max=st.rank_cost_max + 1e-6)
-                                           for st in s.stats])
-    assert _digest(nudged) == _digest(s)  # floats (sums in another order) do not move a digest
-    moved = dataclasses.replace(s, micro_batch_indices=[mbs[::-1] for mbs in s.micro_batch_indices])
-    assert _digest(moved) != _digest(s)  # a decision does
-    assert json.loads(json.dumps(s.to_dict()))["partitions"] == s.partitions
 
 
 # ---------------------------------------------------------------------------------------------------- issue 29: speed

@@ -13,7 +13,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from bench.plan_digest import all_records, changes, describe_change, record
+import numpy as np
+
+from bench.plan_digest import all_records, changes, describe_change, digest, record
+from bench.workloads import make_lengths
+from slime_ext.schedule import BatchConfig, ParallelConfig, plan_schedule
 
 PINNED = Path(__file__).resolve().parents[2] / "bench" / "plan_digests.json"
 
@@ -28,6 +32,19 @@ def test_change_detector_no_pinned_plan_moved():
                        f"with `python -m bench.plan_quality` that each is better, then re-record them in their own "
                        f"commit (`python -m bench.plan_digest --write bench/plan_digests.json`)")
     assert sum(isinstance(v, str) for v in now.values()) < len(now) // 2  # mostly plans, not refusals
+
+
+def test_plan_digests_hash_the_decisions_only():
+    lengths = np.minimum(make_lengths("rl", 120, 3), 8192).tolist()
+    s = plan_schedule(lengths, ParallelConfig(dp_size=2, pp_size=2),
+                      BatchConfig(global_batch_size=120, use_dynamic_batch_size=True, max_tokens_per_gpu=8192))
+    nudged = dataclasses.replace(s, stats=[dataclasses.replace(st, predicted_makespan=st.predicted_makespan * (1 + 1e-12),
+                                                               rank_cost_max=st.rank_cost_max + 1e-6)
+                                           for st in s.stats])
+    assert digest(nudged) == digest(s)  # floats (sums in another order) do not move a digest
+    moved = dataclasses.replace(s, micro_batch_indices=[mbs[::-1] for mbs in s.micro_batch_indices])
+    assert digest(moved) != digest(s)  # a decision does
+    assert json.loads(json.dumps(s.to_dict()))["partitions"] == s.partitions
 
 
 def test_a_moved_plan_is_shown_by_step_and_rank():

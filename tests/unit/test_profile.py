@@ -12,7 +12,8 @@ import pytest
 from slime_ext.schedule.planner_config import PackingConfig
 from slime_ext.schedule import PlannerConfig, BatchConfig, CostModel, ParallelConfig, ScheduleError, plan_schedule
 from slime_ext.schedule.invariants import assert_valid_schedule
-from slime_ext.schedule.profile import TERM_NAMES, CostProfile, Observation, design_row, fit_profile
+from slime_ext.schedule.profile import TERM_NAMES, CostProfile
+from slime_ext.training.profile_fit import Observation, design_row, fit_profile
 
 TRUE = dict(step_overhead_s=2e-2, microbatch_overhead_s=3e-3, per_token_s=4e-5, per_sample_quadratic_s=2e-9,
             packed_quadratic_s=5e-9)

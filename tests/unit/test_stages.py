@@ -166,7 +166,7 @@ def test_parallel_config_refuses_bad_layout_flags(kwargs, match):
 
 # ---------------------------------------------------------------------------------------------------- the costs
 def check_invariants(costs: StageCosts, total_linear: float, total_quadratic: float) -> None:
-    """The stages module's invariants 1 and 2."""
+    """The stages module's invariants: the stages sum to the whole model, the shares to 1."""
     assert costs.linear.sum() == pytest.approx(total_linear, rel=1e-12)
     assert costs.quadratic.sum() == pytest.approx(total_quadratic, rel=1e-12)
     assert costs.linear_share.sum() == pytest.approx(1.0) and costs.quadratic_share.sum() == pytest.approx(1.0)

@@ -1,7 +1,10 @@
 """The end-to-end check of ``ci/gpu_e2e``: rollout -> schedule -> training on the device, without Ray or pytest.
 
-    python -m bench.gpu_e2e                 # on a GPU: NCCL, one train process per GPU (DP = the GPU count)
-    python -m bench.gpu_e2e --dry-run       # anywhere: CPU, gloo, DP=2, a tiny model, seconds
+A plain script, not a pytest module: the offline GPU machine has neither pytest nor Ray. Run it from the
+repository root with the repository on ``PYTHONPATH`` (``ci/gpu_e2e`` and ``ci/gpu_all`` do).
+
+    python tests/e2e/gpu_e2e.py             # on a GPU: NCCL, one train process per GPU (DP = the GPU count)
+    python tests/e2e/gpu_e2e.py --dry-run   # anywhere: CPU, gloo, DP=2, a tiny model, seconds
 
 Each run is the harness with ``launcher: processes`` (:mod:`slime_ext.rollout.processes`): the synthetic rollout
 function generates in the driver process, slime-ext plans every DP rank's micro-batches, and the train ranks are
@@ -102,7 +105,7 @@ def _norm_ratio(params: dict, initial: dict) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_e2e", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python tests/e2e/gpu_e2e.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, gloo, fp32, a tiny model (checks the code path)")
     p.add_argument("--dp", type=int, default=None, help="train processes (default: the GPU count; dry run 2)")
     p.add_argument("--rtol", type=float, default=1e-5, help="fp32 cap A vs cap B, relative per tensor")
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu = torch.cuda.is_available() and not args.dry_run
     if not gpu and not args.dry_run:
-        print("bench.gpu_e2e: no CUDA device; run it on a GPU (ci/gpu_e2e) or pass --dry-run", file=sys.stderr)
+        print("tests/e2e/gpu_e2e.py: no CUDA device; run it on a GPU (ci/gpu_e2e) or pass --dry-run", file=sys.stderr)
         return 2
     device = "cuda" if gpu else "cpu"
     dp = args.dp or (torch.cuda.device_count() if gpu else 2)
