@@ -97,12 +97,6 @@ def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
     return budget.pack_cost(rows, n, k) + budget.model_cost(rows, k)
 
 
-def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> bool:
-    """Whether re-packing and pricing ``rows`` fits the budget with ``reserve`` left over."""
-    n = max(len(r) for r in rows)
-    return budget.allows(budget.pack_cost(len(rows), n, k) + budget.model_cost(len(rows), k) + reserve)
-
-
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                    shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
     """Level the replicas' makespans in a few global rounds (``rebalancing.water_rounds``), for many replicas at once.
@@ -359,7 +353,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         if not rows:
             break
         moves = cands
-        if not _fits(budget, rows, k, reserve):
+        if not budget.allows(_repack_cost(budget, [(rows, k, [])]) + reserve):
             break
         answer = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
         if answer is None:  # the budget cannot pay for it
