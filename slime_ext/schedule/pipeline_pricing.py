@@ -230,7 +230,7 @@ class Budget:
     search on or off. Every part of the search asks before it runs whether its estimate fits what is left
     (:meth:`allows`, with the shares the later parts keep) and is charged for it: the parts size themselves to the
     budget, and the loops stop when their next round does not fit. The estimates are within about -10%/+30% of
-    the CPU time the calls took on the benches' machine when fitted (``PlannerConfig.work_*``); the model's calls
+    the CPU time the calls took on the benches' machine when fitted (``PlannerConfig.budget.work_*``); the model's calls
     have since become about twice as cheap as their estimate (see ``PlannerConfig.budget.work_call_us``)."""
 
     def __init__(self, pricing: PipelinePricing, total_us: float, floor_us: float | None = None) -> None:
