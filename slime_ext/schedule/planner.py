@@ -160,7 +160,7 @@ class _DynamicStep:
     def better(self, cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
         """FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly."""
         extra = cand[0].count > incumbent[0].count and self.profile is None
-        return cand[1] < incumbent[1] * (1 - (self.config.extra_microbatch_gain if extra else 0.0))
+        return cand[1] < incumbent[1] * (1 - (self.config.packing.extra_microbatch_gain if extra else 0.0))
 
 
 def _plan_dynamic(
@@ -179,8 +179,8 @@ def _plan_dynamic(
     prices = bin_costs(lengths, costs, bin_of, got, profile)  # a profile prices each micro-batch whole
     if not (batch.balance_data and dp > 1):
         return StepPlan(bin_of, serpentine(prices, dp), got, strategy, target)
-    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.refine_tolerance,
-                                  config.refine_rounds, config.dense_swap_limit)
+    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
+                                  config.packing.refine_rounds, config.packing.dense_swap_limit)
     best_max = s.slowest(bin_of, rank_of_bin)
     if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
         strided = serpentine(prices, dp)
@@ -188,13 +188,13 @@ def _plan_dynamic(
         if strided_max < best_max:
             rank_of_bin, best_max = strided, strided_max
     best = StepPlan(bin_of, rank_of_bin, got, strategy, target)
-    if best_max <= s.floor(got) * (1 + config.balance_tolerance):
+    if best_max <= s.floor(got) * (1 + config.packing.balance_tolerance):
         return best
     # bins of even size cannot balance this step: bins per rank, `align` extra micro-batches at a time
-    extras = 0 if count is not None else config.max_extra_rounds
+    extras = 0 if count is not None else config.packing.max_extra_rounds
     found = search_counts([target + extra * parallel.align for extra in range(extras + 1)],
                           lambda k: s.rank_greedy(k, target), s.better, patience=1, best=(best, best_max),
-                          enough=lambda b, k: b[1] <= s.floor(k) * (1 + config.extra_microbatch_gain))
+                          enough=lambda b, k: b[1] <= s.floor(k) * (1 + config.packing.extra_microbatch_gain))
     return found[0]
 
 
@@ -253,9 +253,7 @@ def _plan_for_pipeline(
         heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted without a pipeline
         dp=dp, lengths=lengths, costs=costs, profile=profile, cap=cap,
         samples=None if cap is None else ShapeSamples(lengths, costs, cap, profile, parallel.align // dp),
-        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count,
-        recount=None if cap is None or fixed_count else (
-            lambda k: _plan_dynamic(lengths, costs, cap, parallel, batch, step, profile, pricing.config, count=k)))
+        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count)
     return choose_pipeline_step(search)
 
 
