@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .profile import CostProfile
-from .validate import check_coefficients, check_cost_model_fields
+from .validate import check_coefficients, check_cost_model_fields, check_instance
 
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
@@ -133,6 +133,13 @@ MODEL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel))
 REQUIRED_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is dataclasses.MISSING)
 #: dims that default to ``None`` (Megatron's default): a positive size when given
 OPTIONAL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is None)
+
+
+def check_cost_model(cost_model: Any) -> CostModel | CostProfile | None:
+    """``cost_model`` itself, or the :class:`ScheduleError` every entry raises for another type."""
+    return check_instance("cost_model", cost_model, (CostModel, CostProfile, type(None)),
+                          "a CostModel, a CostProfile or None",
+                          "use CostModel(...), CostModel.from_args(args) or CostProfile.load(path)")
 
 
 def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:

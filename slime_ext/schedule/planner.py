@@ -101,11 +101,9 @@ class _DynamicStep:
     config: PlannerConfig
 
     def slowest(self, bin_of: np.ndarray, rank_of_bin: np.ndarray) -> float:
-        dp = self.parallel.dp_size
-        if self.profile is not None:
-            return float(self.profile.labelled_rank_times(self.lengths, bin_of, rank_of_bin, dp).max())
-        per_bin = np.bincount(bin_of, weights=self.costs, minlength=len(rank_of_bin))
-        return float(np.bincount(rank_of_bin, weights=per_bin, minlength=dp).max())
+        per_bin = bin_costs(self.lengths, self.costs, bin_of, len(rank_of_bin), self.profile)
+        busy = float(np.bincount(rank_of_bin, weights=per_bin, minlength=self.parallel.dp_size).max())
+        return busy + (self.profile.step_overhead_s if self.profile is not None else 0.0)
 
     def floor(self, count: int) -> float:
         """No assignment of ``count`` micro-batches beats this: the mean rank, or the rank of the costliest sample."""

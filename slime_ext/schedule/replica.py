@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel, bin_costs, sample_costs
+from .cost import CostModel, bin_costs, check_cost_model, sample_costs
 from .errors import ScheduleError
 from .pipeline_orders import best_orders, heuristic_best
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
@@ -28,7 +28,7 @@ from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .request import PlanRequest, plan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
-from .validate import check_int, check_int_array
+from .validate import check_bool, check_int, check_int_array
 
 __all__ = ["ReplicaPlan", "ReplicaScan", "pack_replica", "scan_replica", "shape_replica"]
 
@@ -89,23 +89,18 @@ def _cap(cap: object) -> int:
     return check_int("cap", cap, maximum=1 << 40, fix="pass the token cap per micro-batch (max_tokens_per_gpu)")
 
 
-@lru_cache(maxsize=64)
-def _cached_pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
-                    forward_only: bool) -> PipelinePricing | None:
-    return pipeline_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
+_cached_pricing = lru_cache(maxsize=64)(pipeline_pricing)
 
 
 def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
              forward_only: bool) -> PipelinePricing | None:
     """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
-    and pass (a host asks for the same few every step)."""
+    and pass (a host asks for the same few every step); the cost model checked first (so also hashable)."""
+    check_cost_model(cost_model)
+    forward_only = check_bool("forward_only", forward_only)
     if parallel.pp_size == 1:
         return None
-    try:
-        hash(cost_model)
-    except TypeError:  # an unhashable cost model: price afresh
-        return _cached_pricing.__wrapped__(parallel, cost_model, cap, config, bool(forward_only))
-    return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
+    return _cached_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
 
 
 def _samples(x: np.ndarray, cap: int, cost_model, pricing: PipelinePricing | None) -> ShapeSamples:

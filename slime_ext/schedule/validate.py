@@ -91,6 +91,13 @@ def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int, fix: str
     return v
 
 
+def check_instance(name: str, value: Any, kinds: type | tuple[type, ...], what: str, fix: str = "") -> Any:
+    """``value`` itself where it is one of ``kinds`` (``what`` names them), else a :class:`ScheduleError`."""
+    if not isinstance(value, kinds):
+        raise ScheduleError(f"{name} must be {what}, got {type(value).__name__}{_fix(fix)}")
+    return value
+
+
 def check_bool(name: str, value: Any, fix: str = "") -> bool:
     """``value`` as a ``bool``; strings, ints and ``None`` are refused (``"False"`` would be truthy)."""
     if not is_bool(value):

@@ -159,9 +159,8 @@ def test_predictions_match_the_formula():
     assert prof.rank_time([mb, [50]]) == pytest.approx(TRUE["step_overhead_s"] + expect + prof.microbatch_time([50]))
     row = design_row([mb, [50]])
     assert row.tolist() == [1, 2, 450, 100 ** 2 + 300 ** 2 + 50 ** 2, 400 ** 2 + 50 ** 2]
-    lengths = np.array([100, 300, 50])
-    times = prof.labelled_rank_times(lengths, np.array([0, 0, 1]), np.array([0, 1]), 2)
-    assert times.tolist() == pytest.approx([TRUE["step_overhead_s"] + expect, prof.rank_time([[50]])])
+    times = prof.bin_times(np.array([100, 300, 50]), np.array([0, 0, 1]), 2)
+    assert times.tolist() == pytest.approx([expect, prof.microbatch_time([50])])
 
 
 # ---------------------------------------------------------------------------------------------------- the planner
