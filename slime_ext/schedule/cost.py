@@ -51,22 +51,13 @@ class CostModel:
         check_coefficients(*self.coefficients())
 
     # ------------------------------------------------------------------ derived dims
-    def _layer_counts(self) -> tuple[int, int]:
-        """(dense layers, MoE layers). A per-layer ``moe_layer_freq`` has ``num_layers`` entries (validated)."""
-        if not self.num_experts:
-            return self.num_layers, 0
-        moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
-        return self.num_layers - moe, moe
-
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:
         """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``. ``"upstream"``: upstream
         slime's ``calculate_fwd_flops`` (dense only; K/V ``2 h (heads // groups) kv``, output ``2 h h``); ``"exact"``
         counts a GQA K+V projection as ``2 h 2 groups kv`` and the output as ``2 heads kv h``."""
         dense_layer, moe_layer, layer_quadratic, head = self.layer_terms(formula)
-        dense, moe = self._layer_counts()
-        linear = dense * dense_layer + head
-        if moe:
-            linear += moe * moe_layer
+        moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
+        linear = (self.num_layers - moe) * dense_layer + moe * moe_layer + head
         return float(linear), float(self.num_layers * layer_quadratic)
 
     def layer_terms(self, formula: str = "exact") -> tuple[int, int, int, int]:

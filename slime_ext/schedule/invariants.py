@@ -4,7 +4,6 @@ every violation as a readable line (empty: valid), :func:`assert_valid_schedule`
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import chain
 from typing import Sequence
 
@@ -262,11 +261,8 @@ def input_problem(sched: DPSchedule) -> str | None:
             or not (sched.cost_model is None or isinstance(sched.cost_model, (CostModel, CostProfile))):
         return ("parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, "
                 "CostModel or CostProfile")
-    d = {f.name: getattr(sched, f.name) for f in dataclasses.fields(DPSchedule)}
-    d.update(stats=[dataclasses.asdict(s) for s in sched.stats], parallel=sched.parallel.to_dict(),
-             batch=sched.batch.to_dict(), cost_model=None if sched.cost_model is None else sched.cost_model.to_dict())
     try:
-        fields_from_dict(d)
+        fields_from_dict(sched.to_dict())
     except ScheduleError as e:
         return f"recorded input: {e}"
     return None

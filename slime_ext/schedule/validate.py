@@ -272,11 +272,11 @@ def int_list(name: str, value: Any, *, minimum: int = INT64_MIN, maximum: int = 
 
 
 def nested_int_lists(name: str, value: Any, depth: int, **bounds: int) -> list:
-    """``depth`` levels of lists around lists of ints (``depth=1``: ``[[1, 2], [3]]``)."""
-    if not isinstance(value, (list, tuple)):
-        raise ScheduleError(f"{name} must be a list, got {show(value)} ({type(value).__name__})")
+    """``depth`` levels of lists around lists of ints (``depth=1``: ``[[1, 2], [3]]``; 0: :func:`int_list`)."""
     if depth == 0:
         return int_list(name, value, **bounds)
+    if not isinstance(value, (list, tuple)):
+        raise ScheduleError(f"{name} must be a list, got {show(value)} ({type(value).__name__})")
     return [nested_int_lists(f"{name}[{i}]", v, depth - 1, **bounds) for i, v in enumerate(value)]
 
 

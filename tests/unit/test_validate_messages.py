@@ -233,7 +233,7 @@ def test_saved_fields_messages():
     assert refusal(int_list, "d", [-1], minimum=0) == "d[0] = -1 is below 0; every entry must be >= 0"
     assert nested_int_lists("p", [[1], (2, 3)], 1) == [[1], [2, 3]]
     assert refusal(nested_int_lists, "p", {"a": 1}, 1) == "p must be a list, got {'a': 1} (dict)"
-    assert refusal(nested_int_lists, "p", [[[1]], [[2], 3]], 2) == "p[1][1] must be a list, got 3 (int)"
+    assert refusal(nested_int_lists, "p", [[[1]], [[2], 3]], 2) == "p[1][1] must be a list of integers, got 3 (int)"
     assert refusal(nested_int_lists, "p", [[1], [2.0]], 1) == (
         "p[1][0] = 2.0 is not an integer (float); p[1] must hold integers")
     assert refusal(nested_int_lists, "p", [[1], [5]], 1, maximum=4) == (
