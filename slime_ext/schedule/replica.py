@@ -22,6 +22,7 @@ import numpy as np
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel, bin_costs, check_cost_model, sample_costs
 from .errors import ScheduleError
+from .packing import bins_to_labels
 from .pipeline_orders import best_orders, heuristic_best
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
 from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
@@ -68,12 +69,7 @@ class ReplicaScan:
             return None
         labels, span = self.labels[count], self.spans[count]
         if self.pricing is not None and reorder:
-            row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
-            order, got = heuristic_best(self.pricing, row)
-            if got[0] < span * (1 - self.pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
-                where = np.empty(count, dtype=np.int64)
-                where[order[0]] = np.arange(count)
-                labels, span = where[labels], float(got[0])
+            return _in_best_order(self.pricing, self.samples, labels, count, span, heuristic_best)
         return ReplicaPlan(_groups(labels, count), span)
 
 
@@ -190,23 +186,21 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
                             f"ask for count <= {len(x)}")
     if spec is not None:
         spec.check_microbatches(count)  # megatron-core's own rule for the layout (VPP groups)
-    samples = _samples(x, cap, cost_model, pricing)
+    samples, span = _samples(x, cap, cost_model, pricing), None
     if pricing is None:
         labels = _balanced(samples, count)
-        got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
     else:
         shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
         scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
-        got = ReplicaPlan(_groups(scan.labels[count], count), scan.spans[count]) if count in scan else None
-    if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
+        labels, span = scan.labels.get(count), scan.spans.get(count)
+    if labels is None:  # no shape holds the cap at this count: the planner's packing, split up to it
         own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
         if len(own) > count:
             raise _refuse(x, count, cap, spec, len(own))
-        mbs = _split_to(own, count, samples.costs)
-        got = ReplicaPlan(tuple(tuple(mb) for mb in mbs), None)
+        labels = bins_to_labels(_split_to(own, count, samples.costs), len(x))
     if pricing is None:
-        return got
-    return _best_order(pricing, samples, got)
+        return ReplicaPlan(_groups(labels, count), None)
+    return _in_best_order(pricing, samples, labels, count, span, best_orders)
 
 
 # ---------------------------------------------------------------------------------------------------- the work
@@ -267,15 +261,15 @@ def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], 
     return ReplicaScan(found, labels, pricing, samples)
 
 
-def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:
-    """The micro-batches in the order the pipeline model's order search finds fastest (kept where it is no faster)."""
-    mbs = plan.micro_batches
-    labels = np.empty(len(samples.lengths), dtype=np.int64)
-    for b, mb in enumerate(mbs):
-        labels[list(mb)] = b
-    row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
-    order, span = best_orders(pricing, row)
-    own = float(pricing.makespans(row)[0]) if plan.predicted_makespan is None else plan.predicted_makespan
-    if float(span[0]) < own * (1 - pricing.config.tie):
-        return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
-    return ReplicaPlan(mbs, own)
+def _in_best_order(pricing: PipelinePricing, samples: ShapeSamples, labels: np.ndarray, count: int,
+                   span: float | None, search) -> ReplicaPlan:
+    """The micro-batches (``labels``: each sample's, numbered in run order; ``span``: that order's makespan,
+    ``None``: priced here) in the fastest order ``search`` finds (:mod:`.pipeline_orders`), kept where no faster."""
+    row = bin_costs(samples.lengths, samples.costs, labels, count, samples.profile)[None, :]
+    order, got = search(pricing, row)
+    span = float(pricing.makespans(row)[0]) if span is None else span
+    if float(got[0]) < span * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
+        where = np.empty(count, dtype=np.int64)
+        where[order[0]] = np.arange(count)
+        labels, span = where[labels], float(got[0])
+    return ReplicaPlan(_groups(labels, count), span)
