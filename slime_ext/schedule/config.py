@@ -12,15 +12,12 @@ from .errors import ScheduleError
 from .pipeline_layout import StageLayers, check_layout_flags, layout_vpp_size, split_layers
 from .validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, check_int, is_int, show
 
-#: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
+#: Keys of slime's ``train_parallel_config`` dict that the scheduler reads (the dict may carry any field).
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-#: ... and those slime's dict may lack (then 1, False and 1)
-FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm", "tp_size")
 #: Megatron's flags that place layers on pipeline stages (argparse dests); the per-stage costs follow them
 LAYOUT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                 "account_for_loss_in_pipeline_split")
-FROM_DICT_KEYS += LAYOUT_FLAGS
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = ("global_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "balance_data",
                "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples")
@@ -166,7 +163,8 @@ class ParallelConfig:
             )
         if train_parallel_config["dp_size"] is None:
             raise ScheduleError("train_parallel_config['dp_size'] is None; pass the data-parallel world size (>= 1)")
-        kwargs = {k: train_parallel_config[k] for k in FROM_DICT_KEYS if train_parallel_config.get(k) is not None}
+        kwargs = {f.name: train_parallel_config[f.name] for f in dataclasses.fields(cls)
+                  if train_parallel_config.get(f.name) is not None}
         vpp = kwargs.get("vpp_size", 1)
         if "microbatch_group_size_per_vp_stage" not in kwargs and is_int(vpp) and vpp > 1:
             raise ScheduleError(

@@ -50,7 +50,7 @@ from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
 from .pipeline_shape import ShapeSamples
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .step_plan import StepPlan, search_counts
-from .steps import rollout_ordinals, split_into_steps
+from .steps import group_steps, rollout_ordinals, split_into_steps
 
 __all__ = ["check_fixed_count", "plan_steps", "request_steps"]
 
@@ -312,11 +312,8 @@ def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list
     else the steps of whole rollouts and ``global_batch_size`` (:func:`~.steps.split_into_steps`)."""
     if request.step_of is None:
         return split_into_steps(ordinals, request.lengths, request.parallel, request.batch)
-    step_of = request.step_of
-    order = np.lexsort((np.arange(len(step_of)), ordinals, step_of))  # by step, then rollout, then index
-    bounds = np.searchsorted(step_of[order], np.arange(int(step_of.max()) + 2))
-    steps = [order[bounds[s]:bounds[s + 1]] for s in range(len(bounds) - 1)]
-    return steps, [len(np.unique(ordinals[x])) for x in steps], np.zeros(0, dtype=np.int64)
+    steps, dropped = group_steps(request.step_of, ordinals, int(request.step_of.max()) + 1)
+    return steps, [len(np.unique(ordinals[x])) for x in steps], dropped
 
 
 def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: ParallelConfig,
