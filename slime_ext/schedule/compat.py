@@ -122,13 +122,8 @@ def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any] | Para
                       total_lengths: Sequence[int], *, global_batch_size: int | None = None,
                       rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
                       config: PlannerConfig | None = None) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans.
-
-    ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
-    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``); model dims on ``args`` feed the
-    FLOPs model (without them balancing is by tokens), ``args.cost_profile`` replaces it with measured seconds. The
-    result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` and is
-    also the full :class:`DPSchedule`.
-    """
+    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans:
+    ``global_batch_size`` (rollouts per step) overrides ``args.global_batch_size``; ``rollout_indices[i]`` is sample
+    ``i``'s rollout id (``samples[i].index``). The :class:`DPSchedule` unpacks as upstream's result."""
     return plan(request_from_args(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
                                   rollout_indices=rollout_indices, loss_tokens=loss_tokens, config=config))

@@ -231,39 +231,29 @@ class BatchConfig:
     def __post_init__(self) -> None:
         for flag in _BOOL_FLAGS:
             object.__setattr__(self, flag, check_bool(flag, getattr(self, flag)))
-        if not self.use_dynamic_global_batch_size:
-            if self.global_batch_size is None:
-                raise ScheduleError(
-                    "global_batch_size is None; pass --global-batch-size N (rollouts per step) "
-                    "or --use-dynamic-global-batch-size"
-                )
-            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass --global-batch-size N (rollouts per step)")
-        elif self.global_batch_size is not None:
-            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass a positive --global-batch-size or omit it")
-        if self.dynamic_global_batch_rounds_samples and not self.use_dynamic_global_batch_size:
+        dynamic, whole = self.use_dynamic_batch_size, self.use_dynamic_global_batch_size
+        if self.global_batch_size is None and not whole:
+            raise ScheduleError("global_batch_size is None; pass --global-batch-size N (rollouts per step) or "
+                                "--use-dynamic-global-batch-size")
+        if self.dynamic_global_batch_rounds_samples and not whole:
             raise ScheduleError("dynamic_global_batch_rounds_samples=True needs use_dynamic_global_batch_size=True "
                                 "(it is how that flag rounds); set both or neither")
-        if self.use_dynamic_batch_size:
-            if self.max_tokens_per_gpu is None:
-                raise ScheduleError(
-                    "max_tokens_per_gpu is None but use_dynamic_batch_size is set; pass --max-tokens-per-gpu N"
-                )
-            _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass --max-tokens-per-gpu N")
-            if self.micro_batch_size is not None:  # unused with dynamic batches, but never garbage
-                _positive_int(self, "micro_batch_size", MAX_SAMPLES, "pass a positive --micro-batch-size or omit it")
-        else:
-            _positive_int(
-                self, "micro_batch_size", MAX_SAMPLES,
-                "pass --micro-batch-size N or use --use-dynamic-batch-size --max-tokens-per-gpu N",
-            )
-            if self.max_tokens_per_gpu is not None:  # unused with static batches, but never garbage
-                _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass a positive --max-tokens-per-gpu or omit it")
-            if self.balance_by_flops:
-                raise ScheduleError(
-                    "balance_by_flops=True needs use_dynamic_batch_size=True (static micro-batches have a fixed "
-                    "sample count, so there is nothing to balance inside a step); add --use-dynamic-batch-size "
-                    "--max-tokens-per-gpu N or drop --balance-by-flops"
-                )
+        if self.max_tokens_per_gpu is None and dynamic:
+            raise ScheduleError("max_tokens_per_gpu is None but use_dynamic_batch_size is set; pass "
+                                "--max-tokens-per-gpu N")
+        if self.balance_by_flops and not dynamic:
+            raise ScheduleError("balance_by_flops=True needs use_dynamic_batch_size=True (static micro-batches have a "
+                                "fixed sample count, so there is nothing to balance inside a step); add "
+                                "--use-dynamic-batch-size --max-tokens-per-gpu N or drop --balance-by-flops")
+        # a size the flags use must be given; one they leave unused may be omitted, but is never garbage
+        for name, maximum, used, fix in (
+                ("global_batch_size", MAX_SAMPLES, not whole, "pass --global-batch-size N (rollouts per step)"),
+                ("max_tokens_per_gpu", MAX_TOKENS, dynamic, "pass --max-tokens-per-gpu N"),
+                ("micro_batch_size", MAX_SAMPLES, not dynamic,
+                 "pass --micro-batch-size N or use --use-dynamic-batch-size --max-tokens-per-gpu N")):
+            if used or getattr(self, name) is not None:
+                _positive_int(self, name, maximum,
+                              fix if used else f"pass a positive --{name.replace('_', '-')} or omit it")
 
     @classmethod
     def from_args(cls, args: Any, *, global_batch_size: int | None = None) -> "BatchConfig":

@@ -12,8 +12,8 @@ as::
 ``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels, and this repo's CPU
 THD attention); ``packed_quadratic`` is attention over the whole packed row, masked (a path that packs without THD).
 :func:`slime_ext.training.profile_fit.fit_profile` fits the terms to timed steps (``slime-ext calibrate``).
-The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances),
-:attr:`CostProfile.microbatch_overhead_s` and :meth:`CostProfile.rank_time` (the prediction it compares by).
+The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances) and
+:meth:`CostProfile.price_sums` (a micro-batch priced whole, what it compares by).
 """
 
 from __future__ import annotations

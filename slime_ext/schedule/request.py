@@ -1,12 +1,9 @@
 """The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
 
-A :class:`PlanRequest` holds the samples (``lengths``, optionally ``rollout_ids`` and ``loss_tokens``), the steps
-(``step_of``, or ``None`` for steps of whole rollouts and ``global_batch_size``), the layout and cap (``parallel``,
-``batch``), the pass (``forward_only``: with pipeline parallelism count and order are chosen for that pass's
-schedule), optionally a fixed count (``microbatches_per_rank``), the cost and the tunables. It checks itself on
-construction (:class:`ScheduleError` naming the field, the value and the fix), so a request that exists is refused
-only for what the packing itself finds. :func:`plan_schedule` (the keyword form) and
-:func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a request and call :func:`plan`.
+A :class:`PlanRequest` (its fields say what each holds) checks itself on construction (:class:`ScheduleError` naming
+the field, the value and the fix), so a request that exists is refused only for what the packing itself finds.
+:func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a
+request and call :func:`plan`.
 """
 
 from __future__ import annotations

@@ -170,10 +170,9 @@ def _profile_dims(profile: CostProfile) -> CostModel | None:
 
 
 def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers: int | None):
-    """Per virtual stage ``(linear share, quadratic share)`` from the piece shares ``slime-ext calibrate`` measured
-    (``meta["piece_shares"]``: the embedding, one decoder layer, the final norm and output layer, of the forward
-    time), or ``None`` without them or without a layer count. An MTP layer counts as a layer and an output layer;
-    the quadratic term (attention) is split by decoder layers."""
+    """Per virtual stage ``(linear share, quadratic share)`` from ``meta["piece_shares"]`` (the embedding, one
+    decoder layer, the final norm and output layer, of the forward time; the module docstring), or ``None``
+    without them or without a layer count. The quadratic term (attention) is split by decoder layers."""
     pieces = (profile.meta or {}).get("piece_shares")
     if not isinstance(pieces, dict):
         return None
