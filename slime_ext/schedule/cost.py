@@ -13,7 +13,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .profile import CostProfile
-from .validate import check_coefficients, check_cost_model_fields, check_instance
+from .validate import MAX_MODEL_DIM, check_bool, check_coefficients, check_instance, check_int, is_int, show
 
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
@@ -44,10 +44,36 @@ class CostModel:
     swiglu: bool = _dim(False, "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)", kind="bool")
 
     def __post_init__(self) -> None:
-        fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                                         required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
+        def check(name: str, fix: str, minimum: int = 1) -> None:  # stored back as a plain int
+            object.__setattr__(self, name, check_int(f"CostModel.{name}", getattr(self, name), minimum=minimum,
+                                                     maximum=MAX_MODEL_DIM, fix=fix))
+
+        for name in REQUIRED_DIMS:
+            check(name, f"pass the model's --{name.replace('_', '-')}")
+        for name in OPTIONAL_DIMS:
+            if getattr(self, name) is not None:
+                check(name, "give a positive size or leave it unset (None) for Megatron's default")
+        if self.kv_channels is None and self.num_attention_heads > self.hidden_size:
+            raise ScheduleError(f"CostModel.num_attention_heads = {self.num_attention_heads} exceeds hidden_size = "
+                                f"{self.hidden_size}: the default kv_channels = hidden_size // num_attention_heads "
+                                f"would be 0 (no attention FLOPs); pass kv_channels or check the dims")
+        check("vocab_size", "give the (padded) vocabulary size, or 0 to leave the LM head out", minimum=0)
+        check("moe_router_topk", "give the experts routed per token (>= 1)")
+        object.__setattr__(self, "swiglu", check_bool("CostModel.swiglu", self.swiglu))
+        freq = self.moe_layer_freq
+        if not isinstance(freq, (list, tuple, np.ndarray)):
+            check("moe_layer_freq", "give k >= 1 (every k-th layer is MoE) or a list of 0/1 per layer, "
+                                    "e.g. [0, 1, 1, 1]")
+        else:
+            entries = list(freq.tolist() if isinstance(freq, np.ndarray) else freq)
+            for i, f in enumerate(entries):
+                if not is_int(f) or int(f) not in (0, 1):
+                    raise ScheduleError(f"CostModel.moe_layer_freq[{i}] = {show(f)}; a per-layer moe_layer_freq "
+                                        f"holds 0 (dense) or 1 (MoE) for each layer, e.g. [0, 1, 1, 1]")
+            if self.num_experts is not None and len(entries) != self.num_layers:
+                raise ScheduleError(f"CostModel.moe_layer_freq has {len(entries)} entries but num_layers="
+                                    f"{self.num_layers}; give one 0/1 per layer")
+            object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in entries))
         check_coefficients(*self.coefficients())
 
     # ------------------------------------------------------------------ derived dims

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from slime_ext.schedule import ScheduleError
-from slime_ext.schedule.cost import OPTIONAL_DIMS, REQUIRED_DIMS, CostModel
+from slime_ext.schedule.cost import CostModel
 from slime_ext.schedule.validate import (
     INT64_MAX,
     INT64_MIN,
@@ -19,7 +19,6 @@ from slime_ext.schedule.validate import (
     MAX_TOKENS,
     check_bool,
     check_coefficients,
-    check_cost_model_fields,
     check_int,
     check_int_array,
     check_mapping,
@@ -257,7 +256,7 @@ def model_fields(**changes):
     """CostModel's fields at their defaults, a small model's required dims, then ``changes``, checked."""
     fields = {f.name: f.default for f in dataclasses.fields(CostModel)}
     fields.update({"hidden_size": 64, "num_layers": 4, "num_attention_heads": 4, **changes})
-    return check_cost_model_fields(fields, required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
+    return dataclasses.asdict(CostModel(**fields))
 
 
 def test_cost_model_field_messages():
