@@ -1,6 +1,5 @@
 """The schedule's invariants (:mod:`.planner`'s docstring lists them), written once: :func:`check_schedule` returns
-every violation as a readable line (empty: valid), :func:`assert_valid_schedule` raises them. Every test and
-``slime-ext plan --from-json`` run them."""
+every violation as a readable line (empty: valid). Every test and ``slime-ext plan --from-json`` run them."""
 
 from __future__ import annotations
 
@@ -395,10 +394,3 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
     if not any(_close(st.bubble_fraction, b) for b in bubbles):
         predicted = f"{bubbles[0]!r}" if len(bubbles) == 1 else f"one of {bubbles!r} ({len(bubbles)} replicas tied)"
         bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts {predicted}")
-
-
-def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:
-    """Raise :class:`ScheduleError` listing every violation of :func:`check_schedule`."""
-    problems = check_schedule(schedule, **kwargs)
-    if problems:
-        raise ScheduleError("invalid schedule:\n  " + "\n  ".join(problems))

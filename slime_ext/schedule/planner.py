@@ -31,7 +31,6 @@ fixed ``microbatches_per_rank`` holds in every step; the same input gives the sa
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,7 +39,8 @@ import numpy as np
 from .bounds import align_up, bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import bin_costs, sample_costs
-from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
+from .distribute import (LightestWithRoom, build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps,
+                         serpentine)
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
@@ -207,14 +207,12 @@ def _plan_static(n: int, costs: np.ndarray, parallel: ParallelConfig, batch: Bat
 def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
     """Deal items (decreasing weight) to the lightest group that still has a free slot; group g gets sizes[g]."""
     groups: list[list[int]] = [[] for _ in sizes]
-    heap = [(0.0, g) for g, s in enumerate(sizes) if s > 0]
-    for i, w in zip(np.argsort(-weights, kind="stable").tolist(), np.sort(weights)[::-1].tolist()):
-        load, g = heap[0]
+    free = LightestWithRoom((0.0, g, s) for g, s in enumerate(sizes) if s > 0)  # room: free slots
+    for i in np.argsort(-weights, kind="stable").tolist():
+        load, g = free.pop(1)
         groups[g].append(i)
         if len(groups[g]) < sizes[g]:
-            heapq.heapreplace(heap, (load + w, g))
-        else:
-            heapq.heappop(heap)
+            free.push(load + float(weights[i]), g, sizes[g] - len(groups[g]))
     return groups
 
 
