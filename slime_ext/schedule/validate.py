@@ -11,7 +11,7 @@ Booleans are strict: ``"False"``, ``0`` and ``1`` are refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
