@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import ScheduleError
 from .profile import CostProfile
-from .validate import MAX_MODEL_DIM, check_bool, check_coefficients, check_instance, check_int, is_int, show
+from .validate import MAX_MODEL_DIM, check_bool, check_coefficients, check_instance, check_int, is_int, read_arg, show
 
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
@@ -129,12 +129,11 @@ class CostModel:
     @classmethod
     def from_args(cls, args: Any) -> "CostModel | None":
         """From Megatron/slime args (any attribute object or mapping); ``None`` when the core dims are absent."""
-        get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
-        if any(get(k) is None for k in ("hidden_size", "num_layers", "num_attention_heads")):
+        kwargs = {k: read_arg(args, k) for k in MODEL_DIMS if read_arg(args, k) is not None}
+        if any(k not in kwargs for k in ("hidden_size", "num_layers", "num_attention_heads")):
             return None
-        kwargs = {k: get(k) for k in MODEL_DIMS if get(k) is not None}
-        if "vocab_size" not in kwargs and get("padded_vocab_size") is not None:
-            kwargs["vocab_size"] = get("padded_vocab_size")
+        if "vocab_size" not in kwargs and read_arg(args, "padded_vocab_size") is not None:
+            kwargs["vocab_size"] = read_arg(args, "padded_vocab_size")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:

@@ -107,11 +107,10 @@ def _check_counts(sched: DPSchedule, bad) -> bool:
     for s, m in enumerate(sched.num_microbatches):
         if m < 1 or (m * dp) % align:
             bad(f"step {s}: num_microbatches={m} per rank; total {m * dp} is not a positive multiple of align={align}")
-    for name in ("samples_per_step", "rollouts_per_step", "stats"):
-        if len(getattr(sched, name)) != num_steps:
-            bad(f"{name} has {len(getattr(sched, name))} entries for {num_steps} steps")
-    if sched.loss_tokens_per_step is not None and len(sched.loss_tokens_per_step) != num_steps:
-        bad(f"loss_tokens_per_step has {len(sched.loss_tokens_per_step)} entries for {num_steps} steps")
+    for name in ("samples_per_step", "rollouts_per_step", "stats", "loss_tokens_per_step"):  # the last may be None
+        per_step = getattr(sched, name)
+        if per_step is not None and len(per_step) != num_steps:
+            bad(f"{name} has {len(per_step)} entries for {num_steps} steps")
     return True
 
 

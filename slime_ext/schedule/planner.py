@@ -295,10 +295,8 @@ def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list
 
 def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: ParallelConfig,
                       batch: BatchConfig) -> None:
-    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``):
-    too few samples to give each micro-batch one, more tokens than that many capped micro-batches can hold, or a
-    static batch whose ``micro_batch_size`` gives another count. The message names the field, the value and the
-    fix."""
+    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``),
+    naming the field, the value and the fix."""
     dp, n = parallel.dp_size, len(lengths)
     count = per_rank * dp
     field = f"microbatches_per_rank = {per_rank}"

@@ -60,6 +60,11 @@ def limit_name(limit: int) -> str:
     return LIMIT_NAMES.get(limit, f"{limit:,}")
 
 
+def read_arg(args: Any, name: str) -> Any:
+    """``args.name`` of a host's args, an attribute object or a mapping; ``None`` when absent."""
+    return args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+
+
 def is_int(value: Any) -> bool:
     """An exact integer: ``int`` or a numpy integer scalar, not ``bool``."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
