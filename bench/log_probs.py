@@ -55,7 +55,7 @@ CAP_FACTORS = (1, 2, 4)
 DISTS = ("rl", "heavy", "uniform", "bimodal")
 SEED = 1
 #: "never slower": a forward-only plan may be predicted at most this much slower than the reused one (relative;
-#: float summation order only -- the search compares with a tolerance of its own, ``PlannerConfig.tie``)
+#: float summation order only -- the search compares with a tolerance of its own, ``PlannerConfig.objective.tie``)
 TOLERANCE = 1e-9
 #: achieved FLOP/s of the priced GPU (an H100 at ~40% of its dense bf16 peak)
 ACHIEVED_FLOPS = 400e12

@@ -459,8 +459,9 @@ def _planned(case: SearchCase, overrides: list[str], budget_scale: float = 1.0) 
         from slime_ext.schedule import PlannerConfig
         c = PlannerConfig().replace_from(overrides)
         if budget_scale != 1.0:
-            c = dataclasses.replace(c, **{f: getattr(c, f) * budget_scale for f in (
-                "budget_floor_us", "budget_floor_max_us", "budget_per_sample_us", "budget_per_replica_us")})
+            b = c.budget
+            c = dataclasses.replace(c, budget=dataclasses.replace(b, **{f: getattr(b, f) * budget_scale for f in (
+                "budget_floor_us", "budget_floor_max_us", "budget_per_sample_us", "budget_per_replica_us")}))
         kwargs["config"] = c
     t0 = time.process_time()
     schedule = plan_schedule(lengths.tolist(), case.parallel(), batch, cost_model=model, **kwargs)

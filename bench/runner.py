@@ -29,9 +29,10 @@ def parser(doc: str, *, prog: str | None = None, quick: str | None = None) -> ar
 
 
 def add_planner_fields(p: argparse.ArgumentParser, what: str = "this run's planner") -> None:
-    """``--set NAME=VALUE`` (repeatable, into ``args.overrides``): a ``PlannerConfig`` field for ``what``."""
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="NAME=VALUE",
-                   help=f"a PlannerConfig field for {what}; repeatable")
+    """``--set SECTION.FIELD=VALUE`` (repeatable, into ``args.overrides``): a ``PlannerConfig`` field for ``what``
+    (:meth:`~slime_ext.schedule.PlannerConfig.replace_from`)."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help=f"a PlannerConfig field for {what}, e.g. refinement.refine_moves=128; repeatable")
 
 
 def planner_config(overrides: Sequence[str]):

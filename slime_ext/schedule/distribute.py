@@ -41,7 +41,7 @@ def lpt_equal_count(bin_costs: np.ndarray, dp_size: int) -> np.ndarray:
 
 def refine_by_swaps(
     bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float,
-    max_rounds: int = DEFAULT_CONFIG.refine_rounds, dense_limit: int = DEFAULT_CONFIG.dense_swap_limit,
+    max_rounds: int = DEFAULT_CONFIG.packing.refine_rounds, dense_limit: int = DEFAULT_CONFIG.packing.dense_swap_limit,
 ) -> np.ndarray:
     """Lower the heaviest ranks by swapping bins with light ranks; every rank keeps its number of bins.
 

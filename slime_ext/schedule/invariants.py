@@ -312,8 +312,8 @@ def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config:
     stages = StageCosts.if_split(cost_model, parallel)
     if stages is None or not stages.uneven:
         return None
-    tokens = float(cap if cap is not None else config.stage_share_tokens)
-    weight = [lin * tokens + quad * tokens * tokens * config.stage_share_sample
+    tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
+    weight = [lin * tokens + quad * tokens * tokens * config.objective.stage_share_sample
               for lin, quad in zip(stages.virtual_linear, stages.virtual_quadratic)]
     return np.asarray(weight) / sum(weight)
 
@@ -351,10 +351,10 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
                 whole[r, k] = model.microbatch_time(ls)
             else:
                 linear, quadratic = model.coefficients() if model is not None else (1.0, 0.0)
-                overhead = config.microbatch_overhead * linear * cap if cap is not None else 0.0
+                overhead = config.objective.microbatch_overhead * linear * cap if cap is not None else 0.0
                 forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
-                whole[r, k] = forward * (1 + config.backward_forward_ratio)
-    ratio = model.backward_forward_ratio if isinstance(model, CostProfile) else config.backward_forward_ratio
+                whole[r, k] = forward * (1 + config.objective.backward_forward_ratio)
+    ratio = model.backward_forward_ratio if isinstance(model, CostProfile) else config.objective.backward_forward_ratio
     share = _stage_shares(parallel, model, cap, config)
     if share is None:
         share = np.full(pp * vpp, 1.0 / (pp * vpp))

@@ -21,34 +21,28 @@ registry's order (``PlannerConfig.candidates`` may leave some out, e.g. for a be
    replica packed at the best counts, samples moved off the slowest replicas (:mod:`.pipeline_rebalance`), under
    VPP each replica's groups peaked where that is faster; one candidate per count, best first
    (:func:`shaped_step`);
-4. ``recounted`` (dynamic batches): more micro-batches, packed by stages 2-4 themselves (every guard of the
-   planner's own path), each rank in its best order;
-5. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by order swaps
+4. ``refined``: the best plans so far (the best of each of the ``finalists`` best counts), improved by order swaps
    on the slowest replica, each order found tried on every replica (:func:`~.pipeline_refine.polish_orders`), then
    by local moves on the slowest replica (:func:`~.pipeline_refine.refine`: order swaps; with dynamic batches also
    single samples moved or swapped, within the replica or with the fastest replicas).
 
-**The comparison.** One rule, one tolerance (:func:`beats`): a candidate replaces the best so far only when its
-slowest makespan is lower by more than ``PlannerConfig.tie``; so of near-equal candidates the earliest in the
-registry wins (the pp-unaware plan first). The same rule stops every loop of the search ("while a step gains"),
-and keeps ``found`` best first (a candidate goes before the first it beats).
+**The comparison.** One rule, one tolerance (:func:`~.pipeline_pricing.beats`, which every part calls): a
+candidate replaces the best so far only when its slowest makespan is lower by more than ``objective.tie``; so of
+near-equal candidates the earliest in the registry wins (the pp-unaware plan first), and ``found`` stays best first
+(a candidate goes before the first it beats). The loops that move samples stop by the same rule with
+``objective.min_gain``.
 
-**When it stops: the budget.** Every generator runs once. Each part of the search estimates its work before it
-runs (:class:`~slime_ext.schedule.pipeline_pricing.Budget`: estimated microseconds of the model calls, packing
-calls and Python per replica it makes, fitted to measured calls), runs only where the step's budget still pays for
-it, and is charged: the scan sizes its replicas and counts, the shaped candidate its counts and the replicas that
-try every shape, the rebalancing its rounds, the refinement its rounds; loops stop when a round gains nothing, at
-their round limits, or when the next round does not fit. The parts that act on every replica (packing them all,
-rebalancing) are reserved first, the refinement keeps ``refine_share`` of the budget's fixed part. The budget is
-``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power) + budget_per_sample_us * samples +
-budget_per_replica_us * pp ** budget_pp_power * dp``: it grows smoothly with the step (no threshold switches a
-part of the search on or off), is generous for small steps (a few replicas: the search around the slowest is
-most of it) and sized to the issue-22 grid of ``bench.pipeline_speed`` for large ones (every number is a
-documented :class:`~slime_ext.schedule.planner_config.PlannerConfig` field).
+**When it stops: the budget.** Every generator runs once. Each part estimates its work before it runs
+(:class:`~.pipeline_pricing.Budget`, counted from the model and packing calls it makes, never timed: the same
+input always plans alike), runs only where the step's budget still pays for it, and is charged; loops stop when a
+round gains nothing, at their round limits, or when the next round does not fit. What acts on every replica
+(packing them all, rebalancing) is reserved first; the refinement keeps ``budget.refine_share`` of the fixed part.
+The budget grows smoothly with the step (:meth:`~.pipeline_pricing.Budget.for_step`: no threshold switches a part
+on or off), generous for a few replicas and sized for many by ``bench.pipeline_speed``'s grid.
 
-``bench/pipeline_search.py`` is the yardstick (a long annealing search under the same model; the planner's gap to
-it per case), ``bench/pipeline_speed.py`` what the search costs against pp = 1 planning. Pure: standard library
-and numpy.
+What each part earns (each turned off in turn): ``docs/pipeline.md``. ``bench/pipeline_search.py`` is the yardstick
+(a long annealing search under the same model), ``bench/pipeline_speed.py`` what the search costs against pp = 1
+planning. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -60,21 +54,16 @@ import numpy as np
 
 from .errors import ScheduleError
 from .cost import bin_costs
-from .pipeline_orders import group_peaks, heuristic_best, heuristic_orders
-from .pipeline_pricing import Budget, PipelinePricing
+from .pipeline_orders import group_peaks, heuristic_orders
+from .pipeline_pricing import Budget, PipelinePricing, beats
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
 from .pipeline_shape import Shape, ShapeSamples, pack_many, pack_rows, replica_members
 from .planner_config import PlannerConfig
 from .profile import CostProfile
-from .step_plan import StepPlan, search_counts
+from .step_plan import StepPlan
 
 __all__ = ["CANDIDATES", "StepSearch", "beats", "choose_pipeline_step", "shaped_step"]
-
-
-def beats(a: float, b: float, config: PlannerConfig) -> bool:
-    """The search's one comparison: makespan ``a`` beats ``b`` when lower by more than ``config.tie`` of ``b``."""
-    return a < b * (1 - config.tie)
 
 
 @dataclass
@@ -85,7 +74,7 @@ class StepSearch:
     ``heaviest``: the key its ranks run their micro-batches by (heaviest first); ``lengths``/``costs``: the step's
     samples; ``profile``: a measured profile (micro-batches priced whole) or ``None``; ``cap``: the token cap,
     ``None`` for static batches (whose micro-batches never change); ``samples``: what shaping needs (dynamic
-    batches); ``budget``: the step's work budget; ``recount``/``align``: see the fields."""
+    batches); ``budget``: the step's work budget; ``align``, ``fixed_count``: see the fields."""
 
     pricing: PipelinePricing
     unaware: StepPlan
@@ -98,13 +87,10 @@ class StepSearch:
     cap: int | None
     samples: ShapeSamples | None
     budget: Budget
-    #: dynamic batches: stages 2-4 at exactly that many micro-batches (the planner's own path, every guard
-    #: included), ``None`` where they cannot reach it; ``None`` for static batches
-    recount: Callable[[int], StepPlan | None] | None = None
     #: the count moves by multiples of this (``dp_size * microbatch_group_size_per_vp_stage`` under VPP)
     align: int = 1
     #: the request fixed the count (``PlanRequest.microbatches_per_rank``): every candidate keeps ``unaware.count``
-    #: (the shaped candidate is scanned at that count alone; no ``recount``)
+    #: (the shaped candidate is scanned at that count alone)
     fixed_count: bool = False
     #: what several generators share (the heuristic orders' prices)
     memo: dict = field(default_factory=dict)
@@ -162,45 +148,6 @@ def ordered(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
                       f"{search.unaware.strategy}+pp-order")]
 
 
-def recounted(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
-    """Dynamic batches: more micro-batches, packed by stages 2-4 themselves (``search.recount``), each rank in the
-    best of the heuristic orders: ``align`` more at a time, up to ``config.max_extra_count_rounds`` times; the count
-    search (:func:`~.step_plan.search_counts`) stops after ``config.extra_count_patience`` counts in a row that do
-    not beat the best of them, or when the budget cannot pay for another (keeping the refinement's share). The
-    best is the candidate."""
-    if search.recount is None:
-        return []
-    cfg, budget = search.config, search.budget
-    n = len(search.lengths)
-
-    keep = cfg.refine_share * budget.floor  # what the refinement keeps
-
-    def cost(k: int) -> float:  # stages 2-4 and one call of the model
-        return budget.sample_cost(n) + budget.model_cost(4 * search.dp, k // search.dp) + budget.charge_round_cost \
-            + keep
-
-    def evaluate(k: int) -> StepPlan | None:
-        if not budget.allows(cost(k)):
-            return None
-        budget.spent += budget.sample_cost(n) + budget.charge_round_cost
-        plan = search.recount(k)
-        if plan is None:
-            return None
-        prices = bin_costs(search.lengths, search.costs, plan.bin_of, k, search.profile)
-        by_rank = np.lexsort((np.arange(k), -prices, plan.rank_of_bin)).reshape(search.dp, -1)
-        order, spans = heuristic_best(search.pricing, prices[by_rank], budget)
-        by_rank = np.take_along_axis(by_rank, order, axis=1)
-        slowest = int(np.argmax(spans))
-        return StepPlan(plan.bin_of, plan.rank_of_bin, k, f"{plan.strategy}+pp-count+{k - search.unaware.count}",
-                        search.unaware.target, by_rank.reshape(-1), spans,
-                        search.pricing.bubble(prices[by_rank[slowest]], spans[slowest]))
-
-    counts = [search.unaware.count + extra * search.align for extra in range(1, cfg.max_extra_count_rounds + 1)]
-    best = search_counts(counts, evaluate, lambda a, b: beats(a.slowest, b.slowest, cfg), cfg.extra_count_patience,
-                         enough=lambda _, k: not budget.allows(cost(k + search.align)))
-    return [] if best is None else [best]
-
-
 def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
     """Dynamic batches: :func:`shaped_step` from the pp-unaware plan's replicas."""
     if search.samples is None:
@@ -211,19 +158,19 @@ def shaped(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
 
 
 def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
-    """The best plans so far (the best of each count, up to ``config.finalists`` counts, best first), each improved
+    """The best plans so far (the best of each count, up to ``refinement.finalists`` counts, best first), each improved
     by order swaps (:func:`~.pipeline_refine.polish_orders`), then by :func:`~.pipeline_refine.refine`, within its
-    share of what is left of the budget: ``config.lead_share`` for the best, the rest in equal shares (a share one
+    share of what is left of the budget: ``refinement.lead_share`` for the best, the rest in equal shares (a share one
     leaves unspent passes on)."""
     cfg, budget = search.config, search.budget
     finalists: dict[int, StepPlan] = {}
     for plan in found:  # best first: the first of each count
-        if len(finalists) < cfg.finalists:
+        if len(finalists) < cfg.refinement.finalists:
             finalists.setdefault(plan.count, plan)
     out = []
     for n, best in enumerate(finalists.values()):
         left = len(finalists) - n
-        share = budget.left() * (1.0 if left == 1 else cfg.lead_share if n == 0 else 1 / left)
+        share = budget.left() * (1.0 if left == 1 else cfg.refinement.lead_share if n == 0 else 1 / left)
         if not budget.allows(2 * budget.arrangement_cost(len(search.lengths), search.dp)):
             break
         budget.spent += 2 * budget.arrangement_cost(len(search.lengths), search.dp)  # taken apart, put together
@@ -231,7 +178,7 @@ def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
                                     budget)
         with budget.capped(budget.spent + share):
             polish_orders(arr)
-            refine(arr, np.random.default_rng(cfg.refine_seed), movable=search.cap is not None)
+            refine(arr, np.random.default_rng(cfg.refinement.refine_seed), movable=search.cap is not None)
         if beats(float(arr.spans.max()), best.slowest, search.config):
             how = "" if "+pp-" in best.strategy else "+pp"
             out.append(arr.to_plan(f"{best.strategy}{how}-refined", best.target))
@@ -239,8 +186,7 @@ def refined(search: StepSearch, found: list[StepPlan]) -> list[StepPlan]:
 
 
 #: the registry, in the order the candidates are made and preferred on a tie
-CANDIDATES: dict[str, Generator] = {"unaware": unaware, "ordered": ordered, "shaped": shaped, "recounted": recounted,
-                                    "refined": refined}
+CANDIDATES: dict[str, Generator] = {"unaware": unaware, "ordered": ordered, "shaped": shaped, "refined": refined}
 
 
 def choose_pipeline_step(search: StepSearch) -> StepPlan:
@@ -284,7 +230,7 @@ def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve:
     out = []
     for (k, spans, packs), order, got in zip(results, orders, got_all):
         spans, packs = spans.copy(), list(packs)
-        for t in np.flatnonzero(got < spans * (1 - budget.pricing.config.tie)).tolist():
+        for t in np.flatnonzero(beats(got, spans, budget.pricing.config)).tolist():
             where = np.empty(k, dtype=np.int64)
             where[order[t]] = np.arange(k)  # the bin at position p of the new order is the old bin order[t][p]
             packs[t] = (packs[t][0], where[packs[t][1]])
@@ -295,7 +241,7 @@ def _group_peaked(budget: Budget, samples: ShapeSamples, results: list, reserve:
 
 def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: PlannerConfig, dp: int) -> list[int]:
     """The scanned counts, best first by their best combination's span (``scan``; ``inf``: did not pack), except
-    that with several replicas the counts within ``config.count_tie`` of the best come first, the most
+    that with several replicas the counts within ``count_search.count_tie`` of the best come first, the most
     micro-batches first: the scan prices each replica's own samples before the rebalancing moves any, and of counts
     it cannot tell apart the one with more micro-batches levels the slowest replicas further (more, smaller pieces
     to move). One replica has nothing to level: the scan's order stands."""
@@ -306,18 +252,18 @@ def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: Planner
     ranked = sorted(best, key=best.__getitem__)  # (ties: the count scanned first)
     if not ranked:
         return []
-    tie = cfg.count_tie if dp > 1 else 0.0
+    tie = cfg.count_search.count_tie if dp > 1 else 0.0
     near = sorted((k for k in ranked if best[k] <= best[ranked[0]] * (1 + tie)), reverse=True)
     return near + [k for k in ranked if k not in near]
 
 
 def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> list[int]:
-    """The per-replica counts the shaped candidate scans: ``k0`` times ``config.count_factors``, each rounded up to
+    """The per-replica counts the shaped candidate scans: ``k0`` times ``count_search.count_factors``, each rounded up to
     the step and at least ``i`` steps above ``k0`` (small counts reach far enough) but not above the largest
     factor's count or ``k0`` plus one per factor (under VPP a step is a whole group), at most ``most`` (the smallest
     replica's samples), those megatron-core accepts."""
     out = []
-    factors = pricing.config.count_factors
+    factors = pricing.config.count_search.count_factors
     # the largest factor's count, or one more micro-batch per factor (not whole VPP groups)
     reach = max(-(-int(round(k0 * max(factors))) // step) * step, k0 + len(factors) - 1)
     for i, f in enumerate(factors):
@@ -336,14 +282,14 @@ def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> lis
 def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
                 strategy: str, target: int, fixed_count: bool = False) -> list[StepPlan]:
     """The shaped plans of the step's samples, one per count rebalanced (fastest first, at most
-    ``config.finalists``), starting from each replica's samples (``replica_of``):
+    ``refinement.finalists``), starting from each replica's samples (``replica_of``):
 
-    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``config.scan_shapes``,
-       on up to ``config.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
+    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``shaping.scan_shapes``,
+       on up to ``count_search.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
        samples; with many replicas also typical ones, since the rebalancing levels them), then every shape at the
        best counts on those replicas; the counts ranked by :func:`_rank_counts` (near-ties: more micro-batches
        first);
-    2. every replica packed in the best combination of each of the best counts (up to ``config.rebalanced_counts``;
+    2. every replica packed in the best combination of each of the best counts (up to ``count_search.rebalanced_counts``;
        where a count fails on every one, the next count scanned), and in the count's other leading combinations
        and the flat shape (it packs wherever any does): every replica where the budget pays for it, else the slowest
        ones (and those the count failed on); per count each replica keeps its fastest;
@@ -351,138 +297,220 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
        (:func:`~.pipeline_rebalance.lockstep`); under VPP each replica's groups peaked where that is faster
        (:func:`_group_peaked`).
 
-    The work is sized to the budget, less what the refinement keeps (``config.refine_share`` of the budget's fixed
-    part) and under VPP the group peaks: first the full packing and rebalancing of as many counts as fit beside a
-    scan of every count on ``config.min_scan_replicas`` replicas with the scan shapes, then the scan (up to
-    ``config.scan_share`` of the allowance: more replicas, then the other shapes at the best counts, as far as they
-    fit), then the other combinations on as many replicas as fit. Empty where no count fits (too few samples, the
-    cap), or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only
-    count (a request's ``microbatches_per_rank``)."""
-    pricing = budget.pricing
-    cfg = pricing.config
-    pp = pricing.spec.pp_size
-    shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shapes))  # (per-stage ramps may meet fixed ones)
-    scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.scan_shapes))  # the same objects (cached)
-    rest = [shape for shape in shapes if not any(shape is t for t in scan_shapes)]
-    members = replica_members(replica_of, samples.costs, dp, samples.order)
-    n_min = int((members >= 0).sum(axis=1).min())
-    counts = shape_counts(k0, samples.step, n_min, pricing)
-    if fixed_count:
-        counts = counts[:1] if counts and counts[0] == k0 else []
-    if not counts:
+    The work is sized to the budget (:meth:`_Shaped.scan`). Empty where no count fits (too few samples, the cap),
+    or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only count (a
+    request's ``microbatches_per_rank``)."""
+    shaping = _Shaped.start(budget, samples, replica_of, k0, dp, fixed_count)
+    if shaping is None:
         return []
-    total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
-    largest = samples.costs[np.maximum(members[:, 0], 0)]
-    budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
-    refine_keep = cfg.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
-    # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
-    peaks = budget.model_cost(dp * cfg.rebalanced_counts, max(counts)) if pricing.spec.vpp_size > 1 else 0.0
-    keep = refine_keep + peaks
-    allowance = budget.left() - keep
-    n_all, k_top = members.shape[1], max(counts)
-
-    def work(rows: int, k: int) -> float:  # one packing call and one pass of the model
-        return budget.pack_cost(rows, n_all, k) + budget.model_cost(rows, k)
-
-    # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
-    # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where the
-    # pipeline's fill and drain matter least)
-    fewest = min(dp, cfg.min_scan_replicas)
-    if work(fewest * len(scan_shapes), counts[0]) + work(dp, counts[0]) > allowance:
+    scanned = shaping.scan()
+    if scanned is None:
         return []
+    results = shaping.rebalanced(*shaping.packed(*scanned))
+    if budget.pricing.spec.vpp_size > 1:
+        results = _group_peaked(budget, samples, results, shaping.refine_keep)
+    return shaping.plans(results, replica_of, k0, strategy, target)
 
-    def scan_work(r: int, c: int) -> float:  # the scan of c of the counts (spread: the last among them) on r replicas
-        rows = r * c * len(scan_shapes)
-        more = r * min(cfg.rebalanced_counts, c) * (len(shapes) - len(scan_shapes))
-        k = counts[-1] if c > 1 else counts[0]
-        return work(rows, k) + work(more, k)
 
-    def rebalancing(c: int, k: int) -> float:  # the rebalancing of c counts side by side (one call a round): its
-        if dp <= cfg.water_fill_replicas:         # water-filling rounds re-packing every replica at worst, then
-            return 0.0                            # its single moves (a few rows per share tried)
-        water = cfg.water_rounds * (c * budget.replica_cost(dp) + work(dp * c, k))
-        rows = len(cfg.shed_shares) * (1 + cfg.balance_partners) * c  # each share tried: the slowest, its partners
-        moves = cfg.shed_moves_after_water * (c * budget.charge_round_cost + work(rows, k))
+@dataclass
+class _Shaped:
+    """What the stages of :func:`shaped_step` share: the step's samples, each replica's (``members``), the counts
+    and shapes, and the budget the refinement (``refine_keep``) and the group peaks keep (``keep``: both)."""
+
+    budget: Budget
+    samples: ShapeSamples
+    members: np.ndarray
+    counts: list[int]
+    shapes: list[Shape]
+    scan_shapes: list[Shape]
+    total: np.ndarray  # each replica's cost
+    refine_keep: float
+    keep: float
+
+    @classmethod
+    def start(cls, budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
+              fixed_count: bool) -> "_Shaped | None":
+        pricing = budget.pricing
+        cfg = pricing.config
+        pp = pricing.spec.pp_size
+        # (per-stage ramps may meet fixed ones)
+        shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shaping.shapes))
+        scan_shapes = list(dict.fromkeys(Shape.of(s, pp) for s in cfg.shaping.scan_shapes))  # the same objects (cached)
+        members = replica_members(replica_of, samples.costs, dp, samples.order)
+        counts = shape_counts(k0, samples.step, int((members >= 0).sum(axis=1).min()), pricing)
+        if fixed_count:
+            counts = counts[:1] if counts and counts[0] == k0 else []
+        if not counts:
+            return None
+        total = np.bincount(replica_of, weights=samples.costs, minlength=dp)
+        budget.spent += budget.arrangement_cost(len(replica_of), dp)  # each replica's samples sorted, totals
+        refine_keep = cfg.budget.refine_share * budget.floor  # what the refinement keeps (a share of the fixed part)
+        # ... and under VPP the group peaks of the counts' plans (one call of the model; see _group_peaked)
+        peaks = budget.model_cost(dp * cfg.count_search.rebalanced_counts, max(counts)) \
+            if pricing.spec.vpp_size > 1 else 0.0
+        return cls(budget, samples, members, counts, shapes, scan_shapes, total, refine_keep, refine_keep + peaks)
+
+    @property
+    def cfg(self) -> PlannerConfig:
+        return self.budget.pricing.config
+
+    @property
+    def dp(self) -> int:
+        return len(self.members)
+
+    def work(self, rows: int, k: int) -> float:
+        """One packing call and one pass of the model."""
+        return self.budget.pack_cost(rows, self.members.shape[1], k) + self.budget.model_cost(rows, k)
+
+    def scan_work(self, r: int, c: int) -> float:
+        """The scan of ``c`` of the counts (spread: the last among them) on ``r`` replicas."""
+        rows = r * c * len(self.scan_shapes)
+        more = r * min(self.cfg.count_search.rebalanced_counts, c) * (len(self.shapes) - len(self.scan_shapes))
+        k = self.counts[-1] if c > 1 else self.counts[0]
+        return self.work(rows, k) + self.work(more, k)
+
+    def rebalancing(self, c: int, k: int) -> float:
+        """The rebalancing of ``c`` counts side by side (one call a round): its water-filling rounds re-packing
+        every replica at worst, then its single moves (a few rows per share tried)."""
+        cfg, dp = self.cfg, self.dp
+        if dp <= cfg.rebalancing.water_fill_replicas:
+            return 0.0
+        water = cfg.rebalancing.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
+        # each share tried: the slowest, its partners
+        rows = len(cfg.rebalancing.shed_shares) * (1 + cfg.rebalancing.balance_partners) * c
+        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.charge_round_cost + self.work(rows, k))
         return water + moves
 
-    def later(c: int) -> float:  # every replica in c counts, and their rebalancing
-        k = counts[len(counts) // 2]
-        return work(dp * c, k) + rebalancing(c, k)
+    def later(self, c: int) -> float:
+        """Every replica in ``c`` counts, and their rebalancing."""
+        k = self.counts[len(self.counts) // 2]
+        return self.work(self.dp * c, k) + self.rebalancing(c, k)
 
-    # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
-    n_leads = cfg.rebalanced_counts
-    smallest = work(fewest * len(counts) * len(scan_shapes), counts[-1])  # every count, the scan shapes alone
-    while n_leads > 1 and smallest + later(n_leads) > allowance:
-        n_leads -= 1
-    scan_allowance = max(smallest, min(allowance * cfg.scan_share, allowance - later(n_leads)))
-    # the scan: every count on as many of the likely slowest replicas as its allowance pays for (at least
-    # min_scan_replicas), or, where even that does not fit, as many of the first counts (at least min_scan_counts)
-    scanned = max([fewest] + [r for r in range(1, min(dp, cfg.scan_replicas) + 1)
-                              if scan_work(r, len(counts)) <= scan_allowance])
-    if dp > cfg.water_fill_replicas:  # the rebalancing levels the replicas: also typical ones (the middle half)
-        by_total = np.argsort(total, kind="stable")
-        typical = by_total[np.linspace(dp // 4, 3 * dp // 4, max(1, scanned // 2)).round().astype(int)]
-        pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
-    else:
-        pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
-                                                  np.argsort(-largest, kind="stable")[:scanned]))))
-    sub = members[np.asarray(pick[:scanned])] if dp > scanned else members
-    # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays for,
-    # spread over that range (its first and last included)
-    counts = [k for k in counts if k <= int((sub >= 0).sum(axis=1).min())] or counts[:1]
-    fit = max([cfg.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (the other shapes may be cut)
-                                       if work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
-    if fit < len(counts):
-        counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
-    # the counts with a few shapes, then every shape at the best counts (the combinations scanned already kept);
-    # where every shape at every count is a small packing, all in one call (the same prices, one call fewer)
-    combos = [(k, shape) for k in counts for shape in scan_shapes]
-    every = combos + [(k, shape) for k in counts for shape in rest]
-    if len(every) * len(sub) <= cfg.one_scan_rows and work(len(every) * len(sub), counts[-1]) <= scan_allowance:
-        seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
-        scan = np.asarray([seen[combo] for combo in combos])
-    else:
+    def scan(self) -> tuple[list, list[int], int] | None:
+        """Stage 1 of :func:`shaped_step`: ``(the combinations best first, the counts ranked, how many lead)``, or
+        ``None`` where no count fits the budget or none packs. The work is sized to the budget left after what
+        comes later: first the full packing and rebalancing of as many counts as fit beside a scan of every count
+        on ``count_search.min_scan_replicas`` replicas with the scan shapes, then the scan (up to ``count_search.scan_share``
+        of the allowance: more replicas, then the other shapes at the best counts, as far as they fit)."""
+        cfg, dp, scan_shapes = self.cfg, self.dp, self.scan_shapes
+        allowance = self.budget.left() - self.keep
+        # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
+        # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where
+        # the pipeline's fill and drain matter least)
+        fewest = min(dp, cfg.count_search.min_scan_replicas)
+        if self.work(fewest * len(scan_shapes), self.counts[0]) + self.work(dp, self.counts[0]) > allowance:
+            return None
+        # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
+        n_leads = cfg.count_search.rebalanced_counts
+        smallest = self.work(fewest * len(self.counts) * len(scan_shapes), self.counts[-1])
+        while n_leads > 1 and smallest + self.later(n_leads) > allowance:
+            n_leads -= 1
+        scan_allowance = max(smallest, min(allowance * cfg.count_search.scan_share, allowance - self.later(n_leads)))
+        # every count on as many of the likely slowest replicas as the allowance pays for (at least
+        # min_scan_replicas), or, where even that does not fit, as many of the first counts (min_scan_counts)
+        scanned = max([fewest] + [r for r in range(1, min(dp, cfg.count_search.scan_replicas) + 1)
+                                  if self.scan_work(r, len(self.counts)) <= scan_allowance])
+        sub = self._likely_slowest(scanned)
+        # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays
+        # for, spread over that range (its first and last included)
+        counts = [k for k in self.counts if k <= int((sub >= 0).sum(axis=1).min())] or self.counts[:1]
+        fit = max([cfg.count_search.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (other shapes: cut)
+                                           if self.work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])
+        if fit < len(counts):
+            counts = [counts[i] for i in sorted(set(np.linspace(0, len(counts) - 1, fit).round().astype(int).tolist()))]
+        self.counts = counts
+        combos, scan, seen = self._scan_counts(sub, scan_allowance)
+        combos, scan = self._widen(sub, combos, scan, seen, n_leads)
+        best_first = [combos[i] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])]
+        if not best_first:
+            return None
+        return best_first, _rank_counts(combos, scan, cfg, dp), n_leads
+
+    def _likely_slowest(self, scanned: int) -> np.ndarray:
+        """The members of up to ``scanned`` replicas likely to be slowest: those holding the costliest samples, and
+        the heaviest or, with many replicas (the rebalancing levels them), typical ones (the middle of the range
+        ``count_search.typical_replicas``)."""
+        cfg, dp, total = self.cfg, self.dp, self.total
+        largest = self.samples.costs[np.maximum(self.members[:, 0], 0)]
+        if dp > cfg.rebalancing.water_fill_replicas:
+            by_total = np.argsort(total, kind="stable")
+            lo, hi = (int(share * dp) for share in cfg.count_search.typical_replicas)
+            typical = by_total[np.linspace(lo, hi, max(1, scanned // 2)).round().astype(int)]
+            pick = list(dict.fromkeys(np.concatenate((typical, np.argsort(-largest, kind="stable")[:scanned]))))
+        else:
+            pick = list(dict.fromkeys(np.concatenate((np.argsort(-total, kind="stable")[:scanned // 2],
+                                                      np.argsort(-largest, kind="stable")[:scanned]))))
+        return self.members[np.asarray(pick[:scanned])] if dp > scanned else self.members
+
+    def _scan_counts(self, sub: np.ndarray, scan_allowance: float) -> tuple[list, np.ndarray, dict]:
+        """Every count with the scan shapes on ``sub``; where every shape at every count is a small packing, all
+        in one call (the same prices, one call fewer): ``(combinations, their spans, every span seen)``."""
+        counts, budget, samples = self.counts, self.budget, self.samples
+        combos = [(k, shape) for k in counts for shape in self.scan_shapes]
+        rest = [shape for shape in self.shapes if not any(shape is t for t in self.scan_shapes)]
+        every = combos + [(k, shape) for k in counts for shape in rest]
+        if len(every) * len(sub) <= self.cfg.count_search.one_scan_rows \
+                and self.work(len(every) * len(sub), counts[-1]) <= scan_allowance:
+            seen = dict(zip(every, pack_many(budget, samples, sub, every)[0].max(axis=1)))
+            return combos, np.asarray([seen[combo] for combo in combos]), seen
         scan = pack_many(budget, samples, sub, combos)[0].max(axis=1)
-        seen = dict(zip(combos, scan))
-    best_counts = _rank_counts(combos, scan, cfg, dp)
-    combos = [(k, shape) for shape in shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
-    fresh = [combo for combo in combos if combo not in seen]
-    room = budget.left() - keep - later(n_leads)
-    while fresh and work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
-        fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
-    if fresh:
-        seen.update(zip(fresh, pack_many(budget, samples, sub, fresh)[0].max(axis=1)))
-    combos = [combo for combo in combos if combo in seen]
-    scan = np.asarray([seen[combo] for combo in combos])
-    best_first = [combos[i] for i in np.argsort(scan, kind="stable") if np.isfinite(scan[i])]
-    if not best_first:
-        return []
-    # per count (the ``config.rebalanced_counts`` best): its best combination, then its other leading ones (of the
-    # ``config.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps its
-    # fastest. Every replica is packed in each count's best; in the others, every replica where the budget pays for
-    # it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as it pays
-    def full_packing(leads: list[int]) -> tuple[list, np.ndarray, np.ndarray, list]:
-        """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of,
-        each replica's shape per count)``."""
+        return combos, scan, dict(zip(combos, scan))
+
+    def _widen(self, sub: np.ndarray, combos: list, scan: np.ndarray, seen: dict, n_leads: int):
+        """Every shape at the best counts (those scanned already kept), the last shapes cut first where the budget
+        left after what comes later does not pay for them all: ``(combinations, their spans)``."""
+        best_counts = _rank_counts(combos, scan, self.cfg, self.dp)
+        combos = [(k, shape) for shape in self.shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
+        fresh = [combo for combo in combos if combo not in seen]
+        room = self.budget.left() - self.keep - self.later(n_leads)
+        while fresh and self.work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
+            fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
+        if fresh:
+            seen.update(zip(fresh, pack_many(self.budget, self.samples, sub, fresh)[0].max(axis=1)))
+        combos = [combo for combo in combos if combo in seen]
+        return combos, np.asarray([seen[combo] for combo in combos])
+
+    def packed(self, best_first: list, ordered_counts: list[int], n_leads: int):
+        """Stage 2 of :func:`shaped_step`: every replica in the leading counts (as many as the budget pays for);
+        where a count fails on every replica, the next count scanned, as far as the budget pays for it."""
+        budget, keep = self.budget, self.keep
+        leads = ordered_counts[:n_leads]
+        while len(leads) > 1 and not budget.allows(self.work(self.dp * len(leads), max(leads)) + keep):
+            leads.pop()  # every replica in each count's best: as many counts as the budget pays for
+        first, best_span, best_bin, choice = self._full_packing(leads, best_first)
+        following = ordered_counts[len(leads):]
+        while following and not np.isfinite(best_span).all(axis=1).any() \
+                and budget.allows(self.work(self.dp, following[0]) + keep):
+            f2, s2, b2, c2 = self._full_packing([following.pop(0)], best_first)
+            first, best_span, best_bin, choice = first + f2, np.vstack((best_span, s2)), \
+                np.vstack((best_bin, b2)), choice + c2
+        return first, best_span, best_bin, choice
+
+    def _full_packing(self, leads: list[int], best_first: list) -> tuple[list, np.ndarray, np.ndarray, list]:
+        """Every replica in the counts ``leads``: ``(each count's best combination, spans (C, dp), bin_of, each
+        replica's shape per count)``. Per count its best combination, then its other leading ones (of the
+        ``count_search.shaped_combos`` best) and the first shape (flat: it packs wherever any does); each replica keeps
+        its fastest. Every replica is packed in each count's best; in the others, every replica where the budget
+        pays for it (less the rebalancing's reserve), else the slowest (and failed) replicas of the count as far as
+        it pays."""
+        cfg, budget, samples, members, dp = self.cfg, self.budget, self.samples, self.members, self.dp
         per_count = []
         for k in leads:
-            mine = [c for c in best_first[:cfg.shaped_combos] if c[0] == k]
+            mine = [c for c in best_first[:cfg.count_search.shaped_combos] if c[0] == k]
             mine = mine or [next(c for c in best_first if c[0] == k)]
-            per_count.append(mine + ([(k, shapes[0])] if (k, shapes[0]) not in mine else []))
+            per_count.append(mine + ([(k, self.shapes[0])] if (k, self.shapes[0]) not in mine else []))
         first = [combos_k[0] for combos_k in per_count]
         extras = [(c, combo) for c, combos_k in enumerate(per_count) for combo in combos_k[1:]]
         k_max = max(leads)
-        reserve = keep + rebalancing(len(leads), k_max)  # the rebalancing comes first
-        full = work(dp * (len(first) + len(extras)), k_max)
-        if not extras or budget.allows(full + reserve):  # every replica in every combination: one call
+        reserve = self.keep + self.rebalancing(len(leads), k_max)  # the rebalancing comes first
+        if not extras or budget.allows(self.work(dp * (len(first) + len(extras)), k_max) + reserve):
             spans, bin_of = pack_many(budget, samples, members, first + [combo for _, combo in extras])
             best_span, best_bin = spans[:len(first)].copy(), bin_of[:len(first)].copy()
-            tried = [(c, np.arange(dp), spans[len(first) + i], bin_of[len(first) + i])
-                     for i, (c, _) in enumerate(extras)]
+            tried = [(np.arange(dp), spans[len(first) + i], bin_of[len(first) + i]) for i in range(len(extras))]
         else:
             best_span, best_bin = pack_many(budget, samples, members, first)
             # as many of each count's slowest replicas as the budget pays for (the estimate is affine in the rows)
-            fixed, per_row = work(0, k_max), work(1, k_max) - work(0, k_max)
+            fixed, per_row = self.work(0, k_max), self.work(1, k_max) - self.work(0, k_max)
             contenders = min(dp, max(0, int((budget.left() - reserve - fixed) / (per_row * len(extras)))))
             # ... and at least the replicas a count failed on (rare and few: without them the count is lost)
             contenders = max(contenders, int((~np.isfinite(best_span)).sum(axis=1).max()))
@@ -490,9 +518,9 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
             if contenders:
                 rows = [np.argsort(-best_span[c], kind="stable")[:contenders] for c, _ in extras]
                 got_spans, got_bins = pack_rows(budget, samples, members, rows, [combo for _, combo in extras])
-                tried = [(c, r, sp, bo) for (c, _), r, sp, bo in zip(extras, rows, got_spans, got_bins)]
+                tried = list(zip(rows, got_spans, got_bins))
         choice = [[combo[1]] * dp for combo in first]
-        for (c, (_, shape)), (_, rows, sp, bo) in zip(extras, tried):  # in order: only a faster one replaces
+        for (c, (_, shape)), (rows, sp, bo) in zip(extras, tried):  # in order: only a faster one replaces
             better = sp < best_span[c][rows]
             if better.any():
                 hit = rows[better]
@@ -501,50 +529,45 @@ def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k
                     choice[c][r] = shape
         return first, best_span, best_bin, choice
 
-    ordered_counts = _rank_counts(combos, scan, cfg, dp)
-    leads = ordered_counts[:n_leads]
-    while len(leads) > 1 and not budget.allows(work(dp * len(leads), max(leads)) + keep):
-        leads.pop()  # every replica in each count's best: as many counts as the budget pays for
-    first, best_span, best_bin, choice = full_packing(leads)
-    # a count can fail on a replica the scan did not see (no shape packs its samples there): then the next count
-    # scanned, as far as the budget pays for it
-    following = ordered_counts[len(leads):]
-    while following and not np.isfinite(best_span).all(axis=1).any() \
-            and budget.allows(work(dp, following[0]) + keep):
-        f2, s2, b2, c2 = full_packing([following.pop(0)])
-        first, best_span, best_bin, choice = first + f2, np.vstack((best_span, s2)), np.vstack((best_bin, b2)), \
-            choice + c2
-    valid = members >= 0
-    start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
-    runs = []  # per count: (k, its rebalancing run), or (k, the result without one)
-    for c, (k, _) in enumerate(first):
-        got = best_span[c]
-        if not np.isfinite(got).all():
-            continue
-        groups, shapes_k = list(start), choice[c]
-        budget.spent += budget.arrangement_cost(0, dp)  # each replica's packing, as a run takes it
-        packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, best_bin[c])]
-        runs.append((k, rebalance_run(budget, samples, groups, k, shapes_k, got, packs, keep) if dp > 1
-                     else (groups, shapes_k, got, packs)))
-    # the counts' rebalancing side by side (one packing call and one pass of the model per round)
-    moving = [i for i, (_, run) in enumerate(runs) if not isinstance(run, tuple)]
-    # (the rebalancing comes before the refinement's share: a run's own checks keep it for its single moves)
-    done = dict(zip(moving, lockstep(budget, samples, [runs[i][1] for i in moving])))
-    results = [(k, *done.get(i, run)[2:]) for i, (k, run) in enumerate(runs)]
-    if pricing.spec.vpp_size > 1:
-        results = _group_peaked(budget, samples, results, refine_keep)
-    # the counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes
-    ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:cfg.finalists]
-    out = []
-    for k, spans, packs in (results[i] for i in ranked):  # each replica as last packed in its shape
-        budget.spent += budget.arrangement_cost(len(replica_of), dp)
-        step_bin = np.full(len(replica_of), -1, dtype=np.int64)
-        step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate([t * k + labels
-                                                                              for t, (_, labels) in enumerate(packs)])
-        count = k * dp
-        slowest = int(np.argmax(spans))
-        mem, labels = packs[slowest]
-        row = samples.bin_rows(mem[None, :], labels[None, :], k)[0]
-        out.append(StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}",
-                            target, np.arange(count), spans, pricing.bubble(row, spans[slowest])))
-    return out
+    def rebalanced(self, first: list, best_span: np.ndarray, best_bin: np.ndarray, choice: list) -> list:
+        """Stage 3 of :func:`shaped_step`: per count that packed on every replica, samples moved off the slowest
+        replicas, the counts side by side: ``[(k, spans, packs)]``."""
+        budget, members, dp = self.budget, self.members, self.dp
+        valid = members >= 0
+        start = [row[ok] for row, ok in zip(members, valid)]  # every count starts from these groups
+        runs, fixed = [], {}  # per count: (k, its rebalancing run); the result of a single replica's
+        for c, (k, _) in enumerate(first):
+            got = best_span[c]
+            if not np.isfinite(got).all():
+                continue
+            budget.spent += budget.arrangement_cost(0, dp)  # each replica's packing, as a run takes it
+            packs = [(row[ok], labels[ok]) for row, ok, labels in zip(members, valid, best_bin[c])]
+            if dp > 1:
+                runs.append((k, rebalance_run(budget, self.samples, list(start), k, choice[c], got, packs,
+                                              self.keep)))
+            else:
+                fixed[len(runs)] = (k, got, packs)
+                runs.append((k, None))
+        # (the rebalancing comes before the refinement's share: a run's own checks keep it for its single moves)
+        moving = [i for i, (_, run) in enumerate(runs) if run is not None]
+        done = dict(zip(moving, lockstep(budget, self.samples, [runs[i][1] for i in moving])))
+        return [fixed[i] if i in fixed else (k, *done[i][2:]) for i, (k, _) in enumerate(runs)]
+
+    def plans(self, results: list, replica_of: np.ndarray, k0: int, strategy: str, target: int) -> list[StepPlan]:
+        """The counts' plans, fastest first (ties: the count scanned best first), as many as the refinement takes,
+        each replica as last packed in its shape."""
+        budget, pricing, dp = self.budget, self.budget.pricing, self.dp
+        ranked = sorted(range(len(results)), key=lambda i: results[i][1].max())[:self.cfg.refinement.finalists]
+        out = []
+        for k, spans, packs in (results[i] for i in ranked):
+            budget.spent += budget.arrangement_cost(len(replica_of), dp)
+            step_bin = np.full(len(replica_of), -1, dtype=np.int64)
+            step_bin[np.concatenate([mem for mem, _ in packs])] = np.concatenate(
+                [t * k + labels for t, (_, labels) in enumerate(packs)])
+            count = k * dp
+            slowest = int(np.argmax(spans))
+            mem, labels = packs[slowest]
+            row = self.samples.bin_rows(mem[None, :], labels[None, :], k)[0]
+            out.append(StepPlan(step_bin, np.arange(count) // k, count, f"{strategy}+pp-shape+{count - k0 * dp}",
+                                target, np.arange(count), spans, pricing.bubble(row, spans[slowest])))
+        return out

@@ -180,11 +180,6 @@ class StageLayers:
             n += count
         return tuple(out)
 
-    def rank_decoder_layers(self) -> tuple[int, ...]:
-        """Decoder layers per pipeline rank (all its chunks)."""
-        return tuple(sum(self.decoder[c * self.pp_size + s] for c in range(self.vpp_size))
-                     for s in range(self.pp_size))
-
 
 def split_layers(num_layers: int, *, pp_size: int, vpp_size: int = 1,
                  decoder_first_pipeline_num_layers: int | None = None,

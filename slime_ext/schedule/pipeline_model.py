@@ -288,86 +288,99 @@ def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool,
       forward (backward) waits for its own input (gradient) just before it runs, and a send is waited for when
       the next send in the same direction has been posted; cool-down as batched.
     """
-    total = m * vpp
     table = schedule_table(m, vpp, group)
+    return [_InterleavedRank(r, pp, vpp, m, group, table).program(overlap, forward_only) for r in range(pp)]
 
-    def chunk(k: int, forward: bool) -> int:
-        c = table[k % total][1]
-        return c if forward else vpp - 1 - c
 
-    programs = []
-    for r in range(pp):
-        p = _Program(r, pp)
-        first, last = r == 0, r == pp - 1
+class _InterleavedRank:
+    """Rank ``r``'s program of the interleaved schedule (:func:`interleaved_programs`), phase by phase."""
 
-        def receives(k: int, forward: bool) -> bool:
-            """Whether rank r receives, after virtual micro-batch k, an input (forward) or a gradient (backward)."""
-            if not (first if forward else last):  # only the ring's leading rank skips receives
-                return True
-            if k < pp - 1:
-                return False
-            return chunk(k - (pp - 1), forward) != (vpp - 1 if forward else 0)
+    def __init__(self, r: int, pp: int, vpp: int, m: int, group: int, table: list[tuple[int, int]]) -> None:
+        self.r, self.pp, self.vpp, self.m, self.group, self.table = r, pp, vpp, m, group, table
+        self.total = m * vpp
+        self.first, self.last = r == 0, r == pp - 1
+        self.p = _Program(r, pp)
+        self.recv_prev_handles: list[int] = []
+        self.recv_next_handles: list[int] = []
 
-        def sends_output(k: int) -> bool:
-            return not (last and chunk(k, True) == vpp - 1)
+    def chunk(self, k: int, forward: bool) -> int:
+        c = self.table[k % self.total][1]
+        return c if forward else self.vpp - 1 - c
 
-        def sends_grad(k: int) -> bool:
-            return not (first and chunk(k, False) == 0)
+    def receives(self, k: int, forward: bool) -> bool:
+        """Whether the rank receives, after virtual micro-batch k, an input (forward) or a gradient (backward)."""
+        if not (self.first if forward else self.last):  # only the ring's leading rank skips receives
+            return True
+        if k < self.pp - 1:
+            return False
+        return self.chunk(k - (self.pp - 1), forward) != (self.vpp - 1 if forward else 0)
 
-        def F(k: int) -> None:
-            p.compute("F", table[k][0], chunk(k, True))
+    def sends_output(self, k: int) -> bool:
+        return not (self.last and self.chunk(k, True) == self.vpp - 1)
 
-        def B(k: int) -> None:
-            p.compute("B", table[k][0], chunk(k, False))
+    def sends_grad(self, k: int) -> bool:
+        return not (self.first and self.chunk(k, False) == 0)
 
-        warmup = total if forward_only else warmup_microbatches(pp, r, m, vpp, group)
-        all_warmup = warmup == total
-        remaining = total - warmup
-        recv_prev_handles: list[int] = []
-        recv_next_handles: list[int] = []
-        send_next_handle = send_prev_handle = None
+    def forward(self, k: int) -> None:
+        self.p.compute("F", self.table[k][0], self.chunk(k, True))
 
-        p.comm(recv_prev=not first)  # recv_forward of chunk 0's first input
+    def backward(self, k: int) -> None:
+        self.p.compute("B", self.table[k][0], self.chunk(k, False))
+
+    def program(self, overlap: bool, forward_only: bool) -> list:
+        total, p = self.total, self.p
+        warmup = total if forward_only else warmup_microbatches(self.pp, self.r, self.m, self.vpp, self.group)
+        self._warmup(warmup, overlap)
+        send_prev_handle = self._steady(warmup, overlap)
+        if forward_only:
+            return p.ops
+        if warmup == total:
+            p.comm(recv_next=not self.last)  # recv_backward
+        for k in range(total - warmup, total):  # the cool-down
+            if not (self.last and self.chunk(k, False) == self.vpp - 1) and k != 0 and self.recv_next_handles:
+                p.wait(self.recv_next_handles.pop(0))
+            recv_next = self.receives(k, False) and k != total - 1
+            self.backward(k)
+            p.comm(send_prev=self.sends_grad(k), recv_next=recv_next)
+        p.wait(send_prev_handle)  # (the last forward send is left pending; its receiver ends the step later)
+        return p.ops
+
+    def _warmup(self, warmup: int, overlap: bool) -> None:
+        total, p, all_warmup = self.total, self.p, warmup == self.total
+        p.comm(recv_prev=not self.first)  # recv_forward of chunk 0's first input
         for k in range(warmup):
-            recv_prev = receives(k, True) and k != total - 1
-            F(k)
+            recv_prev = self.receives(k, True) and k != total - 1
+            self.forward(k)
             if k == warmup - 1 and not overlap and not all_warmup:
-                p.comm(send_next=sends_output(k), recv_prev=recv_prev, recv_next=not last)
+                p.comm(send_next=self.sends_output(k), recv_prev=recv_prev, recv_next=not self.last)
             else:
-                p.comm(send_next=sends_output(k), recv_prev=recv_prev)
+                p.comm(send_next=self.sends_output(k), recv_prev=recv_prev)
             if overlap and k == warmup - 1 and not all_warmup:
-                h = p.comm(recv_next=not last, blocking=False)  # posted only
+                h = p.comm(recv_next=not self.last, blocking=False)  # posted only
                 if "recv_next" in h:
-                    recv_next_handles.append(h["recv_next"])
+                    self.recv_next_handles.append(h["recv_next"])
+
+    def _steady(self, warmup: int, overlap: bool) -> int | None:
+        """The steady state, one forward and one backward per iteration; returns the last gradient send pending."""
+        p, remaining, vpp = self.p, self.total - warmup, self.vpp
+        send_next_handle = send_prev_handle = None
         for k in range(remaining):
             fk = warmup + k
-            recv_prev = receives(fk, True) and k != remaining - 1
-            recv_next = receives(k, False)
+            recv_prev = self.receives(fk, True) and k != remaining - 1
+            recv_next = self.receives(k, False)
             if overlap:
                 send_next_handle = p.overlapped(
-                    lambda: F(fk), recv_prev_handles, first and chunk(fk, True) == 0, send_next_handle,
-                    "send_next", "recv_prev", send_next=sends_output(fk), recv_prev=recv_prev)
+                    lambda: self.forward(fk), self.recv_prev_handles, self.first and self.chunk(fk, True) == 0,
+                    send_next_handle, "send_next", "recv_prev", send_next=self.sends_output(fk), recv_prev=recv_prev)
                 send_prev_handle = p.overlapped(
-                    lambda: B(k), recv_next_handles, last and chunk(k, False) == vpp - 1, send_prev_handle,
-                    "send_prev", "recv_next", send_prev=sends_grad(k), recv_next=recv_next)
+                    lambda: self.backward(k), self.recv_next_handles, self.last and self.chunk(k, False) == vpp - 1,
+                    send_prev_handle, "send_prev", "recv_next", send_prev=self.sends_grad(k), recv_next=recv_next)
             else:
-                F(fk)
-                B(k)
-                p.comm(send_next=sends_output(fk), recv_prev=recv_prev, send_prev=sends_grad(k), recv_next=recv_next)
-        if forward_only:
-            programs.append(p.ops)
-            continue
-        if all_warmup:
-            p.comm(recv_next=not last)  # recv_backward
-        for k in range(remaining, total):
-            if not (last and chunk(k, False) == vpp - 1) and k != 0 and recv_next_handles:
-                p.wait(recv_next_handles.pop(0))
-            recv_next = receives(k, False) and k != total - 1
-            B(k)
-            p.comm(send_prev=sends_grad(k), recv_next=recv_next)
-        p.wait(send_prev_handle)  # (the last forward send is left pending; its receiver ends the step later)
-        programs.append(p.ops)
-    return programs
+                self.forward(fk)
+                self.backward(k)
+                p.comm(send_next=self.sends_output(fk), recv_prev=recv_prev, send_prev=self.sends_grad(k),
+                       recv_next=recv_next)
+        return send_prev_handle
 
 
 def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple]]:
@@ -402,6 +415,39 @@ class _Dag:
 
 
 def _compile(programs: list[list[tuple]], m: int) -> _Dag:
+    col, resolved, computes, compute_nodes = _program_nodes(programs, m)
+    order = _topological(resolved)
+    # keep only the computes: a call or wait ends at the latest of its inputs, a transfer one p2p after its later
+    # side, so every compute starts at max over earlier computes q (or time 0) of end(q) + hops(q) * p2p_s
+    n = len(col)
+    is_compute = [c < 2 * m for c in col]
+    through: list[dict[int, int]] = [{} for _ in range(n)]  # non-compute node -> {compute or n: most hops}
+    new_id: dict[int, int] = {}
+    edges: list[dict[int, int]] = []
+    for i in order:
+        merged: dict[int, int] = {}
+        for q in resolved[i]:
+            for k, h in ({q: 0} if q == n or is_compute[q] else through[q]).items():
+                if merged.get(k, -1) < h:
+                    merged[k] = h
+        if is_compute[i]:
+            new_id[i] = len(edges)
+            edges.append(merged)
+        else:
+            hop = 1 if col[i] == 2 * m else 0  # (a transfer)
+            through[i] = {k: h + hop for k, h in merged.items()}
+    cols = np.asarray([col[i] for i in order if is_compute[i]], dtype=np.int64)
+    levels = _levels(edges, new_id, n, cols)
+    node_ids = tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes)
+    virtual_col, rank_col = _table_cols(computes, node_ids, len(edges), m)
+    return _Dag(len(edges), tuple(levels), tuple(computes), node_ids,
+                tuple(virtual_col[nodes] for nodes, _, _, _ in levels),
+                tuple(rank_col[nodes] for nodes, _, _, _ in levels))
+
+
+def _program_nodes(programs: list[list[tuple]], m: int):
+    """Every op of the programs as a node: ``(its column, its predecessors (node ids; ``len(col)``: time 0), per
+    stage its computes and their nodes)``. A transfer is one node after its send and its receive are posted."""
     p2p_col, zero_col = 2 * m, 2 * m + 1
     col: list[int] = []
     preds: list[list] = []  # entries: node id (int) or ("T", stage, handle), resolved below
@@ -433,7 +479,6 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
                 cur = node(zero_col, [cur] + [("T", s, h) for h in op[1]])
         computes.append(tuple(comp))
         compute_nodes.append(np.asarray(comp_nodes, dtype=np.int64))
-
     transfer: dict[tuple[int, int], int] = {}
     for link, sides in ends.items():
         sends, recvs = sides["send"], sides["recv"]
@@ -442,11 +487,16 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         for (sp, ss, sh), (rp, rs, rh) in zip(sends, recvs):
             t = node(p2p_col, [sp, rp])
             transfer[(ss, sh)] = transfer[(rs, rh)] = t
-
     n = len(col)
     resolved = [[transfer[(q[1], q[2])] if isinstance(q, tuple) else (n if q == source else q) for q in p]
                 for p in preds]
-    # a topological order by Kahn's algorithm (a cycle would be a deadlock of the modelled schedule: a program bug)
+    return col, resolved, computes, compute_nodes
+
+
+def _topological(resolved: list[list[int]]) -> list[int]:
+    """The nodes in a topological order by Kahn's algorithm (a cycle would be a deadlock of the modelled schedule:
+    a program bug); predecessor ``len(resolved)`` is time 0."""
+    n = len(resolved)
     succ: list[list[int]] = [[] for _ in range(n)]
     indeg = [0] * n
     for i, p in enumerate(resolved):
@@ -464,25 +514,12 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         head += 1
     if len(order) != n:
         raise AssertionError("the modelled schedule deadlocks")  # a program bug, never the caller's input
+    return order
 
-    # keep only the computes: a call or wait ends at the latest of its inputs, a transfer one p2p after its later
-    # side, so every compute starts at max over earlier computes q (or time 0) of end(q) + hops(q) * p2p_s
-    is_compute = [c < 2 * m for c in col]
-    through: list[dict[int, int]] = [{} for _ in range(n)]  # non-compute node -> {compute or n: most hops}
-    new_id: dict[int, int] = {}
-    edges: list[dict[int, int]] = []
-    for i in order:
-        merged: dict[int, int] = {}
-        for q in resolved[i]:
-            for k, h in ({q: 0} if q == n or is_compute[q] else through[q]).items():
-                if merged.get(k, -1) < h:
-                    merged[k] = h
-        if is_compute[i]:
-            new_id[i] = len(edges)
-            edges.append(merged)
-        else:
-            hop = 1 if col[i] == p2p_col else 0
-            through[i] = {k: h + hop for k, h in merged.items()}
+
+def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int, cols: np.ndarray) -> list:
+    """The computes grouped in levels (:attr:`_Dag.levels`), ``edges``: each compute's predecessors (old ids; ``n``:
+    time 0) and the transfers on the way."""
     c_count = len(edges)
     level = [0] * c_count
     preds_of, hops_of = [], []
@@ -491,7 +528,6 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         level[i] = 1 + max((level[q] for q in ps if q != c_count), default=-1)
         preds_of.append(ps)
         hops_of.append(list(e.values()))
-    cols = np.asarray([col[i] for i in order if is_compute[i]], dtype=np.int64)
     lv = np.asarray(level)
     by_level = np.argsort(lv, kind="stable")
     bounds = np.searchsorted(lv[by_level], np.arange(lv.max() + 2))
@@ -505,8 +541,12 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
             preds[row, :len(preds_of[i])] = preds_of[i]
             hops[row, :len(hops_of[i])] = hops_of[i]
         levels.append((nodes, preds, hops[:, :, None], cols[nodes]))
-    node_ids = tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes)
-    pp, virtual = len(programs), 1 + max((c for comp in computes for _, _, c in comp), default=0)
+    return levels
+
+
+def _table_cols(computes: list, node_ids: tuple, c_count: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each compute's row in a per-virtual-stage and in a per-rank cost table (:class:`_Dag`)."""
+    pp, virtual = len(computes), 1 + max((c for comp in computes for _, _, c in comp), default=0)
     virtual *= pp
     virtual_col = np.zeros(c_count, dtype=np.int64)
     rank_col = np.zeros(c_count, dtype=np.int64)
@@ -514,9 +554,7 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         for (kind, mb, chunk), i in zip(comp, ids):
             virtual_col[i] = (virtual * m if kind == "B" else 0) + (chunk * pp + s) * m + mb
             rank_col[i] = (pp * m if kind == "B" else 0) + s * m + mb
-    return _Dag(c_count, tuple(levels), tuple(computes), node_ids,
-                tuple(virtual_col[nodes] for nodes, _, _, _ in levels),
-                tuple(rank_col[nodes] for nodes, _, _, _ in levels))
+    return virtual_col, rank_col
 
 
 @lru_cache(maxsize=256)
@@ -727,7 +765,7 @@ def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
     """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
     (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
     of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
-    replicas cut into pieces of one width, ``PlannerConfig.model_pieces``), so many small groups cost about what the largest
+    replicas cut into pieces of one width, ``PlannerConfig.model.model_pieces``), so many small groups cost about what the largest
     alone does; the makespans are exactly those of separate calls."""
     return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
 
@@ -745,19 +783,19 @@ def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: Pipelin
                      config: PlannerConfig = DEFAULT_CONFIG) -> list[np.ndarray]:
     """Makespans of groups given as cost tables ``(table (rows, R), form, M)`` (:func:`_table_rows`' layouts;
     :func:`_cost_table` writes them from costs, the planner's pricing directly). Groups evaluated together are cut
-    into pieces of one width (the narrowest group's, or the widest's over ``config.model_pieces``), so that a
-    narrow group is not padded to a wide one's replicas; a pass evaluates at most ``config.model_table_entries``
+    into pieces of one width (the narrowest group's, or the widest's over ``model.model_pieces``), so that a
+    narrow group is not padded to a wide one's replicas; a pass evaluates at most ``model.model_table_entries``
     computes x replicas (memory). Neither changes a makespan."""
     if not tables:
         return []
     widths = [t.shape[1] for t, _, _ in tables]
-    width = max(1, min(widths), -(-max(widths) // config.model_pieces))
+    width = max(1, min(widths), -(-max(widths) // config.model.model_pieces))
     pieces = []  # (group, first replica, its table's columns): every piece at most `width` replicas
     for d, (t, form, m) in enumerate(tables):
         for lo in range(0, max(widths[d], 1), width):
             pieces.append((d, lo, t[:, lo:lo + width], _spec_key(spec, m, form)))
     sweep = _sweep(tuple(key for *_, key in pieces))
-    block = max(1, config.model_table_entries // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
+    block = max(1, config.model.model_table_entries // max(sweep.num_nodes, 1))  # replicas per pass (memory, not speed)
     out = [np.empty(w) for w in widths]
     for lo in range(0, width, block):
         hi = min(width, lo + block)

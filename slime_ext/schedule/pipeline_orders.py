@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .pipeline_pricing import Budget, PipelinePricing
+from .pipeline_pricing import Budget, PipelinePricing, beats
 
 __all__ = ["best_orders", "group_peaks", "heuristic_best", "heuristic_orders", "improve_orders"]
 
@@ -108,18 +108,18 @@ def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
 def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray, span: np.ndarray,
                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Swap pairs of positions (:func:`swap_pairs`) in the given rows' orders while that lowers their makespans by
-    more than ``config.tie`` (every pair of a row at once, each row taking its best swap), for at most
-    ``config.order_rounds`` rounds, and while the budget allows a round."""
+    more than ``objective.tie`` (every pair of a row at once, each row taking its best swap), for at most
+    ``refinement.order_rounds`` rounds, and while the budget allows a round."""
     cfg = pricing.config
     order, span = order.copy(), span.copy()
     r, k = costs.shape
-    pairs = swap_pairs(k, cfg.max_order_swaps, _group(pricing))
+    pairs = swap_pairs(k, cfg.refinement.max_order_swaps, _group(pricing))
     p = len(pairs)
     if not p or not r:
         return order, span
     a, b = pairs[:, 0], pairs[:, 1]
     cols = np.arange(p)
-    for _ in range(cfg.order_rounds):
+    for _ in range(cfg.refinement.order_rounds):
         if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.charge_round_cost):
             break
         if budget is not None:
@@ -133,7 +133,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
         got = np.full((r, p), np.inf)
         got[useful] = _price(pricing, budget, c[useful])
         best = got.argmin(axis=1)
-        rows = np.flatnonzero(got[np.arange(r), best] < span * (1 - cfg.tie))
+        rows = np.flatnonzero(beats(got[np.arange(r), best], span, cfg))
         if not len(rows):
             break
         order[rows] = cand[rows, best[rows]]

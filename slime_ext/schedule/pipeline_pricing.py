@@ -7,8 +7,8 @@ micro-batch whole, its overhead included). Per stage, where every stage costs al
 
 * profile: forward ``c / ((1 + r) pp)``, backward ``r`` times that, ``r = backward_forward_ratio``, p2p ``p2p_s``;
   makespans in **seconds**;
-* FLOPs or tokens: forward ``(c + o) / pp``, backward ``PlannerConfig.backward_forward_ratio`` (2) times that,
-  p2p ``0``, where ``o`` charges every micro-batch ``PlannerConfig.microbatch_overhead`` (2%) of a full one
+* FLOPs or tokens: forward ``(c + o) / pp``, backward ``PlannerConfig.objective.backward_forward_ratio`` (2) times that,
+  p2p ``0``, where ``o`` charges every micro-batch ``PlannerConfig.objective.microbatch_overhead`` (2%) of a full one
   (``cap`` tokens at the linear rate), so that more, smaller micro-batches are not free; makespans in **per-stage
   forward-FLOP units** (tokens without a model): a GPU's achieved FLOP/s turns them into seconds.
 
@@ -49,7 +49,13 @@ from .validate import check_bool
 if TYPE_CHECKING:
     from .dp_schedule import DPSchedule
 
-__all__ = ["PipelinePricing", "pipeline_pricing", "predicted_makespans", "step_microbatch_costs"]
+__all__ = ["PipelinePricing", "beats", "pipeline_pricing", "predicted_makespans", "step_microbatch_costs"]
+
+
+def beats(a, b, config: PlannerConfig, by: float | None = None):
+    """The search's one comparison (every part of it calls this): makespan ``a`` beats ``b`` when lower by more
+    than ``objective.tie`` of ``b`` (``by``: a loop's stop rule, ``objective.min_gain``). Elementwise on arrays."""
+    return a < b * (1 - (config.objective.tie if by is None else by))
 
 
 @dataclass(frozen=True)
@@ -137,8 +143,8 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
 
     The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
     layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
-    model's, for a micro-batch of ``T = cap`` tokens in samples of ``config.stage_share_sample * cap`` tokens
-    (``S = sum L^2``; without a cap, ``config.stage_share_tokens``). Model dims whose layers Megatron could not
+    model's, for a micro-batch of ``T = cap`` tokens in samples of ``objective.stage_share_sample * cap`` tokens
+    (``S = sum L^2``; without a cap, ``objective.stage_share_tokens``). Model dims whose layers Megatron could not
     split over this layout without the layout flags (approximate dims) are priced with every stage alike."""
     config = DEFAULT_CONFIG if config is None else config
     forward_only = check_bool("pipeline_pricing(forward_only)", forward_only)
@@ -156,9 +162,9 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
         stages = None  # dims that do not split evenly at this layout (approximate dims): every stage alike
     share = None
     if stages is not None and stages.uneven:
-        tokens = float(cap if cap is not None else config.stage_share_tokens)
+        tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
         per = np.asarray(stages.virtual_linear) * tokens \
-            + np.asarray(stages.virtual_quadratic) * tokens * tokens * config.stage_share_sample
+            + np.asarray(stages.virtual_quadratic) * tokens * tokens * config.objective.stage_share_sample
         share = tuple(float(x) for x in per / per.sum())
     if isinstance(cost_model, CostProfile):
         ratio = cost_model.backward_forward_ratio  # the measured split: a forward is 1 / (1 + ratio) of the seconds
@@ -167,11 +173,12 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
         return PipelinePricing(spec, 0.0 if forward_only else ratio, 1.0 / ((1.0 + ratio) * pp), 0.0, "seconds",
                                share, config)
     linear = cost_model.coefficients()[0] if cost_model is not None else 1.0
-    overhead = config.microbatch_overhead * linear * cap if cap is not None else 0.0
+    overhead = config.objective.microbatch_overhead * linear * cap if cap is not None else 0.0
     spec = PipelineSpec(pp, vpp, group, p2p_s=0.0, overlap_p2p_comm=parallel.overlap_p2p_comm,
                         forward_only=forward_only)
     units = "forward FLOPs per stage" if cost_model is not None else "tokens per stage"
-    return PipelinePricing(spec, 0.0 if forward_only else config.backward_forward_ratio, 1.0 / pp, overhead, units,
+    ratio = 0.0 if forward_only else config.objective.backward_forward_ratio
+    return PipelinePricing(spec, ratio, 1.0 / pp, overhead, units,
                            share, config)
 
 
@@ -217,34 +224,35 @@ class Budget:
       samples into ``k`` micro-batches: ``work_round_us`` for the work around it and ``n`` passes, each
       ``work_pass_us``, ``work_pass_row_us`` per row and ``work_pack_cell_us`` per row x micro-batch;
     * a round of the refinement or of an order improvement: its model call and ``work_round_us``; a round of
-      water-filling: ``work_replica_us`` per replica; stages 2-4 at another count: ``work_sample_us`` per sample.
+      water-filling: ``work_replica_us`` per replica.
 
     A step's budget (:meth:`for_step`) grows smoothly with the step, and no threshold switches a part of the
     search on or off. Every part of the search asks before it runs whether its estimate fits what is left
     (:meth:`allows`, with the shares the later parts keep) and is charged for it: the parts size themselves to the
     budget, and the loops stop when their next round does not fit. The estimates are within about -10%/+30% of
-    the CPU time the calls took on the benches' machine when fitted (``PlannerConfig.work_*``); the model's calls
-    have since become about twice as cheap as their estimate (see ``PlannerConfig.work_call_us``)."""
+    the CPU time the calls took on the benches' machine when fitted (``PlannerConfig.budget.work_*``); the model's calls
+    have since become about twice as cheap as their estimate (see ``PlannerConfig.budget.work_call_us``)."""
 
     def __init__(self, pricing: PipelinePricing, total_us: float, floor_us: float | None = None) -> None:
         self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
         #: the budget's fixed part (the search around the slowest replicas: the refinement keeps a share of it)
         self.floor = self.total if floor_us is None else float(floor_us)
-        c = pricing.config
-        self._call, self._level, self._cell = c.work_call_us, c.work_level_us, c.work_model_cell_us
-        self._pass, self._pass_row, self._pack_cell = c.work_pass_us, c.work_pass_row_us, c.work_pack_cell_us
-        self._round = c.work_round_us
-        self._replica, self._sample = c.work_replica_us, c.work_sample_us
+        b = pricing.config.budget
+        self._call, self._level, self._cell = b.work_call_us, b.work_level_us, b.work_model_cell_us
+        self._pass, self._pass_row, self._pack_cell = b.work_pass_us, b.work_pass_row_us, b.work_pack_cell_us
+        self._round = b.work_round_us
+        self._replica = b.work_replica_us
+        self._partner_rows, self._replica_passes = b.refine_partner_rows, b.replica_passes
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
         """``min(budget_floor_max_us, budget_floor_us / replicas ** budget_floor_power) + budget_per_sample_us *
         samples + budget_per_replica_us * pp ** budget_pp_power * replicas``: the search around the slowest
-        replicas (the scan, the recount, the refinement) has a fixed part, generous for a few replicas and shrinking
+        replicas (the scan, the refinement) has a fixed part, generous for a few replicas and shrinking
         as more share the step; the search over every replica (packing, rebalancing) grows with the samples and the
         replicas (a deeper pipeline pays for more: its bubbles are longer). The fixed part is :attr:`floor`."""
-        c = pricing.config
+        c = pricing.config.budget
         floor = min(c.budget_floor_max_us, c.budget_floor_us / float(replicas) ** c.budget_floor_power)
         per_replica = c.budget_per_replica_us * pricing.spec.pp_size ** c.budget_pp_power
         return cls(pricing, floor + c.budget_per_sample_us * samples + per_replica * replicas, floor)
@@ -289,7 +297,8 @@ class Budget:
         groups = [np.atleast_2d(g) for g in groups]
         if groups:
             m = max(g.shape[1] for g in groups)
-            self.spent += self._levels(m) + self._call * (len(groups) - 1) + self._cell * self._v * sum(g.size for g in groups)
+            self.spent += self._levels(m) + self._call * (len(groups) - 1) \
+                + self._cell * self._v * sum(g.size for g in groups)
         return self.pricing.makespans_many(groups)
 
     def charge_pack(self, rows: int, n: int, k: int) -> None:
@@ -298,16 +307,12 @@ class Budget:
     def refine_round_cost(self, draws: int, k: int) -> float:
         """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
         overhead."""
-        return self.model_cost(draws + draws // 2, k) + self._round
-
-    def sample_cost(self, samples: int) -> float:
-        """Stages 2-4 of the planner over ``samples`` (a re-packed count)."""
-        return self._sample * samples
+        return self.model_cost(draws + draws * self._partner_rows // 2, k) + self._round
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
         """Samples and replicas put into arrays or lists (a plan taken apart or put together, each replica's
         packing): a vectorised pass over the samples and about ten per replica, ``work_pass_row_us`` each."""
-        return self._pass_row * (samples + 10 * replicas)
+        return self._pass_row * (samples + self._replica_passes * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""

@@ -17,20 +17,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
-from .pipeline_pricing import Budget
+from .pipeline_pricing import Budget, beats
 from .pipeline_shape import Shape, ShapeSamples, pack_core
 from .planner_config import PlannerConfig
 
 __all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_fill_run"]
 
 
-def dominant(top: float, total: float, cfg: PlannerConfig) -> bool:
-    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.strip_share`` of the replica's cost
-    (``total``): the replica may keep it with only the step's cheapest samples."""
-    return bool(top >= cfg.strip_share * total)
+def dominant(top, total, cfg: PlannerConfig):
+    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.rebalancing.strip_share`` of the replica's cost
+    (``total``): the replica may keep it with only the step's cheapest samples. Elementwise on arrays."""
+    return top >= cfg.rebalancing.strip_share * total
 
 
 #: a replica's packing: its sample ids by decreasing cost (ties by id) and the micro-batch of each, in run order
@@ -96,15 +97,9 @@ def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
     return budget.pack_cost(rows, n, k) + budget.model_cost(rows, k)
 
 
-def _fits(budget: Budget, rows: list[np.ndarray], k: int, reserve: float) -> bool:
-    """Whether re-packing and pricing ``rows`` fits the budget with ``reserve`` left over."""
-    n = max(len(r) for r in rows)
-    return budget.allows(budget.pack_cost(len(rows), n, k) + budget.model_cost(len(rows), k) + reserve)
-
-
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                    shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Level the replicas' makespans in a few global rounds (``config.water_rounds``), for many replicas at once.
+    """Level the replicas' makespans in a few global rounds (``rebalancing.water_rounds``), for many replicas at once.
 
     A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
     its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
@@ -120,127 +115,25 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
     each replica's packing as far as it was re-packed (the others as given)."""
     cfg = budget.pricing.config
-    costs, lengths = samples.costs, samples.lengths
-    slope = budget.pricing.slope
     groups, packs = list(groups), list(packs)
-    n_all = len(costs)
-    asc_order, asc_rank = samples.ascending
     n_max = max(len(g) for g in groups)
-    for _ in range(cfg.water_rounds):
+    for _ in range(cfg.rebalancing.water_rounds):
         # the round's own work, and a re-packing of a few replicas, must fit (lockstep checks the re-packing)
         if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
                              + budget.model_cost(1, k)):
             break
         budget.spent += budget.replica_cost(len(groups))
-        # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
-        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
-        every = np.concatenate(groups).astype(np.int64, copy=False)
-        whose = np.repeat(np.arange(len(groups)), sizes)
-        work = np.bincount(whose, weights=costs[every], minlength=len(groups))
-        held = np.bincount(whose, weights=lengths[every], minlength=len(groups))
-        by_cost_all = asc_order[np.sort(whose * n_all + asc_rank[every]) % n_all]  # by replica, cheapest first
-        starts = np.concatenate(([0], np.cumsum(sizes)))
-        own = spans - slope * work
-        level = (slope * work.sum() + own.sum()) / len(groups)
-        excess = work - (level - own) / slope
-        below_level = np.flatnonzero(excess < 0)
-        if not len(below_level):
+        moved = _water_round(samples, groups, k, spans, budget.pricing.slope, cfg)
+        if moved is None:
             break
-        deficit = list(zip(excess[below_level].tolist(), below_level.tolist()))
-        heapq.heapify(deficit)  # most negative first: the replica furthest below the level
-        add: dict[int, list[int]] = {}  # replica -> samples it takes
-        drop: dict[int, list[int]] = {}  # replica -> samples it gives
-        # the cheapest samples of the replicas below the level, for a replica stripped down to a dominant sample
-        # (made when one is first stripped)
-        below = [t for _, t in deficit]
-        pooled = int(sizes[below].sum())
-        pool: list[np.ndarray] = []  # [the pool, each one's owner, the pool cheapest first]
-        taken = 0
-
-        spill = itertools.cycle(below)  # where a stripped replica's samples go once no replica is below the level
-        tokens = dict(zip(below, held[below].astype(np.int64).tolist()))
-        room = cfg.token_fill * k * samples.cap  # what a replica's k micro-batches hold, with slack for the packing
-
-        def give(d: int, i: int) -> bool:
-            length = int(lengths[i])
-            t = None
-            while deficit:
-                need, u = heapq.heappop(deficit)
-                if tokens[u] + length <= room:
-                    t = u
-                    if need + costs[i] < 0:
-                        heapq.heappush(deficit, (need + float(costs[i]), u))
-                    break
-            if t is None:
-                for u in itertools.islice(spill, len(below)):
-                    if tokens[u] + length <= room:
-                        t = u
-                        break
-                else:
-                    return False  # no replica below the level has room: the sample stays
-            tokens[t] += length
-            add.setdefault(t, []).append(int(i))
-            drop.setdefault(d, []).append(int(i))
-            return True
-
-        # the replicas above the level, by decreasing excess, up to the first within min_gain of the level; of
-        # those, the ones that act: a dominant costliest sample, or a first movable sample (after the k - 1
-        # cheapest) within the excess (the others give nothing)
-        order = np.argsort(-excess, kind="stable")
-        on = (excess[order] > 0) & (spans[order] > level * (1 + cfg.min_gain))
-        order = order[:len(order) if on.all() else int(np.argmin(on))]
-        cum = np.concatenate(([0.0], np.cumsum(costs[by_cost_all])))
-        head, top = starts[order], costs[by_cost_all[starts[order + 1] - 1]]
-        # dominant(top, work[d], cfg), and what it would keep (its k - 1 cheapest and the top) above its level:
-        # the test below, with a margin for the summation order (it decides exactly)
-        keeps = top + cum[np.minimum(head + k - 1, starts[order + 1])] - cum[head]
-        strong = (top >= cfg.strip_share * work[order]) & (work[order] - excess[order] < keeps * (1 + 1e-9))
-        first = np.where(sizes[order] > k, costs[by_cost_all[np.minimum(head + k - 1, len(every) - 1)]], np.inf)
-        for d in order[strong | (first <= excess[order])].tolist():
-            mine = by_cost_all[starts[d]:starts[d + 1]]
-            top = float(costs[mine[-1]])
-            if dominant(top, work[d], cfg) and work[d] - excess[d] < top + costs[mine[:k - 1]].sum() \
-                    and taken + k - 1 <= pooled:
-                # a dominant sample: keep it with the k - 1 cheapest samples of the step's light replicas, give
-                # every other sample away
-                for i in mine[:-1]:
-                    give(d, i)
-                if not pool:
-                    pool += [np.concatenate([groups[t] for t in below]),
-                             np.repeat(below, [len(groups[t]) for t in below])]
-                    pool.append(np.argsort(costs[pool[0]], kind="stable"))
-                for j in pool[2][taken:taken + k - 1]:
-                    add.setdefault(d, []).append(int(pool[0][j]))
-                    drop.setdefault(int(pool[1][j]), []).append(int(pool[0][j]))
-                taken += k - 1
-                continue
-            left = float(excess[d])
-            for i in mine[k - 1:-1] if deficit else ():  # the k - 1 cheapest and the costliest stay
-                if costs[i] > left or not deficit:
-                    break
-                if give(d, i):
-                    left -= float(costs[i])
-        if not drop:
-            break
-        changed = sorted(set(add) | set(drop))
-        # each changed replica: the samples it keeps by id (a sample is given by its own replica only), then those
-        # it takes in the order taken
-        gone = np.zeros(n_all, dtype=bool)
-        gone[list(itertools.chain.from_iterable(drop.values()))] = True
-        ids = np.concatenate([groups[t] for t in changed])
-        whose = np.repeat(np.arange(len(changed)), sizes[changed])
-        stay = ~gone[ids]
-        ids = np.sort(whose[stay] * n_all + ids[stay]) % n_all  # by replica, then by id
-        ends = np.cumsum(np.bincount(whose[stay], minlength=len(changed))).tolist()
-        rows = [ids[a:b] if t not in add else np.concatenate((ids[a:b], np.asarray(add[t], dtype=np.int64)))
-                for a, b, t in zip([0] + ends[:-1], ends, changed)]
+        changed, rows = moved
         answer = yield rows, k, [shapes[t] for t in changed]
         if answer is None:  # the budget cannot pay for the re-packing
             break
         got, packed = answer
         trial = spans.copy()
         trial[changed] = got
-        if not trial.max() < spans.max() * (1 - cfg.tie):
+        if not beats(trial.max(), spans.max(), cfg):
             break
         for t, row, pack in zip(changed, rows, packed):
             groups[t], packs[t] = row, pack
@@ -248,12 +141,167 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     return groups, spans, packs
 
 
+@dataclass
+class _Level:
+    """One water-filling round's view of the replicas: their sample counts, costs and tokens, their samples cheapest
+    first (``by_cost``, replica ``t``'s from ``starts[t]``), and each one's cost above the level (``excess``, < 0:
+    below it)."""
+
+    sizes: np.ndarray
+    work: np.ndarray
+    held: np.ndarray
+    by_cost: np.ndarray
+    starts: np.ndarray
+    level: float
+    excess: np.ndarray
+
+    @classmethod
+    def of(cls, samples: ShapeSamples, groups: list[np.ndarray], spans: np.ndarray, slope: float) -> "_Level":
+        costs, n_all = samples.costs, len(samples.costs)
+        asc_order, asc_rank = samples.ascending
+        # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
+        sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        every = np.concatenate(groups).astype(np.int64, copy=False)
+        whose = np.repeat(np.arange(len(groups)), sizes)
+        work = np.bincount(whose, weights=costs[every], minlength=len(groups))
+        held = np.bincount(whose, weights=samples.lengths[every], minlength=len(groups))
+        by_cost = asc_order[np.sort(whose * n_all + asc_rank[every]) % n_all]  # by replica, cheapest first
+        own = spans - slope * work
+        level = (slope * work.sum() + own.sum()) / len(groups)
+        return cls(sizes, work, held, by_cost, np.concatenate(([0], np.cumsum(sizes))), level,
+                   work - (level - own) / slope)
+
+    def mine(self, d: int) -> np.ndarray:
+        return self.by_cost[self.starts[d]:self.starts[d + 1]]
+
+
+class _Receivers:
+    """The replicas below the level, taking samples furthest below first while they have token room
+    (``rebalancing.token_fill`` of ``k * cap``), then in turn (``spill``); records who gives and takes what."""
+
+    def __init__(self, samples: ShapeSamples, groups: list[np.ndarray], lv: _Level, k: int, cfg: PlannerConfig):
+        self.samples, self.groups = samples, groups
+        below_level = np.flatnonzero(lv.excess < 0)
+        self.deficit = list(zip(lv.excess[below_level].tolist(), below_level.tolist()))
+        heapq.heapify(self.deficit)  # most negative first: the replica furthest below the level
+        self.below = [t for _, t in self.deficit]
+        self.pooled = int(lv.sizes[self.below].sum())
+        self.pool: list[np.ndarray] = []  # [the pool, each one's owner, the pool cheapest first], made when needed
+        self.taken = 0
+        self.spill = itertools.cycle(self.below)  # where samples go once no replica is below the level
+        self.tokens = dict(zip(self.below, lv.held[self.below].astype(np.int64).tolist()))
+        self.room = cfg.rebalancing.token_fill * k * samples.cap
+        self.add: dict[int, list[int]] = {}  # replica -> samples it takes
+        self.drop: dict[int, list[int]] = {}  # replica -> samples it gives
+
+    def give(self, d: int, i: int) -> bool:
+        """Sample ``i`` of replica ``d`` to a replica below the level with room; ``False``: none has room."""
+        costs, length = self.samples.costs, int(self.samples.lengths[i])
+        t = None
+        while self.deficit:
+            need, u = heapq.heappop(self.deficit)
+            if self.tokens[u] + length <= self.room:
+                t = u
+                if need + costs[i] < 0:
+                    heapq.heappush(self.deficit, (need + float(costs[i]), u))
+                break
+        if t is None:
+            for u in itertools.islice(self.spill, len(self.below)):
+                if self.tokens[u] + length <= self.room:
+                    t = u
+                    break
+            else:
+                return False  # no replica below the level has room: the sample stays
+        self.tokens[t] += length
+        self.add.setdefault(t, []).append(int(i))
+        self.drop.setdefault(d, []).append(int(i))
+        return True
+
+    def strip(self, d: int, mine: np.ndarray, k: int) -> None:
+        """Replica ``d`` keeps its dominant costliest sample with the ``k - 1`` cheapest of the replicas below the
+        level, and gives every other sample away."""
+        for i in mine[:-1]:
+            self.give(d, i)
+        if not self.pool:
+            self.pool += [np.concatenate([self.groups[t] for t in self.below]),
+                          np.repeat(self.below, [len(self.groups[t]) for t in self.below])]
+            self.pool.append(np.argsort(self.samples.costs[self.pool[0]], kind="stable"))
+        for j in self.pool[2][self.taken:self.taken + k - 1]:
+            self.add.setdefault(d, []).append(int(self.pool[0][j]))
+            self.drop.setdefault(int(self.pool[1][j]), []).append(int(self.pool[0][j]))
+        self.taken += k - 1
+
+
+def _water_round(samples: ShapeSamples, groups: list[np.ndarray], k: int, spans: np.ndarray, slope: float,
+                 cfg: PlannerConfig):
+    """One round's moves (:func:`water_fill_run`): ``(changed replicas, their new groups)``, or ``None``."""
+    costs = samples.costs
+    lv = _Level.of(samples, groups, spans, slope)
+    if not (lv.excess < 0).any():
+        return None
+    to = _Receivers(samples, groups, lv, k, cfg)
+    for d in _givers(lv, spans, k, costs, cfg):
+        mine = lv.mine(d)
+        top = float(costs[mine[-1]])
+        if dominant(top, lv.work[d], cfg) and lv.work[d] - lv.excess[d] < top + costs[mine[:k - 1]].sum() \
+                and to.taken + k - 1 <= to.pooled:
+            to.strip(d, mine, k)
+            continue
+        left = float(lv.excess[d])
+        for i in _movable(mine, k) if to.deficit else ():
+            if costs[i] > left or not to.deficit:
+                break
+            if to.give(d, i):
+                left -= float(costs[i])
+    if not to.drop:
+        return None
+    changed = sorted(set(to.add) | set(to.drop))
+    return changed, _regrouped(groups, changed, lv.sizes, to, len(costs))
+
+
+def _givers(lv: _Level, spans: np.ndarray, k: int, costs: np.ndarray, cfg: PlannerConfig) -> list[int]:
+    """The replicas above the level, by decreasing excess, up to the first within ``min_gain`` of the level; of
+    those, the ones that act: a dominant costliest sample, or a first movable sample within the excess."""
+    order = np.argsort(-lv.excess, kind="stable")
+    on = (lv.excess[order] > 0) & (spans[order] > lv.level * (1 + cfg.objective.min_gain))
+    order = order[:len(order) if on.all() else int(np.argmin(on))]
+    cum = np.concatenate(([0.0], np.cumsum(costs[lv.by_cost])))
+    head, top = lv.starts[order], costs[lv.by_cost[lv.starts[order + 1] - 1]]
+    # dominant, and what it would keep (its k - 1 cheapest and the top) above its level: the test of
+    # _water_round, where the summation order cannot tell (that test decides exactly)
+    keeps = top + cum[np.minimum(head + k - 1, lv.starts[order + 1])] - cum[head]
+    strong = dominant(top, lv.work[order], cfg) & ~beats(keeps, lv.work[order] - lv.excess[order], cfg)
+    first = np.where(lv.sizes[order] > k, costs[lv.by_cost[np.minimum(head + k - 1, len(lv.by_cost) - 1)]], np.inf)
+    return order[strong | (first <= lv.excess[order])].tolist()
+
+
+def _regrouped(groups: list[np.ndarray], changed: list[int], sizes: np.ndarray, to: _Receivers,
+               n_all: int) -> list[np.ndarray]:
+    """Each changed replica's new group: the samples it keeps by id (a sample is given by its own replica only),
+    then those it takes in the order taken."""
+    gone = np.zeros(n_all, dtype=bool)
+    gone[list(itertools.chain.from_iterable(to.drop.values()))] = True
+    ids = np.concatenate([groups[t] for t in changed])
+    whose = np.repeat(np.arange(len(changed)), sizes[changed])
+    stay = ~gone[ids]
+    ids = np.sort(whose[stay] * n_all + ids[stay]) % n_all  # by replica, then by id
+    ends = np.cumsum(np.bincount(whose[stay], minlength=len(changed))).tolist()
+    return [ids[a:b] if t not in to.add else np.concatenate((ids[a:b], np.asarray(to.add[t], dtype=np.int64)))
+            for a, b, t in zip([0] + ends[:-1], ends, changed)]
+
+
+def _movable(mine: np.ndarray, k: int) -> np.ndarray:
+    """A replica's samples (cheapest first) that a move may take: the ``k - 1`` cheapest stay (they fill the ramps
+    cheaply), and so does the costliest."""
+    return mine[k - 1:-1]
+
+
 def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
     """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
-    makespan: a share (``config.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
-    costliest, cheapest first, dealt over the ``config.balance_partners`` fastest, each replica re-packed in its
-    own shape; at most ``config.max_shed_moves`` moves, while a move gains ``config.min_gain``. A replica holding a
+    makespan: a share (``rebalancing.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
+    costliest, cheapest first, dealt over the ``rebalancing.balance_partners`` fastest, each replica re-packed in its
+    own shape; at most ``rebalancing.max_shed_moves`` moves, while a move gains ``objective.min_gain``. A replica holding a
     sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
     replica keeps at least ``k`` samples.
 
@@ -262,23 +310,23 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     cfg = budget.pricing.config
     groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
-    many = len(groups) > cfg.water_fill_replicas
+    many = len(groups) > cfg.rebalancing.water_fill_replicas
     if many:
         # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
-    for _ in range(cfg.shed_moves_after_water if many else cfg.max_shed_moves):
+    for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
         if not budget.allows(budget.charge_round_cost + reserve):
             break
         budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
         s = int(np.argmax(spans))
-        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.balance_partners]
+        partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.rebalancing.balance_partners]
         mine = samples.cheapest_first(groups[s])  # cheapest first
-        # the k - 1 cheapest stay (they fill the ramps cheaply), and so does the costliest; the next cheapest move
-        keep, movable = mine[:k - 1], mine[k - 1:-1]
+        keep, movable = mine[:k - 1], _movable(mine, k)
         if not partners or not len(movable):
             break
         cum = np.cumsum(costs[movable])
-        moves = sorted(set(np.clip(np.searchsorted(cum, np.asarray(cfg.shed_shares) * cum[-1], side="right"), 1,
+        shares = np.asarray(cfg.rebalancing.shed_shares)
+        moves = sorted(set(np.clip(np.searchsorted(cum, shares * cum[-1], side="right"), 1,
                                    len(movable)).tolist()))
         cands = []
         for m in moves:
@@ -305,7 +353,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         if not rows:
             break
         moves = cands
-        if not _fits(budget, rows, k, reserve):
+        if not budget.allows(_repack_cost(budget, [(rows, k, [])]) + reserve):
             break
         answer = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
         if answer is None:  # the budget cannot pay for it
@@ -315,7 +363,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         np.maximum.at(worst, [c for c, _ in owners], got)
         worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
         c = int(np.argmin(worst))
-        if not worst[c] < spans[s] * (1 - cfg.min_gain):
+        if not beats(worst[c], spans[s], cfg, by=cfg.objective.min_gain):
             break  # the slowest replica gains (almost) nothing
         for (ci, t), v, row, pack in zip(owners, got, rows, packed):
             if ci == c:

@@ -1,17 +1,17 @@
 """Local moves on the slowest replica of a step's plan, while they lower the slowest predicted makespan (the
 pipeline search's ``refined`` candidate, :mod:`.pipeline_choice`).
 
-A round draws ``config.refine_moves`` moves from a seeded random stream (``config.refine_seed``: the same input
+A round draws ``refinement.refine_moves`` moves from a seeded random stream (``refinement.refine_seed``: the same input
 gives the same plan) and prices them in one call of the model; the move whose result has the lowest slowest
-makespan is made if it beats the current one (``config.tie``). The moves, all on the slowest replica ``s``:
+makespan is made if it beats the current one (``objective.tie``). The moves, all on the slowest replica ``s``:
 
 * two of its micro-batches trade places in the run order (always: the gradient is a sum);
 * with dynamic batches also: one of its samples moves to another of its micro-batches, or to a micro-batch of one
-  of the ``config.balance_partners`` fastest replicas; or it trades places with a sample there.
+  of the ``rebalancing.balance_partners`` fastest replicas; or it trades places with a sample there.
 
 Every move keeps the plan valid: no micro-batch empties, none holding two or more samples exceeds the cap, every
 replica keeps its count (static batches keep their micro-batches: only the order moves). The search stops once
-its last ``config.refine_patience`` rounds together lowered the slowest makespan by less than ``config.min_gain``
+its last ``refinement.refine_patience`` rounds together lowered the slowest makespan by less than ``objective.min_gain``
 of it, or when the budget cannot pay for another round.
 
 Pure: standard library and numpy.
@@ -19,15 +19,18 @@ Pure: standard library and numpy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from enum import IntEnum
+
 import numpy as np
 
 from .cost import price_sums
 from .pipeline_orders import improve_orders
-from .pipeline_pricing import Budget
+from .pipeline_pricing import Budget, beats
 from .profile import CostProfile
 from .step_plan import StepPlan
 
-__all__ = ["Arrangement", "polish_orders", "refine"]
+__all__ = ["Arrangement", "Move", "polish_orders", "refine"]
 
 
 class Arrangement:
@@ -96,7 +99,7 @@ def polish_orders(arr: Arrangement) -> Arrangement:
             continue
         budget.charge_round()
         got = budget.price(arr.price[others][:, o])
-        for r in others[got < arr.spans[others] * (1 - cfg.tie)].tolist():
+        for r in others[beats(got, arr.spans[others], cfg)].tolist():
             _permute(arr, r, o, float(got[np.searchsorted(others, r)]))
 
 
@@ -111,122 +114,162 @@ def _permute(arr: Arrangement, r: int, o: np.ndarray, span: float) -> None:
     arr.spans[r] = span
 
 
-def refine(arr: Arrangement, rng: np.random.Generator, movable: bool, until: float | None = None) -> Arrangement:
+class Move(IntEnum):
+    """The refinement's move kinds, all from the slowest replica ``s``."""
+
+    ORDER_SWAP = 0  # positions ``a`` and ``j`` of ``s`` trade places
+    MOVE_WITHIN = 1  # sample ``x`` moves to micro-batch ``j`` of ``s``
+    MOVE_OUT = 2  # sample ``x`` moves to micro-batch ``j`` of a fast replica ``t``
+    SWAP = 3  # sample ``x`` trades places with sample ``y`` of micro-batch ``j`` of ``t`` (``s`` or a fast one)
+
+
+@dataclass
+class Moves:
+    """A round's drawn moves (one entry per move, :class:`Move` ``kind``): the sample ``x`` of ``s``'s micro-batch
+    ``i`` going to micro-batch ``j`` of replica ``t`` (``y`` coming back for a swap), the order swap's other
+    position ``a``, and what leaves ``(s, i)`` for ``(t, j)``: tokens, squared lengths, summed costs."""
+
+    kind: np.ndarray
+    x: np.ndarray
+    y: np.ndarray
+    i: np.ndarray
+    j: np.ndarray
+    a: np.ndarray
+    t: np.ndarray
+    d_tok: np.ndarray
+    d_sq: np.ndarray
+    d_sum: np.ndarray
+
+    def __getitem__(self, idx) -> "Moves":
+        return Moves(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+
+def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrangement:
     """Improve ``arr`` in place by local moves on its slowest replica (module docstring); ``movable``: samples may
-    move (dynamic batches), else only the order does; ``until``: stop once the budget has spent this much."""
+    move (dynamic batches), else only the order does."""
     cfg = arr.budget.pricing.config
     budget = arr.budget
-    lengths, costs = arr.lengths.astype(np.float64), arr.costs
-    squares = lengths * lengths
-    cap = np.inf if arr.cap is None else arr.cap
-    k = arr.k
-    draws = cfg.refine_moves
     history = [float(arr.spans.max())]  # the slowest makespan after each round
-    limit = budget.total if until is None else min(until, budget.total)
-    while budget.spent + budget.refine_round_cost(draws, k) <= limit:
-        window = history[-cfg.refine_patience - 1:]
-        if len(window) > cfg.refine_patience and window[0] - window[-1] < cfg.min_gain * window[0]:
+    while budget.allows(budget.refine_round_cost(cfg.refinement.refine_moves, arr.k)):
+        window = history[-cfg.refinement.refine_patience - 1:]
+        if len(window) > cfg.refinement.refine_patience \
+                and not beats(window[-1], window[0], cfg, by=cfg.objective.min_gain):
             break
         budget.charge_round()
         history.append(history[-1])
-        spans = arr.spans
-        s = int(np.argmax(spans))
-        top3 = np.argsort(-spans, kind="stable")[:3]
-        fast = [int(t) for t in np.argsort(spans, kind="stable")[:cfg.balance_partners + 1] if t != s]
-        fast = fast[:cfg.balance_partners]
-        mine = np.flatnonzero(arr.rep == s)
-        # kind 0: order swap (a, j); 1: move x to (s, j); 2: move x to (t, j); 3: swap x with y of (t, j)
-        kind = rng.integers(0, 4, draws) if movable else np.zeros(draws, dtype=np.int64)
-        x = mine[rng.integers(0, len(mine), draws)]
-        i = arr.slot[x]
-        a = rng.integers(0, k, draws)
-        j = rng.integers(0, k, draws)
-        t = np.full(draws, s)
-        y = np.zeros(draws, dtype=np.int64)
-        if movable:
-            if fast:
-                t = np.where(kind >= 2, np.asarray(fast)[rng.integers(0, len(fast), draws)], s)
-            t = np.where(kind == 3, np.where(rng.random(draws) < 0.5, s, t), t)
-            pick = rng.random(draws)
-            for u in {s, *fast}:  # the sample y of a swap: a random sample of replica t
-                theirs = mine if u == s else np.flatnonzero(arr.rep == u)
-                on = t == u
-                y[on] = theirs[(pick[on] * len(theirs)).astype(np.int64)]
-            j = np.where(kind == 3, arr.slot[y], j)
-        swap = kind == 3
-        moved = kind >= 1
-        # what leaves (s, i) and arrives at (t, j): x, less y for a swap
-        d_tok = np.where(moved, lengths[x], 0.0) - np.where(swap, lengths[y], 0.0)
-        d_sq = np.where(moved, squares[x], 0.0) - np.where(swap, squares[y], 0.0)
-        d_sum = np.where(moved, costs[x], 0.0) - np.where(swap, costs[y], 0.0)
-        same = (t == s) & (i == j)
-        fits_j = arr.tok[t, j] + d_tok <= cap
-        ok = np.select(
-            [kind == 0, swap],
-            [(a != j) & (arr.price[s, a] != arr.price[s, j]),  # an order swap of two different micro-batches
-             # a swap: each side holds the cap, or one (oversize) sample
-             ~same & (d_sum != 0) & ((arr.tok[s, i] - d_tok <= cap) | (arr.size[s, i] == 1))
-             & (fits_j | (arr.size[t, j] == 1))],
-            ~same & (arr.size[s, i] > 1) & fits_j)  # a move: its micro-batch keeps a sample, the other holds the cap
-        idx = np.flatnonzero(ok)
-        if not len(idx):
-            continue
-        kind, x, i, j, a, t = kind[idx], x[idx], i[idx], j[idx], a[idx], t[idx]
-        d_tok, d_sq, d_sum = d_tok[idx], d_sq[idx], d_sum[idx]
-        m = len(idx)
-        r = np.arange(m)
-        moved = kind >= 1
-        here, there = moved & (t == s), moved & (t != s)
-        # the new prices of the micro-batches a move changes (one bin pricing, from their sums)
-        new_i = arr._priced(arr.tok[s, i] - d_tok, arr.sq[s, i] - d_sq, arr.sums[s, i] - d_sum)
-        new_j = arr._priced(arr.tok[t, j] + d_tok, arr.sq[t, j] + d_sq, arr.sums[t, j] + d_sum)
-        row_s = np.repeat(arr.price[s][None, :], m, axis=0)
-        o = ~moved  # order swaps permute s's row
-        row_s[r[o], a[o]], row_s[r[o], j[o]] = arr.price[s, j[o]], arr.price[s, a[o]]
-        row_s[r[moved], i[moved]] = new_i[moved]
-        row_s[r[here], j[here]] = new_j[here]
-        row_t = arr.price[t[there]].copy()
-        row_t[np.arange(int(there.sum())), j[there]] = new_j[there]
-        got = budget.price(np.concatenate((row_s, row_t)))
-        span_s = got[:m]
-        span_t = np.full(m, -np.inf)
-        span_t[there] = got[m:]
-        value = np.maximum(np.maximum(span_s, span_t), _rest(spans, top3, s, t))
-        c = int(np.argmin(value))
-        if not value[c] < spans[s] * (1 - cfg.tie):
-            continue
-        kc, tc, ic, jc = int(kind[c]), int(t[c]), int(i[c]), int(j[c])
-        if kc == 0:  # positions a and j of replica s trade places
-            ac = int(a[c])
-            on_a = mine[arr.slot[mine] == ac]
-            on_j = mine[arr.slot[mine] == jc]
-            arr.slot[on_a], arr.slot[on_j] = jc, ac
-            for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
-                v[s, ac], v[s, jc] = v[s, jc], v[s, ac]
-        else:
-            xc = int(x[c])
-            arr.rep[xc], arr.slot[xc] = tc, jc
-            if kc == 3:
-                yc = int(y[idx[c]])
-                arr.rep[yc], arr.slot[yc] = s, ic
-            else:
-                arr.size[s, ic] -= 1
-                arr.size[tc, jc] += 1
-            for v, d in ((arr.tok, d_tok[c]), (arr.sq, d_sq[c]), (arr.sums, d_sum[c])):
-                v[s, ic] -= d
-                v[tc, jc] += d
-            arr.price[s, ic], arr.price[tc, jc] = new_i[c], new_j[c]
-        arr.spans[s] = span_s[c]
-        if there[c]:
-            arr.spans[tc] = span_t[c]
+        s = int(np.argmax(arr.spans))
+        fast = [int(t) for t in np.argsort(arr.spans, kind="stable")[:cfg.rebalancing.balance_partners + 1] if t != s]
+        moves = _draw(arr, rng, s, fast[:cfg.rebalancing.balance_partners], movable)
+        if len(moves.kind):
+            _make_best(arr, moves, s)
         history[-1] = float(arr.spans.max())
     return arr
 
 
-def _rest(spans: np.ndarray, top3: np.ndarray, s: int, t: np.ndarray) -> np.ndarray:
-    """Per move, the slowest replica other than ``s`` and the move's ``t`` (``top3``: the three slowest)."""
+def _draw(arr: Arrangement, rng: np.random.Generator, s: int, fast: list[int], movable: bool) -> Moves:
+    """``refinement.refine_moves`` moves drawn at random from replica ``s`` (to the ``fast`` replicas), those that keep
+    the plan valid: no micro-batch empties, none of two or more samples exceeds the cap."""
+    cfg = arr.budget.pricing.config
+    draws, k = cfg.refinement.refine_moves, arr.k
+    lengths, costs = arr.lengths.astype(np.float64), arr.costs
+    cap = np.inf if arr.cap is None else arr.cap
+    mine = np.flatnonzero(arr.rep == s)
+    kind = rng.integers(0, len(Move), draws) if movable else np.full(draws, Move.ORDER_SWAP, dtype=np.int64)
+    x = mine[rng.integers(0, len(mine), draws)]
+    i = arr.slot[x]
+    a = rng.integers(0, k, draws)
+    j = rng.integers(0, k, draws)
+    t = np.full(draws, s)
+    y = np.zeros(draws, dtype=np.int64)
+    swap = kind == Move.SWAP
+    if movable:
+        if fast:
+            t = np.where(kind >= Move.MOVE_OUT, np.asarray(fast)[rng.integers(0, len(fast), draws)], s)
+        t = np.where(swap, np.where(rng.random(draws) < cfg.refinement.swap_within_share, s, t), t)
+        pick = rng.random(draws)
+        for u in {s, *fast}:  # the sample y of a swap: a random sample of replica t
+            theirs = mine if u == s else np.flatnonzero(arr.rep == u)
+            on = t == u
+            y[on] = theirs[(pick[on] * len(theirs)).astype(np.int64)]
+        j = np.where(swap, arr.slot[y], j)
+    moved = kind != Move.ORDER_SWAP
+    # what leaves (s, i) and arrives at (t, j): x, less y for a swap
+    delta = [np.where(moved, v[x], 0.0) - np.where(swap, v[y], 0.0) for v in (lengths, lengths * lengths, costs)]
+    same = (t == s) & (i == j)
+    fits_j = arr.tok[t, j] + delta[0] <= cap
+    ok = np.select(
+        [kind == Move.ORDER_SWAP, swap],
+        [(a != j) & (arr.price[s, a] != arr.price[s, j]),  # an order swap of two different micro-batches
+         # a swap: each side holds the cap, or one (oversize) sample
+         ~same & (delta[2] != 0) & ((arr.tok[s, i] - delta[0] <= cap) | (arr.size[s, i] == 1))
+         & (fits_j | (arr.size[t, j] == 1))],
+        ~same & (arr.size[s, i] > 1) & fits_j)  # a move: its micro-batch keeps a sample, the other holds the cap
+    return Moves(kind, x, y, i, j, a, t, *delta)[np.flatnonzero(ok)]
+
+
+def _make_best(arr: Arrangement, mv: Moves, s: int) -> None:
+    """Price every move in one call of the model and make the one with the lowest slowest makespan, where it beats
+    the current one."""
+    spans = arr.spans
+    m = len(mv.kind)
+    r = np.arange(m)
+    moved = mv.kind != Move.ORDER_SWAP
+    here, there = moved & (mv.t == s), moved & (mv.t != s)
+    # the new prices of the micro-batches a move changes (one bin pricing, from their sums)
+    new_i = arr._priced(arr.tok[s, mv.i] - mv.d_tok, arr.sq[s, mv.i] - mv.d_sq, arr.sums[s, mv.i] - mv.d_sum)
+    new_j = arr._priced(arr.tok[mv.t, mv.j] + mv.d_tok, arr.sq[mv.t, mv.j] + mv.d_sq,
+                        arr.sums[mv.t, mv.j] + mv.d_sum)
+    row_s = np.repeat(arr.price[s][None, :], m, axis=0)
+    o = ~moved  # order swaps permute s's row
+    row_s[r[o], mv.a[o]], row_s[r[o], mv.j[o]] = arr.price[s, mv.j[o]], arr.price[s, mv.a[o]]
+    row_s[r[moved], mv.i[moved]] = new_i[moved]
+    row_s[r[here], mv.j[here]] = new_j[here]
+    row_t = arr.price[mv.t[there]].copy()
+    row_t[np.arange(int(there.sum())), mv.j[there]] = new_j[there]
+    got = arr.budget.price(np.concatenate((row_s, row_t)))
+    span_s = got[:m]
+    span_t = np.full(m, -np.inf)
+    span_t[there] = got[m:]
+    value = np.maximum(np.maximum(span_s, span_t), _rest(spans, s, mv.t))
+    c = int(np.argmin(value))
+    if not beats(value[c], spans[s], arr.budget.pricing.config):
+        return
+    _apply(arr, mv[c:c + 1], s, new_i[c], new_j[c])
+    arr.spans[s] = span_s[c]
+    if there[c]:
+        arr.spans[int(mv.t[c])] = span_t[c]
+
+
+def _apply(arr: Arrangement, mv: Moves, s: int, new_i: float, new_j: float) -> None:
+    """Make the one move ``mv`` (``new_i``, ``new_j``: the changed micro-batches' prices)."""
+    kind, t, i, j = int(mv.kind[0]), int(mv.t[0]), int(mv.i[0]), int(mv.j[0])
+    if kind == Move.ORDER_SWAP:
+        a = int(mv.a[0])
+        mine = np.flatnonzero(arr.rep == s)
+        on_a = mine[arr.slot[mine] == a]
+        on_j = mine[arr.slot[mine] == j]
+        arr.slot[on_a], arr.slot[on_j] = j, a
+        for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
+            v[s, a], v[s, j] = v[s, j], v[s, a]
+        return
+    x = int(mv.x[0])
+    arr.rep[x], arr.slot[x] = t, j
+    if kind == Move.SWAP:
+        y = int(mv.y[0])
+        arr.rep[y], arr.slot[y] = s, i
+    else:
+        arr.size[s, i] -= 1
+        arr.size[t, j] += 1
+    for v, d in ((arr.tok, mv.d_tok[0]), (arr.sq, mv.d_sq[0]), (arr.sums, mv.d_sum[0])):
+        v[s, i] -= d
+        v[t, j] += d
+    arr.price[s, i], arr.price[t, j] = new_i, new_j
+
+
+def _rest(spans: np.ndarray, s: int, t: np.ndarray) -> np.ndarray:
+    """Per move, the slowest replica other than ``s`` and the move's ``t`` (one of the three slowest)."""
     rest = np.full(len(t), -np.inf)
-    for cand in top3[::-1]:  # the slowest last, so it wins where allowed
+    for cand in np.argsort(-spans, kind="stable")[:3][::-1]:  # the slowest last, so it wins where allowed
         cand = int(cand)
         if cand != s:
             rest = np.where(t != cand, spans[cand], rest)

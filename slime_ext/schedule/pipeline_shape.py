@@ -32,6 +32,7 @@ import numpy as np
 
 from .cost import bin_costs
 from .pipeline_pricing import Budget
+from .planner_config import ShapeSpec
 from .profile import CostProfile
 
 __all__ = ["Shape", "ShapeSamples", "by_decreasing_cost", "pack_many", "ramp_weights", "replica_members",
@@ -78,22 +79,21 @@ class Shape:
         return np.take_along_axis(asc, src, axis=1)
 
     @classmethod
-    def of(cls, fields: tuple, pp: int = 1) -> "Shape":
-        """A shape from ``PlannerConfig.shapes``' plain tuple ``(up, down, low[, order[, grouped[, rise[,
-        per_stage]]]])``; ``up < 0`` rises over the whole step (:data:`RISING`). ``per_stage`` true: ``up`` and
-        ``down`` (where >= 0) count micro-batches per pipeline stage, so the ramps are as long as the pipeline of
-        ``pp`` stages is deep (rounded half up, at least one where not 0). The same tuple and depth give the same
+    def of(cls, spec: ShapeSpec | tuple, pp: int = 1) -> "Shape":
+        """The shape a :class:`~.planner_config.ShapeSpec` (or its fields as a tuple) configures for a pipeline of
+        ``pp`` stages: ``up < 0`` rises over the whole step (:data:`RISING`); ``per_stage``: ``up`` and ``down``
+        (where >= 0) times ``pp``, rounded half up, at least one where not 0. The same spec and depth give the same
         object."""
-        fields = tuple(fields)
-        return _shape_of(fields, int(pp) if len(fields) > 6 and fields[6] else 1)
+        spec = ShapeSpec.of(spec)
+        return _shape_of(spec, int(pp) if spec.per_stage else 1)
 
 
 @lru_cache(maxsize=1024)
-def _shape_of(fields: tuple, depth: int) -> Shape:
-    up, down, *rest = fields[:6]
-    if len(fields) > 6 and fields[6]:  # ramps in micro-batches per stage: times the depth
+def _shape_of(spec: ShapeSpec, depth: int) -> Shape:
+    up, down = spec.up, spec.down
+    if spec.per_stage:  # ramps in micro-batches per stage: times the depth
         up, down = (max(1, int(x * depth + 0.5)) if x > 0 else x for x in (up, down))
-    return Shape(RISING if up < 0 else int(up), int(down), *rest)
+    return Shape(RISING if up < 0 else int(up), int(down), spec.low, spec.order, spec.grouped, spec.rise)
 
 
 #: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
@@ -182,18 +182,7 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     # shorter rows finish (their padding would change nothing); undone at the end
     by_size = np.argsort(-(members >= 0).sum(axis=1), kind="stable")
     members, weights = members[by_size], weights[by_size]
-    valid = members >= 0
-    safe = np.where(valid, members, 0)
-    lens = np.where(valid, lengths[safe], 0)
-    cst = np.where(valid, costs[safe], 0.0)
-    unused = weights < 0
-    # target cost left per micro-batch; a micro-batch the row lacks never has room
-    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
-    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
-    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
-    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
-    limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
-    lens_t, cst_t = np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
+    valid, unused, room, tok, limit, lens_t, cst_t = _pack_tables(lengths, costs, members, weights, cap)
     # samples left minus micro-batches still empty: at <= 0 every sample left must open an empty micro-batch
     # (padding comes last in a row, so what it does to this count never matters). It drops by one at most per
     # sample, so no row is forced before sample ``min(slack)``: until then it is not tracked.
@@ -256,6 +245,23 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
     return bin_of[back], ok[back]
 
 
+def _pack_tables(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weights: np.ndarray, cap: int):
+    """:func:`shape_pack`'s tables: ``(valid, unused micro-batches, target cost left, tokens held, per sample rank
+    the most tokens a micro-batch may hold before taking it, the lengths and costs per sample rank)``."""
+    valid = members >= 0
+    safe = np.where(valid, members, 0)
+    lens = np.where(valid, lengths[safe], 0)
+    cst = np.where(valid, costs[safe], 0.0)
+    unused = weights < 0
+    # target cost left per micro-batch; a micro-batch the row lacks never has room
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
+    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
+    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
+    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
+    limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
+    return valid, unused, room, tok, limit, np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
+
+
 # ---------------------------------------------------------------------------------------------------- a step's samples
 @dataclass(frozen=True)
 class ShapeSamples:
@@ -307,9 +313,6 @@ class ShapeSamples:
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
 
-    def group_tokens(self, ids: np.ndarray) -> int:
-        return self._once("tokens", ids, lambda: int(self.lengths[ids].sum()))
-
     def cheapest_first(self, ids: np.ndarray) -> np.ndarray:
         """The group's ids by increasing cost, ties by id."""
         return self._once("order", ids, lambda: ids[np.lexsort((ids, self.costs[ids]))])
@@ -322,14 +325,6 @@ class ShapeSamples:
         flat = (np.arange(rows)[:, None] * k + bin_of)[valid]
         ids = members[valid]
         return bin_costs(self.lengths[ids], self.costs[ids], flat, rows * k, self.profile).reshape(rows, k)
-
-    def in_run_order(self, shape: Shape, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
-        """``bin_of`` relabelled so that bin ``j`` is the ``j``-th to run in ``shape``'s order (unchanged for the
-        shape's own target order)."""
-        if shape.order == "target":
-            return bin_of
-        rank = np.argsort(shape.run_order(self.bin_rows(members, bin_of, k)), axis=1)  # bin -> its run position
-        return np.where(bin_of >= 0, np.take_along_axis(rank, np.maximum(bin_of, 0), axis=1), -1)
 
     def pad(self, groups: list[np.ndarray]) -> np.ndarray:
         """Rows of sample ids by decreasing cost (ties by id), padded with -1."""

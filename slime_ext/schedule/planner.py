@@ -144,7 +144,7 @@ class _DynamicStep:
     def better(self, cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
         """FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly."""
         extra = cand[0].count > incumbent[0].count and self.profile is None
-        return cand[1] < incumbent[1] * (1 - (self.config.extra_microbatch_gain if extra else 0.0))
+        return cand[1] < incumbent[1] * (1 - (self.config.packing.extra_microbatch_gain if extra else 0.0))
 
     def plan(self, count: int | None = None) -> StepPlan | None:
         """Stages 2-4: capped bins, aligned, on ranks. ``count``: plan exactly that many micro-batches (the pipeline
@@ -158,8 +158,8 @@ class _DynamicStep:
         prices = bin_costs(self.lengths, self.costs, bin_of, got, self.profile)  # a profile prices them whole
         if not (self.batch.balance_data and dp > 1):
             return StepPlan(bin_of, serpentine(prices, dp), got, strategy, target)
-        rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.refine_tolerance,
-                                      config.refine_rounds, config.dense_swap_limit)
+        rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
+                                      config.packing.refine_rounds, config.packing.dense_swap_limit)
         best_max = self.slowest(bin_of, rank_of_bin)
         if self.profile is not None:  # balancing never predicts slower than the strided deal of the same bins
             strided = serpentine(prices, dp)
@@ -167,13 +167,13 @@ class _DynamicStep:
             if strided_max < best_max:
                 rank_of_bin, best_max = strided, strided_max
         best = StepPlan(bin_of, rank_of_bin, got, strategy, target)
-        if best_max <= self.floor(got) * (1 + config.balance_tolerance):
+        if best_max <= self.floor(got) * (1 + config.packing.balance_tolerance):
             return best
         # bins of even size cannot balance this step: bins per rank, `align` extra micro-batches at a time
-        extras = 0 if count is not None else config.max_extra_rounds
+        extras = 0 if count is not None else config.packing.max_extra_rounds
         found = search_counts([target + extra * self.parallel.align for extra in range(extras + 1)],
                               lambda k: self.rank_greedy(k, target), self.better, patience=1, best=(best, best_max),
-                              enough=lambda b, k: b[1] <= self.floor(k) * (1 + config.extra_microbatch_gain))
+                              enough=lambda b, k: b[1] <= self.floor(k) * (1 + config.packing.extra_microbatch_gain))
         return found[0]
 
 
@@ -218,19 +218,18 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
 
 def _plan_for_pipeline(pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray,
                        cap: int | None, parallel: ParallelConfig, profile: CostProfile | None,
-                       recount: _DynamicStep | None) -> StepPlan:
+                       fixed_count: bool = False) -> StepPlan:
     """Stage 5 (``pp_size > 1``): the step's micro-batches, count, assignment and order chosen by the pipeline search
     (:func:`~slime_ext.schedule.pipeline_choice.choose_pipeline_step`), starting from the pp-unaware ``plan``.
-    Static batches keep their micro-batches and ranks (only the order changes). ``recount``: the dynamic step that
-    re-packs other counts; ``None`` (static, or a fixed count) keeps ``plan.count``."""
-    dp, fixed_count = parallel.dp_size, cap is not None and recount is None
+    Static batches keep their micro-batches and ranks (only the order changes). ``fixed_count``: the search keeps
+    ``plan.count`` (shapes, assignment and order only)."""
+    dp = parallel.dp_size
     search = StepSearch(
         pricing=pricing, unaware=plan, bin_costs=bin_costs(lengths, costs, plan.bin_of, plan.count, profile),
         heaviest=np.bincount(plan.bin_of, weights=costs, minlength=plan.count),  # as emitted without a pipeline
         dp=dp, lengths=lengths, costs=costs, profile=profile, cap=cap,
         samples=None if cap is None else ShapeSamples(lengths, costs, cap, profile, parallel.align // dp),
-        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count,
-        recount=None if recount is None else recount.plan)
+        budget=Budget.for_step(pricing, len(lengths), dp), align=parallel.align, fixed_count=fixed_count)
     return choose_pipeline_step(search)
 
 
@@ -331,12 +330,11 @@ def _plan_step(request, s: int, step_len: np.ndarray, step_cost: np.ndarray, pri
     dp, cap = parallel.dp_size, batch.cap(parallel.cp_size)
     if fixed is not None:
         check_fixed_count(s, step_len, fixed, parallel, batch)
-    dynamic = None
     if cap is None:
         plan = _plan_static(len(step_len), step_cost, parallel, batch, s)
     else:
-        dynamic = _DynamicStep(step_len, step_cost, cap, parallel, batch, s, profile, request.config)
-        plan = dynamic.plan(None if fixed is None else fixed * dp)
+        plan = _DynamicStep(step_len, step_cost, cap, parallel, batch, s, profile, request.config).plan(
+            None if fixed is None else fixed * dp)
         if plan is None:
             raise ScheduleError(
                 f"microbatches_per_rank = {fixed}: the packing found no {fixed * dp} micro-batches of at most "
@@ -344,7 +342,7 @@ def _plan_step(request, s: int, step_len: np.ndarray, step_cost: np.ndarray, pri
                 f"microbatches_per_rank or max_tokens_per_gpu")
     if pricing is not None:
         plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, profile,
-                                  None if fixed is not None else dynamic)
+                                  fixed_count=fixed is not None)
     return plan
 
 

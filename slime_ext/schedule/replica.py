@@ -2,11 +2,11 @@
 (verl's Megatron engine plans each DP rank inside the step).
 
 :func:`shape_replica`: without a pipeline, balanced packing (:func:`.pipeline_shape.shape_pack` with one flat
-target); with one, every shape of ``PlannerConfig.shapes`` packed at ``count`` and priced by the pipeline model in one
+target); with one, every shape of ``PlannerConfig.shaping.shapes`` packed at ``count`` and priced by the pipeline model in one
 pass, the fastest kept and its run order improved by :func:`.pipeline_orders.best_orders`. Where no shape holds the
 cap at ``count``, the planner's own packing (:func:`pack_replica`) is split up to ``count``; where ``count`` cannot
 hold the samples, a :class:`ScheduleError` names the count to ask for. :func:`scan_replica` is the same shaping at
-many counts (``PlannerConfig.scan_shapes``), priced in one pass. Forward-only passes are priced by the forward-only
+many counts (``PlannerConfig.shaping.scan_shapes``), priced in one pass. Forward-only passes are priced by the forward-only
 schedules.
 """
 
@@ -24,7 +24,7 @@ from .cost import CostModel, bin_costs, check_cost_model, sample_costs
 from .errors import ScheduleError
 from .packing import bins_to_labels
 from .pipeline_orders import best_orders, heuristic_best
-from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
+from .pipeline_pricing import Budget, PipelinePricing, beats, pipeline_pricing
 from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .request import PlanRequest, plan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
@@ -162,7 +162,7 @@ def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], par
     if pricing is None:
         packed = {k: labels for k in counts if (labels := _balanced(samples, k)) is not None}
         return ReplicaScan(dict.fromkeys(packed), packed)
-    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.scan_shapes))
+    shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shaping.scan_shapes))
     return _shaped(pricing, samples, counts, shapes)
 
 
@@ -190,7 +190,7 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
     if pricing is None:
         labels = _balanced(samples, count)
     else:
-        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shapes))
+        shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shaping.shapes))
         scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
         labels, span = scan.labels.get(count), scan.spans.get(count)
     if labels is None:  # no shape holds the cap at this count: the planner's packing, split up to it
@@ -268,7 +268,7 @@ def _in_best_order(pricing: PipelinePricing, samples: ShapeSamples, labels: np.n
     row = bin_costs(samples.lengths, samples.costs, labels, count, samples.profile)[None, :]
     order, got = search(pricing, row)
     span = float(pricing.makespans(row)[0]) if span is None else span
-    if float(got[0]) < span * (1 - pricing.config.tie):  # relabel: the bin at run position p is order[0][p]
+    if beats(float(got[0]), span, pricing.config):  # relabel: the bin at run position p is order[0][p]
         where = np.empty(count, dtype=np.int64)
         where[order[0]] = np.arange(count)
         labels, span = where[labels], float(got[0])

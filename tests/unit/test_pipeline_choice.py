@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import slime_ext.schedule as schedule_pkg
+from slime_ext.schedule.planner_config import (SECTIONS, BudgetConfig, CountSearchConfig, ObjectiveConfig,
+                                               ShapeSpec, ShapingConfig)
 from slime_ext.schedule import (BatchConfig, CostModel, ParallelConfig, PlannerConfig, ScheduleError, check_schedule,
                                 plan_schedule)
 from slime_ext.schedule import pipeline_choice
@@ -34,9 +36,10 @@ def _lengths(n: int = 120, seed: int = 3) -> list[int]:
 # ---------------------------------------------------------------------------------------------------- the tie rule
 def test_the_comparison_is_the_documented_rule():
     cfg = PlannerConfig()
-    assert cfg.tie == 1e-9 and "tie" in pipeline_choice.__doc__ and "earliest in the" in pipeline_choice.__doc__
+    assert cfg.objective.tie == 1e-9 and "tie" in pipeline_choice.__doc__ and "earliest in the" in pipeline_choice.__doc__
     assert beats(1.0 - 2e-9, 1.0, cfg) and not beats(1.0 - 0.5e-9, 1.0, cfg) and not beats(1.0, 1.0, cfg)
-    assert beats(0.99, 1.0, PlannerConfig(tie=0.005)) and not beats(0.996, 1.0, PlannerConfig(tie=0.005))
+    loose = PlannerConfig(objective=ObjectiveConfig(tie=0.005))
+    assert beats(0.99, 1.0, loose) and not beats(0.996, 1.0, loose)
 
 
 def _step(slowest: float, strategy: str) -> StepPlan:
@@ -73,7 +76,7 @@ def test_the_search_keeps_the_earliest_of_near_equal_candidates(monkeypatch):
 
 
 def test_the_registry_runs_every_generator_with_one_signature():
-    assert list(CANDIDATES) == ["unaware", "ordered", "shaped", "recounted", "refined"]
+    assert list(CANDIDATES) == ["unaware", "ordered", "shaped", "refined"]
     assert PlannerConfig().candidates == tuple(CANDIDATES)
     for name, gen in CANDIDATES.items():
         assert list(gen.__code__.co_varnames[:gen.__code__.co_argcount]) == ["search", "found"], name
@@ -120,9 +123,9 @@ def test_the_budget_grows_smoothly_with_the_step():
     steps = np.diff(totals)
     assert (steps > 0).all() and np.allclose(steps, steps[0])  # linear in the samples: no threshold, no cliff
     c = pricing.config
-    floor = min(c.budget_floor_max_us, c.budget_floor_us / 4 ** c.budget_floor_power)
-    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget_per_replica_us
-                                                                 * 4 ** c.budget_pp_power)
+    floor = min(c.budget.budget_floor_max_us, c.budget.budget_floor_us / 4 ** c.budget.budget_floor_power)
+    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget.budget_per_replica_us
+                                                                 * 4 ** c.budget.budget_pp_power)
     # ... and continuous in the replicas: no jump between neighbouring DP sizes
     by_dp = np.array([Budget.for_step(pricing, 4096, dp).total for dp in range(1, 600)])
     assert (np.abs(np.diff(by_dp)) <= 0.2 * by_dp[1:]).all()
@@ -153,13 +156,19 @@ def test_a_step_of_257_micro_batches_plans_like_one_of_256():
 
 # ---------------------------------------------------------------------------------------------------- the config
 def test_config_overrides_parse_and_refuse_with_the_field_named():
-    c = PlannerConfig().replace_from(["tie=1e-6", "scan_replicas=4", "count_factors=[1.0, 1.5]",
+    c = PlannerConfig().replace_from(["objective.tie=1e-6", "scan_replicas=4", "count_search.count_factors=[1.0, 1.5]",
                                       'candidates=["unaware", "ordered"]', "shapes=[[0, 0, 1.0], [2, -1, 0.1]]",
-                                      "scan_shapes=[[0, 0, 1.0]]"])
-    assert (c.tie, c.scan_replicas, c.count_factors, c.candidates) == (1e-6, 4, (1.0, 1.5), ("unaware", "ordered"))
-    assert c.describe() == {k: getattr(c, k) for k in ("tie", "count_factors", "shapes", "scan_shapes",
-                                                       "scan_replicas", "candidates")}
+                                      "shaping.scan_shapes=[[0, 0, 1.0]]"])
+    assert (c.objective.tie, c.count_search.scan_replicas, c.count_search.count_factors, c.candidates) == \
+        (1e-6, 4, (1.0, 1.5), ("unaware", "ordered"))
+    assert c.describe() == {"candidates": ("unaware", "ordered"), "objective.tie": 1e-6,
+                            "count_search.scan_replicas": 4, "count_search.count_factors": (1.0, 1.5),
+                            "shaping.shapes": (ShapeSpec(0, 0, 1.0), ShapeSpec(2, -1, 0.1)),
+                            "shaping.scan_shapes": (ShapeSpec(0, 0, 1.0),)}
+    assert PlannerConfig().replace_from(["shaping.shapes=[[0, 0, 1.0]]", "scan_shapes=[[0, 0, 1.0]]"]) == \
+        PlannerConfig(shaping=ShapingConfig(shapes=((0, 0, 1.0),), scan_shapes=((0, 0, 1.0),)))
     for bad, match in (("nope=1", "PlannerConfig field"), ("tie", "NAME=VALUE"), ("scan_replicas=x", "integer"),
+                       ("budget.tie=1", "SECTION.FIELD"), ("objective.nope=1", "objective.tie"),
                        ("scan_replicas=0", "scan_replicas = 0"), ("tie=2", "share"),
                        ('scan_shapes=[[9, 9, 0.5]]', "not in shapes"), ("count_tie=1", "count_tie"),
                        ("shapes=[[1, 2]]", r"\(1, 2\): it needs 3 to 7 fields"),
@@ -176,10 +185,16 @@ def test_config_overrides_parse_and_refuse_with_the_field_named():
 
 def test_every_config_field_is_documented_beside_its_declaration():
     source = (SCHEDULE / "planner_config.py").read_text().splitlines()
-    for f in dataclasses.fields(PlannerConfig):
-        line = next(i for i, text in enumerate(source) if re.match(rf"\s+{f.name}: ", text))
-        above = [text.strip() for text in source[max(0, line - 12):line]]
-        assert any(t.startswith("#:") for t in above), f"PlannerConfig.{f.name} has no #: documentation"
+    for section in SECTIONS.values():
+        start = next(i for i, text in enumerate(source) if text.startswith(f"class {section.__name__}("))
+        for f in dataclasses.fields(section):
+            line = next(i for i, text in enumerate(source) if i > start and re.match(rf"\s+{f.name}: ", text))
+            above = [text.strip() for text in source[max(0, line - 4):line]]
+            assert any(t.startswith("#:") for t in above), f"{section.__name__}.{f.name} has no #: documentation"
+            # one line on what it controls, not a history (that is docs/pipeline.md's)
+            comment = [t for t in source[max(0, line - 4):line] if t.strip().startswith("#:")]
+            assert len(comment) <= 3, f"{section.__name__}.{f.name}: keep the history in docs/pipeline.md"
+            assert not re.search(r"issue \d|20\d\d-\d\d|[0-9a-f]{7}\b", " ".join(comment)), f.name
 
 
 #: module-level numbers in slime_ext/schedule that are not tunables of the planner: the input checks' limits, the
@@ -255,15 +270,15 @@ def _search_of(dp: int, n: int, pp: int, vpp: int = 1, config: PlannerConfig | N
 def test_every_part_of_the_search_honours_the_budget(dp, n, pp, vpp):
     """Each part asks before it runs and is charged: the search ends within its budget (what runs whatever the
     budget -- the pp-unaware guard and its orders, a few lists -- aside), on a tight budget and on the default."""
-    for config in (PlannerConfig(budget_floor_us=20000.0, budget_floor_max_us=4000.0, budget_per_sample_us=0.2,
-                                 budget_per_replica_us=5.0), None):
+    for config in (PlannerConfig(budget=BudgetConfig(budget_floor_us=20000.0, budget_floor_max_us=4000.0,
+                                                     budget_per_sample_us=0.2, budget_per_replica_us=5.0)), None):
         search, sched = _search_of(dp, n, pp, vpp, config)
         assert check_schedule(sched) == []
         b = search.budget
         guard = b.model_cost(5 * dp, search.unaware.count // dp) + 4 * b.arrangement_cost(n, dp)
         assert b.spent <= b.total + guard, (b.spent, b.total)
-    tight = _search_of(dp, n, pp, vpp, PlannerConfig(budget_floor_us=1.0, budget_floor_max_us=1.0,
-                                                     budget_per_sample_us=0.0, budget_per_replica_us=0.0))[0]
+    tight = _search_of(dp, n, pp, vpp, PlannerConfig(budget=BudgetConfig(
+        budget_floor_us=1.0, budget_floor_max_us=1.0, budget_per_sample_us=0.0, budget_per_replica_us=0.0)))[0]
     assert tight.budget.spent <= tight.budget.model_cost(5 * dp, tight.unaware.count // dp) * 1.5
 
 
@@ -318,7 +333,7 @@ def test_the_rebalancing_stops_where_the_budget_cannot_pay_for_a_repacking():
     dp, k = 32, 8
     pricing = pipeline_pricing(ParallelConfig(dp_size=dp, pp_size=4), model, 16384)
     members = replica_members(np.arange(640) % dp, samples.costs, dp)
-    shape = Shape.of(PlannerConfig().shapes[0])
+    shape = Shape.of(PlannerConfig().shaping.shapes[0])
     spans = pack_many(Budget(pricing, float("inf")), samples, members, [(k, shape)])[0][0]
     assert np.isfinite(spans).all()
     groups = [row[row >= 0] for row in members]
@@ -339,9 +354,9 @@ def test_counts_the_scan_cannot_tell_apart_go_most_microbatches_first():
     combos = [(6, a), (6, b), (7, a), (7, b), (9, a), (10, a), (11, a)]
     scan = np.asarray([1.0004, 1.0, 1.0003, 1.0009, 1.02, 1.01, np.inf])
     cfg = PlannerConfig()
-    assert cfg.count_tie == 1e-3
+    assert cfg.count_search.count_tie == 1e-3
     assert _rank_counts(combos, scan, cfg, 8) == [7, 6, 10, 9]  # 7 is 3e-4 above 6: more first; 11 never packed
-    assert _rank_counts(combos, scan, PlannerConfig(count_tie=0.0), 8) == [6, 7, 10, 9]
+    assert _rank_counts(combos, scan, PlannerConfig(count_search=CountSearchConfig(count_tie=0.0)), 8) == [6, 7, 10, 9]
     assert _rank_counts(combos, scan, cfg, 1) == [6, 7, 10, 9]  # one replica: nothing to level
-    assert _rank_counts(combos, scan, PlannerConfig(count_tie=0.015), 8) == [10, 7, 6, 9]
+    assert _rank_counts(combos, scan, PlannerConfig(count_search=CountSearchConfig(count_tie=0.015)), 8) == [10, 7, 6, 9]
     assert _rank_counts(combos, np.full(len(combos), np.inf), cfg, 8) == []

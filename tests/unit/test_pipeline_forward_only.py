@@ -207,7 +207,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("candidates", [("unaware",), ("unaware", "ordered"), ("unaware", "shaped"),
-                                        ("unaware", "recounted"), ("unaware", "refined"), None])
+                                        ("unaware", "refined"), None])
 def test_every_candidate_plans_forward_only(candidates):
     """The pipeline search on forward-only prices (backward zero), each candidate generator alone and all
     together: valid schedules, whose recorded prediction is the forward-only model's re-priced from the documented

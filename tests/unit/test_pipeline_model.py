@@ -84,13 +84,14 @@ def test_two_stage_timeline_by_hand():
 
 def test_replicas_in_blocks_give_the_same_makespans():
     from slime_ext.schedule.pipeline_model import _cost_table, _spec_key, _table_makespans
-    from slime_ext.schedule.planner_config import PlannerConfig
+    from slime_ext.schedule.planner_config import ModelConfig, PlannerConfig
     rng = np.random.default_rng(1)
     f = rng.random((37, 9))
     spec = PipelineSpec(3, 3, p2p_s=0.1, overlap_p2p_comm=True)
     whole = pipeline_makespan(f, 2 * f, spec)
     table, form = _cost_table(f, 2 * f, spec)
-    for config in (PlannerConfig(model_table_entries=500), PlannerConfig(model_pieces=1)):  # 162 computes: 3 per block
+    # 162 computes: 3 per block
+    for config in (PlannerConfig(model=ModelConfig(model_table_entries=500)), PlannerConfig(model=ModelConfig(model_pieces=1))):
         np.testing.assert_array_equal(_table_makespans([(table, form, 9)], spec, config)[0], whole)
 
 
@@ -98,7 +99,7 @@ def test_groups_of_several_counts_in_one_pass_equal_separate_calls():
     # pipeline_makespans evaluates groups of different counts, replica counts and cost forms side by side: the
     # makespans must be exactly those of one call per group, also when the replicas go in blocks
     import slime_ext.schedule.pipeline_model as pipeline
-    from slime_ext.schedule.planner_config import PlannerConfig
+    from slime_ext.schedule.planner_config import ModelConfig, PlannerConfig
     rng = np.random.default_rng(4)
     for spec, counts in ((PipelineSpec(4), (1, 3, 8, 20)), (PipelineSpec(2, 3, 3, p2p_s=0.05), (3, 6, 8)),
                          (PipelineSpec(4, 2, 5, overlap_p2p_comm=True), (5, 9, 15))):
@@ -112,7 +113,8 @@ def test_groups_of_several_counts_in_one_pass_equal_separate_calls():
         for got, want in zip(pipeline_makespans(groups, spec), alone):
             np.testing.assert_array_equal(got, want)
         tables = [(*pipeline._cost_table(f, b, spec), f.shape[-1]) for f, b in groups]
-        for got, want in zip(pipeline._table_makespans(tables, spec, PlannerConfig(model_table_entries=300)), alone):
+        small = PlannerConfig(model=ModelConfig(model_table_entries=300))
+        for got, want in zip(pipeline._table_makespans(tables, spec, small), alone):
             np.testing.assert_array_equal(got, want)
     assert pipeline_makespans([], PipelineSpec(2)) == []
     with pytest.raises(ScheduleError, match="num_microbatches = 5 leaves a last group"):

@@ -20,7 +20,7 @@ from slime_ext.schedule.pipeline_orders import heuristic_orders
 from slime_ext.schedule.pipeline_pricing import pipeline_pricing, predicted_makespans
 from slime_ext.schedule.planner_config import PlannerConfig
 
-FLOPS_MICROBATCH_OVERHEAD = PlannerConfig().microbatch_overhead
+FLOPS_MICROBATCH_OVERHEAD = PlannerConfig().objective.microbatch_overhead
 
 DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
 PROFILE = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=0.004, per_token_s=2e-5,

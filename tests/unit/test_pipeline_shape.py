@@ -21,7 +21,7 @@ from slime_ext.schedule.pipeline_shape import (RISING, Shape, ShapeSamples, pack
 from slime_ext.schedule.planner_config import PlannerConfig
 
 #: every configured shape as a pipeline of 1, 4 and 8 stages resolves it (per-stage ramps scale with the depth)
-SHAPES = list(dict.fromkeys(Shape.of(s, pp) for pp in (1, 4, 8) for s in PlannerConfig().shapes))
+SHAPES = list(dict.fromkeys(Shape.of(s, pp) for pp in (1, 4, 8) for s in PlannerConfig().shaping.shapes))
 
 DIMS = dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=2, vocab_size=1000, swiglu=True)
 

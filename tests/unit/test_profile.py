@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from slime_ext.schedule.planner_config import PackingConfig
 from slime_ext.schedule import PlannerConfig, BatchConfig, CostModel, ParallelConfig, ScheduleError, plan_schedule
 from slime_ext.schedule.invariants import check_schedule
 from slime_ext.schedule.profile import TERM_NAMES, CostProfile
@@ -193,7 +194,8 @@ def test_planner_with_profile_is_valid_and_extra_micro_batches_never_cost_time(s
         sched = plan_schedule(lengths, parallel, batch, cost_model=prof)
         assert check_schedule(sched) == []
         with_extra = _predicted_step(sched, prof)
-        without = plan_schedule(lengths, parallel, batch, cost_model=prof, config=PlannerConfig(max_extra_rounds=0))
+        without = plan_schedule(lengths, parallel, batch, cost_model=prof,
+                                config=PlannerConfig(packing=PackingConfig(max_extra_rounds=0)))
         assert with_extra <= _predicted_step(without, prof) * (1 + 1e-12)
         if sum(sched.num_microbatches) > sum(without.num_microbatches):
             assert with_extra < _predicted_step(without, prof)

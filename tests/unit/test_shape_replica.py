@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slime_ext.schedule.pipeline_shape as pipeline_shape
+from slime_ext.schedule.planner_config import ShapingConfig
 from slime_ext.schedule import (CostModel, CostProfile, ParallelConfig, PlannerConfig, ScheduleError, pack_replica,
                                 pipeline_pricing, sample_costs, scan_replica, shape_replica)
 from slime_ext.schedule.invariants import micro_batch_makespans
@@ -101,7 +102,7 @@ def test_it_is_the_whole_step_planners_shaping_of_one_replica(layout, shape, mon
     """With one shape, shape_replica packs exactly what the whole-step planner's shaped candidate packs for a
     replica holding these samples (pack_many, the call shaped_step makes), through the same shape_pack."""
     parallel, lengths, cap, count = LAYOUTS[layout], _lengths(5, 36), 6000, 12
-    config = PlannerConfig(shapes=(shape,), scan_shapes=(shape,))
+    config = PlannerConfig(shaping=ShapingConfig(shapes=(shape,), scan_shapes=(shape,)))
     pricing = pipeline_pricing(parallel, MODEL, cap, config)
     group = parallel.microbatch_group_size_per_vp_stage if parallel.vpp_size > 1 else 1
     samples = ShapeSamples(lengths, sample_costs(lengths, MODEL), cap, None, group)

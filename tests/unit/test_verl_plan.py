@@ -8,6 +8,7 @@ of itself. The one-replica shaping it plans with is tested in ``test_shape_repli
 import numpy as np
 import pytest
 
+from slime_ext.schedule.planner_config import ShapingConfig
 from slime_ext.integrations.verl import ENV, switch_from_env
 from slime_ext.integrations.verl.plan import (GRID_MULTIPLES, Ballot, EngineLayout, EngineSearch, agree,
                                               check_engine_plan, check_rank_plan, draft_rank, finish_rank,
@@ -213,7 +214,7 @@ def test_the_ranks_near_the_slowest_take_the_model_s_run_order():
 def test_the_shapes_are_the_planner_configs():
     """One set of shapes: a PlannerConfig with the flat shape alone reaches every rank's scan and finish, which
     then pack exactly what shape_replica packs with that config."""
-    flat = PlannerConfig(shapes=((0, 0, 1.0),), scan_shapes=((0, 0, 1.0),))
+    flat = PlannerConfig(shaping=ShapingConfig(shapes=((0, 0, 1.0),), scan_shapes=((0, 0, 1.0),)))
     layout = EngineLayout(pp_size=4)
     lengths = _ranks(5, dp=2, n=24)
     plan = plan_engine_step(lengths, 4096, layout, cost_model=MODEL, search=EngineSearch(planner=flat))

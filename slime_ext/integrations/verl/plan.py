@@ -16,7 +16,7 @@ Strategy, per mini-batch:
    count, rounded up to the VPP group, is the rank's *need* (at least verl's ``min_num_micro_batch``). With
    ``pp_size > 1``: the rank's samples are shaped for the pipeline at every count of the ballot's grid from the
    fewest the cap could allow (tokens / cap, and one micro-batch per sample over half the cap) up to ``reach``
-   times that (:class:`EngineSearch`) by the planner's shaping (``scan_replica``: ``PlannerConfig.scan_shapes`` at
+   times that (:class:`EngineSearch`) by the planner's shaping (``scan_replica``: ``PlannerConfig.shaping.scan_shapes`` at
    every count, the heuristic run orders, every count in one packing call and one pass of the pipeline model).
    Its need is the fewest count that fits there, or the planner's count where the cap is tight. A forward-only
    pass (verl's log-prob and reference passes) is priced by the pipeline's forward-only schedules.
@@ -34,7 +34,7 @@ Strategy, per mini-batch:
 4. **Finish** (:func:`finish_rank`, each rank): without a pipeline, the draft's micro-batches where their count is
    the agreed one, else the rank's samples in exactly that many, balanced under the cap (``shape_replica``). With
    one, the draft's shaped packing at the agreed count (a count the rank did not scan is shaped now:
-   ``shape_replica``, every ``PlannerConfig.shapes`` shape and the pipeline model's order search); the ranks within
+   ``shape_replica``, every ``PlannerConfig.shaping.shapes`` shape and the pipeline model's order search); the ranks within
    ``order_band`` of the slowest run it in the fastest of its shape's order and the model's heuristic orders. The
    slowest rank (the ranks within ``polish_band`` of it) also shapes the agreed count with ``shape_replica`` and
    keeps it where the model predicts it faster.
@@ -129,16 +129,16 @@ def _parallel(layout: EngineLayout) -> ParallelConfig:
 @dataclass(frozen=True)
 class EngineSearch:
     """The engine depth's count search on each rank (``pp_size > 1``); ``python -m bench.verl`` sets the numbers.
-    The shapes and run orders are the planner's (``planner``: ``PlannerConfig.scan_shapes`` at every scanned count,
-    ``PlannerConfig.shapes`` where a rank packs the agreed count afresh)."""
+    The shapes and run orders are the planner's (``planner``: ``PlannerConfig.shaping.scan_shapes`` at every scanned count,
+    ``PlannerConfig.shaping.shapes`` where a rank packs the agreed count afresh)."""
 
     #: a rank prices the grid's counts from the fewest the cap allows up to ``reach`` times that (at least
     #: MIN_REACH_STEPS counts more); the planner's own count search reaches 2.3 times its pp-unaware count
-    #: (``PlannerConfig.count_factors``). Measured with ``bench.verl`` before the shapes became the planner's: a
+    #: (``PlannerConfig.count_search.count_factors``). Measured with ``bench.verl`` before the shapes became the planner's: a
     #: smaller reach (1.6-1.8) saved under 10% of the planning and predicted up to 1.6% slower steps
     reach: float = 2.0
     #: the ranks predicted within this share of the slowest at the agreed count (0: the slowest alone; negative:
-    #: none) pack that count afresh with every shape of ``PlannerConfig.shapes`` and the pipeline model's order
+    #: none) pack that count afresh with every shape of ``PlannerConfig.shaping.shapes`` and the pipeline model's order
     #: search (``shape_replica``), keeping it where it is faster. The step waits for the slowest replica, so that
     #: is where it pays
     polish_band: float = 0.0
@@ -387,7 +387,7 @@ def finish_rank(draft: RankDraft, agreement: Agreement) -> RankPlan:
     got = draft.scan.plan(count, reorder=near(search.order_band))
     if near(search.polish_band):  # every shape and the order search: where the step waits
         full = draft.shape(count)
-        if full.predicted_makespan < got.predicted_makespan * (1 - search.planner.tie):
+        if full.predicted_makespan < got.predicted_makespan * (1 - search.planner.objective.tie):
             got = full
     return RankPlan(count, got.micro_batches, "shape", draft.need, got.predicted_makespan)
 
