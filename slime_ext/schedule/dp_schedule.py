@@ -10,7 +10,7 @@ from typing import Any, Iterator, Mapping
 
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
-from .profile import CostProfile, is_profile_dict
+from .profile import PROFILE_KIND, CostProfile
 from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int, check_mapping, check_number,
                        check_samples, is_int, nested_int_lists, show)
@@ -272,6 +272,6 @@ def _cost_from_dict(d: Any) -> "CostModel | CostProfile | None":
     """A saved cost model: model dims (``CostModel``), or a measured profile (``slime-ext calibrate``)."""
     if d is None:
         return None
-    if is_profile_dict(d):
+    if isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND:  # written by `slime-ext calibrate`
         return CostProfile.from_dict(d, source="the schedule's cost_model")
     return CostModel(**check_mapping("cost_model", d, _names(CostModel)))

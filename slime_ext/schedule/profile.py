@@ -152,9 +152,4 @@ class CostProfile:
         return cls.from_dict(d, source=f"cost profile {path!r}")
 
 
-def is_profile_dict(d: Any) -> bool:
-    """Whether a serialized cost model (e.g. ``DPSchedule.to_dict()["cost_model"]``) is a profile."""
-    return isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND
-
-
-__all__ = ["CostProfile", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES", "is_profile_dict"]
+__all__ = ["CostProfile", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES"]
