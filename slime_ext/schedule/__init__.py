@@ -37,9 +37,8 @@ the request               ``request`` (PlanRequest, checked on construction; pla
 slime's entry             ``compat`` (slime's args -> a PlanRequest; build_dp_schedule)
 ========================  ===========================================================================================
 
-For hosts that plan inside their engine: ``pipeline_pricing`` (the pipeline objective; its ``makespans``),
-``microbatch_costs``, ``sample_costs``, ``best_orders`` (the order the model predicts fastest), ``PipelineSpec`` and
-``pipeline_makespan`` (the model itself), ``shape_replica`` and ``scan_replica``.
+Hosts that plan inside their engine also use ``pipeline_pricing``, ``microbatch_costs``, ``sample_costs``,
+``best_orders`` and ``pipeline_makespan`` (the model itself).
 """
 
 from .compat import build_dp_schedule

@@ -22,17 +22,12 @@ from .errors import ScheduleError
 from .planner_config import PlannerConfig
 from .profile import CostProfile
 from .request import PlanRequest, plan
-from .validate import is_int
+from .validate import is_int, read_arg
 
 #: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from:
 #: the pipeline size, the p2p mode and the flags that place layers on pipeline stages (same names)
 LAYOUT_ARGS = {"pp_size": "pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm",
                **{flag: flag for flag in LAYOUT_FLAGS}}
-
-
-def _arg(args: Any, name: str) -> Any:
-    """``args.name`` of an attribute object or a mapping; ``None`` when absent."""
-    return args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
 
 
 def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig) -> ParallelConfig:
@@ -45,11 +40,11 @@ def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | Par
         return ParallelConfig.from_dict(given)  # refuses it, naming what it takes
     vpp = given.get("vpp_size") or 1
     interleaved = not is_int(vpp) or vpp > 1  # a bad vpp_size is left to ParallelConfig's message
-    pp = given.get("pp_size") if given.get("pp_size") is not None else _arg(args, "pipeline_model_parallel_size")
+    pp = given.get("pp_size") if given.get("pp_size") is not None else read_arg(args, "pipeline_model_parallel_size")
     pipelined = not is_int(pp) or pp > 1
     extra = {}
     for key, flag in LAYOUT_ARGS.items():
-        ours, theirs = given.get(key), _arg(args, flag)
+        ours, theirs = given.get(key), read_arg(args, flag)
         if key == "overlap_p2p_comm" and not interleaved:
             continue  # without VPP there is no p2p mode to choose (ParallelConfig keeps False)
         if key.startswith("account_for_") and not pipelined:
@@ -73,7 +68,7 @@ def cost_from_args(args: Any) -> CostModel | CostProfile | None:
     """The planner's cost from slime-style ``args`` (an attribute object or a mapping): the measured profile at
     ``args.cost_profile`` (a path) when set, else :meth:`CostModel.from_args` (FLOPs from the model dims; ``None``
     without them: tokens)."""
-    path = _arg(args, "cost_profile")
+    path = read_arg(args, "cost_profile")
     if path:
         if not isinstance(path, str):
             raise ScheduleError(f"cost_profile = {path!r} must be the path of a JSON file from `slime-ext calibrate`")
@@ -95,7 +90,7 @@ def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | Paralle
     """The layout (:func:`parallel_from_args`), the batch flags (``global_batch_size`` overrides
     ``args.global_batch_size``) and the cost (:func:`cost_from_args`): the one reading of slime's flags."""
     parallel = parallel_from_args(args, train_parallel_config)
-    num_layers = _arg(args, "num_layers")
+    num_layers = read_arg(args, "num_layers")
     placed = any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS)
     if parallel.pp_size > 1 and num_layers is not None and placed:
         # the layout flags the user set, against the model, refused where Megatron refuses; without them the even
@@ -122,13 +117,8 @@ def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any] | Para
                       total_lengths: Sequence[int], *, global_batch_size: int | None = None,
                       rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
                       config: PlannerConfig | None = None) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans.
-
-    ``global_batch_size`` counts rollouts per step and overrides ``args.global_batch_size``;
-    ``rollout_indices[i]`` is sample ``i``'s rollout id (``samples[i].index``); model dims on ``args`` feed the
-    FLOPs model (without them balancing is by tokens), ``args.cost_profile`` replaces it with measured seconds. The
-    result unpacks as upstream's ``(partitions, micro_batch_indices, num_microbatches, global_batch_sizes)`` and is
-    also the full :class:`DPSchedule`.
-    """
+    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans:
+    ``global_batch_size`` (rollouts per step) overrides ``args.global_batch_size``; ``rollout_indices[i]`` is sample
+    ``i``'s rollout id (``samples[i].index``). The :class:`DPSchedule` unpacks as upstream's result."""
     return plan(request_from_args(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
                                   rollout_indices=rollout_indices, loss_tokens=loss_tokens, config=config))

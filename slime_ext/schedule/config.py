@@ -12,15 +12,12 @@ from .errors import ScheduleError
 from .pipeline_layout import StageLayers, check_layout_flags, layout_vpp_size, split_layers
 from .validate import MAX_MODEL_DIM, MAX_PARALLEL_SIZE, MAX_SAMPLES, MAX_TOKENS, check_bool, check_int, is_int, show
 
-#: Keys of slime's ``train_parallel_config`` dict that the scheduler reads.
+#: Keys of slime's ``train_parallel_config`` dict that the scheduler reads (the dict may carry any field).
 PARALLEL_KEYS = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-#: ... and those slime's dict may lack (then 1, False and 1)
-FROM_DICT_KEYS = PARALLEL_KEYS + ("pp_size", "overlap_p2p_comm", "tp_size")
 #: Megatron's flags that place layers on pipeline stages (argparse dests); the per-stage costs follow them
 LAYOUT_FLAGS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
                 "account_for_loss_in_pipeline_split")
-FROM_DICT_KEYS += LAYOUT_FLAGS
 #: slime flag names (argparse dests) that the scheduler reads.
 BATCH_FLAGS = ("global_batch_size", "use_dynamic_batch_size", "max_tokens_per_gpu", "micro_batch_size", "balance_data",
                "balance_by_flops", "use_dynamic_global_batch_size", "disable_rollout_trim_samples")
@@ -166,7 +163,8 @@ class ParallelConfig:
             )
         if train_parallel_config["dp_size"] is None:
             raise ScheduleError("train_parallel_config['dp_size'] is None; pass the data-parallel world size (>= 1)")
-        kwargs = {k: train_parallel_config[k] for k in FROM_DICT_KEYS if train_parallel_config.get(k) is not None}
+        kwargs = {f.name: train_parallel_config[f.name] for f in dataclasses.fields(cls)
+                  if train_parallel_config.get(f.name) is not None}
         vpp = kwargs.get("vpp_size", 1)
         if "microbatch_group_size_per_vp_stage" not in kwargs and is_int(vpp) and vpp > 1:
             raise ScheduleError(
@@ -233,39 +231,29 @@ class BatchConfig:
     def __post_init__(self) -> None:
         for flag in _BOOL_FLAGS:
             object.__setattr__(self, flag, check_bool(flag, getattr(self, flag)))
-        if not self.use_dynamic_global_batch_size:
-            if self.global_batch_size is None:
-                raise ScheduleError(
-                    "global_batch_size is None; pass --global-batch-size N (rollouts per step) "
-                    "or --use-dynamic-global-batch-size"
-                )
-            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass --global-batch-size N (rollouts per step)")
-        elif self.global_batch_size is not None:
-            _positive_int(self, "global_batch_size", MAX_SAMPLES, "pass a positive --global-batch-size or omit it")
-        if self.dynamic_global_batch_rounds_samples and not self.use_dynamic_global_batch_size:
+        dynamic, whole = self.use_dynamic_batch_size, self.use_dynamic_global_batch_size
+        if self.global_batch_size is None and not whole:
+            raise ScheduleError("global_batch_size is None; pass --global-batch-size N (rollouts per step) or "
+                                "--use-dynamic-global-batch-size")
+        if self.dynamic_global_batch_rounds_samples and not whole:
             raise ScheduleError("dynamic_global_batch_rounds_samples=True needs use_dynamic_global_batch_size=True "
                                 "(it is how that flag rounds); set both or neither")
-        if self.use_dynamic_batch_size:
-            if self.max_tokens_per_gpu is None:
-                raise ScheduleError(
-                    "max_tokens_per_gpu is None but use_dynamic_batch_size is set; pass --max-tokens-per-gpu N"
-                )
-            _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass --max-tokens-per-gpu N")
-            if self.micro_batch_size is not None:  # unused with dynamic batches, but never garbage
-                _positive_int(self, "micro_batch_size", MAX_SAMPLES, "pass a positive --micro-batch-size or omit it")
-        else:
-            _positive_int(
-                self, "micro_batch_size", MAX_SAMPLES,
-                "pass --micro-batch-size N or use --use-dynamic-batch-size --max-tokens-per-gpu N",
-            )
-            if self.max_tokens_per_gpu is not None:  # unused with static batches, but never garbage
-                _positive_int(self, "max_tokens_per_gpu", MAX_TOKENS, "pass a positive --max-tokens-per-gpu or omit it")
-            if self.balance_by_flops:
-                raise ScheduleError(
-                    "balance_by_flops=True needs use_dynamic_batch_size=True (static micro-batches have a fixed "
-                    "sample count, so there is nothing to balance inside a step); add --use-dynamic-batch-size "
-                    "--max-tokens-per-gpu N or drop --balance-by-flops"
-                )
+        if self.max_tokens_per_gpu is None and dynamic:
+            raise ScheduleError("max_tokens_per_gpu is None but use_dynamic_batch_size is set; pass "
+                                "--max-tokens-per-gpu N")
+        if self.balance_by_flops and not dynamic:
+            raise ScheduleError("balance_by_flops=True needs use_dynamic_batch_size=True (static micro-batches have a "
+                                "fixed sample count, so there is nothing to balance inside a step); add "
+                                "--use-dynamic-batch-size --max-tokens-per-gpu N or drop --balance-by-flops")
+        # a size the flags use must be given; one they leave unused may be omitted, but is never garbage
+        for name, maximum, used, fix in (
+                ("global_batch_size", MAX_SAMPLES, not whole, "pass --global-batch-size N (rollouts per step)"),
+                ("max_tokens_per_gpu", MAX_TOKENS, dynamic, "pass --max-tokens-per-gpu N"),
+                ("micro_batch_size", MAX_SAMPLES, not dynamic,
+                 "pass --micro-batch-size N or use --use-dynamic-batch-size --max-tokens-per-gpu N")):
+            if used or getattr(self, name) is not None:
+                _positive_int(self, name, maximum,
+                              fix if used else f"pass a positive --{name.replace('_', '-')} or omit it")
 
     @classmethod
     def from_args(cls, args: Any, *, global_batch_size: int | None = None) -> "BatchConfig":

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import ScheduleError
 from .profile import CostProfile
-from .validate import check_coefficients, check_cost_model_fields
+from .validate import MAX_MODEL_DIM, check_bool, check_coefficients, check_instance, check_int, is_int, read_arg, show
 
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
@@ -44,29 +44,46 @@ class CostModel:
     swiglu: bool = _dim(False, "gated (SwiGLU) MLP: three matmuls (default off, as Megatron)", kind="bool")
 
     def __post_init__(self) -> None:
-        fields = check_cost_model_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-                                         required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
+        def check(name: str, fix: str, minimum: int = 1) -> None:  # stored back as a plain int
+            object.__setattr__(self, name, check_int(f"CostModel.{name}", getattr(self, name), minimum=minimum,
+                                                     maximum=MAX_MODEL_DIM, fix=fix))
+
+        for name in REQUIRED_DIMS:
+            check(name, f"pass the model's --{name.replace('_', '-')}")
+        for name in OPTIONAL_DIMS:
+            if getattr(self, name) is not None:
+                check(name, "give a positive size or leave it unset (None) for Megatron's default")
+        if self.kv_channels is None and self.num_attention_heads > self.hidden_size:
+            raise ScheduleError(f"CostModel.num_attention_heads = {self.num_attention_heads} exceeds hidden_size = "
+                                f"{self.hidden_size}: the default kv_channels = hidden_size // num_attention_heads "
+                                f"would be 0 (no attention FLOPs); pass kv_channels or check the dims")
+        check("vocab_size", "give the (padded) vocabulary size, or 0 to leave the LM head out", minimum=0)
+        check("moe_router_topk", "give the experts routed per token (>= 1)")
+        object.__setattr__(self, "swiglu", check_bool("CostModel.swiglu", self.swiglu))
+        freq = self.moe_layer_freq
+        if not isinstance(freq, (list, tuple, np.ndarray)):
+            check("moe_layer_freq", "give k >= 1 (every k-th layer is MoE) or a list of 0/1 per layer, "
+                                    "e.g. [0, 1, 1, 1]")
+        else:
+            entries = list(freq.tolist() if isinstance(freq, np.ndarray) else freq)
+            for i, f in enumerate(entries):
+                if not is_int(f) or int(f) not in (0, 1):
+                    raise ScheduleError(f"CostModel.moe_layer_freq[{i}] = {show(f)}; a per-layer moe_layer_freq "
+                                        f"holds 0 (dense) or 1 (MoE) for each layer, e.g. [0, 1, 1, 1]")
+            if self.num_experts is not None and len(entries) != self.num_layers:
+                raise ScheduleError(f"CostModel.moe_layer_freq has {len(entries)} entries but num_layers="
+                                    f"{self.num_layers}; give one 0/1 per layer")
+            object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in entries))
         check_coefficients(*self.coefficients())
 
     # ------------------------------------------------------------------ derived dims
-    def _layer_counts(self) -> tuple[int, int]:
-        """(dense layers, MoE layers). A per-layer ``moe_layer_freq`` has ``num_layers`` entries (validated)."""
-        if not self.num_experts:
-            return self.num_layers, 0
-        moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
-        return self.num_layers - moe, moe
-
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:
         """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``. ``"upstream"``: upstream
         slime's ``calculate_fwd_flops`` (dense only; K/V ``2 h (heads // groups) kv``, output ``2 h h``); ``"exact"``
         counts a GQA K+V projection as ``2 h 2 groups kv`` and the output as ``2 heads kv h``."""
         dense_layer, moe_layer, layer_quadratic, head = self.layer_terms(formula)
-        dense, moe = self._layer_counts()
-        linear = dense * dense_layer + head
-        if moe:
-            linear += moe * moe_layer
+        moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
+        linear = (self.num_layers - moe) * dense_layer + moe * moe_layer + head
         return float(linear), float(self.num_layers * layer_quadratic)
 
     def layer_terms(self, formula: str = "exact") -> tuple[int, int, int, int]:
@@ -112,12 +129,11 @@ class CostModel:
     @classmethod
     def from_args(cls, args: Any) -> "CostModel | None":
         """From Megatron/slime args (any attribute object or mapping); ``None`` when the core dims are absent."""
-        get = args.get if isinstance(args, Mapping) else (lambda k, d=None: getattr(args, k, d))
-        if any(get(k) is None for k in ("hidden_size", "num_layers", "num_attention_heads")):
+        kwargs = {k: read_arg(args, k) for k in MODEL_DIMS if read_arg(args, k) is not None}
+        if any(k not in kwargs for k in ("hidden_size", "num_layers", "num_attention_heads")):
             return None
-        kwargs = {k: get(k) for k in MODEL_DIMS if get(k) is not None}
-        if "vocab_size" not in kwargs and get("padded_vocab_size") is not None:
-            kwargs["vocab_size"] = get("padded_vocab_size")
+        if "vocab_size" not in kwargs and read_arg(args, "padded_vocab_size") is not None:
+            kwargs["vocab_size"] = read_arg(args, "padded_vocab_size")
         return cls(**kwargs)
 
     def to_dict(self) -> dict:
@@ -133,6 +149,13 @@ MODEL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel))
 REQUIRED_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is dataclasses.MISSING)
 #: dims that default to ``None`` (Megatron's default): a positive size when given
 OPTIONAL_DIMS = tuple(f.name for f in dataclasses.fields(CostModel) if f.default is None)
+
+
+def check_cost_model(cost_model: Any) -> CostModel | CostProfile | None:
+    """``cost_model`` itself, or the :class:`ScheduleError` every entry raises for another type."""
+    return check_instance("cost_model", cost_model, (CostModel, CostProfile, type(None)),
+                          "a CostModel, a CostProfile or None",
+                          "use CostModel(...), CostModel.from_args(args) or CostProfile.load(path)")
 
 
 def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:

@@ -10,10 +10,10 @@ from typing import Any, Iterator, Mapping
 
 from .config import BatchConfig, ParallelConfig
 from .cost import CostModel
-from .profile import CostProfile, is_profile_dict
+from .profile import PROFILE_KIND, CostProfile
 from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int, check_mapping, check_number,
-                       check_samples, int_list, is_int, nested_int_lists, show)
+                       check_samples, is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
 
 SCHEMA_VERSION = 3
@@ -182,9 +182,8 @@ class DPSchedule:
         if version == 2 and isinstance(d.get("stats"), list):  # the stats' old names
             d = {**d, "stats": [{RENAMED_IN_3.get(k, k): v for k, v in s.items()} if isinstance(s, Mapping) else s
                                 for s in d["stats"]]}
-        missing = [k for k in ("partitions", "micro_batch_indices", "num_microbatches", "samples_per_step",
-                               "rollouts_per_step", "dropped", "stats", "parallel", "batch", "total_lengths")
-                   if k not in d]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ScheduleError(f"schedule dict is missing fields {missing}; it was not written by DPSchedule.to_dict")
         try:
@@ -236,14 +235,15 @@ def _step_stats(i: int, s: Any) -> StepStats:
 
 def fields_from_dict(d: Mapping[str, Any]) -> dict:
     """The constructor's arguments from a saved schedule, every field checked (see ``DPSchedule.from_dict``)."""
-    n_max = dict(minimum=INT64_MIN, maximum=INT64_MAX)
-    lengths, ids, loss = check_samples(
-        int_list("total_lengths", d["total_lengths"], what="integer token counts", **n_max),
-        None if d.get("rollout_ids") is None else int_list("rollout_ids", d["rollout_ids"], what="integer ids",
-                                                           **n_max),
-        None if d.get("loss_tokens") is None else int_list("loss_tokens", d["loss_tokens"],
-                                                           what="integer token counts", **n_max),
-    )
+    def ints(name: str, depth: int = 0, optional: bool = False, **bounds: Any) -> list | None:
+        """A field of ints (``depth`` levels of lists around them); an optional one may be ``None`` or absent."""
+        if optional and d.get(name) is None:
+            return None
+        return nested_int_lists(name, d[name], depth, **{"minimum": INT64_MIN, "maximum": INT64_MAX, **bounds})
+
+    lengths, ids, loss = check_samples(ints("total_lengths", what="integer token counts"),
+                                       ints("rollout_ids", optional=True, what="integer ids"),
+                                       ints("loss_tokens", optional=True, what="integer token counts"))
     stats = d["stats"]
     if not isinstance(stats, list):
         raise ScheduleError(f"stats must be a list, got {show(stats)}")
@@ -251,24 +251,17 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
     parallel = ParallelConfig(**check_mapping("parallel", d["parallel"], _names(ParallelConfig)))
     parallel.require_dp_size()  # a schedule was planned for a data-parallel size
     return dict(
-        partitions=nested_int_lists("partitions", d["partitions"], 1, **n_max),
-        micro_batch_indices=nested_int_lists("micro_batch_indices", d["micro_batch_indices"], 2, **n_max),
-        num_microbatches=int_list("num_microbatches", d["num_microbatches"], **n_max),
-        samples_per_step=int_list("samples_per_step", d["samples_per_step"], **n_max),
-        rollouts_per_step=int_list("rollouts_per_step", d["rollouts_per_step"], **n_max),
-        dropped=int_list("dropped", d["dropped"], **n_max),
+        partitions=ints("partitions", 1), micro_batch_indices=ints("micro_batch_indices", 2),
+        **{name: ints(name) for name in ("num_microbatches", "samples_per_step", "rollouts_per_step", "dropped")},
         stats=[_step_stats(i, s) for i, s in enumerate(stats)],
         parallel=parallel,
         batch=BatchConfig(**check_mapping("batch", d["batch"], _names(BatchConfig))),
         total_lengths=lengths.tolist(),
         rollout_ids=None if ids is None else ids.tolist(),
         loss_tokens=None if loss is None else loss.tolist(),
-        loss_tokens_per_step=None if d.get("loss_tokens_per_step") is None
-        else int_list("loss_tokens_per_step", d["loss_tokens_per_step"], **n_max),
-        cost_model=_cost_from_dict(cost_model),
-        step_samples=nested_int_lists("step_samples", d.get("step_samples", []), 1, **n_max),
-        step_of=None if d.get("step_of") is None
-        else int_list("step_of", d["step_of"], minimum=0, maximum=len(lengths)),
+        loss_tokens_per_step=ints("loss_tokens_per_step", optional=True), cost_model=_cost_from_dict(cost_model),
+        step_samples=ints("step_samples", 1) if "step_samples" in d else [],
+        step_of=ints("step_of", optional=True, minimum=0, maximum=len(lengths)),
         forward_only=check_bool("forward_only", d.get("forward_only", False)),
         microbatches_per_rank=None if d.get("microbatches_per_rank") is None
         else check_int("microbatches_per_rank", d["microbatches_per_rank"], maximum=MAX_SAMPLES),
@@ -279,6 +272,6 @@ def _cost_from_dict(d: Any) -> "CostModel | CostProfile | None":
     """A saved cost model: model dims (``CostModel``), or a measured profile (``slime-ext calibrate``)."""
     if d is None:
         return None
-    if is_profile_dict(d):
+    if isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND:  # written by `slime-ext calibrate`
         return CostProfile.from_dict(d, source="the schedule's cost_model")
     return CostModel(**check_mapping("cost_model", d, _names(CostModel)))

@@ -1,10 +1,8 @@
 """The schedule's invariants (:mod:`.planner`'s docstring lists them), written once: :func:`check_schedule` returns
-every violation as a readable line (empty: valid), :func:`assert_valid_schedule` raises them. Every test and
-``slime-ext plan --from-json`` run them."""
+every violation as a readable line (empty: valid). Every test and ``slime-ext plan --from-json`` run them."""
 
 from __future__ import annotations
 
-import dataclasses
 from itertools import chain
 from typing import Sequence
 
@@ -109,11 +107,10 @@ def _check_counts(sched: DPSchedule, bad) -> bool:
     for s, m in enumerate(sched.num_microbatches):
         if m < 1 or (m * dp) % align:
             bad(f"step {s}: num_microbatches={m} per rank; total {m * dp} is not a positive multiple of align={align}")
-    for name in ("samples_per_step", "rollouts_per_step", "stats"):
-        if len(getattr(sched, name)) != num_steps:
-            bad(f"{name} has {len(getattr(sched, name))} entries for {num_steps} steps")
-    if sched.loss_tokens_per_step is not None and len(sched.loss_tokens_per_step) != num_steps:
-        bad(f"loss_tokens_per_step has {len(sched.loss_tokens_per_step)} entries for {num_steps} steps")
+    for name in ("samples_per_step", "rollouts_per_step", "stats", "loss_tokens_per_step"):  # the last may be None
+        per_step = getattr(sched, name)
+        if per_step is not None and len(per_step) != num_steps:
+            bad(f"{name} has {len(per_step)} entries for {num_steps} steps")
     return True
 
 
@@ -262,11 +259,8 @@ def input_problem(sched: DPSchedule) -> str | None:
             or not (sched.cost_model is None or isinstance(sched.cost_model, (CostModel, CostProfile))):
         return ("parallel, batch, stats or cost_model is not a ParallelConfig, BatchConfig, list of StepStats, "
                 "CostModel or CostProfile")
-    d = {f.name: getattr(sched, f.name) for f in dataclasses.fields(DPSchedule)}
-    d.update(stats=[dataclasses.asdict(s) for s in sched.stats], parallel=sched.parallel.to_dict(),
-             batch=sched.batch.to_dict(), cost_model=None if sched.cost_model is None else sched.cost_model.to_dict())
     try:
-        fields_from_dict(d)
+        fields_from_dict(sched.to_dict())
     except ScheduleError as e:
         return f"recorded input: {e}"
     return None
@@ -399,10 +393,3 @@ def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None
     if not any(_close(st.bubble_fraction, b) for b in bubbles):
         predicted = f"{bubbles[0]!r}" if len(bubbles) == 1 else f"one of {bubbles!r} ({len(bubbles)} replicas tied)"
         bad(f"stats[{s}].bubble_fraction = {st.bubble_fraction!r} but the schedule predicts {predicted}")
-
-
-def assert_valid_schedule(schedule: DPSchedule, **kwargs) -> None:
-    """Raise :class:`ScheduleError` listing every violation of :func:`check_schedule`."""
-    problems = check_schedule(schedule, **kwargs)
-    if problems:
-        raise ScheduleError("invalid schedule:\n  " + "\n  ".join(problems))

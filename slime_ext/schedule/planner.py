@@ -9,7 +9,7 @@ Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollou
      request's ``microbatches_per_rank`` fixes every step's count below.
   2. **Pack first.** Static: ``micro_batch_size`` chunks. Dynamic: bins of at most ``cap = max_tokens_per_gpu *
      cp_size`` tokens, as many as the aligned token bound (:func:`~.bounds.microbatch_target`), by LPT on tokens
-     (or estimated FLOPs with ``balance_by_flops``), else best fit decreasing (:func:`pack_step`).
+     (or estimated FLOPs with ``balance_by_flops``), else best fit decreasing (:meth:`_DynamicStep.pack`).
   3. **Align.** The count is a multiple of ``align = dp_size * (mb_group if vpp_size > 1 else 1)``; a packing with
      fewer bins is grown by halving its largest multi-sample bins (halves never exceed their parent).
   4. **Distribute second.** ``count / dp_size`` micro-batches per rank: serpentine over the bins by cost, or with
@@ -31,7 +31,6 @@ fixed ``microbatches_per_rank`` holds in every step; the same input gives the sa
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -40,7 +39,8 @@ import numpy as np
 from .bounds import align_up, bin_lower_bound, microbatch_target
 from .config import BatchConfig, ParallelConfig
 from .cost import bin_costs, sample_costs
-from .distribute import build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps, serpentine
+from .distribute import (LightestWithRoom, build_rank_bins, lpt_equal_count, rank_bins_to_labels, refine_by_swaps,
+                         serpentine)
 from .dp_schedule import DPSchedule, StepStats
 from .errors import ScheduleError
 from .profile import CostProfile
@@ -48,43 +48,14 @@ from .packing import best_fit_decreasing, bins_to_labels, grow_to_count, lpt_pac
 from .pipeline_choice import StepSearch, choose_pipeline_step
 from .pipeline_pricing import Budget, PipelinePricing, pipeline_pricing
 from .pipeline_shape import ShapeSamples
-from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .planner_config import PlannerConfig
 from .step_plan import StepPlan, search_counts
-from .steps import rollout_ordinals, split_into_steps
+from .steps import group_steps, rollout_ordinals, split_into_steps
 
 __all__ = ["check_fixed_count", "plan_steps", "request_steps"]
 
 
 # ---------------------------------------------------------------------------------------------------- stages 2-4
-def pack_step(
-    lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, cap: int, target: int, align: int, step: int
-) -> tuple[np.ndarray, int, str]:
-    """Stages 2 and 3: ``(bin_of, count, strategy)``, a capped packing into a multiple of ``align`` bins.
-
-    LPT into exactly ``target`` bins, evenly loaded by ``weights``, in whole rounds; where those stall, in
-    sequential LPT's order. When LPT cannot fit at all, best fit decreasing packs tighter and is split up to the
-    aligned count.
-    """
-    bin_of = lpt_pack(lengths, weights, order, target, cap)
-    if bin_of is None:
-        bin_of = lpt_pack(lengths, weights, order, target, cap, graham=True)
-    if bin_of is not None:
-        return bin_of, target, "lpt"
-    bins = best_fit_decreasing(lengths, cap, order)
-    count = max(target, align_up(len(bins), align))
-    if count > len(lengths):
-        raise ScheduleError(
-            f"step {step}: the samples need {len(bins)} micro-batches under the cap {cap} (best fit decreasing); "
-            f"the next multiple of dp_size*mb_group = {align} is {count}, but there are only {len(lengths)} "
-            f"samples to fill them; raise --max-tokens-per-gpu, put more rollouts in a step (--global-batch-size) "
-            f"or lower the DP/VPP alignment"
-        )
-    if len(bins) < count:
-        loads = np.bincount(bins_to_labels(bins, len(lengths)), weights=lengths, minlength=len(bins))
-        grow_to_count(bins, count, lengths, loads.astype(np.int64).tolist())
-    return bins_to_labels(bins, len(lengths)), count, "bfd"
-
-
 @dataclass(frozen=True)
 class _DynamicStep:
     """One dynamic step's samples and what prices them. With a measured ``profile`` candidates are compared by the
@@ -101,11 +72,9 @@ class _DynamicStep:
     config: PlannerConfig
 
     def slowest(self, bin_of: np.ndarray, rank_of_bin: np.ndarray) -> float:
-        dp = self.parallel.dp_size
-        if self.profile is not None:
-            return float(self.profile.labelled_rank_times(self.lengths, bin_of, rank_of_bin, dp).max())
-        per_bin = np.bincount(bin_of, weights=self.costs, minlength=len(rank_of_bin))
-        return float(np.bincount(rank_of_bin, weights=per_bin, minlength=dp).max())
+        per_bin = bin_costs(self.lengths, self.costs, bin_of, len(rank_of_bin), self.profile)
+        busy = float(np.bincount(rank_of_bin, weights=per_bin, minlength=self.parallel.dp_size).max())
+        return busy + (self.profile.step_overhead_s if self.profile is not None else 0.0)
 
     def floor(self, count: int) -> float:
         """No assignment of ``count`` micro-batches beats this: the mean rank, or the rank of the costliest sample."""
@@ -116,7 +85,10 @@ class _DynamicStep:
         return floor
 
     def pack(self, count: int | None) -> tuple[np.ndarray, int, int, str] | None:
-        """Stages 2-3: ``(bin_of, count, target, strategy)``; ``count`` fixed, or ``None`` where it cannot be packed."""
+        """Stages 2-3: ``(bin_of, count, target, strategy)``, a capped packing into a multiple of ``align`` bins
+        (``count`` fixed: that many, or ``None`` where it cannot be packed). LPT into exactly ``target`` bins, evenly
+        loaded by tokens (costs with ``balance_by_flops``), in whole rounds; where those stall, in sequential LPT's
+        order. When LPT cannot fit at all, best fit decreasing packs tighter and is split up to the aligned count."""
         lengths, cap, align, n = self.lengths, self.cap, self.parallel.align, len(self.lengths)
         target = microbatch_target(lengths, cap, align)
         if count is not None:
@@ -130,16 +102,28 @@ class _DynamicStep:
                 f"samples to give every micro-batch one; raise --max-tokens-per-gpu, lower the DP/VPP alignment or "
                 f"put more rollouts per step (--global-batch-size)"
             )
-        weights = self.costs if self.batch.balance_by_flops else lengths
-        try:
-            bin_of, got, strategy = pack_step(lengths, weights, self.order, cap, target, align, self.step)
-        except ScheduleError:
-            if count is None:
-                raise
-            return None
+        by_cost = self.batch.balance_by_flops
+        weights, prefix = (self.costs, "cost-") if by_cost else (lengths, "")
+        bin_of = lpt_pack(lengths, weights, self.order, target, cap)
+        if bin_of is None:
+            bin_of = lpt_pack(lengths, weights, self.order, target, cap, graham=True)
+        if bin_of is not None:
+            return bin_of, target, target, prefix + "lpt"
+        bins = best_fit_decreasing(lengths, cap, self.order)
+        got = max(target, align_up(len(bins), align))
         if count is not None and got != count:
             return None
-        return bin_of, got, target, ("cost-" if self.batch.balance_by_flops else "") + strategy
+        if got > n:
+            raise ScheduleError(
+                f"step {self.step}: the samples need {len(bins)} micro-batches under the cap {cap} (best fit "
+                f"decreasing); the next multiple of dp_size*mb_group = {align} is {got}, but there are only {n} "
+                f"samples to fill them; raise --max-tokens-per-gpu, put more rollouts in a step (--global-batch-size) "
+                f"or lower the DP/VPP alignment"
+            )
+        if len(bins) < got:
+            loads = np.bincount(bins_to_labels(bins, n), weights=lengths, minlength=len(bins))
+            grow_to_count(bins, got, lengths, loads.astype(np.int64).tolist())
+        return bins_to_labels(bins, n), got, target, prefix + "bfd"
 
     @cached_property
     def order(self) -> np.ndarray:
@@ -162,40 +146,35 @@ class _DynamicStep:
         extra = cand[0].count > incumbent[0].count and self.profile is None
         return cand[1] < incumbent[1] * (1 - (self.config.packing.extra_microbatch_gain if extra else 0.0))
 
-
-def _plan_dynamic(
-    lengths: np.ndarray, costs: np.ndarray, cap: int, parallel: ParallelConfig, batch: BatchConfig, step: int,
-    profile: CostProfile | None = None, config: PlannerConfig = DEFAULT_CONFIG, count: int | None = None,
-) -> StepPlan | None:
-    """One dynamic step: capped bins, aligned, on ranks. ``count``: plan exactly that many micro-batches (the
-    pipeline search's re-packed counts, or a request's fixed count, with every guard of this path), ``None`` where
-    the packing cannot reach it."""
-    s = _DynamicStep(lengths, costs, cap, parallel, batch, step, profile, config)
-    packed = s.pack(count)
-    if packed is None:
-        return None
-    bin_of, got, target, strategy = packed
-    dp = parallel.dp_size
-    prices = bin_costs(lengths, costs, bin_of, got, profile)  # a profile prices each micro-batch whole
-    if not (batch.balance_data and dp > 1):
-        return StepPlan(bin_of, serpentine(prices, dp), got, strategy, target)
-    rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
-                                  config.packing.refine_rounds, config.packing.dense_swap_limit)
-    best_max = s.slowest(bin_of, rank_of_bin)
-    if profile is not None:  # balancing never predicts slower than the strided deal of the same micro-batches
-        strided = serpentine(prices, dp)
-        strided_max = s.slowest(bin_of, strided)
-        if strided_max < best_max:
-            rank_of_bin, best_max = strided, strided_max
-    best = StepPlan(bin_of, rank_of_bin, got, strategy, target)
-    if best_max <= s.floor(got) * (1 + config.packing.balance_tolerance):
-        return best
-    # bins of even size cannot balance this step: bins per rank, `align` extra micro-batches at a time
-    extras = 0 if count is not None else config.packing.max_extra_rounds
-    found = search_counts([target + extra * parallel.align for extra in range(extras + 1)],
-                          lambda k: s.rank_greedy(k, target), s.better, patience=1, best=(best, best_max),
-                          enough=lambda b, k: b[1] <= s.floor(k) * (1 + config.packing.extra_microbatch_gain))
-    return found[0]
+    def plan(self, count: int | None = None) -> StepPlan | None:
+        """Stages 2-4: capped bins, aligned, on ranks. ``count``: plan exactly that many micro-batches (the pipeline
+        search's re-packed counts, or a request's fixed count, with every guard of this path), ``None`` where the
+        packing cannot reach it."""
+        packed = self.pack(count)
+        if packed is None:
+            return None
+        bin_of, got, target, strategy = packed
+        dp, config = self.parallel.dp_size, self.config
+        prices = bin_costs(self.lengths, self.costs, bin_of, got, self.profile)  # a profile prices them whole
+        if not (self.batch.balance_data and dp > 1):
+            return StepPlan(bin_of, serpentine(prices, dp), got, strategy, target)
+        rank_of_bin = refine_by_swaps(prices, lpt_equal_count(prices, dp), dp, config.packing.refine_tolerance,
+                                      config.packing.refine_rounds, config.packing.dense_swap_limit)
+        best_max = self.slowest(bin_of, rank_of_bin)
+        if self.profile is not None:  # balancing never predicts slower than the strided deal of the same bins
+            strided = serpentine(prices, dp)
+            strided_max = self.slowest(bin_of, strided)
+            if strided_max < best_max:
+                rank_of_bin, best_max = strided, strided_max
+        best = StepPlan(bin_of, rank_of_bin, got, strategy, target)
+        if best_max <= self.floor(got) * (1 + config.packing.balance_tolerance):
+            return best
+        # bins of even size cannot balance this step: bins per rank, `align` extra micro-batches at a time
+        extras = 0 if count is not None else config.packing.max_extra_rounds
+        found = search_counts([target + extra * self.parallel.align for extra in range(extras + 1)],
+                              lambda k: self.rank_greedy(k, target), self.better, patience=1, best=(best, best_max),
+                              enough=lambda b, k: b[1] <= self.floor(k) * (1 + config.packing.extra_microbatch_gain))
+        return found[0]
 
 
 def _plan_static(n: int, costs: np.ndarray, parallel: ParallelConfig, batch: BatchConfig, step: int) -> StepPlan:
@@ -228,21 +207,18 @@ def _plan_static(n: int, costs: np.ndarray, parallel: ParallelConfig, batch: Bat
 def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
     """Deal items (decreasing weight) to the lightest group that still has a free slot; group g gets sizes[g]."""
     groups: list[list[int]] = [[] for _ in sizes]
-    heap = [(0.0, g) for g, s in enumerate(sizes) if s > 0]
-    for i, w in zip(np.argsort(-weights, kind="stable").tolist(), np.sort(weights)[::-1].tolist()):
-        load, g = heap[0]
+    free = LightestWithRoom((0.0, g, s) for g, s in enumerate(sizes) if s > 0)  # room: free slots
+    for i in np.argsort(-weights, kind="stable").tolist():
+        load, g = free.pop(1)
         groups[g].append(i)
         if len(groups[g]) < sizes[g]:
-            heapq.heapreplace(heap, (load + w, g))
-        else:
-            heapq.heappop(heap)
+            free.push(load + float(weights[i]), g, sizes[g] - len(groups[g]))
     return groups
 
 
-def _plan_for_pipeline(
-    pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray, cap: int | None,
-    parallel: ParallelConfig, batch: BatchConfig, step: int, profile: CostProfile | None, fixed_count: bool = False,
-) -> StepPlan:
+def _plan_for_pipeline(pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray,
+                       cap: int | None, parallel: ParallelConfig, profile: CostProfile | None,
+                       fixed_count: bool = False) -> StepPlan:
     """Stage 5 (``pp_size > 1``): the step's micro-batches, count, assignment and order chosen by the pipeline search
     (:func:`~slime_ext.schedule.pipeline_choice.choose_pipeline_step`), starting from the pp-unaware ``plan``.
     Static batches keep their micro-batches and ranks (only the order changes). ``fixed_count``: the search keeps
@@ -312,19 +288,14 @@ def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list
     else the steps of whole rollouts and ``global_batch_size`` (:func:`~.steps.split_into_steps`)."""
     if request.step_of is None:
         return split_into_steps(ordinals, request.lengths, request.parallel, request.batch)
-    step_of = request.step_of
-    order = np.lexsort((np.arange(len(step_of)), ordinals, step_of))  # by step, then rollout, then index
-    bounds = np.searchsorted(step_of[order], np.arange(int(step_of.max()) + 2))
-    steps = [order[bounds[s]:bounds[s + 1]] for s in range(len(bounds) - 1)]
-    return steps, [len(np.unique(ordinals[x])) for x in steps], np.zeros(0, dtype=np.int64)
+    steps, dropped = group_steps(request.step_of, ordinals, int(request.step_of.max()) + 1)
+    return steps, [len(np.unique(ordinals[x])) for x in steps], dropped
 
 
 def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: ParallelConfig,
                       batch: BatchConfig) -> None:
-    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``):
-    too few samples to give each micro-batch one, more tokens than that many capped micro-batches can hold, or a
-    static batch whose ``micro_batch_size`` gives another count. The message names the field, the value and the
-    fix."""
+    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``),
+    naming the field, the value and the fix."""
     dp, n = parallel.dp_size, len(lengths)
     count = per_rank * dp
     field = f"microbatches_per_rank = {per_rank}"
@@ -362,15 +333,15 @@ def _plan_step(request, s: int, step_len: np.ndarray, step_cost: np.ndarray, pri
     if cap is None:
         plan = _plan_static(len(step_len), step_cost, parallel, batch, s)
     else:
-        plan = _plan_dynamic(step_len, step_cost, cap, parallel, batch, s, profile=profile, config=request.config,
-                             count=None if fixed is None else fixed * dp)
+        plan = _DynamicStep(step_len, step_cost, cap, parallel, batch, s, profile, request.config).plan(
+            None if fixed is None else fixed * dp)
         if plan is None:
             raise ScheduleError(
                 f"microbatches_per_rank = {fixed}: the packing found no {fixed * dp} micro-batches of at most "
                 f"{cap} tokens for step {s} ({len(step_len)} samples, {int(step_len.sum())} tokens); raise "
                 f"microbatches_per_rank or max_tokens_per_gpu")
     if pricing is not None:
-        plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, batch, s, profile,
+        plan = _plan_for_pipeline(pricing, plan, step_len, step_cost, cap, parallel, profile,
                                   fixed_count=fixed is not None)
     return plan
 

@@ -12,8 +12,8 @@ as::
 ``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels, and this repo's CPU
 THD attention); ``packed_quadratic`` is attention over the whole packed row, masked (a path that packs without THD).
 :func:`slime_ext.training.profile_fit.fit_profile` fits the terms to timed steps (``slime-ext calibrate``).
-The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances),
-:attr:`CostProfile.microbatch_overhead_s` and :meth:`CostProfile.rank_time` (the prediction it compares by).
+The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances) and
+:meth:`CostProfile.price_sums` (a micro-batch priced whole, what it compares by).
 """
 
 from __future__ import annotations
@@ -60,19 +60,14 @@ class CostProfile:
     p2p_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in TERM_NAMES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ScheduleError(f"CostProfile.{name} = {value!r} must be a finite number >= 0 (seconds); "
-                                    f"re-run `slime-ext calibrate` or fix the profile file")
-            object.__setattr__(self, name, float(value))
-        for name, positive in (("backward_forward_ratio", True), ("p2p_s", False)):
-            value = getattr(self, name)
+        for name in TERM_NAMES + PIPELINE_FIELDS:  # a term: seconds >= 0; the ratio > 0, p2p_s >= 0 (optional)
+            value, positive = getattr(self, name), name == "backward_forward_ratio"
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0 or (positive and value == 0):
+                fix = (" (seconds); re-run `slime-ext calibrate` or fix the profile file" if name in TERM_NAMES else
+                       f"; fix the profile file or omit it (default {2.0 if positive else 0.0})")
                 raise ScheduleError(f"CostProfile.{name} = {value!r} must be a finite number "
-                                    f"{'> 0' if positive else '>= 0'}; fix the profile file or omit it (default "
-                                    f"{2.0 if positive else 0.0})")
+                                    f"{'> 0' if positive else '>= 0'}{fix}")
             object.__setattr__(self, name, float(value))
         if self.per_token_s + self.per_sample_quadratic_s + self.packed_quadratic_s <= 0:
             raise ScheduleError("CostProfile has per_token_s = per_sample_quadratic_s = packed_quadratic_s = 0: "
@@ -113,12 +108,6 @@ class CostProfile:
         """Predicted seconds of micro-batches of ``tokens`` tokens and ``squares = sum L**2`` each."""
         return (self.microbatch_overhead_s + self.per_token_s * tokens + self.per_sample_quadratic_s * squares
                 + self.packed_quadratic_s * tokens * tokens)
-
-    def labelled_rank_times(self, lengths: np.ndarray, bin_of: np.ndarray, rank_of_bin: np.ndarray,
-                            dp_size: int) -> np.ndarray:
-        """Predicted seconds per rank of one step given as planner labels (``bin_of`` per sample, ``rank_of_bin``)."""
-        mb = self.bin_times(lengths, bin_of, len(rank_of_bin))
-        return self.step_overhead_s + np.bincount(rank_of_bin, weights=mb, minlength=dp_size)
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
@@ -163,9 +152,4 @@ class CostProfile:
         return cls.from_dict(d, source=f"cost profile {path!r}")
 
 
-def is_profile_dict(d: Any) -> bool:
-    """Whether a serialized cost model (e.g. ``DPSchedule.to_dict()["cost_model"]``) is a profile."""
-    return isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND
-
-
-__all__ = ["CostProfile", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES", "is_profile_dict"]
+__all__ = ["CostProfile", "PIPELINE_FIELDS", "PROFILE_KIND", "TERMS", "TERM_NAMES"]

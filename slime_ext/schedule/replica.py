@@ -20,15 +20,16 @@ from typing import Sequence
 import numpy as np
 
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel, bin_costs, sample_costs
+from .cost import CostModel, bin_costs, check_cost_model, sample_costs
 from .errors import ScheduleError
+from .packing import bins_to_labels
 from .pipeline_orders import best_orders, heuristic_best
 from .pipeline_pricing import Budget, PipelinePricing, beats, pipeline_pricing
 from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
 from .request import PlanRequest, plan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
-from .validate import check_int, check_int_array
+from .validate import check_bool, check_int, check_int_array
 
 __all__ = ["ReplicaPlan", "ReplicaScan", "pack_replica", "scan_replica", "shape_replica"]
 
@@ -68,12 +69,7 @@ class ReplicaScan:
             return None
         labels, span = self.labels[count], self.spans[count]
         if self.pricing is not None and reorder:
-            row = bin_costs(self.samples.lengths, self.samples.costs, labels, count, self.samples.profile)[None, :]
-            order, got = heuristic_best(self.pricing, row)
-            if beats(got[0], span, self.pricing.config):  # relabel: the bin at run position p is order[0][p]
-                where = np.empty(count, dtype=np.int64)
-                where[order[0]] = np.arange(count)
-                labels, span = where[labels], float(got[0])
+            return _in_best_order(self.pricing, self.samples, labels, count, span, heuristic_best)
         return ReplicaPlan(_groups(labels, count), span)
 
 
@@ -89,23 +85,18 @@ def _cap(cap: object) -> int:
     return check_int("cap", cap, maximum=1 << 40, fix="pass the token cap per micro-batch (max_tokens_per_gpu)")
 
 
-@lru_cache(maxsize=64)
-def _cached_pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
-                    forward_only: bool) -> PipelinePricing | None:
-    return pipeline_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
+_cached_pricing = lru_cache(maxsize=64)(pipeline_pricing)
 
 
 def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
              forward_only: bool) -> PipelinePricing | None:
     """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
-    and pass (a host asks for the same few every step)."""
+    and pass (a host asks for the same few every step); the cost model checked first (so also hashable)."""
+    check_cost_model(cost_model)
+    forward_only = check_bool("forward_only", forward_only)
     if parallel.pp_size == 1:
         return None
-    try:
-        hash(cost_model)
-    except TypeError:  # an unhashable cost model: price afresh
-        return _cached_pricing.__wrapped__(parallel, cost_model, cap, config, bool(forward_only))
-    return _cached_pricing(parallel, cost_model, cap, config, bool(forward_only))
+    return _cached_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
 
 
 def _samples(x: np.ndarray, cap: int, cost_model, pricing: PipelinePricing | None) -> ShapeSamples:
@@ -195,23 +186,21 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
                             f"ask for count <= {len(x)}")
     if spec is not None:
         spec.check_microbatches(count)  # megatron-core's own rule for the layout (VPP groups)
-    samples = _samples(x, cap, cost_model, pricing)
+    samples, span = _samples(x, cap, cost_model, pricing), None
     if pricing is None:
         labels = _balanced(samples, count)
-        got = None if labels is None else ReplicaPlan(_groups(labels, count), None)
     else:
         shapes = list(dict.fromkeys(Shape.of(s, parallel.pp_size) for s in config.shaping.shapes))
         scan = _shaped(pricing, samples, [count], shapes)  # then the order search below (not ReplicaScan.plan's)
-        got = ReplicaPlan(_groups(scan.labels[count], count), scan.spans[count]) if count in scan else None
-    if got is None:  # no shape holds the cap at this count: the planner's packing, split up to it
+        labels, span = scan.labels.get(count), scan.spans.get(count)
+    if labels is None:  # no shape holds the cap at this count: the planner's packing, split up to it
         own = [list(mb) for mb in pack_replica(x, cap, cost_model=cost_model)]
         if len(own) > count:
             raise _refuse(x, count, cap, spec, len(own))
-        mbs = _split_to(own, count, samples.costs)
-        got = ReplicaPlan(tuple(tuple(mb) for mb in mbs), None)
+        labels = bins_to_labels(_split_to(own, count, samples.costs), len(x))
     if pricing is None:
-        return got
-    return _best_order(pricing, samples, got)
+        return ReplicaPlan(_groups(labels, count), None)
+    return _in_best_order(pricing, samples, labels, count, span, best_orders)
 
 
 # ---------------------------------------------------------------------------------------------------- the work
@@ -272,15 +261,15 @@ def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], 
     return ReplicaScan(found, labels, pricing, samples)
 
 
-def _best_order(pricing: PipelinePricing, samples: ShapeSamples, plan: ReplicaPlan) -> ReplicaPlan:
-    """The micro-batches in the order the pipeline model's order search finds fastest (kept where it is no faster)."""
-    mbs = plan.micro_batches
-    labels = np.empty(len(samples.lengths), dtype=np.int64)
-    for b, mb in enumerate(mbs):
-        labels[list(mb)] = b
-    row = bin_costs(samples.lengths, samples.costs, labels, len(mbs), samples.profile)[None, :]
-    order, span = best_orders(pricing, row)
-    own = float(pricing.makespans(row)[0]) if plan.predicted_makespan is None else plan.predicted_makespan
-    if beats(float(span[0]), own, pricing.config):
-        return ReplicaPlan(tuple(mbs[b] for b in order[0].tolist()), float(span[0]))
-    return ReplicaPlan(mbs, own)
+def _in_best_order(pricing: PipelinePricing, samples: ShapeSamples, labels: np.ndarray, count: int,
+                   span: float | None, search) -> ReplicaPlan:
+    """The micro-batches (``labels``: each sample's, numbered in run order; ``span``: that order's makespan,
+    ``None``: priced here) in the fastest order ``search`` finds (:mod:`.pipeline_orders`), kept where no faster."""
+    row = bin_costs(samples.lengths, samples.costs, labels, count, samples.profile)[None, :]
+    order, got = search(pricing, row)
+    span = float(pricing.makespans(row)[0]) if span is None else span
+    if beats(float(got[0]), span, pricing.config):  # relabel: the bin at run position p is order[0][p]
+        where = np.empty(count, dtype=np.int64)
+        where[order[0]] = np.arange(count)
+        labels, span = where[labels], float(got[0])
+    return ReplicaPlan(_groups(labels, count), span)

@@ -1,12 +1,9 @@
 """The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
 
-A :class:`PlanRequest` holds the samples (``lengths``, optionally ``rollout_ids`` and ``loss_tokens``), the steps
-(``step_of``, or ``None`` for steps of whole rollouts and ``global_batch_size``), the layout and cap (``parallel``,
-``batch``), the pass (``forward_only``: with pipeline parallelism count and order are chosen for that pass's
-schedule), optionally a fixed count (``microbatches_per_rank``), the cost and the tunables. It checks itself on
-construction (:class:`ScheduleError` naming the field, the value and the fix), so a request that exists is refused
-only for what the packing itself finds. :func:`plan_schedule` (the keyword form) and
-:func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a request and call :func:`plan`.
+A :class:`PlanRequest` (its fields say what each holds) checks itself on construction (:class:`ScheduleError` naming
+the field, the value and the fix), so a request that exists is refused only for what the packing itself finds.
+:func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a
+request and call :func:`plan`.
 """
 
 from __future__ import annotations
@@ -17,13 +14,13 @@ from typing import Sequence
 import numpy as np
 
 from .config import BatchConfig, ParallelConfig
-from .cost import CostModel
+from .cost import CostModel, check_cost_model
 from .dp_schedule import DPSchedule
 from .errors import ScheduleError
 from .planner import check_fixed_count, plan_steps
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
-from .validate import MAX_SAMPLES, check_bool, check_int, check_int_array, check_samples
+from .validate import MAX_SAMPLES, check_bool, check_instance, check_int, check_int_array, check_samples
 
 __all__ = ["PlanRequest", "plan", "plan_schedule"]
 
@@ -55,22 +52,13 @@ class PlanRequest:
     config: PlannerConfig | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.parallel, ParallelConfig):
-            raise ScheduleError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}; "
-                                f"use ParallelConfig.from_dict(train_parallel_config)")
-        self.parallel.require_dp_size()
-        if not isinstance(self.batch, BatchConfig):
-            raise ScheduleError(f"batch must be a BatchConfig, got {type(self.batch).__name__}; use "
-                                f"BatchConfig.from_args(args)")
-        if self.config is None:
-            object.__setattr__(self, "config", DEFAULT_CONFIG)
-        elif not isinstance(self.config, PlannerConfig):
-            raise ScheduleError(f"config must be a PlannerConfig or None, got {type(self.config).__name__}; use "
-                                f"PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
-        if self.cost_model is not None and not isinstance(self.cost_model, (CostModel, CostProfile)):
-            raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got "
-                                f"{type(self.cost_model).__name__}; use CostModel(...), CostModel.from_args(args) "
-                                f"or CostProfile.load(path)")
+        check_instance("parallel", self.parallel, ParallelConfig, "a ParallelConfig",
+                       "use ParallelConfig.from_dict(train_parallel_config)").require_dp_size()
+        check_instance("batch", self.batch, BatchConfig, "a BatchConfig", "use BatchConfig.from_args(args)")
+        check_instance("config", self.config, (PlannerConfig, type(None)), "a PlannerConfig or None",
+                       "use PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
+        object.__setattr__(self, "config", self.config or DEFAULT_CONFIG)
+        check_cost_model(self.cost_model)
         lengths, ids, loss = check_samples(self.lengths, self.rollout_ids, self.loss_tokens)  # types, ranges, once
         for name, value in (("lengths", lengths), ("rollout_ids", ids), ("loss_tokens", loss)):
             object.__setattr__(self, name, value)
@@ -125,10 +113,8 @@ class PlanRequest:
 def plan(request: PlanRequest) -> DPSchedule:
     """The plan of ``request``: which DP rank runs which sample in which micro-batch of which step (the stages of
     :mod:`.planner`). Raises :class:`ScheduleError` where the packing cannot honour the request."""
-    if not isinstance(request, PlanRequest):
-        raise ScheduleError(f"plan takes a PlanRequest, got {type(request).__name__}; build one: "
-                            f"PlanRequest(lengths=..., parallel=ParallelConfig(...), batch=BatchConfig(...))")
-    return plan_steps(request)
+    return plan_steps(check_instance("request", request, PlanRequest, "a PlanRequest", "build one: "
+                                     "PlanRequest(lengths=..., parallel=ParallelConfig(...), batch=BatchConfig(...))"))
 
 
 def plan_schedule(total_lengths: Sequence[int] | np.ndarray, parallel: ParallelConfig, batch: BatchConfig, *,

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import LAYOUT_FLAGS, ParallelConfig
-from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS
+from .cost import CostModel, MODEL_DIMS, REQUIRED_DIMS, check_cost_model
 from .errors import ScheduleError
 from .pipeline_layout import StageLayers, parse_layout
 from .profile import CostProfile
+from .validate import check_instance
 
 __all__ = ["StageCosts"]
 
@@ -99,9 +100,8 @@ class StageCosts:
                    num_layers: int | None = None) -> "StageCosts":
         """The split of ``cost_model``'s cost over ``parallel``'s pipeline (module docstring). ``num_layers``: the
         decoder layers, where ``cost_model`` does not say (a profile without model dims, or ``None``)."""
-        if not isinstance(parallel, ParallelConfig):
-            raise ScheduleError(f"parallel must be a ParallelConfig, got {type(parallel).__name__}")
-        if cost_model is None:
+        check_instance("parallel", parallel, ParallelConfig, "a ParallelConfig")
+        if check_cost_model(cost_model) is None:
             share, basis = _layer_share(parallel, num_layers)
             return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), "tokens", basis)
         if isinstance(cost_model, CostModel):
@@ -124,7 +124,6 @@ class StageCosts:
                 basis = f"profile seconds split by {basis}"
             return cls(parallel.pp_size, parallel.vpp_size, tuple(linear * np.asarray(lin_share)),
                        tuple(quadratic * np.asarray(quad_share)), "seconds", basis)
-        raise ScheduleError(f"cost_model must be a CostModel, a CostProfile or None, got {type(cost_model).__name__}")
 
     @classmethod
     def if_split(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts | None":
@@ -171,10 +170,9 @@ def _profile_dims(profile: CostProfile) -> CostModel | None:
 
 
 def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers: int | None):
-    """Per virtual stage ``(linear share, quadratic share)`` from the piece shares ``slime-ext calibrate`` measured
-    (``meta["piece_shares"]``: the embedding, one decoder layer, the final norm and output layer, of the forward
-    time), or ``None`` without them or without a layer count. An MTP layer counts as a layer and an output layer;
-    the quadratic term (attention) is split by decoder layers."""
+    """Per virtual stage ``(linear share, quadratic share)`` from ``meta["piece_shares"]`` (the embedding, one
+    decoder layer, the final norm and output layer, of the forward time; the module docstring), or ``None``
+    without them or without a layer count. The quadratic term (attention) is split by decoder layers."""
     pieces = (profile.meta or {}).get("piece_shares")
     if not isinstance(pieces, dict):
         return None

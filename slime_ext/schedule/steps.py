@@ -114,11 +114,13 @@ def split_into_steps(
             f"the rollout has {num_rollouts} rollouts but global_batch_size={gbs} (rollouts per step): not even one "
             f"step; lower --global-batch-size to at most {num_rollouts} or collect more rollouts"
         )
-    if num_rollouts == len(ordinals) and np.array_equal(ordinals, np.arange(len(ordinals))):
-        order = ordinals  # one sample per rollout, already in order
-    else:
-        order = np.argsort(ordinals, kind="stable")  # grouped by rollout, rollouts in first-occurrence order
-    bounds = np.searchsorted(ordinals[order], np.arange(num_steps + 1) * gbs)
-    steps = [order[bounds[s]:bounds[s + 1]] for s in range(num_steps)]
-    dropped = np.sort(order[bounds[-1]:])
+    steps, dropped = group_steps(ordinals // gbs, ordinals, num_steps)
     return steps, [gbs] * num_steps, dropped
+
+
+def group_steps(step_of: np.ndarray, ordinals: np.ndarray, num_steps: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """``(sample indices of each step 0..num_steps-1, by rollout in first-occurrence order then by index, the
+    samples of later steps, sorted)``."""
+    order = np.lexsort((np.arange(len(step_of)), ordinals, step_of))  # by step, then rollout, then index
+    bounds = np.searchsorted(step_of[order], np.arange(num_steps + 1))
+    return [order[bounds[s]:bounds[s + 1]] for s in range(num_steps)], np.sort(order[bounds[-1]:])

@@ -11,7 +11,7 @@ Booleans are strict: ``"False"``, ``0`` and ``1`` are refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Mapping, Set
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,11 @@ def limit_name(limit: int) -> str:
     return LIMIT_NAMES.get(limit, f"{limit:,}")
 
 
+def read_arg(args: Any, name: str) -> Any:
+    """``args.name`` of a host's args, an attribute object or a mapping; ``None`` when absent."""
+    return args.get(name) if isinstance(args, Mapping) else getattr(args, name, None)
+
+
 def is_int(value: Any) -> bool:
     """An exact integer: ``int`` or a numpy integer scalar, not ``bool``."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -89,6 +94,13 @@ def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int, fix: str
         raise ScheduleError(f"{name} = {show(v)} is above the limit {limit_name(maximum)}"
                             f"{f' ({why})' if why else ''}{_fix(fix)}")
     return v
+
+
+def check_instance(name: str, value: Any, kinds: type | tuple[type, ...], what: str, fix: str = "") -> Any:
+    """``value`` itself where it is one of ``kinds`` (``what`` names them), else a :class:`ScheduleError`."""
+    if not isinstance(value, kinds):
+        raise ScheduleError(f"{name} must be {what}, got {type(value).__name__}{_fix(fix)}")
+    return value
 
 
 def check_bool(name: str, value: Any, fix: str = "") -> bool:
@@ -196,47 +208,6 @@ def check_samples(
 
 
 # ---------------------------------------------------------------------------------------------------- the model
-def check_cost_model_fields(fields: Mapping[str, Any], *, required: Sequence[str],
-                            optional: Sequence[str]) -> dict[str, Any]:
-    """The CostModel's fields normalised (numpy ints -> int, a list ``moe_layer_freq`` -> tuple), or an error.
-    ``required``: dims that must be positive integers; ``optional``: the same or ``None`` (both derived from
-    CostModel's declaration, :data:`slime_ext.schedule.cost.REQUIRED_DIMS` / ``OPTIONAL_DIMS``)."""
-    out = dict(fields)
-    for name in required:
-        out[name] = check_int(f"CostModel.{name}", fields[name], maximum=MAX_MODEL_DIM,
-                              fix=f"pass the model's --{name.replace('_', '-')}")
-    for name in optional:
-        if fields[name] is not None:
-            out[name] = check_int(f"CostModel.{name}", fields[name], maximum=MAX_MODEL_DIM,
-                                  fix="give a positive size or leave it unset (None) for Megatron's default")
-    if out["kv_channels"] is None and out["num_attention_heads"] > out["hidden_size"]:
-        raise ScheduleError(f"CostModel.num_attention_heads = {out['num_attention_heads']} exceeds hidden_size = "
-                            f"{out['hidden_size']}: the default kv_channels = hidden_size // num_attention_heads "
-                            f"would be 0 (no attention FLOPs); pass kv_channels or check the dims")
-    out["vocab_size"] = check_int("CostModel.vocab_size", fields["vocab_size"], minimum=0, maximum=MAX_MODEL_DIM,
-                                  fix="give the (padded) vocabulary size, or 0 to leave the LM head out")
-    out["moe_router_topk"] = check_int("CostModel.moe_router_topk", fields["moe_router_topk"],
-                                       maximum=MAX_MODEL_DIM, fix="give the experts routed per token (>= 1)")
-    out["swiglu"] = check_bool("CostModel.swiglu", fields["swiglu"])
-    freq = fields["moe_layer_freq"]
-    if isinstance(freq, (list, tuple, np.ndarray)):
-        entries = list(freq.tolist() if isinstance(freq, np.ndarray) else freq)
-        for i, f in enumerate(entries):
-            if not is_int(f) or int(f) not in (0, 1):
-                raise ScheduleError(f"CostModel.moe_layer_freq[{i}] = {show(f)}; a per-layer moe_layer_freq "
-                                    f"holds 0 (dense) or 1 (MoE) for each layer, e.g. [0, 1, 1, 1]")
-        entries = tuple(int(f) for f in entries)
-        if out["num_experts"] is not None and len(entries) != out["num_layers"]:
-            raise ScheduleError(f"CostModel.moe_layer_freq has {len(entries)} entries but num_layers="
-                                f"{out['num_layers']}; give one 0/1 per layer")
-        out["moe_layer_freq"] = entries
-    else:
-        out["moe_layer_freq"] = check_int(
-            "CostModel.moe_layer_freq", freq, maximum=MAX_MODEL_DIM,
-            fix="give k >= 1 (every k-th layer is MoE) or a list of 0/1 per layer, e.g. [0, 1, 1, 1]")
-    return out
-
-
 def check_coefficients(linear: float, quadratic: float) -> None:
     """The FLOPs coefficients must be finite and positive (the dims above guarantee it; this is the backstop)."""
     if not (np.isfinite(linear) and np.isfinite(quadratic) and linear > 0 and quadratic >= 0):
@@ -265,11 +236,11 @@ def int_list(name: str, value: Any, *, minimum: int = INT64_MIN, maximum: int = 
 
 
 def nested_int_lists(name: str, value: Any, depth: int, **bounds: int) -> list:
-    """``depth`` levels of lists around lists of ints (``depth=1``: ``[[1, 2], [3]]``)."""
-    if not isinstance(value, (list, tuple)):
-        raise ScheduleError(f"{name} must be a list, got {show(value)} ({type(value).__name__})")
+    """``depth`` levels of lists around lists of ints (``depth=1``: ``[[1, 2], [3]]``; 0: :func:`int_list`)."""
     if depth == 0:
         return int_list(name, value, **bounds)
+    if not isinstance(value, (list, tuple)):
+        raise ScheduleError(f"{name} must be a list, got {show(value)} ({type(value).__name__})")
     return [nested_int_lists(f"{name}[{i}]", v, depth - 1, **bounds) for i, v in enumerate(value)]
 
 

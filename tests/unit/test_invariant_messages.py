@@ -159,14 +159,11 @@ def test_pipeline_stats_are_checked_to_a_relative_millionth():
             "stats[0] has no predicted_makespan/bubble_fraction but pp_size = 2"]
 
 
-def test_assert_valid_schedule_passes_the_inputs_and_lists_the_report(schedule):
-    from slime_ext.schedule import ScheduleError
-    from slime_ext.schedule.invariants import assert_valid_schedule
-    assert_valid_schedule(schedule, total_lengths=LENGTHS)
-    with pytest.raises(ScheduleError) as e:
-        assert_valid_schedule(schedule, total_lengths=LENGTHS[:-1] + [1], rollout_ids=IDS[:-1] + [99])
-    assert str(e.value) == ("invalid schedule:\n  total_lengths recorded in the schedule differ from the input "
-                            "lengths\n  rollout_ids recorded in the schedule differ from the input rollout ids")
+def test_check_schedule_compares_the_given_inputs(schedule):
+    assert check_schedule(schedule, total_lengths=LENGTHS) == []
+    assert check_schedule(schedule, total_lengths=LENGTHS[:-1] + [1], rollout_ids=IDS[:-1] + [99]) == [
+        "total_lengths recorded in the schedule differ from the input lengths",
+        "rollout_ids recorded in the schedule differ from the input rollout ids"]
 
 
 def test_equal_inputs_short_step_lists_and_the_alignment_report(schedule):

@@ -72,7 +72,7 @@ def test_a_fixed_count_the_derived_steps_cannot_hold_is_refused_when_planned():
         plan(request(microbatches_per_rank=1))  # [500, 600, 700, 800] under 1000 tokens: no two share
     with pytest.raises(ScheduleError, match="microbatches_per_rank = 3: step 0 has 4 samples but 3 x dp_size 2"):
         plan(request(microbatches_per_rank=3))  # 6 micro-batches of 4 samples
-    with pytest.raises(ScheduleError, match="plan takes a PlanRequest, got dict"):
+    with pytest.raises(ScheduleError, match="request must be a PlanRequest, got dict; build one"):
         plan({"lengths": [1, 2]})
 
 

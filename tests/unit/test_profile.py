@@ -11,7 +11,7 @@ import pytest
 
 from slime_ext.schedule.planner_config import PackingConfig
 from slime_ext.schedule import PlannerConfig, BatchConfig, CostModel, ParallelConfig, ScheduleError, plan_schedule
-from slime_ext.schedule.invariants import assert_valid_schedule
+from slime_ext.schedule.invariants import check_schedule
 from slime_ext.schedule.profile import TERM_NAMES, CostProfile
 from slime_ext.training.profile_fit import Observation, design_row, fit_profile
 
@@ -160,9 +160,8 @@ def test_predictions_match_the_formula():
     assert prof.rank_time([mb, [50]]) == pytest.approx(TRUE["step_overhead_s"] + expect + prof.microbatch_time([50]))
     row = design_row([mb, [50]])
     assert row.tolist() == [1, 2, 450, 100 ** 2 + 300 ** 2 + 50 ** 2, 400 ** 2 + 50 ** 2]
-    lengths = np.array([100, 300, 50])
-    times = prof.labelled_rank_times(lengths, np.array([0, 0, 1]), np.array([0, 1]), 2)
-    assert times.tolist() == pytest.approx([TRUE["step_overhead_s"] + expect, prof.rank_time([[50]])])
+    times = prof.bin_times(np.array([100, 300, 50]), np.array([0, 0, 1]), 2)
+    assert times.tolist() == pytest.approx([expect, prof.microbatch_time([50])])
 
 
 # ---------------------------------------------------------------------------------------------------- the planner
@@ -193,7 +192,7 @@ def test_planner_with_profile_is_valid_and_extra_micro_batches_never_cost_time(s
         prof = CostProfile(step_overhead_s=0.01, microbatch_overhead_s=overhead, per_token_s=1e-5,
                            per_sample_quadratic_s=2e-10)
         sched = plan_schedule(lengths, parallel, batch, cost_model=prof)
-        assert_valid_schedule(sched)
+        assert check_schedule(sched) == []
         with_extra = _predicted_step(sched, prof)
         without = plan_schedule(lengths, parallel, batch, cost_model=prof,
                                 config=PlannerConfig(packing=PackingConfig(max_extra_rounds=0)))
@@ -252,5 +251,5 @@ def test_balance_data_with_a_profile_never_predicts_slower_than_strided(seed):
         batch = BatchConfig(global_batch_size=64, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
                             balance_data=balance)
         plans[balance] = plan_schedule(lengths, parallel, batch, cost_model=prof)
-        assert_valid_schedule(plans[balance])
+        assert check_schedule(plans[balance]) == []
     assert _predicted_step(plans[True], prof) <= _predicted_step(plans[False], prof) * (1 + 1e-12)

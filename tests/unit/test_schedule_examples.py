@@ -470,7 +470,8 @@ def test_a_profile_keeps_the_strided_deal_when_balancing_predicts_slower(checked
 
 def test_moe_layer_frequency_counts_layers_zero_freq_twice_freq():
     moe = dict(hidden_size=64, num_attention_heads=4, num_experts=8)
-    assert CostModel(num_layers=10, moe_layer_freq=4, **moe)._layer_counts() == (7, 3)  # MoE at 0, 4, 8
-    assert CostModel(num_layers=10, moe_layer_freq=(1, 0) * 5, **moe)._layer_counts() == (5, 5)
+    assert CostModel(num_layers=10, moe_layer_freq=4, **moe).moe_layers_in(0, 10) == 3  # MoE at 0, 4, 8
+    assert CostModel(num_layers=10, moe_layer_freq=(1, 0) * 5, **moe).moe_layers_in(0, 10) == 5
+    assert CostModel(num_layers=10, moe_layer_freq=4, hidden_size=64, num_attention_heads=4).moe_layers_in(0, 10) == 0
     # counted in closed form: the largest accepted layer count costs no loop
-    assert CostModel(num_layers=2**30, moe_layer_freq=3, **moe)._layer_counts()[1] == -(-2**30 // 3)
+    assert CostModel(num_layers=2**30, moe_layer_freq=3, **moe).moe_layers_in(0, 2**30) == -(-2**30 // 3)

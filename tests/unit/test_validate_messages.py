@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from slime_ext.schedule import ScheduleError
-from slime_ext.schedule.cost import OPTIONAL_DIMS, REQUIRED_DIMS, CostModel
+from slime_ext.schedule.cost import CostModel
 from slime_ext.schedule.validate import (
     INT64_MAX,
     INT64_MIN,
@@ -19,7 +19,6 @@ from slime_ext.schedule.validate import (
     MAX_TOKENS,
     check_bool,
     check_coefficients,
-    check_cost_model_fields,
     check_int,
     check_int_array,
     check_mapping,
@@ -233,7 +232,7 @@ def test_saved_fields_messages():
     assert refusal(int_list, "d", [-1], minimum=0) == "d[0] = -1 is below 0; every entry must be >= 0"
     assert nested_int_lists("p", [[1], (2, 3)], 1) == [[1], [2, 3]]
     assert refusal(nested_int_lists, "p", {"a": 1}, 1) == "p must be a list, got {'a': 1} (dict)"
-    assert refusal(nested_int_lists, "p", [[[1]], [[2], 3]], 2) == "p[1][1] must be a list, got 3 (int)"
+    assert refusal(nested_int_lists, "p", [[[1]], [[2], 3]], 2) == "p[1][1] must be a list of integers, got 3 (int)"
     assert refusal(nested_int_lists, "p", [[1], [2.0]], 1) == (
         "p[1][0] = 2.0 is not an integer (float); p[1] must hold integers")
     assert refusal(nested_int_lists, "p", [[1], [5]], 1, maximum=4) == (
@@ -257,7 +256,7 @@ def model_fields(**changes):
     """CostModel's fields at their defaults, a small model's required dims, then ``changes``, checked."""
     fields = {f.name: f.default for f in dataclasses.fields(CostModel)}
     fields.update({"hidden_size": 64, "num_layers": 4, "num_attention_heads": 4, **changes})
-    return check_cost_model_fields(fields, required=REQUIRED_DIMS, optional=OPTIONAL_DIMS)
+    return dataclasses.asdict(CostModel(**fields))
 
 
 def test_cost_model_field_messages():
