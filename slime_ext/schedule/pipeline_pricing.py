@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import LAYOUT_FLAGS, ParallelConfig
+from .config import ParallelConfig
 from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
 from .pipeline_model import PipelineSpec, _table_makespans, bubble_fraction
@@ -154,12 +154,7 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
         return None
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
-    try:
-        stages = StageCosts.from_model(cost_model, parallel)
-    except ScheduleError:
-        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
-            raise  # the user placed layers: a split Megatron refuses is an error
-        stages = None  # dims that do not split evenly at this layout (approximate dims): every stage alike
+    stages = StageCosts.if_split(cost_model, parallel)
     share = None
     if stages is not None and stages.uneven:
         tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
