@@ -346,7 +346,7 @@ def pack_relabelled(budget: Budget, samples: ShapeSamples, members: np.ndarray, 
     counts ascending. Every row is priced once (:meth:`ShapeSamples.bin_rows`, the rows of every count side by
     side); a part run in another order takes its prices in that order (the same sums: a relabelled micro-batch
     holds the same samples in the same order)."""
-    budget.charge_pack(*members.shape[:1], members.shape[1], weights.shape[1])
+    budget.spent += budget.pack_cost(len(members), members.shape[1], weights.shape[1])
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
     width = weights.shape[1]
     count_of = np.zeros(len(members), dtype=np.int64)
