@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .pipeline_pricing import Budget, beats
-from .pipeline_shape import Shape, ShapeSamples, pack_core
+from .pipeline_shape import Shape, ShapeSamples, pack_each
 from .planner_config import PlannerConfig
 
 __all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_fill_run"]
@@ -70,16 +70,8 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         batch = [asks.pop(i) for i in order]
         rows = [row for ask in batch for row in ask[0]]
         members = samples.pad(rows)
-        counts = [ask[1] for ask in batch for _ in ask[0]]
-        shapes = [shape for ask in batch for shape in ask[2]]
-        w = np.full((len(rows), max(counts)), -1.0)
-        index: dict[tuple[int, Shape], list[int]] = {}
-        for i, (k, shape) in enumerate(zip(counts, shapes)):
-            index.setdefault((k, shape), []).append(i)
-        for (k, shape), idx in index.items():
-            w[idx, :k] = shape.weights(k, samples.step)
-        spans, bin_of = pack_core(budget, samples, members, w,
-                                  [(k, shape, np.asarray(idx)) for (k, shape), idx in index.items()])
+        combos = [(ask[1], shape) for ask in batch for shape in ask[2]]
+        spans, bin_of = pack_each(budget, samples, members, combos)
         sizes = [len(row) for row in rows]  # a row's samples come first, then its padding
         start = 0
         for i, ask in zip(order, batch):

@@ -66,12 +66,7 @@ class Shape:
         r, k = mb_costs.shape
         if self.order == "target":
             return np.broadcast_to(np.arange(k), (r, k))
-        if counts is None:
-            asc = np.argsort(mb_costs, axis=1, kind="stable")
-            if k >= 2:
-                asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
-            return asc
-        c = np.asarray(counts)[:, None]
+        c = np.full((r, 1), k) if counts is None else np.asarray(counts)[:, None]
         at = np.arange(k)[None, :]
         asc = np.argsort(np.where(at < c, mb_costs, np.inf), axis=1, kind="stable")  # a row's own bins first
         # position c - 2 runs the costliest, c - 1 the second costliest (rows of two or more)
@@ -372,11 +367,19 @@ def pack_relabelled(budget: Budget, samples: ShapeSamples, members: np.ndarray, 
     return bin_of, groups
 
 
-def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
-              parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pack_relabelled`, and every row priced in one pass of the model (every count together, charged to
-    ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is ``inf``."""
-    bin_of, groups = pack_relabelled(budget, samples, members, weights, parts)
+def pack_each(budget: Budget, samples: ShapeSamples, members: np.ndarray,
+              combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``i`` of ``members`` packed for ``combos[i]`` (a count and a shape), every row in one
+    :func:`pack_relabelled` call and priced in one pass of the model (charged to ``budget``): ``(spans (R,),
+    bin_of (R, n))``; a row that does not fit is ``inf``."""
+    index: dict[tuple[int, Shape], list[int]] = {}
+    for i, combo in enumerate(combos):
+        index.setdefault(combo, []).append(i)
+    w = np.full((len(combos), max(k for k, _ in index)), -1.0)
+    for (k, shape), rows in index.items():
+        w[rows, :k] = shape.weights(k, samples.step)
+    parts = [(k, shape, np.asarray(rows)) for (k, shape), rows in index.items()]
+    bin_of, groups = pack_relabelled(budget, samples, members, w, parts)
     spans = np.full(len(members), np.inf)
     for (_, sel, _), got in zip(groups, budget.price_many([prices for _, _, prices in groups]) if groups else []):
         spans[sel] = got
@@ -394,13 +397,8 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
           for i, (k, shape) in enumerate(combos)]
     distinct = sorted(first.values())
     r, c = len(members), len(distinct)
-    width = max(combos[i][0] for i in distinct)
-    w = np.full((c, width), -1.0)
-    for j, i in enumerate(distinct):
-        k, shape = combos[i]
-        w[j, :k] = shape.weights(k, samples.step)
-    parts = [(combos[i][0], combos[i][1], slice(j * r, (j + 1) * r)) for j, i in enumerate(distinct)]
-    spans, bin_of = pack_core(budget, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
+    rows = [combos[i] for i in distinct for _ in range(r)]
+    spans, bin_of = pack_each(budget, samples, np.tile(members, (c, 1)), rows)
     at = np.asarray([distinct.index(i) for i in of])
     return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]
 
@@ -409,14 +407,7 @@ def pack_rows(budget: Budget, samples: ShapeSamples, members: np.ndarray, rows: 
               combos: list[tuple[int, Shape]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, every part in one call: per part its spans and
     ``bin_of`` (``inf`` where a row does not fit)."""
-    sizes = [len(r) for r in rows]
-    width = max(k for k, _ in combos)
-    w = np.full((sum(sizes), width), -1.0)
-    parts, at = [], 0
-    for (k, shape), size in zip(combos, sizes):
-        w[at:at + size, :k] = shape.weights(k, samples.step)
-        parts.append((k, shape, slice(at, at + size)))
-        at += size
-    spans, bin_of = pack_core(budget, samples, members[np.concatenate(rows)], w, parts)
-    cuts = np.cumsum(sizes)[:-1]
+    spans, bin_of = pack_each(budget, samples, members[np.concatenate(rows)],
+                              [combo for combo, part in zip(combos, rows) for _ in part])
+    cuts = np.cumsum([len(part) for part in rows])[:-1]
     return np.split(spans, cuts), np.split(bin_of, cuts)
