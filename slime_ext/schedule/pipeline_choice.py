@@ -54,7 +54,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .cost import bin_costs
-from .pipeline_orders import group_peaks, heuristic_orders
+from .pipeline_orders import group_peaks, heuristic_spans
 from .pipeline_pricing import Budget, PipelinePricing, beats
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
@@ -113,12 +113,7 @@ def _orders(search: StepSearch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if search.memo.get("orders") is None:
         plan = search.unaware
         by_rank = np.lexsort((np.arange(plan.count), -search.heaviest, plan.rank_of_bin)).reshape(search.dp, -1)
-        costs = search.bin_costs[by_rank]
-        spec = search.pricing.spec
-        orders = heuristic_orders(costs, spec.microbatch_group_size_per_vp_stage if spec.vpp_size > 1 else 1)
-        h, r, k = orders.shape
-        rows = np.take_along_axis(np.broadcast_to(costs, (h, r, k)), orders, axis=-1).reshape(h * r, k)
-        search.memo["orders"] = (by_rank, orders, search.budget.price(rows).reshape(h, r))
+        search.memo["orders"] = (by_rank, *heuristic_spans(search.pricing, search.bin_costs[by_rank], search.budget))
     return search.memo["orders"]
 
 

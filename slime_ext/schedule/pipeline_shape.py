@@ -1,25 +1,11 @@
 """Micro-batches composed for the pipeline: each replica's samples packed into a *shape* of micro-batch sizes.
 
-Under megatron-core's 1F1B schedule a replica's step waits ``pp - 1`` stage-forwards of its first micro-batch
-before the last stage starts, and ``pp - 1`` stage-backwards of its last one after the last stage ends; in between,
-a stage idles whenever a micro-batch is much cheaper than the one the stage ran before it in the other direction. So
-the fastest plans (a long search under the model: ``bench/pipeline_search.py``) start with small micro-batches,
-rise to the largest within a few micro-batches, step down slowly and end with a ramp of small ones; and they use
-more micro-batches than the fewest the cap allows (each extra one costs its overhead but shortens fill and drain).
-
-This module builds such plans, vectorised over replicas and candidate shapes:
-
-* :func:`ramp_weights`: the target share of each of ``k`` micro-batches: ``up`` micro-batches rising linearly
-  from ``low`` of the plateau, the plateau, ``down`` micro-batches falling linearly to ``low``;
-* :func:`shape_pack`: every row's samples (largest cost first) each into the micro-batch with the most room left
-  below its target that still holds it under the token cap; the largest samples land on the first plateau
-  micro-batches (the peak), the smallest fill the ramps. Micro-batches run in target order.
-
-* :class:`ShapeSamples` and :func:`pack_many`: a step's samples packed for many ``(count, shape)`` combinations and
-  replicas in one :func:`shape_pack` call, every packing priced in one pass of the pipeline model.
-
-The pipeline search (:mod:`.pipeline_choice`, its ``shaped`` candidate) prices the candidates with the pipeline
-model and keeps a shaped plan only where it predicts the slowest replica faster. Pure: standard library and numpy.
+A pipelined step waits ``pp - 1`` stage-forwards of its first micro-batch to fill and ``pp - 1`` stage-backwards
+of its last to drain, so the fastest plans (``bench/pipeline_search.py``) start small, rise to the largest within a
+few micro-batches, step down slowly and end small. :func:`ramp_weights` gives such a shape's target shares,
+:func:`shape_pack` packs every row's samples (costliest first) each into the micro-batch with the most room left
+below its target under the token cap, and :func:`pack_each` / :func:`pack_many` pack many rows and ``(count,
+shape)`` combinations in one call, priced in one pass of the pipeline model. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
