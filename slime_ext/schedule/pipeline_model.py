@@ -158,19 +158,15 @@ def one_f_one_b_programs(pp: int, m: int, forward_only: bool = False) -> list[li
     for s in range(pp):
         p = _Program(s, pp)
         first, last = s == 0, s == pp - 1
-        if forward_only:
-            for i in range(m):
-                p.comm(recv_prev=not first)  # recv_forward
-                p.compute("F", i)
-                p.comm(send_next=not last)  # send_forward
-            programs.append(p.ops)
-            continue
-        warmup = min(pp - s - 1, m)
+        warmup = m if forward_only else min(pp - s - 1, m)
         remaining = m - warmup
         for i in range(warmup):
             p.comm(recv_prev=not first)  # recv_forward
             p.compute("F", i)
             p.comm(send_next=not last)  # send_forward
+        if forward_only:
+            programs.append(p.ops)
+            continue
         if remaining:
             p.comm(recv_prev=not first)  # recv_forward of the first steady micro-batch
         for i in range(remaining):
@@ -687,20 +683,13 @@ def _spec_key(spec: PipelineSpec, m: int, form) -> tuple:
 
 
 def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
-    """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
-    (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
-    of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
-    replicas cut into pieces of one width, ``PlannerConfig.model.model_pieces``), so many small groups cost about what the largest
-    alone does; the makespans are exactly those of separate calls."""
-    return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
-
-
-def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) -> list[np.ndarray]:
-    """:func:`pipeline_makespans` of costs already checked (``(R, M)`` or ``(R, S, M)`` float arrays)."""
+    """:func:`pipeline_makespan` of several groups of replicas, each its own count and cost form (``costs``: a
+    list of ``(fwd, bwd)``), in one level-by-level pass: a list of ``(R_i,)`` makespans, exactly those of separate
+    calls."""
     tables = []
-    for f, b in groups:
-        table, form = _cost_table(f, b, spec)
-        tables.append((table, form, f.shape[-1]))
+    for fwd, bwd in costs:
+        f, b, _ = _pass_costs(fwd, bwd, spec)
+        tables.append((*_cost_table(f, b, spec), f.shape[-1]))
     return _table_makespans(tables, spec)
 
 
@@ -748,7 +737,7 @@ def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
     per rank (each chunk ``1 / vpp`` of it) or ``(R, pp * vpp, M)`` per virtual stage ``k = chunk * pp + s``.
     ``bwd`` may be ``None`` on a forward-only pass."""
     f, b, one = _pass_costs(fwd, bwd, spec)
-    out = _makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
+    out = pipeline_makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
 
