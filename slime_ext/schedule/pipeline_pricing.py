@@ -195,12 +195,7 @@ class Budget:
         self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
         #: the budget's fixed part (the search around the slowest replicas: the refinement keeps a share of it)
         self.floor = self.total if floor_us is None else float(floor_us)
-        b = pricing.config.budget
-        self._call, self._level, self._cell = b.work_call_us, b.work_level_us, b.work_model_cell_us
-        self._pass, self._pass_row, self._pack_cell = b.work_pass_us, b.work_pass_row_us, b.work_pack_cell_us
-        self._round = b.work_round_us
-        self._replica = b.work_replica_us
-        self._partner_rows, self._replica_passes = b.refine_partner_rows, b.replica_passes
+        self.cfg = pricing.config.budget
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
@@ -228,15 +223,16 @@ class Budget:
     def _levels(self, m: int) -> float:
         spec = self.pricing.spec
         passes = 1 if spec.forward_only else 2  # a forward-only DAG has about half the levels
-        return self._call + self._level * passes * (m * spec.chunks + spec.pp_size)
+        return self.cfg.work_call_us + self.cfg.work_level_us * passes * (m * spec.chunks + spec.pp_size)
 
     def model_cost(self, rows: int, m: int) -> float:
         """A call of the model on ``rows`` rows of ``m`` micro-batches."""
-        return self._levels(m) + self._cell * rows * m * self._v
+        return self._levels(m) + self.cfg.work_model_cell_us * rows * m * self._v
 
     def pack_cost(self, rows: int, n: int, k: int) -> float:
         """A packing call of ``rows`` rows of at most ``n`` samples into ``k`` micro-batches (its pricing apart)."""
-        return self._round + n * (self._pass + rows * (self._pass_row + self._pack_cell * k))
+        c = self.cfg
+        return c.work_round_us + n * (c.work_pass_us + rows * (c.work_pass_row_us + c.work_pack_cell_us * k))
 
     def allows(self, cost: float) -> bool:
         """Whether work of this estimated cost still fits."""
@@ -253,26 +249,22 @@ class Budget:
         groups = [np.atleast_2d(g) for g in groups]
         if groups:
             m = max(g.shape[1] for g in groups)
-            self.spent += self._levels(m) + self._call * (len(groups) - 1) \
-                + self._cell * self._v * sum(g.size for g in groups)
+            self.spent += self._levels(m) + self.cfg.work_call_us * (len(groups) - 1) \
+                + self.cfg.work_model_cell_us * self._v * sum(g.size for g in groups)
         return self.pricing.makespans_many(groups)
 
     def refine_round_cost(self, draws: int, k: int) -> float:
         """A round of the refinement: its model call (``draws`` rows and their partners') and its overhead."""
-        return self.model_cost(draws + draws * self._partner_rows // 2, k) + self._round
+        return self.model_cost(draws + draws * self.cfg.refine_partner_rows // 2, k) + self.cfg.work_round_us
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
         """Samples and replicas put into arrays or lists (a plan taken apart or put together)."""
-        return self._pass_row * (samples + self._replica_passes * replicas)
+        return self.cfg.work_pass_row_us * (samples + self.cfg.replica_passes * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""
-        return self._replica * replicas
-
-    @property
-    def charge_round_cost(self) -> float:
-        return self._round
+        return self.cfg.work_replica_us * replicas
 
     def charge_round(self) -> None:
         """The overhead of one round of a loop of the search (the model calls are charged by :meth:`price`)."""
-        self.spent += self._round
+        self.spent += self.cfg.work_round_us
