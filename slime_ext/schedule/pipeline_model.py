@@ -11,7 +11,6 @@ stream per stage), the cost forms and the assumptions: ``docs/pipeline.md``, "Th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,7 +18,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
-from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, show
+from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, check_number, show
 
 __all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_makespans",
            "pipeline_timeline", "stage_programs"]
@@ -54,12 +53,10 @@ class PipelineSpec:
         object.__setattr__(self, "microbatch_group_size_per_vp_stage", check_int(
             "PipelineSpec.microbatch_group_size_per_vp_stage", group, maximum=MAX_PARALLEL_SIZE,
             fix="pass None for Megatron's default (pp_size)"))
-        p2p = self.p2p_s
-        if isinstance(p2p, bool) or not isinstance(p2p, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(p2p)) or p2p < 0:
-            raise ScheduleError(f"PipelineSpec.p2p_s = {show(p2p)} must be a finite number of seconds >= 0; "
-                                f"pass 0 to ignore point-to-point cost")
-        object.__setattr__(self, "p2p_s", float(p2p))
+        p2p = check_number("PipelineSpec.p2p_s", self.p2p_s)
+        if p2p < 0:
+            raise ScheduleError(f"PipelineSpec.p2p_s = {p2p} must be >= 0 seconds; pass 0 to ignore point-to-point cost")
+        object.__setattr__(self, "p2p_s", p2p)
         object.__setattr__(self, "overlap_p2p_comm", check_bool("PipelineSpec.overlap_p2p_comm",
                                                                 self.overlap_p2p_comm))
         object.__setattr__(self, "forward_only", check_bool("PipelineSpec.forward_only", self.forward_only))
