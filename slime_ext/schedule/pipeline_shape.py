@@ -11,7 +11,7 @@ shape)`` combinations in one call, priced in one pass of the pipeline model. Pur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable
 
 import numpy as np
@@ -256,8 +256,7 @@ class ShapeSamples:
     cap: int
     profile: CostProfile | None
     step: int
-    #: per group of samples (an array of ids; the rebalancing replaces a replica's group, never changes one in
-    #: place): its cost, its tokens and its ids cheapest first, each worked out once (:meth:`group_cost` ...)
+    #: per group of samples (an array of ids, never changed in place): its cost and its ids cheapest first
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _once(self, what: str, ids: np.ndarray, make: Callable[[], object]):
@@ -267,29 +266,21 @@ class ShapeSamples:
             self._memo[(what, id(ids))] = hit
         return hit[1]
 
-    @property
+    @cached_property
     def order(self) -> np.ndarray:
         """The step's sample ids by decreasing cost, ties by id (:func:`by_decreasing_cost`)."""
-        return self._once("by cost", self.costs, lambda: by_decreasing_cost(self.costs))
+        return by_decreasing_cost(self.costs)
 
-    @property
+    @cached_property
     def rank(self) -> np.ndarray:
         """Each sample's place in :attr:`order`."""
-        def make() -> np.ndarray:
-            rank = np.empty(len(self.costs), dtype=np.int64)
-            rank[self.order] = np.arange(len(self.costs))
-            return rank
-        return self._once("rank", self.costs, make)
+        return np.argsort(self.order)
 
-    @property
+    @cached_property
     def ascending(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's sample ids by increasing cost, ties by id, and each sample's place in that order."""
-        def make() -> tuple[np.ndarray, np.ndarray]:
-            order = np.argsort(self.costs, kind="stable")
-            rank = np.empty(len(order), dtype=np.int64)
-            rank[order] = np.arange(len(order))
-            return order, rank
-        return self._once("ascending", self.costs, make)
+        order = np.argsort(self.costs, kind="stable")
+        return order, np.argsort(order)
 
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
