@@ -324,22 +324,19 @@ def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple
 @dataclass(frozen=True)
 class _Dag:
     """A program set compiled to a DAG of its computes: a compute ends at ``max over its predecessors q of
-    (end(q) + hops(q) * p2p_s)`` plus its duration (column ``mb`` for a forward, ``M + mb`` for a backward when
-    every stage costs alike; with per-stage costs column ``k M + mb`` for a forward on virtual stage ``k``,
-    ``V M + k M + mb`` for a backward, ``V = pp * vpp``; the predecessor ``num_nodes`` is time 0). ``levels``
-    groups the computes whose predecessors all lie in earlier levels. ``computes`` / ``compute_nodes`` list each
-    stage's ``(kind, mb, chunk)`` and their nodes in program order.
+    (end(q) + hops(q) * p2p_s)`` plus its duration (the predecessor ``num_nodes`` is time 0). ``levels`` groups
+    the computes whose predecessors all lie in earlier levels. ``computes`` / ``compute_nodes`` list each stage's
+    ``(kind, mb, chunk)`` and their nodes in program order.
     """
 
     num_nodes: int  # computes only
-    #: (nodes, their padded predecessors, the transfers on the way from each (column vector), their columns)
-    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    #: (nodes, their padded predecessors, the transfers on the way from each)
+    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
     computes: tuple[tuple[tuple[str, int, int], ...], ...]  # per stage: (kind, mb, chunk) in program order
     compute_nodes: tuple[np.ndarray, ...]  # per stage: node ids of those computes
-    #: per level, the nodes' rows in a per-virtual-stage cost table (``(kind, chunk * pp + s, mb)``, see above)
+    #: per level, the nodes' rows in a per-virtual-stage cost table: forward on virtual stage ``k = chunk * pp +
+    #: s`` row ``k M + mb``, backward ``V M + k M + mb`` (``V = pp * vpp``)
     virtual_stage_cols: tuple[np.ndarray, ...] = ()
-    #: ... and in a per-rank one (``(kind, s, mb)``: every chunk of a rank reads the same row, its cost / vpp)
-    rank_cols: tuple[np.ndarray, ...] = ()
 
 
 def _compile(programs: list[list[tuple]], m: int) -> _Dag:
@@ -364,13 +361,11 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         else:
             hop = 1 if col[i] == 2 * m else 0  # (a transfer)
             through[i] = {k: h + hop for k, h in merged.items()}
-    cols = np.asarray([col[i] for i in order if is_compute[i]], dtype=np.int64)
-    levels = _levels(edges, new_id, n, cols)
+    levels = _levels(edges, new_id, n)
     node_ids = tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes)
-    virtual_col, rank_col = _table_cols(computes, node_ids, len(edges), m)
+    virtual_col = _table_cols(computes, node_ids, len(edges), m)
     return _Dag(len(edges), tuple(levels), tuple(computes), node_ids,
-                tuple(virtual_col[nodes] for nodes, _, _, _ in levels),
-                tuple(rank_col[nodes] for nodes, _, _, _ in levels))
+                tuple(virtual_col[nodes] for nodes, _, _ in levels))
 
 
 def _program_nodes(programs: list[list[tuple]], m: int):
@@ -445,7 +440,7 @@ def _topological(resolved: list[list[int]]) -> list[int]:
     return order
 
 
-def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int, cols: np.ndarray) -> list:
+def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int) -> list:
     """The computes grouped in levels (:attr:`_Dag.levels`), ``edges``: each compute's predecessors (old ids; ``n``:
     time 0) and the transfers on the way."""
     c_count = len(edges)
@@ -468,21 +463,19 @@ def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int, cols: n
         for row, i in enumerate(nodes):
             preds[row, :len(preds_of[i])] = preds_of[i]
             hops[row, :len(hops_of[i])] = hops_of[i]
-        levels.append((nodes, preds, hops[:, :, None], cols[nodes]))
+        levels.append((nodes, preds, hops))
     return levels
 
 
-def _table_cols(computes: list, node_ids: tuple, c_count: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each compute's row in a per-virtual-stage and in a per-rank cost table (:class:`_Dag`)."""
+def _table_cols(computes: list, node_ids: tuple, c_count: int, m: int) -> np.ndarray:
+    """Each compute's row in a per-virtual-stage cost table (:class:`_Dag`)."""
     pp, virtual = len(computes), 1 + max((c for comp in computes for _, _, c in comp), default=0)
     virtual *= pp
     virtual_col = np.zeros(c_count, dtype=np.int64)
-    rank_col = np.zeros(c_count, dtype=np.int64)
     for s, (comp, ids) in enumerate(zip(computes, node_ids)):
         for (kind, mb, chunk), i in zip(comp, ids):
             virtual_col[i] = (virtual * m if kind == "B" else 0) + (chunk * pp + s) * m + mb
-            rank_col[i] = (pp * m if kind == "B" else 0) + s * m + mb
-    return virtual_col, rank_col
+    return virtual_col
 
 
 @lru_cache(maxsize=256)
@@ -567,19 +560,12 @@ class _Sweep:
     rows: np.ndarray  # every compute's row in the stacked cost table (the levels' rows, in node order)
 
 
-def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
-    """Per level, the rows a DAG's computes read in its cost table, and the table's row count, by the table's form:
-    "even" (``2 M`` rows: forwards, then backwards, every stage alike), "rank" (``2 pp M``: per rank), "virtual"
-    (``2 pp vpp M``: per virtual stage) or ``("alike", kinds)``: virtual stage ``k`` reads the rows of its kind
-    ``kinds[k]`` (``2 U M`` rows for ``U`` kinds: stages that cost alike share theirs)."""
-    if form == "even":
-        return tuple(cols for _, _, _, cols in dag.levels), 2 * m
-    if form == "rank":
-        return dag.rank_cols, 2 * pp * m
-    if form == "virtual":
-        return dag.virtual_stage_cols, 2 * pp * vpp * m
-    kinds = np.asarray(form[1], dtype=np.int64)
-    block, kinds_m = pp * vpp * m, (max(form[1]) + 1) * m
+def _table_rows(dag: _Dag, form: tuple[int, ...], pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
+    """Per level, the rows a DAG's computes read in its cost table, and the table's row count. The table's form
+    ``kinds``: virtual stage ``k`` reads the rows of its kind ``kinds[k]``, ``2 U M`` rows for ``U`` kinds
+    (forwards, then backwards; stages that cost alike share theirs: every stage alike is one kind)."""
+    kinds = np.asarray(form, dtype=np.int64)
+    block, kinds_m = pp * vpp * m, (max(form) + 1) * m
     rows = tuple((cols // block) * kinds_m + kinds[(cols % block) // m] * m + cols % m
                  for cols in dag.virtual_stage_cols)
     return rows, 2 * kinds_m
@@ -617,9 +603,9 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
         preds = np.full((starts[k + 1] - starts[k], width), total, dtype=np.int64)
         hops = np.zeros((len(preds), width))
         row = 0
-        for d, (nodes, p, h, _) in parts:
+        for d, (nodes, p, h) in parts:
             preds[row:row + len(nodes), :p.shape[1]] = new_ids[d][p]
-            hops[row:row + len(nodes), :p.shape[1]] = h[:, :, 0]
+            hops[row:row + len(nodes), :p.shape[1]] = h
             row += len(nodes)
         # one contiguous column per predecessor slot (``take`` and an element-wise max beat a gather of ``(n, w,
         # R)`` and a reduction over its short middle axis)
@@ -633,24 +619,22 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
 
 
 def _cost_table(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, str]:
-    """A DAG's durations as a ``(rows, R)`` table (see :data:`_table_rows`) and its form."""
+    """A DAG's durations as a ``(rows, R)`` table and its form (:func:`_table_rows`)."""
     r, m = f.shape[0], f.shape[-1]
-    v = spec.chunks
+    v, virtual = spec.chunks, spec.pp_size * spec.chunks
     if f.ndim == 3:  # per stage: one row per (kind, stage, micro-batch)
         _per_virtual_stage(f[:1, :, :1], spec)  # checks the stage count
         sm = f.shape[1] * m
         dur_t = np.empty((2 * sm, r))
         dur_t[:sm] = f.transpose(1, 2, 0).reshape(sm, r)  # (stage, micro-batch) x replicas
         dur_t[sm:] = b.transpose(1, 2, 0).reshape(sm, r)
-        if f.shape[1] == spec.pp_size:
-            if v > 1:  # one row per rank: each of its chunks takes 1 / vpp
-                dur_t /= v
-            return dur_t, "rank"
-        return dur_t, "virtual"
+        if f.shape[1] == spec.pp_size and v > 1:  # one row per rank: each of its chunks takes 1 / vpp
+            dur_t /= v
+        return dur_t, tuple(k % f.shape[1] for k in range(virtual))
     dur_t = np.empty((2 * m, r))
     dur_t[:m] = (f / v).T
     dur_t[m:] = (b / v).T
-    return dur_t, "even"
+    return dur_t, (0,) * virtual
 
 
 def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:

@@ -93,14 +93,14 @@ class PipelinePricing:
                 table = np.empty((2 * m, f.shape[1]))
                 table[:m] = f / v
                 table[m:] = (self.backward_forward_ratio * f) / v
-                tables.append((table, "even", m))
+                tables.append((table, (0,) * (self.spec.pp_size * v), m))
                 continue
             share, kinds = self._share_kinds  # stages of equal share read one block of rows
             rows = len(share) * m  # (kind of stage, micro-batch) x replicas: forwards, then backwards
             table = np.empty((2 * rows, f.shape[1]))
             np.multiply(f[None, :, :], share[:, None, None], out=table[:rows].reshape(len(share), m, -1))
             np.multiply(self.backward_forward_ratio, table[:rows], out=table[rows:])
-            tables.append((table, ("alike", kinds), m))
+            tables.append((table, kinds, m))
         return _table_makespans(tables, self.spec, self.config)
 
     @cached_property
