@@ -732,23 +732,13 @@ def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
     table, form = _cost_table(f, b, spec)
     key = _spec_key(spec, f.shape[-1], form)
     sweep = _sweep((key,))
-    end = _sweep_ends(sweep, table, spec.p2p_s)[sweep.new_ids[0]].T  # (1, computes)
-    dag = _compiled(*key[:5], key[6])
-    if f.ndim == 3:
-        fv, bv = _per_virtual_stage(f, spec)[0], _per_virtual_stage(b, spec)[0]
-        pp = spec.pp_size
-
-        def durations(s: int, comp) -> np.ndarray:
-            return np.array([(fv if k == "F" else bv)[c * pp + s, mb] for k, mb, c in comp])
-    else:
-        def durations(s: int, comp) -> np.ndarray:
-            return np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
-                            b[0, [mb for _, mb, _ in comp]]) / spec.chunks
+    end = _sweep_ends(sweep, table, spec.p2p_s)[:, 0]
+    length = table[sweep.rows, 0]  # every compute's duration
     out = []
-    for s, (comp, nodes) in enumerate(zip(dag.computes, dag.compute_nodes)):
-        e = end[0, nodes]
-        d = durations(s, comp) if len(comp) else np.zeros(0)
-        out.append([(k, mb, c, float(ei - di), float(ei)) for (k, mb, c), ei, di in zip(comp, e, d)])
+    dag = _compiled(*key[:5], key[6])
+    for comp, nodes in zip(dag.computes, dag.compute_nodes):
+        ids = sweep.new_ids[0][nodes].tolist()
+        out.append([(k, mb, c, float(end[i] - length[i]), float(end[i])) for (k, mb, c), i in zip(comp, ids)])
     return out
 
 
