@@ -517,17 +517,13 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
 def _pass_costs(fwd, bwd, spec) -> tuple[np.ndarray, np.ndarray, bool]:
     """:func:`_as_costs` for ``spec``'s pass: on a forward-only pass the backward costs are zero (``bwd`` may be
     ``None`` there; given, it is checked but not read)."""
-    _check_spec(spec)
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
     if bwd is None and not spec.forward_only:
         raise ScheduleError("bwd is None on a training pass; pass the backward costs, or "
                             "PipelineSpec(..., forward_only=True) for a forward-only (log-prob) pass")
     f, b, one = _as_costs(fwd, fwd if bwd is None else bwd)
     return (f, np.zeros_like(f), one) if spec.forward_only else (f, b, one)
-
-
-def _check_spec(spec) -> None:
-    if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
 
 
 def _per_virtual_stage(a: np.ndarray, spec: PipelineSpec) -> np.ndarray:
