@@ -310,55 +310,38 @@ class ShapeSamples:
         return out
 
 
-def pack_relabelled(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
-                    parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, list]:
-    """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
-    ``weights`` in one call (charged to ``budget``), each part ``(count, shape, its rows)`` relabelled to its run
-    order: ``(bin_of (R, n), per count: (k, its rows that hold the cap, their micro-batch prices in run order))``,
-    counts ascending. Every row is priced once (:meth:`ShapeSamples.bin_rows`, the rows of every count side by
-    side); a part run in another order takes its prices in that order (the same sums: a relabelled micro-batch
-    holds the same samples in the same order)."""
-    budget.spent += budget.pack_cost(len(members), members.shape[1], weights.shape[1])
-    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
-    width = weights.shape[1]
-    count_of = np.zeros(len(members), dtype=np.int64)
-    turned: dict[Shape, list[np.ndarray]] = {}  # the rows of each shape not run in target order
-    rows_all = np.arange(len(members))
-    for k, shape, rows in parts:
-        count_of[rows] = k
+def pack_each(budget: Budget, samples: ShapeSamples, members: np.ndarray,
+              combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``i`` of ``members`` (sample ids by decreasing cost, padded with -1) packed for ``combos[i]`` (a count
+    and a shape), every row in one :func:`shape_pack` call, relabelled to its shape's run order and priced in one
+    pass of the model (both charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is
+    ``inf``. A row run in another order takes its prices in that order (a relabelled micro-batch holds the same
+    samples in the same order: the same sums)."""
+    index: dict[tuple[int, Shape], list[int]] = {}
+    for i, combo in enumerate(combos):
+        index.setdefault(combo, []).append(i)
+    width = max(k for k, _ in index)
+    w = np.full((len(combos), width), -1.0)
+    turned: dict[Shape, list[int]] = {}  # the rows of each shape not run in target order
+    for (k, shape), rows in index.items():
+        w[rows, :k] = shape.weights(k, samples.step)
         if shape.order != "target":
-            turned.setdefault(shape, []).append(rows_all[rows])
+            turned.setdefault(shape, []).extend(rows)
+    budget.spent += budget.pack_cost(len(members), members.shape[1], width)
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, w, samples.cap)
+    count_of = np.asarray([k for k, _ in combos], dtype=np.int64)
     prices = samples.bin_rows(members, bin_of, width)  # (R, width): a row's bins beyond its count are empty
     for shape, rows in turned.items():
-        own = np.concatenate(rows)
+        own = np.asarray(rows)
         run = shape.run_order(prices[own], count_of[own])  # the bins in run order (beyond the count: in place)
         rank = np.argsort(run, axis=1)  # bin -> its run position
         b = bin_of[own]
         bin_of[own] = np.where(b >= 0, np.take_along_axis(rank, np.maximum(b, 0), axis=1), -1)
         prices[own] = np.take_along_axis(prices[own], run, axis=1)
-    groups = []
-    for k in sorted({k for k, _, _ in parts}):
-        sel = np.flatnonzero((count_of == k) & ok)
-        if len(sel):
-            groups.append((k, sel, prices[sel, :k]))
-    return bin_of, groups
-
-
-def pack_each(budget: Budget, samples: ShapeSamples, members: np.ndarray,
-              combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
-    """Row ``i`` of ``members`` packed for ``combos[i]`` (a count and a shape), every row in one
-    :func:`pack_relabelled` call and priced in one pass of the model (charged to ``budget``): ``(spans (R,),
-    bin_of (R, n))``; a row that does not fit is ``inf``."""
-    index: dict[tuple[int, Shape], list[int]] = {}
-    for i, combo in enumerate(combos):
-        index.setdefault(combo, []).append(i)
-    w = np.full((len(combos), max(k for k, _ in index)), -1.0)
-    for (k, shape), rows in index.items():
-        w[rows, :k] = shape.weights(k, samples.step)
-    parts = [(k, shape, np.asarray(rows)) for (k, shape), rows in index.items()]
-    bin_of, groups = pack_relabelled(budget, samples, members, w, parts)
+    groups = [np.flatnonzero((count_of == k) & ok) for k in sorted(set(count_of.tolist()))]
+    groups = [(sel, prices[sel, :count_of[sel[0]]]) for sel in groups if len(sel)]
     spans = np.full(len(members), np.inf)
-    for (_, sel, _), got in zip(groups, budget.price_many([prices for _, _, prices in groups]) if groups else []):
+    for (sel, _), got in zip(groups, budget.price_many([p for _, p in groups]) if groups else []):
         spans[sel] = got
     return spans, bin_of
 
