@@ -54,7 +54,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .cost import bin_costs
-from .pipeline_orders import group_peaks, heuristic_orders
+from .pipeline_orders import group_peaks, heuristic_spans
 from .pipeline_pricing import Budget, PipelinePricing, beats
 from .pipeline_rebalance import lockstep, rebalance_run
 from .pipeline_refine import Arrangement, polish_orders, refine
@@ -68,24 +68,18 @@ __all__ = ["CANDIDATES", "StepSearch", "beats", "choose_pipeline_step", "shaped_
 
 @dataclass
 class StepSearch:
-    """One step as every candidate generator sees it.
-
-    ``unaware``: stages 2-4's plan; ``bin_costs``: its micro-batches' prices (the one bin pricing);
-    ``heaviest``: the key its ranks run their micro-batches by (heaviest first); ``lengths``/``costs``: the step's
-    samples; ``profile``: a measured profile (micro-batches priced whole) or ``None``; ``cap``: the token cap,
-    ``None`` for static batches (whose micro-batches never change); ``samples``: what shaping needs (dynamic
-    batches); ``budget``: the step's work budget; ``align``, ``fixed_count``: see the fields."""
+    """One step as every candidate generator sees it."""
 
     pricing: PipelinePricing
-    unaware: StepPlan
-    bin_costs: np.ndarray
-    heaviest: np.ndarray
+    unaware: StepPlan  # stages 2-4's plan
+    bin_costs: np.ndarray  # its micro-batches' prices (the one bin pricing)
+    heaviest: np.ndarray  # the key its ranks run their micro-batches by (heaviest first)
     dp: int
     lengths: np.ndarray
     costs: np.ndarray
     profile: CostProfile | None
-    cap: int | None
-    samples: ShapeSamples | None
+    cap: int | None  # None for static batches (their micro-batches never change)
+    samples: ShapeSamples | None  # what shaping needs (dynamic batches)
     budget: Budget
     #: the count moves by multiples of this (``dp_size * microbatch_group_size_per_vp_stage`` under VPP)
     align: int = 1
@@ -113,22 +107,13 @@ def _arranged(search: StepSearch, by_rank: np.ndarray, spans: np.ndarray, strate
                     search.pricing.bubble(search.bin_costs[by_rank[slowest]], spans[slowest]))
 
 
-def _heaviest_first(search: StepSearch) -> np.ndarray:
-    plan = search.unaware
-    return np.lexsort((np.arange(plan.count), -search.heaviest, plan.rank_of_bin)).reshape(search.dp, -1)
-
-
 def _orders(search: StepSearch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(by_rank, orders, spans)``: the pp-unaware bins of each rank heaviest first, and every heuristic order of
     them with its makespans (``orders[0]`` is heaviest first), priced once for both candidates that need them."""
     if search.memo.get("orders") is None:
-        by_rank = _heaviest_first(search)
-        costs = search.bin_costs[by_rank]
-        spec = search.pricing.spec
-        orders = heuristic_orders(costs, spec.microbatch_group_size_per_vp_stage if spec.vpp_size > 1 else 1)
-        h, r, k = orders.shape
-        rows = np.take_along_axis(np.broadcast_to(costs, (h, r, k)), orders, axis=-1).reshape(h * r, k)
-        search.memo["orders"] = (by_rank, orders, search.budget.price(rows).reshape(h, r))
+        plan = search.unaware
+        by_rank = np.lexsort((np.arange(plan.count), -search.heaviest, plan.rank_of_bin)).reshape(search.dp, -1)
+        search.memo["orders"] = (by_rank, *heuristic_spans(search.pricing, search.bin_costs[by_rank], search.budget))
     return search.memo["orders"]
 
 
@@ -258,13 +243,11 @@ def _rank_counts(combos: list[tuple[int, Shape]], scan: np.ndarray, cfg: Planner
 
 
 def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> list[int]:
-    """The per-replica counts the shaped candidate scans: ``k0`` times ``count_search.count_factors``, each rounded up to
-    the step and at least ``i`` steps above ``k0`` (small counts reach far enough) but not above the largest
-    factor's count or ``k0`` plus one per factor (under VPP a step is a whole group), at most ``most`` (the smallest
-    replica's samples), those megatron-core accepts."""
+    """The per-replica counts the shaped candidate scans: ``k0`` times each of ``count_search.count_factors``,
+    rounded up to the step, at least ``i`` steps above ``k0``, at most ``most`` (the smallest replica's samples),
+    those megatron-core accepts."""
     out = []
     factors = pricing.config.count_search.count_factors
-    # the largest factor's count, or one more micro-batch per factor (not whole VPP groups)
     reach = max(-(-int(round(k0 * max(factors))) // step) * step, k0 + len(factors) - 1)
     for i, f in enumerate(factors):
         k = max(-(-int(round(k0 * f)) // step), -(-k0 // step) + i) * step
@@ -281,25 +264,11 @@ def shape_counts(k0: int, step: int, most: int, pricing: PipelinePricing) -> lis
 
 def shaped_step(budget: Budget, samples: ShapeSamples, replica_of: np.ndarray, k0: int, dp: int,
                 strategy: str, target: int, fixed_count: bool = False) -> list[StepPlan]:
-    """The shaped plans of the step's samples, one per count rebalanced (fastest first, at most
-    ``refinement.finalists``), starting from each replica's samples (``replica_of``):
-
-    1. the scan: the counts of :func:`shape_counts` that the scanned replicas can hold, with ``shaping.scan_shapes``,
-       on up to ``count_search.scan_replicas`` replicas likely to be slowest (the heaviest, those holding the costliest
-       samples; with many replicas also typical ones, since the rebalancing levels them), then every shape at the
-       best counts on those replicas; the counts ranked by :func:`_rank_counts` (near-ties: more micro-batches
-       first);
-    2. every replica packed in the best combination of each of the best counts (up to ``count_search.rebalanced_counts``;
-       where a count fails on every one, the next count scanned), and in the count's other leading combinations
-       and the flat shape (it packs wherever any does): every replica where the budget pays for it, else the slowest
-       ones (and those the count failed on); per count each replica keeps its fastest;
-    3. samples moved off the slowest replicas (:func:`~.pipeline_rebalance.rebalance_run`), the counts side by side
-       (:func:`~.pipeline_rebalance.lockstep`); under VPP each replica's groups peaked where that is faster
-       (:func:`_group_peaked`).
-
-    The work is sized to the budget (:meth:`_Shaped.scan`). Empty where no count fits (too few samples, the cap),
-    or where even the smallest such search does not fit the budget. ``fixed_count``: ``k0`` is the only count (a
-    request's ``microbatches_per_rank``)."""
+    """The shaped plans of the step's samples (``replica_of``: each sample's replica), one per count rebalanced,
+    fastest first, at most ``refinement.finalists``: the scan (:meth:`_Shaped.scan`), every replica packed
+    (:meth:`_Shaped.packed`), rebalanced (:meth:`_Shaped.rebalanced`), under VPP its groups peaked
+    (:func:`_group_peaked`). Empty where no count fits or the budget does not pay for the smallest scan.
+    ``fixed_count``: ``k0`` is the only count (a request's ``microbatches_per_rank``)."""
     shaping = _Shaped.start(budget, samples, replica_of, k0, dp, fixed_count)
     if shaping is None:
         return []
@@ -378,7 +347,7 @@ class _Shaped:
         water = cfg.rebalancing.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
         # each share tried: the slowest, its partners
         rows = len(cfg.rebalancing.shed_shares) * (1 + cfg.rebalancing.balance_partners) * c
-        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.charge_round_cost + self.work(rows, k))
+        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.work_round_us + self.work(rows, k))
         return water + moves
 
     def later(self, c: int) -> float:
@@ -387,32 +356,25 @@ class _Shaped:
         return self.work(self.dp * c, k) + self.rebalancing(c, k)
 
     def scan(self) -> tuple[list, list[int], int] | None:
-        """Stage 1 of :func:`shaped_step`: ``(the combinations best first, the counts ranked, how many lead)``, or
-        ``None`` where no count fits the budget or none packs. The work is sized to the budget left after what
-        comes later: first the full packing and rebalancing of as many counts as fit beside a scan of every count
-        on ``count_search.min_scan_replicas`` replicas with the scan shapes, then the scan (up to ``count_search.scan_share``
-        of the allowance: more replicas, then the other shapes at the best counts, as far as they fit)."""
+        """Stage 1 of :func:`shaped_step`: the counts of :func:`shape_counts` with ``shaping.scan_shapes`` on the
+        replicas likely to be slowest, then every shape at the best counts: ``(the combinations best first, the
+        counts ranked, how many lead)``, or ``None``. What comes later (the full packing and rebalancing of as many
+        counts as fit) is reserved first; the scan takes up to ``count_search.scan_share`` of the allowance."""
         cfg, dp, scan_shapes = self.cfg, self.dp, self.scan_shapes
         allowance = self.budget.left() - self.keep
-        # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica in
-        # one combination; where even that does not fit, no shaped candidate (many micro-batches per replica, where
-        # the pipeline's fill and drain matter least)
+        # the smallest shaped search: the first count with the scan shapes on the fewest replicas, every replica
         fewest = min(dp, cfg.count_search.min_scan_replicas)
         if self.work(fewest * len(scan_shapes), self.counts[0]) + self.work(dp, self.counts[0]) > allowance:
             return None
-        # what comes after the scan is reserved first: as many counts as fit beside the smallest scan
         n_leads = cfg.count_search.rebalanced_counts
         smallest = self.work(fewest * len(self.counts) * len(scan_shapes), self.counts[-1])
         while n_leads > 1 and smallest + self.later(n_leads) > allowance:
             n_leads -= 1
         scan_allowance = max(smallest, min(allowance * cfg.count_search.scan_share, allowance - self.later(n_leads)))
-        # every count on as many of the likely slowest replicas as the allowance pays for (at least
-        # min_scan_replicas), or, where even that does not fit, as many of the first counts (min_scan_counts)
         scanned = max([fewest] + [r for r in range(1, min(dp, cfg.count_search.scan_replicas) + 1)
                                   if self.scan_work(r, len(self.counts)) <= scan_allowance])
         sub = self._likely_slowest(scanned)
-        # the counts the scanned replicas can hold (one sample per micro-batch at least), as many as the scan pays
-        # for, spread over that range (its first and last included)
+        # the counts the scanned replicas can hold, as many as the scan pays for, spread over that range
         counts = [k for k in self.counts if k <= int((sub >= 0).sum(axis=1).min())] or self.counts[:1]
         fit = max([cfg.count_search.min_scan_counts] + [c for c in range(1, len(counts) + 1)  # (other shapes: cut)
                                            if self.work(scanned * c * len(scan_shapes), counts[-1]) <= scan_allowance])

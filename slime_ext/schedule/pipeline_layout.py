@@ -1,25 +1,13 @@
 """Which layers each pipeline stage holds, from Megatron's layout flags: the facts the per-stage costs are built on.
 
-megatron-core places a GPT model's pieces on the ``V = pp * vpp`` virtual stages (virtual stage ``k = chunk * pp +
-rank``, in the order the activations flow) by one of three rules, chosen by flags that are mutually exclusive:
-
-1. ``--pipeline-model-parallel-layout`` (``pipeline_model_parallel_layout``): a string that lists each virtual
-   stage's layers, e.g. ``"Ett|(tt|)*6mL"`` (see :func:`parse_layout`); it fixes ``vpp`` (its stage count / pp).
-2. ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``: the first (last) rank holds
-   that many decoder layers, the other ranks split the rest evenly; under VPP each rank's layers split evenly over
-   its chunks.
-3. Otherwise ``num_layers`` (plus one for the embedding with ``account_for_embedding_in_pipeline_split``, plus
-   one for the loss with ``account_for_loss_in_pipeline_split``) split evenly over the ranks and then over each
-   rank's chunks; virtual stage 0 builds one decoder layer fewer for the embedding, virtual stage ``V - 1`` one
-   fewer for the loss.
-
-Decoder layers are numbered in virtual-stage order. The embedding always sits on virtual stage 0 and the output
-layer and the loss on virtual stage ``V - 1`` (megatron-core's ``pre_process`` / ``post_process``; a layout must
-start with ``E`` and end with ``L``).
-
-Read from megatron-core 0.16's ``PipelineParallelLayerLayout``, ``get_num_layers_to_build`` and
-``TransformerConfig.__post_init__`` and Megatron-LM's argument checks, written here in our own words; the refusals
-are theirs (``tests/unit/test_stages.py`` checks them and the layer counts against an installed megatron-core).
+megatron-core places a GPT model's pieces on the ``V = pp * vpp`` virtual stages (``k = chunk * pp + rank``, in the
+order the activations flow) by one of three mutually exclusive rules (:func:`split_layers`): a
+``pipeline_model_parallel_layout`` string (:func:`parse_layout`; it fixes ``vpp``), ``decoder_first/last_pipeline_
+num_layers`` (the other ranks split the rest evenly), or an even split of ``num_layers`` (plus one each for the
+embedding and the loss with ``account_for_embedding/loss_in_pipeline_split``). The embedding sits on virtual stage
+0, the output layer and the loss on ``V - 1``. Read from megatron-core 0.16 (``PipelineParallelLayerLayout``,
+``get_num_layers_to_build``, ``TransformerConfig.__post_init__``) and Megatron-LM's argument checks, in our own
+words; the refusals are theirs (``tests/unit/test_stages.py`` checks them against an installed megatron-core).
 Pure: standard library only.
 """
 

@@ -1,70 +1,16 @@
-"""A model of Megatron's pipeline schedules: the makespan of one step of one DP replica, from its micro-batches' costs.
+"""A model of Megatron's pipeline schedules: the makespan of one step of one DP replica, from its micro-batches' costs
+(the planner's objective when ``pp_size > 1``). Pure: standard library and numpy.
 
-The planner compares candidate schedules by it when ``pp_size > 1`` (the step time of a pipelined replica is the
-makespan of megatron-core's schedule, not the sum of its micro-batches). Pure: standard library and numpy.
-
-**What is modelled.** Each stage runs the program megatron-core 0.16's schedule function runs on that pipeline
-rank, in the same order (read from ``forward_backward_pipelining_without_interleaving`` and ``..._with_interleaving``
-in ``megatron/core/pipeline_parallel/schedules.py``, written here in our own words):
-
-* 1F1B (``vpp_size == 1``): rank ``s`` runs ``min(pp - s - 1, M)`` warm-up forwards, then one forward and one
-  backward in turn, then the remaining backwards (cool-down). Its p2p calls are the blocking ones megatron-core
-  makes: ``recv_forward``, ``send_forward``, ``send_forward_recv_backward`` (one batch),
-  ``send_backward_recv_forward`` (one batch), ``recv_backward``, ``send_backward``.
-* Interleaved (``vpp_size > 1``): see :func:`interleaved_programs`.
-* Forward-only (``PipelineSpec.forward_only``, megatron-core's ``forward_only=True``: log-prob and reference
-  passes): the same schedule functions' forward-only paths. Without VPP every rank runs, per micro-batch in order,
-  a blocking ``recv_forward``, the forward and a blocking ``send_forward``; under VPP every virtual micro-batch is
-  a warm-up forward in the schedule table's order, each followed by one blocking send-output/receive-next-input
-  call, in both p2p modes. No backward, no 1F1B steady state, no gradient transfer; backward costs are not read.
-  Because every send blocks until the next stage posts its receive (see *Time*), the stages form a flow shop
-  with no buffer between them, and the order of the micro-batches changes the makespan (with equal costs and
-  ``p2p_s = 0`` it is ``(M + pp - 1) f`` without VPP).
-
-``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions (compute replaced by tags, the
-communicator by a recorder) and checks that every rank's computes, p2p calls (which transfers each combines,
-whether it blocks) and waits are exactly these programs'.
-
-**Time.** An operation starts when the previous one on its stage has ended (one stream per stage). A transfer of
-one micro-batch's activation or gradient over one stage boundary takes ``p2p_s`` seconds, and it starts when both
-sides have posted it: megatron-core's sends block until the peer receives (measured on gloo, see the notes; we
-assume the same of NCCL), so a blocking call that sends and receives returns when *all* its transfers are done. Messages on one
-directed link pair up in program order (first send with first receive), as the communication libraries do.
-The programs are compiled once per layout and count into a DAG of the computes (a compute starts at the latest of
-its stage's previous operation and the transfers it waits for) and evaluated level by level, vectorised over
-replicas: 128 replicas x 64 micro-batches x 8 stages take a few milliseconds (``python -m
-bench.pipeline_model_table --speed`` prints the timing). ``overlap_p2p_comm`` only matters under VPP (megatron-core refuses
-it without); megatron-core's default ``overlap_p2p_comm_warmup_flush = False`` is modelled.
-
-**Assumptions.**
-
-* Costs come in one of two forms (:func:`pipeline_makespan`):
-
-  - **every stage alike**, ``(M,)`` or ``(R, M)``: one stage's forward of micro-batch ``m`` takes ``fwd[m]`` on
-    every stage (its backward ``bwd[m]``), as when layers are split evenly and the embedding, output layer and
-    loss are neglected or folded in; under VPP one model chunk takes ``fwd[m] / vpp_size``;
-  - **per stage**, ``(R, pp, M)``: stage ``s``'s forward of micro-batch ``m`` takes ``fwd[r, s, m]`` (all of its
-    model chunks together; under VPP each chunk ``fwd[r, s, m] / vpp_size``), or ``(R, pp * vpp, M)``: virtual
-    stage ``k = chunk * pp + s`` (megatron-core's numbering: chunk ``c`` of rank ``pp - 1`` feeds chunk ``c + 1``
-    of rank 0) takes ``fwd[r, k, m]``. :mod:`slime_ext.schedule.stages` derives them from the model dims and
-    Megatron's layout flags (the embedding on the first stage, the output layer and the loss on the last).
-* ``p2p_s`` is the same for every micro-batch and boundary (megatron-core sends tensors of one fixed shape per
-  step; a profile measures it once).
-* The makespan is when the last forward or backward of any stage ends (a transfer always ends before the compute
-  that consumes it).
-* Nothing else on the critical path: no optimizer, no DP gradient reduction, no kernel launch or wake-up latency.
-  Measured on megatron-core's real schedule (``bench/pipeline.py``, the notes), such a model is a few percent low.
-* Forward-only: a send completes only when its receiver posts the receive (megatron-core's defaults on GPU,
-  ``batch_p2p_comm`` with ``batch_p2p_sync``, wait on every request of a call, sends included, and activations are
-  far larger than NCCL's eager p2p buffers). ``bench/schedule_replay.py`` runs megatron-core's own schedule
-  functions under exactly these semantics (injected durations, virtual time) and ``tests/unit/
-  test_pipeline_forward_only.py`` compares the two; a transport that completes sends in the background (this
-  repo's CPU patch over gloo) is a flow shop with unbounded buffers instead, which this model does not describe.
+Each stage runs the program megatron-core 0.16's schedule function runs on that rank, in the same order
+(:func:`one_f_one_b_programs`, :func:`interleaved_programs`, each with its forward-only path; written in our own
+words). ``tests/unit/test_pipeline_model.py`` records megatron-core's own schedule functions and checks that every
+rank's computes, p2p calls and waits are exactly these programs'. The programs are compiled once per layout into a
+DAG of the computes and evaluated level by level, vectorised over replicas. The time rules (blocking sends, one
+stream per stage), the cost forms and the assumptions: ``docs/pipeline.md``, "The pipeline model".
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -72,7 +18,7 @@ import numpy as np
 
 from .errors import ScheduleError
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
-from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, show
+from .validate import MAX_PARALLEL_SIZE, check_bool, check_int, check_number, show
 
 __all__ = ["PipelineSpec", "bubble_fraction", "pipeline_lower_bound", "pipeline_makespan", "pipeline_makespans",
            "pipeline_timeline", "stage_programs"]
@@ -107,12 +53,10 @@ class PipelineSpec:
         object.__setattr__(self, "microbatch_group_size_per_vp_stage", check_int(
             "PipelineSpec.microbatch_group_size_per_vp_stage", group, maximum=MAX_PARALLEL_SIZE,
             fix="pass None for Megatron's default (pp_size)"))
-        p2p = self.p2p_s
-        if isinstance(p2p, bool) or not isinstance(p2p, (int, float, np.floating, np.integer)) \
-                or not math.isfinite(float(p2p)) or p2p < 0:
-            raise ScheduleError(f"PipelineSpec.p2p_s = {show(p2p)} must be a finite number of seconds >= 0; "
-                                f"pass 0 to ignore point-to-point cost")
-        object.__setattr__(self, "p2p_s", float(p2p))
+        p2p = check_number("PipelineSpec.p2p_s", self.p2p_s)
+        if p2p < 0:
+            raise ScheduleError(f"PipelineSpec.p2p_s = {p2p} must be >= 0 seconds; pass 0 to ignore point-to-point cost")
+        object.__setattr__(self, "p2p_s", p2p)
         object.__setattr__(self, "overlap_p2p_comm", check_bool("PipelineSpec.overlap_p2p_comm",
                                                                 self.overlap_p2p_comm))
         object.__setattr__(self, "forward_only", check_bool("PipelineSpec.forward_only", self.forward_only))
@@ -188,8 +132,7 @@ class _Program:
 
     def overlapped(self, run, pending: list[int], skip_wait: bool, sending: int | None, send: str, recv: str,
                    **flags: bool) -> int | None:
-        """One half of an interleaved 1F1B iteration with ``overlap_p2p_comm`` (forward: ``send="send_next"``,
-        ``recv="recv_prev"``; backward: ``"send_prev"``, ``"recv_next"``): wait for the oldest ``pending`` receive
+        """One half of an interleaved iteration with ``overlap_p2p_comm``: wait for the oldest ``pending`` receive
         (unless ``skip_wait``), ``run`` the compute, post the transfers, wait for the previous send (``sending``);
         the new receive joins ``pending``. Returns the new send's handle."""
         if not skip_wait and pending:
@@ -212,19 +155,15 @@ def one_f_one_b_programs(pp: int, m: int, forward_only: bool = False) -> list[li
     for s in range(pp):
         p = _Program(s, pp)
         first, last = s == 0, s == pp - 1
-        if forward_only:
-            for i in range(m):
-                p.comm(recv_prev=not first)  # recv_forward
-                p.compute("F", i)
-                p.comm(send_next=not last)  # send_forward
-            programs.append(p.ops)
-            continue
-        warmup = min(pp - s - 1, m)
+        warmup = m if forward_only else min(pp - s - 1, m)
         remaining = m - warmup
         for i in range(warmup):
             p.comm(recv_prev=not first)  # recv_forward
             p.compute("F", i)
             p.comm(send_next=not last)  # send_forward
+        if forward_only:
+            programs.append(p.ops)
+            continue
         if remaining:
             p.comm(recv_prev=not first)  # recv_forward of the first steady micro-batch
         for i in range(remaining):
@@ -274,19 +213,8 @@ def interleaved_programs(pp: int, vpp: int, m: int, group: int, overlap: bool,
     transfer early: ``overlap_p2p_comm`` changes nothing) -- and no backward, no cool-down.
 
     Virtual micro-batch ``k`` is forward ``schedule_table[k]`` and backward of the same micro-batch in chunk
-    ``vpp - 1 - chunk``. Rank ``r`` runs :func:`warmup_microbatches` forwards, then one forward and one backward per
-    iteration, then the rest of the backwards. Chunk ``c`` of rank ``pp - 1`` feeds chunk ``c + 1`` of rank 0 (the
-    links form a ring). The p2p calls per iteration, by mode:
-
-    * batched (``overlap_p2p_comm`` off): after each warm-up forward one blocking call sends its output and
-      receives the next input; the last warm-up call also receives the first gradient (so rank 0 idles there
-      until the gradient of its first backward has come back through the whole pipeline); each steady iteration
-      ends in one blocking call with up to four transfers (send output, send input grad, receive next input,
-      receive next grad); each cool-down backward ends in one blocking send-grad/receive-grad call.
-    * overlapped (``overlap_p2p_comm`` on): warm-up as batched, except that the first gradient is only posted; in
-      the steady state each forward and each backward posts its sends and the next receive without waiting, a
-      forward (backward) waits for its own input (gradient) just before it runs, and a send is waited for when
-      the next send in the same direction has been posted; cool-down as batched.
+    ``vpp - 1 - chunk``; chunk ``c`` of rank ``pp - 1`` feeds chunk ``c + 1`` of rank 0. The p2p calls of each
+    ``overlap_p2p_comm`` mode: ``docs/pipeline.md``, "The pipeline model".
     """
     table = schedule_table(m, vpp, group)
     return [_InterleavedRank(r, pp, vpp, m, group, table).program(overlap, forward_only) for r in range(pp)]
@@ -396,22 +324,19 @@ def stage_programs(spec: PipelineSpec, num_microbatches: int) -> list[list[tuple
 @dataclass(frozen=True)
 class _Dag:
     """A program set compiled to a DAG of its computes: a compute ends at ``max over its predecessors q of
-    (end(q) + hops(q) * p2p_s)`` plus its duration (column ``mb`` for a forward, ``M + mb`` for a backward when
-    every stage costs alike; with per-stage costs column ``k M + mb`` for a forward on virtual stage ``k``,
-    ``V M + k M + mb`` for a backward, ``V = pp * vpp``; the predecessor ``num_nodes`` is time 0). ``levels``
-    groups the computes whose predecessors all lie in earlier levels. ``computes`` / ``compute_nodes`` list each
-    stage's ``(kind, mb, chunk)`` and their nodes in program order.
+    (end(q) + hops(q) * p2p_s)`` plus its duration (the predecessor ``num_nodes`` is time 0). ``levels`` groups
+    the computes whose predecessors all lie in earlier levels. ``computes`` / ``compute_nodes`` list each stage's
+    ``(kind, mb, chunk)`` and their nodes in program order.
     """
 
     num_nodes: int  # computes only
-    #: (nodes, their padded predecessors, the transfers on the way from each (column vector), their columns)
-    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+    #: (nodes, their padded predecessors, the transfers on the way from each)
+    levels: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
     computes: tuple[tuple[tuple[str, int, int], ...], ...]  # per stage: (kind, mb, chunk) in program order
     compute_nodes: tuple[np.ndarray, ...]  # per stage: node ids of those computes
-    #: per level, the nodes' rows in a per-virtual-stage cost table (``(kind, chunk * pp + s, mb)``, see above)
+    #: per level, the nodes' rows in a per-virtual-stage cost table: forward on virtual stage ``k = chunk * pp +
+    #: s`` row ``k M + mb``, backward ``V M + k M + mb`` (``V = pp * vpp``)
     virtual_stage_cols: tuple[np.ndarray, ...] = ()
-    #: ... and in a per-rank one (``(kind, s, mb)``: every chunk of a rank reads the same row, its cost / vpp)
-    rank_cols: tuple[np.ndarray, ...] = ()
 
 
 def _compile(programs: list[list[tuple]], m: int) -> _Dag:
@@ -436,13 +361,11 @@ def _compile(programs: list[list[tuple]], m: int) -> _Dag:
         else:
             hop = 1 if col[i] == 2 * m else 0  # (a transfer)
             through[i] = {k: h + hop for k, h in merged.items()}
-    cols = np.asarray([col[i] for i in order if is_compute[i]], dtype=np.int64)
-    levels = _levels(edges, new_id, n, cols)
+    levels = _levels(edges, new_id, n)
     node_ids = tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes)
-    virtual_col, rank_col = _table_cols(computes, node_ids, len(edges), m)
+    virtual_col = _table_cols(computes, node_ids, len(edges), m)
     return _Dag(len(edges), tuple(levels), tuple(computes), node_ids,
-                tuple(virtual_col[nodes] for nodes, _, _, _ in levels),
-                tuple(rank_col[nodes] for nodes, _, _, _ in levels))
+                tuple(virtual_col[nodes] for nodes, _, _ in levels))
 
 
 def _program_nodes(programs: list[list[tuple]], m: int):
@@ -517,7 +440,7 @@ def _topological(resolved: list[list[int]]) -> list[int]:
     return order
 
 
-def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int, cols: np.ndarray) -> list:
+def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int) -> list:
     """The computes grouped in levels (:attr:`_Dag.levels`), ``edges``: each compute's predecessors (old ids; ``n``:
     time 0) and the transfers on the way."""
     c_count = len(edges)
@@ -540,21 +463,19 @@ def _levels(edges: list[dict[int, int]], new_id: dict[int, int], n: int, cols: n
         for row, i in enumerate(nodes):
             preds[row, :len(preds_of[i])] = preds_of[i]
             hops[row, :len(hops_of[i])] = hops_of[i]
-        levels.append((nodes, preds, hops[:, :, None], cols[nodes]))
+        levels.append((nodes, preds, hops))
     return levels
 
 
-def _table_cols(computes: list, node_ids: tuple, c_count: int, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each compute's row in a per-virtual-stage and in a per-rank cost table (:class:`_Dag`)."""
+def _table_cols(computes: list, node_ids: tuple, c_count: int, m: int) -> np.ndarray:
+    """Each compute's row in a per-virtual-stage cost table (:class:`_Dag`)."""
     pp, virtual = len(computes), 1 + max((c for comp in computes for _, _, c in comp), default=0)
     virtual *= pp
     virtual_col = np.zeros(c_count, dtype=np.int64)
-    rank_col = np.zeros(c_count, dtype=np.int64)
     for s, (comp, ids) in enumerate(zip(computes, node_ids)):
         for (kind, mb, chunk), i in zip(comp, ids):
             virtual_col[i] = (virtual * m if kind == "B" else 0) + (chunk * pp + s) * m + mb
-            rank_col[i] = (pp * m if kind == "B" else 0) + s * m + mb
-    return virtual_col, rank_col
+    return virtual_col
 
 
 @lru_cache(maxsize=256)
@@ -596,17 +517,13 @@ def _as_costs(fwd, bwd) -> tuple[np.ndarray, np.ndarray, bool]:
 def _pass_costs(fwd, bwd, spec) -> tuple[np.ndarray, np.ndarray, bool]:
     """:func:`_as_costs` for ``spec``'s pass: on a forward-only pass the backward costs are zero (``bwd`` may be
     ``None`` there; given, it is checked but not read)."""
-    _check_spec(spec)
+    if not isinstance(spec, PipelineSpec):
+        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
     if bwd is None and not spec.forward_only:
         raise ScheduleError("bwd is None on a training pass; pass the backward costs, or "
                             "PipelineSpec(..., forward_only=True) for a forward-only (log-prob) pass")
     f, b, one = _as_costs(fwd, fwd if bwd is None else bwd)
     return (f, np.zeros_like(f), one) if spec.forward_only else (f, b, one)
-
-
-def _check_spec(spec) -> None:
-    if not isinstance(spec, PipelineSpec):
-        raise ScheduleError(f"spec must be a PipelineSpec, got {type(spec).__name__}; e.g. PipelineSpec(pp_size=4)")
 
 
 def _per_virtual_stage(a: np.ndarray, spec: PipelineSpec) -> np.ndarray:
@@ -639,19 +556,12 @@ class _Sweep:
     rows: np.ndarray  # every compute's row in the stacked cost table (the levels' rows, in node order)
 
 
-def _table_rows(dag: _Dag, form, pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
-    """Per level, the rows a DAG's computes read in its cost table, and the table's row count, by the table's form:
-    "even" (``2 M`` rows: forwards, then backwards, every stage alike), "rank" (``2 pp M``: per rank), "virtual"
-    (``2 pp vpp M``: per virtual stage) or ``("alike", kinds)``: virtual stage ``k`` reads the rows of its kind
-    ``kinds[k]`` (``2 U M`` rows for ``U`` kinds: stages that cost alike share theirs)."""
-    if form == "even":
-        return tuple(cols for _, _, _, cols in dag.levels), 2 * m
-    if form == "rank":
-        return dag.rank_cols, 2 * pp * m
-    if form == "virtual":
-        return dag.virtual_stage_cols, 2 * pp * vpp * m
-    kinds = np.asarray(form[1], dtype=np.int64)
-    block, kinds_m = pp * vpp * m, (max(form[1]) + 1) * m
+def _table_rows(dag: _Dag, form: tuple[int, ...], pp: int, vpp: int, m: int) -> tuple[tuple[np.ndarray, ...], int]:
+    """Per level, the rows a DAG's computes read in its cost table, and the table's row count. The table's form
+    ``kinds``: virtual stage ``k`` reads the rows of its kind ``kinds[k]``, ``2 U M`` rows for ``U`` kinds
+    (forwards, then backwards; stages that cost alike share theirs: every stage alike is one kind)."""
+    kinds = np.asarray(form, dtype=np.int64)
+    block, kinds_m = pp * vpp * m, (max(form) + 1) * m
     rows = tuple((cols // block) * kinds_m + kinds[(cols % block) // m] * m + cols % m
                  for cols in dag.virtual_stage_cols)
     return rows, 2 * kinds_m
@@ -689,9 +599,9 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
         preds = np.full((starts[k + 1] - starts[k], width), total, dtype=np.int64)
         hops = np.zeros((len(preds), width))
         row = 0
-        for d, (nodes, p, h, _) in parts:
+        for d, (nodes, p, h) in parts:
             preds[row:row + len(nodes), :p.shape[1]] = new_ids[d][p]
-            hops[row:row + len(nodes), :p.shape[1]] = h[:, :, 0]
+            hops[row:row + len(nodes), :p.shape[1]] = h
             row += len(nodes)
         # one contiguous column per predecessor slot (``take`` and an element-wise max beat a gather of ``(n, w,
         # R)`` and a reduction over its short middle axis)
@@ -705,24 +615,22 @@ def _sweep(keys: tuple[tuple, ...]) -> _Sweep:
 
 
 def _cost_table(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, str]:
-    """A DAG's durations as a ``(rows, R)`` table (see :data:`_table_rows`) and its form."""
+    """A DAG's durations as a ``(rows, R)`` table and its form (:func:`_table_rows`)."""
     r, m = f.shape[0], f.shape[-1]
-    v = spec.chunks
+    v, virtual = spec.chunks, spec.pp_size * spec.chunks
     if f.ndim == 3:  # per stage: one row per (kind, stage, micro-batch)
         _per_virtual_stage(f[:1, :, :1], spec)  # checks the stage count
         sm = f.shape[1] * m
         dur_t = np.empty((2 * sm, r))
         dur_t[:sm] = f.transpose(1, 2, 0).reshape(sm, r)  # (stage, micro-batch) x replicas
         dur_t[sm:] = b.transpose(1, 2, 0).reshape(sm, r)
-        if f.shape[1] == spec.pp_size:
-            if v > 1:  # one row per rank: each of its chunks takes 1 / vpp
-                dur_t /= v
-            return dur_t, "rank"
-        return dur_t, "virtual"
+        if f.shape[1] == spec.pp_size and v > 1:  # one row per rank: each of its chunks takes 1 / vpp
+            dur_t /= v
+        return dur_t, tuple(k % f.shape[1] for k in range(virtual))
     dur_t = np.empty((2 * m, r))
     dur_t[:m] = (f / v).T
     dur_t[m:] = (b / v).T
-    return dur_t, "even"
+    return dur_t, (0,) * virtual
 
 
 def _sweep_ends(sweep: _Sweep, table: np.ndarray, p2p: float) -> np.ndarray:
@@ -751,31 +659,14 @@ def _spec_key(spec: PipelineSpec, m: int, form) -> tuple:
             spec.overlap_p2p_comm and spec.chunks > 1 and not spec.forward_only, m, form, spec.forward_only)
 
 
-def _node_ends(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> tuple[np.ndarray, _Dag]:
-    """End time of every compute, shape ``(R, num_nodes + 1)`` (the last column is the sentinel 0)."""
-    _check_spec(spec)
-    table, form = _cost_table(f, b, spec)
-    key = _spec_key(spec, f.shape[-1], form)
-    sweep = _sweep((key,))
-    end = _sweep_ends(sweep, table, spec.p2p_s)
-    return end[np.append(sweep.new_ids[0], sweep.num_nodes)].T, _compiled(*key[:5], key[6])
-
-
 def pipeline_makespans(costs, spec: PipelineSpec) -> list[np.ndarray]:
-    """:func:`pipeline_makespan` of several groups of replicas at once, each group its own count of micro-batches
-    (and its own cost form): ``costs`` a list of ``(fwd, bwd)``, each ``(R_i, M_i)`` or per stage; returns a list
-    of ``(R_i,)`` makespans (``bwd`` may be ``None`` on a forward-only pass). One level-by-level pass evaluates every group (the groups' DAGs side by side, their
-    replicas cut into pieces of one width, ``PlannerConfig.model.model_pieces``), so many small groups cost about what the largest
-    alone does; the makespans are exactly those of separate calls."""
-    return _makespans([_pass_costs(fwd, bwd, spec)[:2] for fwd, bwd in costs], spec)
-
-
-def _makespans(groups: list[tuple[np.ndarray, np.ndarray]], spec: PipelineSpec) -> list[np.ndarray]:
-    """:func:`pipeline_makespans` of costs already checked (``(R, M)`` or ``(R, S, M)`` float arrays)."""
+    """:func:`pipeline_makespan` of several groups of replicas, each its own count and cost form (``costs``: a
+    list of ``(fwd, bwd)``), in one level-by-level pass: a list of ``(R_i,)`` makespans, exactly those of separate
+    calls."""
     tables = []
-    for f, b in groups:
-        table, form = _cost_table(f, b, spec)
-        tables.append((table, form, f.shape[-1]))
+    for fwd, bwd in costs:
+        f, b, _ = _pass_costs(fwd, bwd, spec)
+        tables.append((*_cost_table(f, b, spec), f.shape[-1]))
     return _table_makespans(tables, spec)
 
 
@@ -817,22 +708,13 @@ def _table_makespans(tables: list[tuple[np.ndarray, object, int]], spec: Pipelin
 
 
 def pipeline_makespan(fwd, bwd, spec: PipelineSpec):
-    """Makespan of one step of Megatron's schedule per replica.
+    """Makespan of one step of Megatron's schedule per replica: ``(R,)``, or a float for 1-D input.
 
-    ``fwd``, ``bwd``: the costs of each micro-batch in the order the micro-batches run, in seconds (or FLOP
-    units), in one of three shapes:
-
-    * ``(M,)`` or ``(R, M)``: one stage's forward/backward of micro-batch ``m``, the same on every stage;
-    * ``(R, pp, M)``: stage ``s``'s forward/backward of micro-batch ``m`` (all its model chunks together; under VPP
-      each chunk takes ``1 / vpp`` of it);
-    * ``(R, pp * vpp, M)``: virtual stage ``k = chunk * pp + s``'s (one model chunk's) forward/backward.
-
-    Returns ``(R,)`` makespans, or a float for 1-D input: the time the last operation of any stage ends. Per-stage
-    costs that are equal on every stage give the same makespans as the 2-D form (to rounding). On a forward-only
-    pass (``spec.forward_only``) ``bwd`` is not read and may be ``None``.
-    """
+    ``fwd``, ``bwd``: each micro-batch's cost in run order: ``(M,)`` or ``(R, M)`` every stage alike, ``(R, pp, M)``
+    per rank (each chunk ``1 / vpp`` of it) or ``(R, pp * vpp, M)`` per virtual stage ``k = chunk * pp + s``.
+    ``bwd`` may be ``None`` on a forward-only pass."""
     f, b, one = _pass_costs(fwd, bwd, spec)
-    out = _makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
+    out = pipeline_makespans([(f, b)], spec)[0] if len(f) else np.zeros(0)
     return float(out[0]) if one else out
 
 
@@ -843,22 +725,16 @@ def pipeline_timeline(fwd, bwd, spec: PipelineSpec) -> list[list[tuple]]:
     f, b, _ = _pass_costs(fwd, bwd, spec)
     if f.shape[0] != 1:
         raise ScheduleError(f"pipeline_timeline takes one replica's costs, shape (M,) or (1, pp, M); got {f.shape}")
-    end, dag = _node_ends(f, b, spec)
-    if f.ndim == 3:
-        fv, bv = _per_virtual_stage(f, spec)[0], _per_virtual_stage(b, spec)[0]
-        pp = spec.pp_size
-
-        def durations(s: int, comp) -> np.ndarray:
-            return np.array([(fv if k == "F" else bv)[c * pp + s, mb] for k, mb, c in comp])
-    else:
-        def durations(s: int, comp) -> np.ndarray:
-            return np.where([k == "F" for k, _, _ in comp], f[0, [mb for _, mb, _ in comp]],
-                            b[0, [mb for _, mb, _ in comp]]) / spec.chunks
+    table, form = _cost_table(f, b, spec)
+    key = _spec_key(spec, f.shape[-1], form)
+    sweep = _sweep((key,))
+    end = _sweep_ends(sweep, table, spec.p2p_s)[:, 0]
+    length = table[sweep.rows, 0]  # every compute's duration
     out = []
-    for s, (comp, nodes) in enumerate(zip(dag.computes, dag.compute_nodes)):
-        e = end[0, nodes]
-        d = durations(s, comp) if len(comp) else np.zeros(0)
-        out.append([(k, mb, c, float(ei - di), float(ei)) for (k, mb, c), ei, di in zip(comp, e, d)])
+    dag = _compiled(*key[:5], key[6])
+    for comp, nodes in zip(dag.computes, dag.compute_nodes):
+        ids = sweep.new_ids[0][nodes].tolist()
+        out.append([(k, mb, c, float(end[i] - length[i]), float(end[i])) for (k, mb, c), i in zip(comp, ids)])
     return out
 
 
@@ -870,15 +746,11 @@ def _stage_work(f: np.ndarray, b: np.ndarray, spec: PipelineSpec) -> np.ndarray:
 
 
 def bubble_fraction(fwd, bwd, spec: PipelineSpec, makespan=None):
-    """``1 - (the busiest pipeline rank's work) / makespan``: the share of the step the busiest rank idles (with
-    every stage alike each rank does ``sum(fwd) + sum(bwd)``; a rank's work is all of its model chunks'). The one
-    bubble definition: the planner's ``StepStats.bubble_fraction`` is this, for the slowest replica (at least 0).
-    Shapes as
+    """``1 - (the busiest pipeline rank's work) / makespan`` (at least 0): the one bubble definition. Shapes as
     :func:`pipeline_makespan`; ``makespan``: the replicas' makespans where the caller has them."""
     f, b, one = _pass_costs(fwd, bwd, spec)
     span = np.atleast_1d(pipeline_makespan(f, b, spec) if makespan is None else np.asarray(makespan, dtype=float))
     work = _stage_work(f, b, spec).max(axis=1) if f.ndim == 3 else f.sum(axis=1) + b.sum(axis=1)
-    # a rank that never idles makes it 0, which rounding can turn into -2e-16: clamped at 0
     out = np.maximum(np.where(span > 0, 1.0 - work / np.where(span > 0, span, 1.0), 0.0), 0.0)
     return float(out[0]) if one else out
 
@@ -898,30 +770,8 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     W + (pp - 1) (min_m f_m + min_m b_m) / vpp + 2 (pp - 1) c)`` (rank ``pp - 1`` gives the largest (2)),
     and ``W`` for ``pp = 1``.
 
-    *Proof.* Every schedule obeys two kinds of constraint that the model also imposes (it adds more: program order,
-    blocking calls): a stage runs one operation at a time, and chunk ``k`` of micro-batch ``m`` runs its forward on
-    virtual stage ``k`` only after its forward on virtual stage ``k - 1`` ended and its activation crossed the
-    boundary (``c``), its backward on virtual stage ``k`` only after the backward on ``k + 1`` (or, on the last
-    virtual stage, its own forward there) ended and the gradient crossed back. Virtual stages ``k`` and ``k + 1`` lie
-    on different ranks when ``pp > 1``, so every boundary costs ``c``.
-
-    (1) Micro-batch ``m``'s operations form one chain: ``V`` forwards, ``V`` backwards and ``2 (V - 1)``
-    transfers, each starting after the previous one ended. The chain alone lasts ``sum_k (f[k, m] + b[k, m]) +
-    2 (V - 1) c``, and it starts at time ``>= 0``.
-
-    (2) Take any rank ``s``. Its first operation is a forward of some ``(m, chunk)`` on virtual stage
-    ``k = chunk * pp + s >= s`` (a backward on a rank follows the same chunk's forward there); that micro-batch's
-    forwards on virtual stages ``0 .. k - 1``, among them ``0 .. s - 1``, and at least ``s`` transfers precede it:
-    it cannot start before ``min_m F_s(m) + s c`` (costs are >= 0). From then on the rank runs its whole work
-    ``W_s`` one operation at a time. Its last operation is a backward of some ``(m', chunk')`` on virtual stage
-    ``k' >= s``, and the backwards on virtual stages ``k' - 1 .. 0``, among them ``s - 1 .. 0``, with at least
-    ``s`` transfers, still follow it: ``>= min_m B_s(m) + s c``. Adding the three parts gives (2) for ``s``. Both
-    hold for every order, so their maximum does. With every stage alike, ``F_s``, ``B_s`` and ``s c`` grow with
-    ``s`` while ``W_s = W``, so ``s = pp - 1`` gives the largest (2). ∎
-
-    **Forward-only** (``spec.forward_only``): the same with ``b = 0`` and one transfer per boundary instead of
-    two (no gradient comes back): (1) is ``max_m sum_k f[k, m] + (V - 1) c``, (2) ``max_s min_m F_s(m) + s c +
-    W_s``; the proof is the forward half of the one above.
+    The proof, and the forward-only form (``b = 0``, one transfer per boundary): ``docs/pipeline.md``, "The
+    pipeline model".
 
     Shapes as :func:`pipeline_makespan`. ``tests/unit/test_pipeline_model.py`` checks it against the best
     makespan over all orders of small cases, with every stage alike and with uneven stages.

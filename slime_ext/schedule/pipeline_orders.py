@@ -1,15 +1,6 @@
 """The run order of a replica's micro-batches under the pipeline model (free: the gradient is a sum, so any order
-trains the same).
-
-* :func:`heuristic_orders`: four orders per row: heaviest first (the pp-unaware order), ascending, cheapest at both
-  ends with the largest in the middle, the cheapest two at the ends with the rest descending; under VPP a fifth,
-  heaviest first with each of the interleaved schedule's groups rising to its peak in the middle
-  (:func:`group_peaks`);
-* :func:`heuristic_best`: the best of them per row by the model (ties: the earlier, so heaviest first wins a tie);
-* :func:`improve_orders`: pair swaps while they lower a row's makespan;
-* :func:`best_orders`: the two together. Public: integrations that order a rank's micro-batches themselves call it.
-
-Pure: standard library and numpy.
+trains the same): the best of a few heuristic orders (:func:`heuristic_best`), improved by pair swaps
+(:func:`improve_orders`); :func:`best_orders` does both. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -20,14 +11,13 @@ import numpy as np
 
 from .pipeline_pricing import Budget, PipelinePricing, beats
 
-__all__ = ["best_orders", "group_peaks", "heuristic_best", "heuristic_orders", "improve_orders"]
+__all__ = ["best_orders", "group_peaks", "heuristic_best", "heuristic_orders", "heuristic_spans", "improve_orders"]
 
 
 def group_peaks(costs: np.ndarray, group: int) -> np.ndarray:
     """``(R, K)`` each row's positions reordered within consecutive groups of ``group`` (the micro-batches the
     interleaved schedule runs through each model chunk together): every group rising to its costliest in the
-    middle, then falling (its costs descending, the first half reversed). On the yardstick's VPP cases
-    (``bench.pipeline_search``) this alone took shaped plans from 1.013-1.027 of the best to 1.004-1.012."""
+    middle, then falling (its costs descending, the first half reversed)."""
     r, k = costs.shape
     out = np.empty((r, k), dtype=np.int64)
     for a in range(0, k, group):
@@ -39,9 +29,9 @@ def group_peaks(costs: np.ndarray, group: int) -> np.ndarray:
 
 
 def heuristic_orders(costs: np.ndarray, group: int = 1) -> np.ndarray:
-    """``(H, R, K)`` candidate orders (indices into each row of ``costs``), heaviest first being the first; under
-    VPP (``group`` > 1: ``microbatch_group_size_per_vp_stage``) also heaviest first with each group of
-    :func:`group_peaks`."""
+    """``(H, R, K)`` candidate orders (indices into each row of ``costs``): heaviest first (the pp-unaware order),
+    ascending, cheapest at both ends, the cheapest two at the ends with the rest descending, and under VPP
+    (``group`` > 1) heaviest first with each group of :func:`group_peaks`."""
     r, k = costs.shape
     asc = np.argsort(costs, axis=1, kind="stable")
     desc = np.argsort(-costs, axis=1, kind="stable")
@@ -64,10 +54,6 @@ def _group(pricing: PipelinePricing) -> int:
     """The interleaved schedule's group of micro-batches (``microbatch_group_size_per_vp_stage``), 1 without VPP."""
     spec = pricing.spec
     return spec.microbatch_group_size_per_vp_stage if spec.vpp_size > 1 else 1
-
-
-def _take(costs: np.ndarray, orders: np.ndarray) -> np.ndarray:
-    return np.take_along_axis(costs, orders, axis=-1)
 
 
 def _price(pricing: PipelinePricing, budget: Budget | None, rows: np.ndarray) -> np.ndarray:
@@ -93,14 +79,22 @@ def swap_pairs(k: int, most: int, group: int = 1) -> np.ndarray:
     return out
 
 
+def heuristic_spans(pricing: PipelinePricing, costs: np.ndarray,
+                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`heuristic_orders` of ``(R, K)`` costs and their makespans ``(H, R)``, in one call of the model."""
+    r, k = costs.shape
+    orders = heuristic_orders(costs, _group(pricing))
+    h = len(orders)
+    rows = np.take_along_axis(np.broadcast_to(costs, (h, r, k)), orders, axis=-1).reshape(h * r, k)
+    return orders, _price(pricing, budget, rows).reshape(h, r)
+
+
 def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` and its makespan (ties: the earlier, so
     heaviest first wins a tie)."""
-    r, k = costs.shape
-    orders = heuristic_orders(costs, _group(pricing))
-    h = len(orders)
-    spans = _price(pricing, budget, _take(np.broadcast_to(costs, (h, r, k)), orders).reshape(h * r, k)).reshape(h, r)
+    orders, spans = heuristic_spans(pricing, costs, budget)
+    r = len(costs)
     pick = spans.argmin(axis=0)
     return orders[pick, np.arange(r)], spans[pick, np.arange(r)]
 
@@ -120,7 +114,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
     a, b = pairs[:, 0], pairs[:, 1]
     cols = np.arange(p)
     for _ in range(cfg.refinement.order_rounds):
-        if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.charge_round_cost):
+        if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.cfg.work_round_us):
             break
         if budget is not None:
             budget.charge_round()
@@ -143,8 +137,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
 
 def best_orders(pricing: PipelinePricing, costs: np.ndarray,
                 budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan: the best of
-    :func:`heuristic_orders`, improved by :func:`improve_orders`. Public: an integration that orders a rank's
-    micro-batches itself calls it (``slime_ext.schedule.best_orders``)."""
+    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan (public: for an
+    integration that orders a rank's micro-batches itself)."""
     order, span = heuristic_best(pricing, costs, budget)
     return improve_orders(pricing, costs, order, span, budget)

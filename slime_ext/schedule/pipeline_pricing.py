@@ -1,31 +1,15 @@
-"""The pipeline objective's prices: how the planner's micro-batch costs become per-stage forward and backward times
-for the pipeline model (:mod:`.pipeline_model`), and the predicted makespans of a schedule as planned.
+"""The pipeline objective's prices: the planner's micro-batch costs as per-stage forward and backward times for
+the pipeline model (:mod:`.pipeline_model`), the predicted makespans of a schedule as planned, the search's one
+comparison (:func:`beats`) and its work budget (:class:`Budget`).
 
-A micro-batch's cost ``c`` is the planner's own (:func:`slime_ext.schedule.cost.bin_costs`): forward FLOPs from the
-``CostModel`` (tokens without one), or seconds of forward + backward from a ``CostProfile`` (which prices the
-micro-batch whole, its overhead included). Per stage, where every stage costs alike:
-
-* profile: forward ``c / ((1 + r) pp)``, backward ``r`` times that, ``r = backward_forward_ratio``, p2p ``p2p_s``;
-  makespans in **seconds**;
-* FLOPs or tokens: forward ``(c + o) / pp``, backward ``PlannerConfig.objective.backward_forward_ratio`` (2) times that,
-  p2p ``0``, where ``o`` charges every micro-batch ``PlannerConfig.objective.microbatch_overhead`` (2%) of a full one
-  (``cap`` tokens at the linear rate), so that more, smaller micro-batches are not free; makespans in **per-stage
-  forward-FLOP units** (tokens without a model): a GPU's achieved FLOP/s turns them into seconds.
-
-**Forward-only passes** (``forward_only=True``: log-prob and reference passes, megatron-core's
-``forward_only=True``): the same forward per stage (a profile's measured ``1 : r`` split is used as such: its
-forward part, ``c / ((1 + r) pp)``), backward ``0`` (``backward_forward_ratio = 0``), and the model's forward-only
-schedule (:attr:`PipelineSpec.forward_only <slime_ext.schedule.pipeline_model.PipelineSpec>`). The FLOPs overhead
-``o`` is charged at the pass's own cap. Makespans are in the same units as a training pass's.
-
-Where the stages are uneven (:class:`~slime_ext.schedule.stages.StageCosts`: the embedding, the LM head, Megatron's
-layout flags) each virtual stage takes its share of ``pp`` times that forward (:attr:`PipelinePricing.stage_share`).
-
-**For integrations** (a host that plans inside its own engine, e.g. verl): :func:`pipeline_pricing` gives the
-objective of a layout, :meth:`PipelinePricing.makespans` prices micro-batch costs in run order,
-:func:`slime_ext.schedule.cost.microbatch_costs` prices micro-batches given as sample lists, and
-:func:`slime_ext.schedule.pipeline_orders.best_orders` finds the order the model predicts fastest. Pure: standard
-library and numpy.
+A micro-batch's cost ``c`` is the planner's own (:func:`~slime_ext.schedule.cost.bin_costs`). Per stage, every
+stage alike: with a ``CostProfile`` (seconds, the micro-batch priced whole) forward ``c / ((1 + r) pp)``, backward
+``r`` times that (``r``: the profile's ``backward_forward_ratio``), p2p ``p2p_s``; with FLOPs or tokens forward
+``(c + o) / pp``, backward ``objective.backward_forward_ratio`` times that, where ``o`` charges every micro-batch
+``objective.microbatch_overhead`` of a full one (``cap`` tokens at the linear rate); makespans in per-stage forward
+FLOPs (tokens without a model). A forward-only pass (log-prob and reference) prices the same forwards, no
+backward, on the model's forward-only schedule. Uneven stages (:class:`~slime_ext.schedule.stages.StageCosts`)
+give each virtual stage its share (:attr:`PipelinePricing.stage_share`). Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -37,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import LAYOUT_FLAGS, ParallelConfig
+from .config import ParallelConfig
 from .cost import CostModel, bin_costs, sample_costs
 from .errors import ScheduleError
 from .pipeline_model import PipelineSpec, _table_makespans, bubble_fraction
@@ -109,14 +93,14 @@ class PipelinePricing:
                 table = np.empty((2 * m, f.shape[1]))
                 table[:m] = f / v
                 table[m:] = (self.backward_forward_ratio * f) / v
-                tables.append((table, "even", m))
+                tables.append((table, (0,) * (self.spec.pp_size * v), m))
                 continue
             share, kinds = self._share_kinds  # stages of equal share read one block of rows
             rows = len(share) * m  # (kind of stage, micro-batch) x replicas: forwards, then backwards
             table = np.empty((2 * rows, f.shape[1]))
             np.multiply(f[None, :, :], share[:, None, None], out=table[:rows].reshape(len(share), m, -1))
             np.multiply(self.backward_forward_ratio, table[:rows], out=table[rows:])
-            tables.append((table, ("alike", kinds), m))
+            tables.append((table, kinds, m))
         return _table_makespans(tables, self.spec, self.config)
 
     @cached_property
@@ -135,17 +119,11 @@ class PipelinePricing:
 def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfile | None, cap: int | None,
                      config: PlannerConfig | None = None, *, forward_only: bool = False) -> PipelinePricing | None:
     """The pricing for this layout and cost model; ``None`` without pipeline parallelism (``pp_size == 1``).
-    (A group size below ``pp_size`` under VPP, which megatron-core refuses, is refused by ``ParallelConfig``.)
+    ``forward_only``: a forward-only pass, ``cap`` its token cap.
 
-    ``forward_only``: price a forward-only pass (log-prob and reference passes; the module docstring): forwards
-    only, megatron-core's forward-only schedule; ``cap`` is that pass's token cap. ``False`` (default): a training
-    pass, exactly as before the keyword existed.
-
-    The stages' shares come from :class:`~slime_ext.schedule.stages.StageCosts` (the model dims and Megatron's
-    layout flags); where they are uneven each virtual stage gets ``linear[k] T + quadratic[k] S`` over the whole
-    model's, for a micro-batch of ``T = cap`` tokens in samples of ``objective.stage_share_sample * cap`` tokens
-    (``S = sum L^2``; without a cap, ``objective.stage_share_tokens``). Model dims whose layers Megatron could not
-    split over this layout without the layout flags (approximate dims) are priced with every stage alike."""
+    Uneven stages (:meth:`~slime_ext.schedule.stages.StageCosts.if_split`) give virtual stage ``k`` the share
+    ``linear[k] T + quadratic[k] S`` of a micro-batch of ``T = cap`` tokens (without a cap
+    ``objective.stage_share_tokens``) in samples of ``objective.stage_share_sample * T`` tokens (``S = sum L^2``)."""
     config = DEFAULT_CONFIG if config is None else config
     forward_only = check_bool("pipeline_pricing(forward_only)", forward_only)
     parallel.require_dp_size()
@@ -154,12 +132,7 @@ def pipeline_pricing(parallel: ParallelConfig, cost_model: CostModel | CostProfi
         return None
     vpp = parallel.vpp_size
     group = parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None
-    try:
-        stages = StageCosts.from_model(cost_model, parallel)
-    except ScheduleError:
-        if any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS):
-            raise  # the user placed layers: a split Megatron refuses is an error
-        stages = None  # dims that do not split evenly at this layout (approximate dims): every stage alike
+    stages = StageCosts.if_split(cost_model, parallel)
     share = None
     if stages is not None and stages.uneven:
         tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
@@ -213,45 +186,23 @@ def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePric
 
 
 class Budget:
-    """The work one step's pipeline search may spend, in estimated microseconds of this module's reference machine
-    (the 2-core machine of the benches), counted from what the search calls, never measured: the same input always
-    gets the same search.
-
-    * a call of the model on ``R`` rows of ``M`` micro-batches: ``work_call_us`` per group of rows of one count,
-      ``work_level_us`` per level of the schedule's DAG (about ``2 (M vpp + pp)`` levels, half forward-only) and
-      ``work_model_cell_us`` per row x micro-batch x virtual stage;
-    * a packing call (:func:`~slime_ext.schedule.pipeline_shape.shape_pack`) of ``R`` rows of at most ``n``
-      samples into ``k`` micro-batches: ``work_round_us`` for the work around it and ``n`` passes, each
-      ``work_pass_us``, ``work_pass_row_us`` per row and ``work_pack_cell_us`` per row x micro-batch;
-    * a round of the refinement or of an order improvement: its model call and ``work_round_us``; a round of
-      water-filling: ``work_replica_us`` per replica.
-
-    A step's budget (:meth:`for_step`) grows smoothly with the step, and no threshold switches a part of the
-    search on or off. Every part of the search asks before it runs whether its estimate fits what is left
-    (:meth:`allows`, with the shares the later parts keep) and is charged for it: the parts size themselves to the
-    budget, and the loops stop when their next round does not fit. The estimates are within about -10%/+30% of
-    the CPU time the calls took on the benches' machine when fitted (``PlannerConfig.budget.work_*``); the model's calls
-    have since become about twice as cheap as their estimate (see ``PlannerConfig.budget.work_call_us``)."""
+    """The work one step's pipeline search may spend, counted from the model and packing calls it makes (each
+    estimated by the ``budget.work_*`` fields: :meth:`model_cost`, :meth:`pack_cost`, :meth:`arrangement_cost`,
+    :meth:`replica_cost`), never timed: the same input always gets the same search. Every part asks
+    :meth:`allows` before it runs and is charged for what it runs."""
 
     def __init__(self, pricing: PipelinePricing, total_us: float, floor_us: float | None = None) -> None:
         self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
         #: the budget's fixed part (the search around the slowest replicas: the refinement keeps a share of it)
         self.floor = self.total if floor_us is None else float(floor_us)
-        b = pricing.config.budget
-        self._call, self._level, self._cell = b.work_call_us, b.work_level_us, b.work_model_cell_us
-        self._pass, self._pass_row, self._pack_cell = b.work_pass_us, b.work_pass_row_us, b.work_pack_cell_us
-        self._round = b.work_round_us
-        self._replica = b.work_replica_us
-        self._partner_rows, self._replica_passes = b.refine_partner_rows, b.replica_passes
+        self.cfg = pricing.config.budget
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
-        """``min(budget_floor_max_us, budget_floor_us / replicas ** budget_floor_power) + budget_per_sample_us *
-        samples + budget_per_replica_us * pp ** budget_pp_power * replicas``: the search around the slowest
-        replicas (the scan, the refinement) has a fixed part, generous for a few replicas and shrinking
-        as more share the step; the search over every replica (packing, rebalancing) grows with the samples and the
-        replicas (a deeper pipeline pays for more: its bubbles are longer). The fixed part is :attr:`floor`."""
+        """A fixed part (:attr:`floor`: the search around the slowest replicas, shrinking as more replicas share
+        the step) and a part that grows with the samples and with the replicas times ``pp ** budget_pp_power``
+        (packing and rebalancing every replica)."""
         c = pricing.config.budget
         floor = min(c.budget_floor_max_us, c.budget_floor_us / float(replicas) ** c.budget_floor_power)
         per_replica = c.budget_per_replica_us * pricing.spec.pp_size ** c.budget_pp_power
@@ -272,15 +223,16 @@ class Budget:
     def _levels(self, m: int) -> float:
         spec = self.pricing.spec
         passes = 1 if spec.forward_only else 2  # a forward-only DAG has about half the levels
-        return self._call + self._level * passes * (m * spec.chunks + spec.pp_size)
+        return self.cfg.work_call_us + self.cfg.work_level_us * passes * (m * spec.chunks + spec.pp_size)
 
     def model_cost(self, rows: int, m: int) -> float:
         """A call of the model on ``rows`` rows of ``m`` micro-batches."""
-        return self._levels(m) + self._cell * rows * m * self._v
+        return self._levels(m) + self.cfg.work_model_cell_us * rows * m * self._v
 
     def pack_cost(self, rows: int, n: int, k: int) -> float:
         """A packing call of ``rows`` rows of at most ``n`` samples into ``k`` micro-batches (its pricing apart)."""
-        return self._round + n * (self._pass + rows * (self._pass_row + self._pack_cell * k))
+        c = self.cfg
+        return c.work_round_us + n * (c.work_pass_us + rows * (c.work_pass_row_us + c.work_pack_cell_us * k))
 
     def allows(self, cost: float) -> bool:
         """Whether work of this estimated cost still fits."""
@@ -297,31 +249,22 @@ class Budget:
         groups = [np.atleast_2d(g) for g in groups]
         if groups:
             m = max(g.shape[1] for g in groups)
-            self.spent += self._levels(m) + self._call * (len(groups) - 1) \
-                + self._cell * self._v * sum(g.size for g in groups)
+            self.spent += self._levels(m) + self.cfg.work_call_us * (len(groups) - 1) \
+                + self.cfg.work_model_cell_us * self._v * sum(g.size for g in groups)
         return self.pricing.makespans_many(groups)
 
-    def charge_pack(self, rows: int, n: int, k: int) -> None:
-        self.spent += self.pack_cost(rows, n, k)
-
     def refine_round_cost(self, draws: int, k: int) -> float:
-        """A round of the refinement: its model call (up to ``draws`` rows and their partners') and its
-        overhead."""
-        return self.model_cost(draws + draws * self._partner_rows // 2, k) + self._round
+        """A round of the refinement: its model call (``draws`` rows and their partners') and its overhead."""
+        return self.model_cost(draws + draws * self.cfg.refine_partner_rows // 2, k) + self.cfg.work_round_us
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
-        """Samples and replicas put into arrays or lists (a plan taken apart or put together, each replica's
-        packing): a vectorised pass over the samples and about ten per replica, ``work_pass_row_us`` each."""
-        return self._pass_row * (samples + self._replica_passes * replicas)
+        """Samples and replicas put into arrays or lists (a plan taken apart or put together)."""
+        return self.cfg.work_pass_row_us * (samples + self.cfg.replica_passes * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""
-        return self._replica * replicas
-
-    @property
-    def charge_round_cost(self) -> float:
-        return self._round
+        return self.cfg.work_replica_us * replicas
 
     def charge_round(self) -> None:
         """The overhead of one round of a loop of the search (the model calls are charged by :meth:`price`)."""
-        self.spent += self._round
+        self.spent += self.cfg.work_round_us

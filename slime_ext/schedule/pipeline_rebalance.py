@@ -1,16 +1,8 @@
-"""Samples moved between a step's replicas after shaping, so that the slowest replica gets faster (dynamic batches).
-
-The shaped candidate (:mod:`.pipeline_choice`) packs every replica's samples in a shape; these runs then move
-samples off the slowest replicas and re-pack the replicas they change, each in its own shape:
-
-* :func:`water_fill_run`: a few global rounds for many replicas: every replica above the level at which the
-  replicas' costs would balance hands its cheapest samples to those furthest below;
-* :func:`rebalance_run`: single moves off the slowest replica to the fastest ones;
-* :func:`dominant`: the one rule for a replica whose costliest sample is most of its work: it keeps that sample
-  with only the step's cheapest ones (its long trip through the pipeline is paid for with less else).
-
-The runs are generators that ask for re-packings (:data:`Repack`); :func:`lockstep` answers the runs of several
-counts side by side, one packing call and one pass of the model per round. Pure: standard library and numpy.
+"""Samples moved off a step's slowest replicas after shaping (dynamic batches; the shaped candidate of
+:mod:`.pipeline_choice`), each changed replica re-packed in its own shape: :func:`water_fill_run` levels many
+replicas in a few global rounds, :func:`rebalance_run` makes single moves off the slowest. The runs are generators
+that ask for re-packings (:data:`Repack`); :func:`lockstep` answers several side by side, one packing call and one
+pass of the model per round. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -22,15 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from .pipeline_pricing import Budget, beats
-from .pipeline_shape import Shape, ShapeSamples, pack_core
+from .pipeline_shape import Shape, ShapeSamples, pack_each
 from .planner_config import PlannerConfig
 
 __all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_fill_run"]
 
 
 def dominant(top, total, cfg: PlannerConfig):
-    """Whether a replica's costliest sample (cost ``top``) holds ``cfg.rebalancing.strip_share`` of the replica's cost
-    (``total``): the replica may keep it with only the step's cheapest samples. Elementwise on arrays."""
+    """The one rule for a replica whose costliest sample (``top``) holds ``rebalancing.strip_share`` of its cost
+    (``total``): it may keep that sample with only the step's cheapest ones. Elementwise on arrays."""
     return top >= cfg.rebalancing.strip_share * total
 
 
@@ -42,11 +34,9 @@ Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
 def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float = 0.0) -> list:
-    """Drive rebalancing runs (generators that yield :data:`Repack` requests and return their result) side by
-    side: every round, all their requests in one packing call and one pass of the model. Each run gets exactly
-    what it would alone (rows pack and price independently of each other), as far as the budget pays for the
-    round's call and leaves ``reserve``: where it cannot, the last runs are answered ``None`` (they stop) until it
-    can. Returns their results."""
+    """Drive rebalancing runs side by side, every round all their :data:`Repack` requests in one call (each run
+    gets what it would alone: rows pack and price independently) as far as the budget pays and leaves
+    ``reserve``; the last runs are answered ``None`` (they stop) until it does. Returns their results."""
     results: list = [None] * len(runs)
     asks: dict[int, Repack] = {}
 
@@ -60,7 +50,6 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         advance(i, None)
     while asks:
         order = sorted(asks)
-        # the round's call must fit the budget: the runs of the later counts stop first (answered ``None``)
         while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order]) + reserve):
             i = order.pop()
             asks.pop(i)
@@ -70,16 +59,8 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         batch = [asks.pop(i) for i in order]
         rows = [row for ask in batch for row in ask[0]]
         members = samples.pad(rows)
-        counts = [ask[1] for ask in batch for _ in ask[0]]
-        shapes = [shape for ask in batch for shape in ask[2]]
-        w = np.full((len(rows), max(counts)), -1.0)
-        index: dict[tuple[int, Shape], list[int]] = {}
-        for i, (k, shape) in enumerate(zip(counts, shapes)):
-            index.setdefault((k, shape), []).append(i)
-        for (k, shape), idx in index.items():
-            w[idx, :k] = shape.weights(k, samples.step)
-        spans, bin_of = pack_core(budget, samples, members, w,
-                                  [(k, shape, np.asarray(idx)) for (k, shape), idx in index.items()])
+        combos = [(ask[1], shape) for ask in batch for shape in ask[2]]
+        spans, bin_of = pack_each(budget, samples, members, combos)
         sizes = [len(row) for row in rows]  # a row's samples come first, then its padding
         start = 0
         for i, ask in zip(order, batch):
@@ -99,26 +80,17 @@ def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
 
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                    shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Level the replicas' makespans in a few global rounds (``rebalancing.water_rounds``), for many replicas at once.
+    """Level the replicas' makespans in up to ``rebalancing.water_rounds`` global rounds. A replica's makespan
+    moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost (its bubble held fixed); each round finds
+    the level at which the costs would balance, and every replica above it hands its cheapest samples (never its
+    costliest, keeping ``k``) to those furthest below, up to its excess (a :func:`dominant` one keeps its costliest
+    with the step's cheapest). A round is kept only where the slowest makespan drops.
 
-    A replica's makespan moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost it gains or loses at
-    its count and shape (its own bubble, ``span - slope * cost``, held fixed). Each round computes the level
-    ``T`` at which the replicas' costs would sum to the step's, and every replica above it hands its cheapest
-    samples (never its costliest, and keeping ``k``) to the replicas furthest below, up to its excess; a replica
-    whose costliest sample is dominant (:func:`dominant`) and whose level lies below what it would
-    keep gives away everything else and takes the step's cheapest samples from the replicas below the level. The
-    changed replicas are re-packed once, and the round is kept only if the slowest makespan drops. A round is
-    charged (``work_replica_us`` per replica) and runs only where the budget pays for it and a small re-packing, and
-    leaves ``reserve``; its re-packing is :func:`lockstep`'s (answered ``None`` where the budget cannot pay for it:
-    the run stops).
-
-    A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, spans, packs)``, ``packs``
-    each replica's packing as far as it was re-packed (the others as given)."""
+    A rebalancing run (:func:`lockstep`): returns ``(groups, spans, packs)``."""
     cfg = budget.pricing.config
     groups, packs = list(groups), list(packs)
     n_max = max(len(g) for g in groups)
     for _ in range(cfg.rebalancing.water_rounds):
-        # the round's own work, and a re-packing of a few replicas, must fit (lockstep checks the re-packing)
         if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
                              + budget.model_cost(1, k)):
             break
@@ -298,15 +270,11 @@ def _movable(mine: np.ndarray, k: int) -> np.ndarray:
 
 def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Move the cheapest samples of the slowest replica to the fastest ones while that lowers the slowest
-    makespan: a share (``rebalancing.shed_shares``) of the cost of its samples but the ``k - 1`` cheapest and the
-    costliest, cheapest first, dealt over the ``rebalancing.balance_partners`` fastest, each replica re-packed in its
-    own shape; at most ``rebalancing.max_shed_moves`` moves, while a move gains ``objective.min_gain``. A replica holding a
-    sample much costlier than the rest (a long trip through the pipeline) so ends up with little else. Every
-    replica keeps at least ``k`` samples.
+    """Move a share (``rebalancing.shed_shares``) of the slowest replica's movable samples (:func:`_movable`),
+    cheapest first, to the ``rebalancing.balance_partners`` fastest, while a move gains ``objective.min_gain``
+    (many replicas: after :func:`water_fill_run`). Every replica keeps at least ``k`` samples.
 
-    A rebalancing run (:func:`lockstep`): yields its re-packings, returns ``(groups, shapes, spans, packs)``; it
-    stops early where the budget cannot pay for a re-packing and leave ``reserve``."""
+    A rebalancing run (:func:`lockstep`): returns ``(groups, shapes, spans, packs)``."""
     cfg = budget.pricing.config
     groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
@@ -315,7 +283,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
         # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
-        if not budget.allows(budget.charge_round_cost + reserve):
+        if not budget.allows(budget.cfg.work_round_us + reserve):
             break
         budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
         s = int(np.argmax(spans))

@@ -1,20 +1,10 @@
-"""Local moves on the slowest replica of a step's plan, while they lower the slowest predicted makespan (the
-pipeline search's ``refined`` candidate, :mod:`.pipeline_choice`).
+"""Local moves on the slowest replica of a step's plan while they lower the slowest predicted makespan (the
+pipeline search's ``refined`` candidate; the search: :mod:`.pipeline_choice`).
 
-A round draws ``refinement.refine_moves`` moves from a seeded random stream (``refinement.refine_seed``: the same input
-gives the same plan) and prices them in one call of the model; the move whose result has the lowest slowest
-makespan is made if it beats the current one (``objective.tie``). The moves, all on the slowest replica ``s``:
-
-* two of its micro-batches trade places in the run order (always: the gradient is a sum);
-* with dynamic batches also: one of its samples moves to another of its micro-batches, or to a micro-batch of one
-  of the ``rebalancing.balance_partners`` fastest replicas; or it trades places with a sample there.
-
-Every move keeps the plan valid: no micro-batch empties, none holding two or more samples exceeds the cap, every
-replica keeps its count (static batches keep their micro-batches: only the order moves). The search stops once
-its last ``refinement.refine_patience`` rounds together lowered the slowest makespan by less than ``objective.min_gain``
-of it, or when the budget cannot pay for another round.
-
-Pure: standard library and numpy.
+A round draws ``refinement.refine_moves`` moves (:class:`Move`) from a seeded stream (the same input gives the same
+plan), prices them in one call of the model and makes the best where it :func:`~.pipeline_pricing.beats` the
+current plan. Every move keeps the plan valid: no micro-batch empties, none of two or more samples exceeds the cap,
+every replica keeps its count. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
@@ -69,9 +59,6 @@ class Arrangement:
         return StepPlan(self.rep * self.k + self.slot, np.arange(count) // self.k, count, strategy, target,
                         np.arange(count), self.spans.copy(), bubble)
 
-    def _priced(self, tok: np.ndarray, sq: np.ndarray, sums: np.ndarray) -> np.ndarray:
-        return price_sums(tok, sq, sums, self.profile)
-
 
 def polish_orders(arr: Arrangement) -> Arrangement:
     """Improve ``arr`` in place by order swaps alone: the slowest replica's order by pair swaps
@@ -95,7 +82,7 @@ def polish_orders(arr: Arrangement) -> Arrangement:
             continue
         _permute(arr, s, o, float(spans[0]))
         others = np.flatnonzero(np.arange(arr.dp) != s)
-        if not len(others) or not budget.allows(budget.model_cost(len(others), arr.k) + budget.charge_round_cost):
+        if not len(others) or not budget.allows(budget.model_cost(len(others), arr.k) + budget.cfg.work_round_us):
             continue
         budget.charge_round()
         got = budget.price(arr.price[others][:, o])
@@ -145,8 +132,9 @@ class Moves:
 
 
 def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrangement:
-    """Improve ``arr`` in place by local moves on its slowest replica (module docstring); ``movable``: samples may
-    move (dynamic batches), else only the order does."""
+    """Improve ``arr`` in place by local moves on its slowest replica (module docstring) until its last
+    ``refinement.refine_patience`` rounds gained less than ``objective.min_gain`` or the budget ends; ``movable``:
+    samples may move (dynamic batches), else only the order does."""
     cfg = arr.budget.pricing.config
     budget = arr.budget
     history = [float(arr.spans.max())]  # the slowest makespan after each round
@@ -216,9 +204,10 @@ def _make_best(arr: Arrangement, mv: Moves, s: int) -> None:
     moved = mv.kind != Move.ORDER_SWAP
     here, there = moved & (mv.t == s), moved & (mv.t != s)
     # the new prices of the micro-batches a move changes (one bin pricing, from their sums)
-    new_i = arr._priced(arr.tok[s, mv.i] - mv.d_tok, arr.sq[s, mv.i] - mv.d_sq, arr.sums[s, mv.i] - mv.d_sum)
-    new_j = arr._priced(arr.tok[mv.t, mv.j] + mv.d_tok, arr.sq[mv.t, mv.j] + mv.d_sq,
-                        arr.sums[mv.t, mv.j] + mv.d_sum)
+    new_i = price_sums(arr.tok[s, mv.i] - mv.d_tok, arr.sq[s, mv.i] - mv.d_sq, arr.sums[s, mv.i] - mv.d_sum,
+                       arr.profile)
+    new_j = price_sums(arr.tok[mv.t, mv.j] + mv.d_tok, arr.sq[mv.t, mv.j] + mv.d_sq,
+                        arr.sums[mv.t, mv.j] + mv.d_sum, arr.profile)
     row_s = np.repeat(arr.price[s][None, :], m, axis=0)
     o = ~moved  # order swaps permute s's row
     row_s[r[o], mv.a[o]], row_s[r[o], mv.j[o]] = arr.price[s, mv.j[o]], arr.price[s, mv.a[o]]
@@ -244,14 +233,9 @@ def _apply(arr: Arrangement, mv: Moves, s: int, new_i: float, new_j: float) -> N
     """Make the one move ``mv`` (``new_i``, ``new_j``: the changed micro-batches' prices)."""
     kind, t, i, j = int(mv.kind[0]), int(mv.t[0]), int(mv.i[0]), int(mv.j[0])
     if kind == Move.ORDER_SWAP:
-        a = int(mv.a[0])
-        mine = np.flatnonzero(arr.rep == s)
-        on_a = mine[arr.slot[mine] == a]
-        on_j = mine[arr.slot[mine] == j]
-        arr.slot[on_a], arr.slot[on_j] = j, a
-        for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
-            v[s, a], v[s, j] = v[s, j], v[s, a]
-        return
+        o = np.arange(arr.k)
+        o[[int(mv.a[0]), j]] = o[[j, int(mv.a[0])]]
+        return _permute(arr, s, o, float(arr.spans[s]))
     x = int(mv.x[0])
     arr.rep[x], arr.slot[x] = t, j
     if kind == Move.SWAP:

@@ -1,31 +1,17 @@
 """Micro-batches composed for the pipeline: each replica's samples packed into a *shape* of micro-batch sizes.
 
-Under megatron-core's 1F1B schedule a replica's step waits ``pp - 1`` stage-forwards of its first micro-batch
-before the last stage starts, and ``pp - 1`` stage-backwards of its last one after the last stage ends; in between,
-a stage idles whenever a micro-batch is much cheaper than the one the stage ran before it in the other direction. So
-the fastest plans (a long search under the model: ``bench/pipeline_search.py``) start with small micro-batches,
-rise to the largest within a few micro-batches, step down slowly and end with a ramp of small ones; and they use
-more micro-batches than the fewest the cap allows (each extra one costs its overhead but shortens fill and drain).
-
-This module builds such plans, vectorised over replicas and candidate shapes:
-
-* :func:`ramp_weights`: the target share of each of ``k`` micro-batches: ``up`` micro-batches rising linearly
-  from ``low`` of the plateau, the plateau, ``down`` micro-batches falling linearly to ``low``;
-* :func:`shape_pack`: every row's samples (largest cost first) each into the micro-batch with the most room left
-  below its target that still holds it under the token cap; the largest samples land on the first plateau
-  micro-batches (the peak), the smallest fill the ramps. Micro-batches run in target order.
-
-* :class:`ShapeSamples` and :func:`pack_many`: a step's samples packed for many ``(count, shape)`` combinations and
-  replicas in one :func:`shape_pack` call, every packing priced in one pass of the pipeline model.
-
-The pipeline search (:mod:`.pipeline_choice`, its ``shaped`` candidate) prices the candidates with the pipeline
-model and keeps a shaped plan only where it predicts the slowest replica faster. Pure: standard library and numpy.
+A pipelined step waits ``pp - 1`` stage-forwards of its first micro-batch to fill and ``pp - 1`` stage-backwards
+of its last to drain, so the fastest plans (``bench/pipeline_search.py``) start small, rise to the largest within a
+few micro-batches, step down slowly and end small. :func:`ramp_weights` gives such a shape's target shares,
+:func:`shape_pack` packs every row's samples (costliest first) each into the micro-batch with the most room left
+below its target under the token cap, and :func:`pack_each` / :func:`pack_many` pack many rows and ``(count,
+shape)`` combinations in one call, priced in one pass of the pipeline model. Pure: standard library and numpy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Callable
 
 import numpy as np
@@ -66,12 +52,7 @@ class Shape:
         r, k = mb_costs.shape
         if self.order == "target":
             return np.broadcast_to(np.arange(k), (r, k))
-        if counts is None:
-            asc = np.argsort(mb_costs, axis=1, kind="stable")
-            if k >= 2:
-                asc = np.concatenate([asc[:, :k - 2], asc[:, -1:], asc[:, k - 2:k - 1]], axis=1)
-            return asc
-        c = np.asarray(counts)[:, None]
+        c = np.full((r, 1), k) if counts is None else np.asarray(counts)[:, None]
         at = np.arange(k)[None, :]
         asc = np.argsort(np.where(at < c, mb_costs, np.inf), axis=1, kind="stable")  # a row's own bins first
         # position c - 2 runs the costliest, c - 1 the second costliest (rows of two or more)
@@ -275,8 +256,7 @@ class ShapeSamples:
     cap: int
     profile: CostProfile | None
     step: int
-    #: per group of samples (an array of ids; the rebalancing replaces a replica's group, never changes one in
-    #: place): its cost, its tokens and its ids cheapest first, each worked out once (:meth:`group_cost` ...)
+    #: per group of samples (an array of ids, never changed in place): its cost and its ids cheapest first
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _once(self, what: str, ids: np.ndarray, make: Callable[[], object]):
@@ -286,29 +266,21 @@ class ShapeSamples:
             self._memo[(what, id(ids))] = hit
         return hit[1]
 
-    @property
+    @cached_property
     def order(self) -> np.ndarray:
         """The step's sample ids by decreasing cost, ties by id (:func:`by_decreasing_cost`)."""
-        return self._once("by cost", self.costs, lambda: by_decreasing_cost(self.costs))
+        return by_decreasing_cost(self.costs)
 
-    @property
+    @cached_property
     def rank(self) -> np.ndarray:
         """Each sample's place in :attr:`order`."""
-        def make() -> np.ndarray:
-            rank = np.empty(len(self.costs), dtype=np.int64)
-            rank[self.order] = np.arange(len(self.costs))
-            return rank
-        return self._once("rank", self.costs, make)
+        return np.argsort(self.order)
 
-    @property
+    @cached_property
     def ascending(self) -> tuple[np.ndarray, np.ndarray]:
         """The step's sample ids by increasing cost, ties by id, and each sample's place in that order."""
-        def make() -> tuple[np.ndarray, np.ndarray]:
-            order = np.argsort(self.costs, kind="stable")
-            rank = np.empty(len(order), dtype=np.int64)
-            rank[order] = np.arange(len(order))
-            return order, rank
-        return self._once("ascending", self.costs, make)
+        order = np.argsort(self.costs, kind="stable")
+        return order, np.argsort(order)
 
     def group_cost(self, ids: np.ndarray) -> float:
         return self._once("cost", ids, lambda: float(self.costs[ids].sum()))
@@ -338,47 +310,38 @@ class ShapeSamples:
         return out
 
 
-def pack_relabelled(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
-                    parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, list]:
-    """Rows of ``members`` (sample ids by decreasing cost, padded with -1) packed by :func:`shape_pack` to
-    ``weights`` in one call (charged to ``budget``), each part ``(count, shape, its rows)`` relabelled to its run
-    order: ``(bin_of (R, n), per count: (k, its rows that hold the cap, their micro-batch prices in run order))``,
-    counts ascending. Every row is priced once (:meth:`ShapeSamples.bin_rows`, the rows of every count side by
-    side); a part run in another order takes its prices in that order (the same sums: a relabelled micro-batch
-    holds the same samples in the same order)."""
-    budget.charge_pack(*members.shape[:1], members.shape[1], weights.shape[1])
-    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, weights, samples.cap)
-    width = weights.shape[1]
-    count_of = np.zeros(len(members), dtype=np.int64)
-    turned: dict[Shape, list[np.ndarray]] = {}  # the rows of each shape not run in target order
-    rows_all = np.arange(len(members))
-    for k, shape, rows in parts:
-        count_of[rows] = k
+def pack_each(budget: Budget, samples: ShapeSamples, members: np.ndarray,
+              combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``i`` of ``members`` (sample ids by decreasing cost, padded with -1) packed for ``combos[i]`` (a count
+    and a shape), every row in one :func:`shape_pack` call, relabelled to its shape's run order and priced in one
+    pass of the model (both charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is
+    ``inf``. A row run in another order takes its prices in that order (a relabelled micro-batch holds the same
+    samples in the same order: the same sums)."""
+    index: dict[tuple[int, Shape], list[int]] = {}
+    for i, combo in enumerate(combos):
+        index.setdefault(combo, []).append(i)
+    width = max(k for k, _ in index)
+    w = np.full((len(combos), width), -1.0)
+    turned: dict[Shape, list[int]] = {}  # the rows of each shape not run in target order
+    for (k, shape), rows in index.items():
+        w[rows, :k] = shape.weights(k, samples.step)
         if shape.order != "target":
-            turned.setdefault(shape, []).append(rows_all[rows])
+            turned.setdefault(shape, []).extend(rows)
+    budget.spent += budget.pack_cost(len(members), members.shape[1], width)
+    bin_of, ok = shape_pack(samples.lengths, samples.costs, members, w, samples.cap)
+    count_of = np.asarray([k for k, _ in combos], dtype=np.int64)
     prices = samples.bin_rows(members, bin_of, width)  # (R, width): a row's bins beyond its count are empty
     for shape, rows in turned.items():
-        own = np.concatenate(rows)
+        own = np.asarray(rows)
         run = shape.run_order(prices[own], count_of[own])  # the bins in run order (beyond the count: in place)
         rank = np.argsort(run, axis=1)  # bin -> its run position
         b = bin_of[own]
         bin_of[own] = np.where(b >= 0, np.take_along_axis(rank, np.maximum(b, 0), axis=1), -1)
         prices[own] = np.take_along_axis(prices[own], run, axis=1)
-    groups = []
-    for k in sorted({k for k, _, _ in parts}):
-        sel = np.flatnonzero((count_of == k) & ok)
-        if len(sel):
-            groups.append((k, sel, prices[sel, :k]))
-    return bin_of, groups
-
-
-def pack_core(budget: Budget, samples: ShapeSamples, members: np.ndarray, weights: np.ndarray,
-              parts: list[tuple[int, Shape, np.ndarray | slice]]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pack_relabelled`, and every row priced in one pass of the model (every count together, charged to
-    ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is ``inf``."""
-    bin_of, groups = pack_relabelled(budget, samples, members, weights, parts)
+    groups = [np.flatnonzero((count_of == k) & ok) for k in sorted(set(count_of.tolist()))]
+    groups = [(sel, prices[sel, :count_of[sel[0]]]) for sel in groups if len(sel)]
     spans = np.full(len(members), np.inf)
-    for (_, sel, _), got in zip(groups, budget.price_many([prices for _, _, prices in groups]) if groups else []):
+    for (sel, _), got in zip(groups, budget.price_many([p for _, p in groups]) if groups else []):
         spans[sel] = got
     return spans, bin_of
 
@@ -394,13 +357,8 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
           for i, (k, shape) in enumerate(combos)]
     distinct = sorted(first.values())
     r, c = len(members), len(distinct)
-    width = max(combos[i][0] for i in distinct)
-    w = np.full((c, width), -1.0)
-    for j, i in enumerate(distinct):
-        k, shape = combos[i]
-        w[j, :k] = shape.weights(k, samples.step)
-    parts = [(combos[i][0], combos[i][1], slice(j * r, (j + 1) * r)) for j, i in enumerate(distinct)]
-    spans, bin_of = pack_core(budget, samples, np.tile(members, (c, 1)), np.repeat(w, r, axis=0), parts)
+    rows = [combos[i] for i in distinct for _ in range(r)]
+    spans, bin_of = pack_each(budget, samples, np.tile(members, (c, 1)), rows)
     at = np.asarray([distinct.index(i) for i in of])
     return spans.reshape(c, r)[at], bin_of.reshape(c, r, -1)[at]
 
@@ -409,14 +367,7 @@ def pack_rows(budget: Budget, samples: ShapeSamples, members: np.ndarray, rows: 
               combos: list[tuple[int, Shape]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, every part in one call: per part its spans and
     ``bin_of`` (``inf`` where a row does not fit)."""
-    sizes = [len(r) for r in rows]
-    width = max(k for k, _ in combos)
-    w = np.full((sum(sizes), width), -1.0)
-    parts, at = [], 0
-    for (k, shape), size in zip(combos, sizes):
-        w[at:at + size, :k] = shape.weights(k, samples.step)
-        parts.append((k, shape, slice(at, at + size)))
-        at += size
-    spans, bin_of = pack_core(budget, samples, members[np.concatenate(rows)], w, parts)
-    cuts = np.cumsum(sizes)[:-1]
+    spans, bin_of = pack_each(budget, samples, members[np.concatenate(rows)],
+                              [combo for combo, part in zip(combos, rows) for _ in part])
+    cuts = np.cumsum([len(part) for part in rows])[:-1]
     return np.split(spans, cuts), np.split(bin_of, cuts)

@@ -25,7 +25,7 @@ from .errors import ScheduleError
 from .packing import bins_to_labels
 from .pipeline_orders import best_orders, heuristic_best
 from .pipeline_pricing import Budget, PipelinePricing, beats, pipeline_pricing
-from .pipeline_shape import Shape, ShapeSamples, pack_relabelled, shape_pack
+from .pipeline_shape import Shape, ShapeSamples, pack_many, shape_pack
 from .request import PlanRequest, plan
 from .planner_config import DEFAULT_CONFIG, PlannerConfig
 from .profile import CostProfile
@@ -226,38 +226,19 @@ def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
     return labels
 
 
-@lru_cache(maxsize=256)
-def _rows(counts: tuple[int, ...], shapes: tuple[Shape, ...], step: int) -> tuple[np.ndarray, list]:
-    """The packing rows of every shape at every count, as :func:`pack_many` makes them (coinciding shapes share a
-    row): ``(weights (rows, max count), parts)``, cached (read-only): a host asks for the same few every step."""
-    first: dict[tuple, tuple[int, Shape]] = {}
-    for k in counts:
-        for shape in shapes:
-            first.setdefault((k, shape.order, shape.weights(k, step).tobytes()), (k, shape))
-    combos = list(first.values())
-    weights = np.full((len(combos), max(counts)), -1.0)
-    for j, (k, shape) in enumerate(combos):
-        weights[j, :k] = shape.weights(k, step)
-    weights.flags.writeable = False
-    return weights, [(k, shape, slice(j, j + 1)) for j, (k, shape) in enumerate(combos)]
-
-
 def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
-    """Every shape at every count packed in one :func:`~.pipeline_shape.pack_relabelled` call and priced in one
-    pass of the model; the fastest per count kept (ties: the earlier shape)."""
-    if not counts:
-        return ReplicaScan({}, {})
-    weights, parts = _rows(tuple(counts), tuple(shapes), samples.step)
+    """Every shape at every count packed and priced by :func:`~.pipeline_shape.pack_many` (the replica as one row);
+    the fastest per count kept (ties: the earlier shape)."""
     members = samples.order[None, :]  # one replica: its samples by decreasing cost
-    bin_of, groups = pack_relabelled(Budget(pricing, math.inf), samples, np.repeat(members, len(weights), axis=0),
-                                     np.array(weights), parts)
+    combos = [(k, shape) for k in counts for shape in shapes]
+    spans, bin_of = pack_many(Budget(pricing, math.inf), samples, members, combos) if combos else ([], [])
     found, labels = {}, {}
-    spans_all = pricing.makespans_many([prices for _, _, prices in groups]) if groups else []
-    for (k, rows, _), spans in zip(groups, spans_all):
-        j = int(np.argmin(spans))
-        labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
-        labels[k][members[0]] = bin_of[rows[j]]
-        found[k] = float(spans[j])
+    for k in sorted(set(counts)):
+        j = min((i for i, (c, _) in enumerate(combos) if c == k), key=lambda i: spans[i][0])
+        if np.isfinite(spans[j][0]):
+            labels[k] = np.empty(len(samples.lengths), dtype=np.int64)
+            labels[k][members[0]] = bin_of[j][0]
+            found[k] = float(spans[j][0])
     return ReplicaScan(found, labels, pricing, samples)
 
 

@@ -213,7 +213,7 @@ def test_close_to_the_best_plan_an_exhaustive_search_finds(seed, layout):
 # ---------------------------------------------------------------------------------------------- rows of several counts
 @pytest.mark.parametrize("order", ["target", "rising"])
 def test_run_order_of_rows_of_several_counts_is_each_rows_own(order):
-    """pack_relabelled orders the rows of every count side by side: a row of count k ordered within the padded width
+    """pack_each orders the rows of every count side by side: a row of count k ordered within the padded width
     is that row's own order of its first k micro-batches, and its padding stays in place."""
     rng = np.random.default_rng(4)
     shape = Shape(0, 0, 1.0, order)
