@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
@@ -264,3 +265,33 @@ def test_the_patches_name_their_targets_and_range():
         "nemo_rl.models.policy.lm_policy.Policy._shard_for_logprob",
         "nemo_rl.models.policy.lm_policy.Policy.__init__"}
     assert all(p.supported == SUPPORTED and p.distribution == "nemo-rl" for p in patches)
+
+
+def test_pad_to_longest_picks_a_count_no_slower_under_that_padding():
+    """Under PP NeMo-RL's worker pads a rank's micro-batches to the longest: the pad-aware plan is priced (with the
+    pipeline model, independently of the chooser) no slower than the planner's own choice, and both hold the
+    invariants."""
+    from slime_ext.schedule import pipeline_pricing
+
+    lengths = lengths_of(128, seed=11, longest=9000)
+    model = CostModel(hidden_size=2048, num_layers=24, num_attention_heads=16, vocab_size=32000)
+    parallel = ParallelConfig(dp_size=4, pp_size=4)
+    plans = [plan_shards(lengths, parallel=parallel, batch_size=64, cap=16384, cost_model=model, pad_to_longest=p)
+             for p in (False, True)]
+    pricing = pipeline_pricing(parallel, model, 16384)
+
+    def padded_time(plan):
+        total = 0.0
+        for g in range(plan.num_global_batches):
+            costs = []
+            for r in range(4):
+                start = sum(plan.elem_counts_per_gb[r][:g])
+                rows = plan.rows[r][start:start + plan.elem_counts_per_gb[r][g]]
+                width = max(plan.micro_batch_lengths[r][g])
+                linear = model.coefficients()[0]
+                costs.append([float(model.flops([lengths[i] for i in rows[s:e]]).sum()) + linear * (width - t)
+                              for (s, e), t in zip(plan.micro_batch_indices[r][g], plan.micro_batch_lengths[r][g])])
+            total += float(pricing.makespans(np.array(costs)).max())
+        return total
+
+    assert padded_time(plans[1]) <= padded_time(plans[0]) * 1.0001

@@ -23,7 +23,9 @@ the rows of shard 0, then shard 1, ... in shard order.
 3. **Micro-batches.** The planner packs each step under the cap (``cap`` tokens per micro-batch before context
    parallelism splits it), the same count on every DP rank (a multiple of the VPP group), FLOPs balanced, and with
    pipeline parallelism the count and order its pipeline model predicts fastest for the pass asked for
-   (``forward_only``: a log-prob pass).
+   (``forward_only``: a log-prob pass). NeMo-RL's Megatron worker pads every packed micro-batch of a rank's global
+   batch to the longest one under pipeline parallelism (megatron-core's p2p then sees one shape); with
+   ``pad_to_longest`` the count is the one that predicts fastest with that padding priced in (:func:`_pad_aware`).
 4. **Metadata.** Each rank's rows in micro-batch order, and the three lists above.
 
 Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
@@ -31,13 +33,14 @@ Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlannerConfig,
-                                PlanRequest, ScheduleError, plan)
+                                PlanRequest, ScheduleError, microbatch_costs, pipeline_pricing, plan)
 
 __all__ = ["ShardPlan", "check_shard_plan", "plan_shards", "round_up"]
 
@@ -119,11 +122,14 @@ def plan_shards(
     forward_only: bool = False,
     cost_model: CostModel | CostProfile | None = None,
     config: PlannerConfig | None = None,
+    pad_to_longest: bool = False,
 ) -> ShardPlan:
     """Plan one shard call (the module docstring): ``input_lengths[i]`` is row ``i``'s token count, ``parallel``
     the Megatron layout (its ``dp_size`` is the shard count), ``batch_size`` the rows per optimizer step (``None``:
     one pass over all rows), ``cap`` NeMo-RL's ``max_tokens_per_microbatch`` (``train_mb_tokens`` or
-    ``logprob_mb_tokens``), ``pad_multiple`` its ``sequence_length_pad_multiple``, ``forward_only`` the pass."""
+    ``logprob_mb_tokens``), ``pad_multiple`` its ``sequence_length_pad_multiple``, ``forward_only`` the pass.
+    ``pad_to_longest``: the worker pads every packed micro-batch to the longest of its rank's global batch (NeMo-RL's
+    Megatron worker does under pipeline parallelism), so the count is chosen with that padding priced in."""
     lengths = np.asarray(input_lengths)
     dp = parallel.require_dp_size()
     size = _check_inputs(lengths, dp, batch_size, cap, pad_multiple)
@@ -137,9 +143,10 @@ def plan_shards(
                             f"train_mb_tokens / logprob_mb_tokens")
     batch = BatchConfig(global_batch_size=size, use_dynamic_batch_size=True, max_tokens_per_gpu=int(cap) // cp,
                         balance_data=True)
-    # 3: one request to the planner
-    schedule = plan(PlanRequest(lengths=padded, parallel=parallel, batch=batch, step_of=step_of,
-                                forward_only=bool(forward_only), cost_model=cost_model, config=config))
+    # 3: one request to the planner (with the pad to the longest: the count it prices fastest, see _pad_aware)
+    request = PlanRequest(lengths=padded, parallel=parallel, batch=batch, step_of=step_of,
+                          forward_only=bool(forward_only), cost_model=cost_model, config=config)
+    schedule = _pad_aware(request, num_steps) if pad_to_longest and parallel.pp_size > 1 else plan(request)
     # 4: each rank's rows and metadata, global batch by global batch
     starts = np.cumsum([0, *schedule.num_microbatches])
     rows, indices, mb_lengths, counts = [], [], [], []
@@ -166,6 +173,48 @@ def plan_shards(
                        cap=int(cap) // cp * cp, forward_only=bool(forward_only), schedule=schedule)
     check_shard_plan(result, batch_size=size)
     return result
+
+
+#: how many fixed counts :func:`_pad_aware` prices beyond the smallest that holds every step under the cap
+PAD_AWARE_COUNTS = 4
+
+
+def _pad_aware(request: PlanRequest, num_steps: int) -> DPSchedule:
+    """The plan of ``request`` for a worker that pads every micro-batch of a rank's step to the longest (NeMo-RL's
+    Megatron worker under pipeline parallelism, which gives megatron-core's p2p one shape per step): the planner's
+    own choice and the fixed counts from the smallest that holds every step (``microbatches_per_rank``, each with
+    ``balance_by_flops`` so that a rank's micro-batches come out even), each priced by the planner's pipeline model
+    (:func:`~slime_ext.schedule.pipeline_pricing`, for the request's pass) with every micro-batch's cost scaled up
+    to the longest one's tokens; the fastest wins (the planner's own choice on a tie)."""
+    pricing = pipeline_pricing(request.parallel, request.cost_model, request.batch.cap(request.parallel.cp_size),
+                               request.config, forward_only=request.forward_only)
+    even = dataclasses.replace(request.batch, balance_by_flops=True)
+    candidates = [plan(request)]
+    group = request.parallel.align // request.parallel.dp_size
+    count = group
+    while len(candidates) <= PAD_AWARE_COUNTS and count <= max(candidates[0].num_microbatches):
+        try:
+            candidates.append(plan(dataclasses.replace(request, batch=even, microbatches_per_rank=count)))
+        except ScheduleError:  # too few micro-batches for some step's tokens under the cap: try more
+            pass
+        count += group
+    return min(candidates, key=lambda schedule: _padded_time(schedule, request, pricing, num_steps))
+
+
+def _padded_time(schedule: DPSchedule, request: PlanRequest, pricing, num_steps: int) -> float:
+    """Predicted time of ``schedule``'s steps with each rank's micro-batches padded to its longest in the step."""
+    lengths = np.asarray(request.lengths)
+    starts = np.cumsum([0, *schedule.num_microbatches])
+    total = 0.0
+    for s in range(num_steps):
+        costs = []
+        for r in range(schedule.dp_size):
+            partition = schedule.partitions[r]
+            mbs = [[partition[i] for i in local] for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
+            tokens = np.array([lengths[mb].sum() for mb in mbs], dtype=np.float64)
+            costs.append(microbatch_costs(lengths, mbs, request.cost_model) * tokens.max() / tokens)
+        total += float(pricing.makespans(np.array(costs)).max())
+    return total
 
 
 def check_shard_plan(shards: ShardPlan, *, batch_size: int) -> None:

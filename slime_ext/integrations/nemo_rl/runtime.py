@@ -8,7 +8,8 @@
   layout set in a context variable (training, or forward-only for the log-prob passes).
 * ``BatchedDataDict.shard_by_batch_size``: inside those two, a call with ``sequence_packing_args`` is planned by
   slime-ext (:func:`.plan.plan_shards`, under the cap NeMo-RL passes: ``train_mb_tokens`` or
-  ``logprob_mb_tokens``) and returned as NeMo-RL returns it: ``(shards, sorted_indices)``, each shard carrying
+  ``logprob_mb_tokens``; under pipeline parallelism with the padding NeMo-RL's worker adds priced in) and returned
+  as NeMo-RL returns it: ``(shards, sorted_indices)``, each shard carrying
   ``micro_batch_indices``, ``micro_batch_lengths`` and ``elem_counts_per_gb``. Every other call is NeMo-RL's own.
 """
 
@@ -103,7 +104,8 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
         result = plan_shards(_as_list(self.data[args["input_lengths_key"]]),
                              parallel=current.layout.parallel(shards), batch_size=batch_size,
                              cap=args["max_tokens_per_microbatch"], pad_multiple=args["sequence_length_pad_multiple"],
-                             forward_only=current.forward_only, cost_model=STATE.costs)
+                             forward_only=current.forward_only, cost_model=STATE.costs,
+                             pad_to_longest=current.layout.pp_size > 1)
         STATE.last_plan = result
         return _shards_of(self, result), result.sorted_indices
 
