@@ -20,6 +20,10 @@ the parameters of ``shard_by_batch_size``, that the two shard methods still call
 ``Policy.__init__`` still holds the assert it lifts. Anything else is refused with a ``PatchError`` naming what
 differs.
 
+With the ``variable_seq_lengths`` option, a fifth patch is applied in the Megatron worker processes
+(:func:`worker_patches`): ``nemo_rl.models.megatron.data._get_pack_sequence_parameters_for_megatron`` without its pad
+to the longest packed micro-batch under PP.
+
 What enters NeMo-RL is handed in by :mod:`slime_ext.integrations.nemo_rl` (its ``runtime`` module), which applies
 this set; this module imports nothing of slime-ext above the patches.
 """
@@ -32,6 +36,7 @@ from typing import Any
 from . import Patch, PatchError, PatchSet, imported_version, source_contains
 
 DATA_MODULE = "nemo_rl.distributed.batched_data_dict"
+WORKER_DATA_MODULE = "nemo_rl.models.megatron.data"
 POLICY_MODULE = "nemo_rl.models.policy.lm_policy"
 SUPPORTED = ">=0.6.0,<0.8"
 TESTED = ("0.6.0 (HEAD 7ea279a, 2026-08-22)",)
@@ -76,4 +81,41 @@ def nemo_rl_patches(runtime: Any) -> PatchSet:
     ])
 
 
-__all__ = ["DATA_MODULE", "PARAMETERS", "POLICY_MODULE", "PatchError", "SUPPORTED", "TESTED", "nemo_rl_patches"]
+REGISTRY_MODULE = "nemo_rl.distributed.ray_actor_environment_registry"
+#: NeMo-RL's Megatron policy worker, whose Python environment slime-ext's worker class runs in
+NEMO_RL_WORKER_FQN = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+
+
+def worker_class_patches(worker_class_fqn: str) -> PatchSet:
+    """The driver-side patch of the ``variable_seq_lengths`` option: NeMo-RL's actor environment registry with
+    slime-ext's worker class in the environment of NeMo-RL's Megatron worker (NeMo-RL refuses an actor class it has
+    no environment for)."""
+
+    def make(registry: dict) -> dict:
+        return {**registry, worker_class_fqn: registry[NEMO_RL_WORKER_FQN]}
+
+    def expect(registry: Any) -> str | None:
+        return None if isinstance(registry, dict) and NEMO_RL_WORKER_FQN in registry else (
+            f"it has no entry for {NEMO_RL_WORKER_FQN}")
+
+    return PatchSet("nemo-rl-worker-class", [
+        Patch(name="nemo-rl-worker-environment", module=REGISTRY_MODULE, attribute="ACTOR_ENVIRONMENT_REGISTRY",
+              make=make, expect=expect, distribution="nemo-rl", supported=SUPPORTED, tested=TESTED,
+              version=_nemo_rl_version, doc="slime-ext's worker class runs in the Megatron worker's environment"),
+    ])
+
+
+def worker_patches(worker: Any) -> PatchSet:
+    """The worker-side patch of the ``variable_seq_lengths`` option, applied in NeMo-RL's Megatron worker process.
+    ``worker``: the integration's worker module (:func:`unpadded_pack_parameters`)."""
+    return PatchSet("nemo-rl-worker", [
+        Patch(name="nemo-rl-unpadded-packs", module=WORKER_DATA_MODULE,
+              attribute="_get_pack_sequence_parameters_for_megatron", make=worker.unpadded_pack_parameters,
+              distribution="nemo-rl", supported=SUPPORTED, tested=TESTED, version=_nemo_rl_version,
+              expect=source_contains("pad_packed_seq_to = max_seq_len_in_batch", "pad_packed_seq_to_multiple_of"),
+              doc="packed micro-batches of their own length under PP (megatron-core's variable_seq_lengths)"),
+    ])
+
+
+__all__ = ["DATA_MODULE", "PARAMETERS", "POLICY_MODULE", "PatchError", "SUPPORTED", "TESTED", "WORKER_DATA_MODULE", "nemo_rl_patches",
+           "worker_class_patches", "worker_patches"]

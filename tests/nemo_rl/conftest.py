@@ -8,7 +8,9 @@ Stubbed, and why (:mod:`nemo_rl_stubs`): the experiment-logger backends ``mlflow
 by ``nemo_rl.utils.logger`` at import time, never called by sharding), and Megatron-Bridge's
 ``packed_seq_utils.get_packed_seq_cp_partition_indices`` (``nemo_rl.models.megatron.data`` imports it at import
 time; Megatron-Bridge's package pulls in transformer-engine, which has no CPU wheel; the function is used only with
-context parallelism, which these tests do not run: the stub raises if called).
+context parallelism, which these tests do not run: the stub raises if called), and the Megatron-Bridge config and
+state classes ``nemo_rl.models.megatron.train`` imports for its type annotations (``ModelProviderMixin``,
+``ConfigContainer``, ``GlobalState``: empty classes; the forward-backward path does not use them).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ HOW = ("run NEMO_RL_GIT=/path/to/RL[.git] ci/nemo_rl_test, which extracts NeMo-R
        "their own Python 3.13 venv")
 
 
+if HERE not in sys.path:  # the nemo_rl_* helpers (their names are prefixed: all test folders share one sys.path)
+    sys.path.insert(0, HERE)
+
+
 def pytest_configure(config):
     if TREE:
-        for path in (TREE, HERE):
-            if path not in sys.path:
-                sys.path.insert(0, path)
+        if TREE not in sys.path:
+            sys.path.insert(0, TREE)
         os.environ.setdefault("NO_VCS_VERSION", "1")
         import nemo_rl_stubs
 

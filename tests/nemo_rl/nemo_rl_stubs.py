@@ -11,6 +11,20 @@ import types
 #: experiment-logger backends: imported by nemo_rl.utils.logger, never called while sharding
 LOGGER_BACKENDS = ("mlflow", "wandb", "swanlab")
 PACKED_SEQ_UTILS = "megatron.bridge.training.utils.packed_seq_utils"
+#: Megatron-Bridge modules nemo_rl.models.megatron.train imports only for type names (config and state classes)
+BRIDGE_TYPE_MODULES = ("megatron.bridge.models", "megatron.bridge.models.model_provider", "megatron.bridge.training.config",
+                       "megatron.bridge.training.state")
+
+
+class _TypeNames(types.ModuleType):
+    """A module whose every attribute is a fresh empty class (names used in annotations and isinstance checks)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__module__": self.__name__})
+        setattr(self, name, value)
+        return value
 
 
 class _Anything(types.ModuleType):
@@ -55,3 +69,7 @@ def install() -> None:
         utils = types.ModuleType(PACKED_SEQ_UTILS)
         utils.get_packed_seq_cp_partition_indices = _cp_partition_indices
         sys.modules.setdefault(PACKED_SEQ_UTILS, utils)
+        for name in BRIDGE_TYPE_MODULES:
+            module = _TypeNames(name)
+            module.__path__ = []
+            sys.modules.setdefault(name, module)

@@ -295,3 +295,42 @@ def test_pad_to_longest_picks_a_count_no_slower_under_that_padding():
         return total
 
     assert padded_time(plans[1]) <= padded_time(plans[0]) * 1.0001
+
+
+def test_variable_seq_lengths_option_in_the_layout_and_its_refusals():
+    cfg = policy_config()
+    assert layout_from_config(cfg).padded_to_longest
+    layout = layout_from_config(cfg, variable_seq_lengths=True)
+    assert layout.variable_seq_lengths and not layout.padded_to_longest
+    one_stage = policy_config(**{"megatron_cfg.pipeline_model_parallel_size": 1})
+    assert not layout_from_config(one_stage, variable_seq_lengths=True).variable_seq_lengths  # nothing to change
+    with pytest.raises(NemoRLSettingError, match="batch_p2p_comm=false, or drop the variable_seq_lengths option"):
+        layout_from_config(policy_config(**{"megatron_cfg.batch_p2p_comm": True}), variable_seq_lengths=True)
+
+
+def test_variable_seq_lengths_starts_slime_exts_worker_class():
+    from slime_ext.integrations.nemo_rl import runtime
+    from slime_ext.integrations.nemo_rl.worker import WORKER_CLASS_FQN
+
+    calls = []
+
+    class Policy:
+        __init__ = make_policy_init(lambda self, cluster, config, *args, **kwargs: calls.append(kwargs))
+
+    runtime.STATE.options = Options(variable_seq_lengths=True)
+    try:
+        Policy("cluster", policy_config(), "tokenizer")
+        assert calls[-1]["worker_extension_cls_fqn"] == WORKER_CLASS_FQN
+        with pytest.raises(NemoRLSettingError, match="its own worker class"):
+            Policy("cluster", policy_config(), "tokenizer", worker_extension_cls_fqn="my.Worker")
+    finally:
+        runtime.STATE.__init__()
+    Policy("cluster", policy_config(), "tokenizer")
+    assert "worker_extension_cls_fqn" not in calls[-1]
+
+
+def test_unpadded_pack_parameters_drop_only_the_pad_to_the_longest():
+    from slime_ext.integrations.nemo_rl.worker import unpadded_pack_parameters
+
+    wrapped = unpadded_pack_parameters(lambda cfg, pad, longest: (pad, 16, longest))
+    assert wrapped({}, 8, 4096) == (8, 16, None)

@@ -34,7 +34,8 @@ from .settings import NemoRLSettingError, Options
 
 logger = logging.getLogger("slime_ext.integrations.nemo_rl")
 
-__all__ = ["NemoRLSettingError", "Options", "PatchError", "disable", "enable", "enable_on_import", "enabled"]
+__all__ = ["NemoRLSettingError", "Options", "PatchError", "disable", "enable", "enable_on_import", "enable_worker",
+           "enabled"]
 
 #: the name NeMo-RL's import hook goes by (:mod:`slime_ext.patches.on_import`)
 HOOK_OWNER = "nemo_rl"
@@ -64,6 +65,12 @@ def _apply(module: Any = None) -> PatchSet:
         from . import runtime
 
         patches = nemo_rl_patches(runtime)
+        if runtime.STATE.options.variable_seq_lengths:
+            from slime_ext.patches.nemo_rl_host import worker_class_patches
+
+            from .worker import WORKER_CLASS_FQN
+
+            patches = PatchSet(patches.name, [*patches.patches, *worker_class_patches(WORKER_CLASS_FQN).patches])
         patches.apply()
         _applied = patches
         logger.info("slime-ext plans NeMo-RL's Megatron shards (%s):\n%s", patches.patches[0].version(),
@@ -71,20 +78,40 @@ def _apply(module: Any = None) -> PatchSet:
     return _applied
 
 
-def enable(cost_model: Any = None, cost_profile: str | None = None) -> PatchSet:
+def enable(cost_model: Any = None, cost_profile: str | None = None, variable_seq_lengths: bool = False) -> PatchSet:
     """Patch the importable NeMo-RL now. ``cost_model`` (a :class:`~slime_ext.schedule.CostModel`) or
-    ``cost_profile`` (a ``slime-ext calibrate`` JSON) price the plan; neither: tokens. Idempotent for the same
-    options; raises ``PatchError`` for a NeMo-RL it does not recognise."""
-    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile))
+    ``cost_profile`` (a ``slime-ext calibrate`` JSON) price the plan; neither: tokens. ``variable_seq_lengths``:
+    Megatron workers run packed micro-batches at their own length under PP (:mod:`.worker`). Idempotent for the
+    same options; raises ``PatchError`` for a NeMo-RL it does not recognise."""
+    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, variable_seq_lengths=variable_seq_lengths))
     return _apply()
 
 
-def enable_on_import(cost_model: Any = None, cost_profile: str | None = None) -> None:
+_worker_applied: PatchSet | None = None
+
+
+def enable_worker() -> PatchSet:
+    """Apply the worker-side patch of the ``variable_seq_lengths`` option in this (Megatron worker) process: NeMo-RL's
+    packed micro-batches keep their own length under PP. Idempotent; :func:`disable` undoes it too."""
+    global _worker_applied
+    if _worker_applied is None:
+        from slime_ext.patches.nemo_rl_host import worker_patches
+
+        from . import worker
+
+        patches = worker_patches(worker)
+        patches.apply()
+        _worker_applied = patches
+    return _worker_applied
+
+
+def enable_on_import(cost_model: Any = None, cost_profile: str | None = None,
+                     variable_seq_lengths: bool = False) -> None:
     """Apply the patches right after NeMo-RL's ``lm_policy`` module executes (now, if it already did); what the
     launcher does, so that importing NeMo-RL stays the script's own business."""
     from slime_ext.patches.nemo_rl_host import POLICY_MODULE
 
-    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile))
+    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, variable_seq_lengths=variable_seq_lengths))
     on_import.arrange(HOOK_OWNER, {POLICY_MODULE: functools.partial(_after_import)})
 
 
@@ -94,8 +121,11 @@ def _after_import(module: Any) -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (NeMo-RL's own functions are restored) and stop patching on later imports."""
-    global _applied
+    global _applied, _worker_applied
     on_import.remove(HOOK_OWNER)
+    if _worker_applied is not None:
+        _worker_applied.undo()
+        _worker_applied = None
     if _applied is None:
         return
     from . import runtime

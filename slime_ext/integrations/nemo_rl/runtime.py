@@ -56,8 +56,10 @@ _current: contextvars.ContextVar[ShardPass | None] = contextvars.ContextVar("sli
 def make_policy_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, cluster, config, *args, **kwargs):
-        layout = layout_from_config(config)
+        layout = layout_from_config(config, STATE.options.variable_seq_lengths)
         converted = run_as_packing(config)
+        if layout.variable_seq_lengths:
+            kwargs = _with_worker_class(args, kwargs)
         if converted is not None:
             logger.warning("slime-ext: policy.dynamic_batching is run as sequence packing (same caps: train %d, "
                            "log-prob %d tokens); slime-ext's micro-batches are packed, never padded to their longest "
@@ -66,6 +68,24 @@ def make_policy_init(original: Callable) -> Callable:
         setattr(self, LAYOUT_ATTRIBUTE, layout)
 
     return __init__
+
+
+#: where ``worker_extension_cls_fqn`` sits among ``Policy.__init__``'s parameters after ``cluster, config``
+WORKER_CLASS_POSITION = 8
+
+
+def _with_worker_class(args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with slime-ext's worker class as ``worker_extension_cls_fqn``; refuses a class of the caller's."""
+    from .settings import NemoRLSettingError
+    from .worker import WORKER_CLASS_FQN
+
+    given = args[WORKER_CLASS_POSITION] if len(args) > WORKER_CLASS_POSITION else kwargs.get("worker_extension_cls_fqn")
+    if given not in (None, WORKER_CLASS_FQN):
+        raise NemoRLSettingError(f"worker_extension_cls_fqn = {given!r}: slime-ext's variable_seq_lengths option runs "
+                                 f"its own worker class ({WORKER_CLASS_FQN}); drop the option, or the extension class")
+    if len(args) > WORKER_CLASS_POSITION:
+        return kwargs
+    return {**kwargs, "worker_extension_cls_fqn": WORKER_CLASS_FQN}
 
 
 def make_shard_for(forward_only: bool) -> Callable[[Callable], Callable]:
@@ -105,7 +125,7 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
                              parallel=current.layout.parallel(shards), batch_size=batch_size,
                              cap=args["max_tokens_per_microbatch"], pad_multiple=args["sequence_length_pad_multiple"],
                              forward_only=current.forward_only, cost_model=STATE.costs,
-                             pad_to_longest=current.layout.pp_size > 1)
+                             pad_to_longest=current.layout.padded_to_longest)
         STATE.last_plan = result
         return _shards_of(self, result), result.sorted_indices
 

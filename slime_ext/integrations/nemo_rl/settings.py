@@ -49,8 +49,13 @@ class Options:
 
     cost_model: CostModel | None = None
     cost_profile: str | None = None
+    #: run packed micro-batches at their own length under pipeline parallelism (NeMo-RL pads them to the longest):
+    #: the Policy starts slime-ext's worker class (:mod:`.worker`), which sets megatron-core's variable_seq_lengths
+    variable_seq_lengths: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.variable_seq_lengths, bool):
+            raise NemoRLSettingError(f"variable_seq_lengths = {self.variable_seq_lengths!r} must be True or False")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise NemoRLSettingError(f"cost_model = {self.cost_model!r} must be a CostModel (the model's dims) or "
                                      f"None")
@@ -77,6 +82,13 @@ class PolicyLayout:
     train_mb_tokens: int
     logprob_mb_tokens: int
     pad_multiple: int
+    #: the workers run packed micro-batches at their own length (else, under PP, padded to the longest)
+    variable_seq_lengths: bool = False
+
+    @property
+    def padded_to_longest(self) -> bool:
+        """Whether NeMo-RL's worker pads every packed micro-batch of a global batch to the longest one."""
+        return self.pp_size > 1 and not self.variable_seq_lengths
 
     def parallel(self, dp_size: int) -> ParallelConfig:
         return ParallelConfig(dp_size=dp_size, pp_size=self.pp_size, vpp_size=self.vpp_size, cp_size=self.cp_size,
@@ -104,8 +116,9 @@ def _batching(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
                              "start NeMo-RL without slime-ext's launcher")
 
 
-def layout_from_config(config: Mapping[str, Any]) -> PolicyLayout:
-    """Read and check one policy config (the module docstring lists the refusals)."""
+def layout_from_config(config: Mapping[str, Any], variable_seq_lengths: bool = False) -> PolicyLayout:
+    """Read and check one policy config (the module docstring lists the refusals); ``variable_seq_lengths``: the
+    option of that name (:class:`Options`)."""
     mcfg = config.get("megatron_cfg") or {}
     if not mcfg.get("enabled"):
         raise NemoRLSettingError("policy.megatron_cfg.enabled is off: slime-ext plans NeMo-RL's Megatron backend "
@@ -124,6 +137,11 @@ def layout_from_config(config: Mapping[str, Any]) -> PolicyLayout:
             f"policy.megatron_cfg sets variable_seq_lengths and batch_p2p_comm at pipeline_model_parallel_size = "
             f"{pp}: megatron-core's batched p2p deadlocks with per-micro-batch shapes from {P2P_DEADLOCK_PP} stages "
             f"(Megatron-LM issue 5100); set policy.megatron_cfg.batch_p2p_comm=false")
+    if variable_seq_lengths and pp >= P2P_DEADLOCK_PP and mcfg.get("batch_p2p_comm"):
+        raise NemoRLSettingError(
+            f"policy.megatron_cfg.batch_p2p_comm is set at pipeline_model_parallel_size = {pp}, and slime-ext's "
+            f"variable_seq_lengths option sends a shape per micro-batch: batched p2p deadlocks there (Megatron-LM "
+            f"issue 5100); set policy.megatron_cfg.batch_p2p_comm=false, or drop the variable_seq_lengths option")
     caps = {}
     for name in ("train_mb_tokens", "logprob_mb_tokens"):
         caps[name] = _positive(section.get(name), f"policy.{key}.{name}",
@@ -133,7 +151,8 @@ def layout_from_config(config: Mapping[str, Any]) -> PolicyLayout:
                                      f"micro-batch is split over the CP ranks; raise policy.{key}.{name}")
     pad = _positive(config.get("make_sequence_length_divisible_by", 1), "policy.make_sequence_length_divisible_by",
                     "set the row rounding (a multiple of 2*cp, and of tp with sequence parallelism)")
-    return PolicyLayout(pp_size=pp, vpp_size=int(vpp), cp_size=cp, tp_size=tp, pad_multiple=pad, **caps)
+    return PolicyLayout(pp_size=pp, vpp_size=int(vpp), cp_size=cp, tp_size=tp, pad_multiple=pad,
+                        variable_seq_lengths=bool(variable_seq_lengths) and pp > 1, **caps)
 
 
 def run_as_packing(config: Mapping[str, Any]) -> dict[str, Any] | None:
