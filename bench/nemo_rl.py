@@ -16,8 +16,9 @@ integration runs in the same two calls, forward-only for the log-prob pass.
 **How a plan runs** (what NeMo-RL's Megatron worker does with the shard metadata): a packed micro-batch computes
 its rows, each rounded up to ``make_sequence_length_divisible_by``; with pipeline parallelism every packed
 micro-batch is padded to the longest of its rank's global batch (``_get_pack_sequence_parameters_for_megatron``),
-for NeMo-RL's plans and for ours alike, since the worker is unchanged (column ``ours*``: ours without that padding,
-what a worker running megatron-core with variable sequence lengths would compute; not what runs today). A dynamic
+for NeMo-RL's plans and for ours alike (column ``ours``). Column ``ours*``: slime-ext with its
+``variable_seq_lengths`` option, whose worker runs each packed micro-batch at its own length (megatron-core's
+variable sequence lengths), planned without the pad. A dynamic
 micro-batch computes ``rows x its longest row`` (rounded to ``sequence_length_round``).
 
 **Pricing**: slime-ext's pipeline model (:func:`slime_ext.schedule.pipeline_pricing`; forward-only for the log-prob
@@ -210,7 +211,7 @@ class Case:
     pp: int
     theirs: dict  # setting -> Figures
     ours: Figures
-    unpadded: Figures  # ours without the PP pad-to-longest
+    unpadded: Figures  # ours with the variable_seq_lengths option (no PP pad to the longest)
     plan_s: float
 
     def best(self) -> Figures:
@@ -287,7 +288,8 @@ def summarize(cases: list[Case]) -> bool:
         ok &= met
         print(f"pp {pp}: training pass, ours / NeMo-RL's best valid setting, geomean over {len(at)} cases = "
               f"{ratio:.3f} (goal <= {goal}: {'met' if met else 'MISSED'}); log-prob pass ours / NeMo-RL's best = "
-              f"{logprob:.3f}; ours without the PP pad-to-longest (ours*) = {bare:.3f}")
+              f"{logprob:.3f}; with the variable_seq_lengths option (ours*) = {bare:.3f} (goal: "
+              f"{'met' if goal is None or bare <= goal else 'MISSED'})")
     bad = {s: sum(1 for c in cases for k, f in c.theirs.items() if k == s and f.invalid) for s in SETTINGS}
     ours_bad = sum(1 for c in cases if c.ours.invalid)
     print(f"invalid plans: NeMo-RL {bad}, ours {ours_bad} of {len(cases)} cases")
