@@ -5,8 +5,10 @@ the driver's real ``Policy._shard_for_train`` (every rank computes the same shar
 them), then on this rank NeMo-RL's real worker path for its shard: ``process_global_batch`` (the global valid-token
 counts, all-reduced over DP), ``get_microbatch_iterator`` (packing; under PP the pad to the longest),
 ``LossPostProcessor`` with its ``NLLLossFn``, and ``megatron_forward_backward`` over a tiny megatron-core GPT
-(:mod:`slime_ext.training.model`: local layer spec with THD attention, fp32, DDP). Writes the step's loss (summed over
-micro-batches and DP ranks) and every parameter's gradient by canonical name to ``OUT``.
+(:mod:`slime_ext.training.model`: local layer spec with THD attention, fp32, DDP); then the log-prob pass: the
+driver's real ``Policy._shard_for_logprob``, NeMo-RL's forward-only worker pass over this rank's shard
+(:func:`logprob_pass`), gathered over DP and put back in order by NeMo-RL's ``reorder_data``. Writes the step's loss
+(summed over micro-batches and DP ranks), every parameter's gradient by canonical name and the log-probs to ``OUT``.
 
 CPU stand-ins: :mod:`slime_ext.patches.megatron_cpu` (megatron-core's CUDA calls) and its ``cpu_device_context``
 around NeMo-RL's worker calls (``.cuda()`` and ``.to("cuda")`` become the identity), and the modules
@@ -76,6 +78,14 @@ def one_step(mode: str, config, cfg: dict, data) -> dict:
             widths.append(int(processed.input_ids_cp_sharded.shape[-1]))
             yield processed
 
+    if mode != "nemo-rl":
+        integration.enable(variable_seq_lengths=mode == "slime-ext-varlen")
+    try:
+        logprob_shards, sorted_indices = make_policy(cfg, 2)._shard_for_logprob(data)
+    finally:
+        integration.disable()
+    if mode == "slime-ext-varlen":
+        integration.enable_worker()
     try:
         with cpu_device_context():
             gb = process_global_batch(shards[dp_rank], loss_fn, dp_group, batch_idx=0, batch_size=GLOBAL_BATCH // 2)
@@ -84,15 +94,47 @@ def one_step(mode: str, config, cfg: dict, data) -> dict:
             metrics = megatron_forward_backward(model[0] if len(model) == 1 else model, recorded(iterator), count,
                                                 padded, mbs, post, global_valid_seqs=gb["global_valid_seqs"],
                                                 global_valid_toks=gb["global_valid_toks"])
+            logprobs = logprob_pass(model[0] if len(model) == 1 else model, logprob_shards[dp_rank], cfg)
     finally:
         integration.disable()
     loss = torch.tensor([sum(float(m["loss"]) for m in metrics or [])], dtype=torch.float64)
     torch.distributed.all_reduce(loss, group=dp_group)
     grads = {name: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).detach().clone()
              for name, p in canonical_named_parameters(chunks)}
-    return {"loss": float(loss.item()), "grads": grads, "num_microbatches": int(count),
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(gathered, logprobs, group=dp_group)
+    if gathered[0] is not None:  # the last stage: the workers' outputs as the driver gathers and reorders them
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+        outputs = BatchedDataDict.from_batches([{"logprobs": lp} for lp in gathered])
+        if sorted_indices is not None:
+            outputs.reorder_data(sorted_indices)
+        # a row's positions past its length are padding (a packed micro-batch's tail padding lands in its last
+        # row): NeMo-RL's loss masks them, so only the real positions are compared
+        real = torch.arange(outputs["logprobs"].shape[1])[None, :] < data["input_lengths"][:, None]
+        logprobs = outputs["logprobs"] * real
+    moved = sorted_indices is not None and list(sorted_indices) != sorted(sorted_indices)
+    return {"loss": float(loss.item()), "grads": grads, "logprobs": logprobs, "rows_moved": moved, "num_microbatches": int(count),
             "last_stage": parallel_state.is_pipeline_last_stage(), "widths": widths,
             "packed": [int(t) for t in shards[dp_rank].micro_batch_lengths[0]]}
+
+
+def logprob_pass(model, shard, cfg: dict):
+    """NeMo-RL's worker-side log-prob pass over one shard (its iterator, ``LogprobsPostProcessor`` and a forward-only
+    ``megatron_forward_backward``); on the last stage the rows' log-probs, each right-padded to the batch width,
+    else ``None``."""
+    from megatron.core import parallel_state
+    from nemo_rl.models.megatron.data import get_microbatch_iterator
+    from nemo_rl.models.megatron.train import LogprobsPostProcessor, megatron_forward_backward
+
+    with torch.no_grad():
+        iterator, count, mbs, width, padded = get_microbatch_iterator(shard, cfg, 1, straggler_timer=None)
+        outputs = megatron_forward_backward(model, iterator, count, padded, mbs, LogprobsPostProcessor(cfg=cfg),
+                                            forward_only=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    rows = [out["logprobs"] for out in outputs]
+    return torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in rows]).detach()
 
 
 def main(rank: int, world: int, port: int, pp: int, out: str) -> None:

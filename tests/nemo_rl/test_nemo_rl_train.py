@@ -82,3 +82,18 @@ def test_the_plan_at_pp_2_trains_what_it_trains_at_pp_1(tmp_path_factory):
                 assert abs(result["loss"] - reference["loss"]) <= TOLERANCE
             for name, grad in result["grads"].items():
                 assert float((grad - reference["grads"][name]).abs().max()) <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_log_prob_pass_returns_nemo_rls_log_probs_in_its_order(pp, tmp_path_factory):
+    """NeMo-RL's forward-only worker pass (its iterator, ``LogprobsPostProcessor``, ``megatron_forward_backward``)
+    over slime-ext's log-prob shards, gathered and put back in order by NeMo-RL's ``reorder_data``: the log-probs of
+    NeMo-RL's own path, row by row (slime-ext's plan moved rows between ranks, so the order had to be restored)."""
+    for r in run(pp, tmp_path_factory):
+        theirs = r["nemo-rl"]["logprobs"]
+        if theirs is None:  # not the last stage
+            continue
+        assert float(theirs.abs().max()) > 0.1
+        for mode in [m for m in r if m != "nemo-rl"]:
+            assert r[mode]["rows_moved"]
+            assert float((r[mode]["logprobs"] - theirs).abs().max()) <= TOLERANCE, mode
