@@ -87,22 +87,12 @@ def enable(cost_model: Any = None, cost_profile: str | None = None, variable_seq
     return _apply()
 
 
-_worker_applied: PatchSet | None = None
-
-
 def enable_worker() -> PatchSet:
     """Apply the worker-side patch of the ``variable_seq_lengths`` option in this (Megatron worker) process: NeMo-RL's
     packed micro-batches keep their own length under PP. Idempotent; :func:`disable` undoes it too."""
-    global _worker_applied
-    if _worker_applied is None:
-        from slime_ext.patches.nemo_rl_host import worker_patches
+    from .worker import apply_worker_patches
 
-        from . import worker
-
-        patches = worker_patches(worker)
-        patches.apply()
-        _worker_applied = patches
-    return _worker_applied
+    return apply_worker_patches()
 
 
 def enable_on_import(cost_model: Any = None, cost_profile: str | None = None,
@@ -121,11 +111,11 @@ def _after_import(module: Any) -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (NeMo-RL's own functions are restored) and stop patching on later imports."""
-    global _applied, _worker_applied
+    global _applied
+    from .worker import undo_worker_patches
+
     on_import.remove(HOOK_OWNER)
-    if _worker_applied is not None:
-        _worker_applied.undo()
-        _worker_applied = None
+    undo_worker_patches()
     if _applied is None:
         return
     from . import runtime

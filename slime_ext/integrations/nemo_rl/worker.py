@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-__all__ = ["WORKER_CLASS_FQN", "unpadded_pack_parameters", "use_variable_seq_lengths", "worker_class"]
+__all__ = ["WORKER_CLASS_FQN", "apply_worker_patches", "undo_worker_patches", "unpadded_pack_parameters",
+           "use_variable_seq_lengths", "worker_class"]
 
 #: what the Policy is given as ``worker_extension_cls_fqn``
 WORKER_CLASS_FQN = "slime_ext.integrations.nemo_rl.worker.MegatronPolicyWorker"
@@ -37,6 +38,31 @@ def unpadded_pack_parameters(original: Callable) -> Callable:
         return pad_individual, pad_packed_multiple, None
 
     return _get_pack_sequence_parameters_for_megatron
+
+
+_applied: Any = None
+
+
+def apply_worker_patches() -> Any:
+    """Apply the worker patch (:func:`unpadded_pack_parameters`) in this process; idempotent. Returns the patch set."""
+    global _applied
+    if _applied is None:
+        import sys
+
+        from slime_ext.patches.nemo_rl_host import worker_patches
+
+        patches = worker_patches(sys.modules[__name__])
+        patches.apply()
+        _applied = patches
+    return _applied
+
+
+def undo_worker_patches() -> None:
+    """Undo :func:`apply_worker_patches` (a no-op when not applied)."""
+    global _applied
+    if _applied is not None:
+        _applied.undo()
+        _applied = None
 
 
 def use_variable_seq_lengths(model: Any) -> None:
@@ -60,9 +86,7 @@ def worker_class() -> Any:
 
     class SlimeExtMegatronPolicyWorker(MegatronPolicyWorkerImpl):
         def __init__(self, *args, **kwargs):
-            from . import enable_worker
-
-            enable_worker()
+            apply_worker_patches()
             super().__init__(*args, **kwargs)
             use_variable_seq_lengths(self.model)
 
