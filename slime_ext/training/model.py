@@ -62,8 +62,10 @@ def transformer_config(config: TrainConfig):
     )
 
 
-def build_model(config: TrainConfig) -> list:
-    """One ``GPTModel`` per virtual pipeline stage of this rank (unwrapped), canonically initialised."""
+def build_model(config: TrainConfig, position_embedding_type: str = "learned_absolute") -> list:
+    """One ``GPTModel`` per virtual pipeline stage of this rank (unwrapped), canonically initialised.
+    ``position_embedding_type``: megatron-core's (``"rope"`` for a host that passes no position ids with packed
+    sequences, as NeMo-RL does)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from .thd_attention import get_thd_layer_spec
@@ -82,7 +84,7 @@ def build_model(config: TrainConfig) -> list:
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
             share_embeddings_and_output_weights=not config.model.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute",
+            position_embedding_type=position_embedding_type,
             vp_stage=v,
         ))
     if torch.cuda.is_available():  # built on the CPU (use_cpu_initialization), trained on this rank's GPU

@@ -1,0 +1,269 @@
+"""One NeMo-RL shard call -> slime-ext's plan, as the shard metadata NeMo-RL's Megatron workers read.
+
+NeMo-RL's driver shards a batch for its DP workers in ``Policy._shard_for_train`` (``batch_size`` = the global
+batch: one optimizer step per ``batch_size`` contiguous samples) and ``Policy._shard_for_logprob`` (``batch_size``
+None: the whole batch is one forward-only pass), both through ``BatchedDataDict.shard_by_batch_size``. With sequence
+packing each worker reads, per global batch ``g`` of its shard:
+
+* ``micro_batch_indices[g]``: ``[start, end)`` of every micro-batch, local to global batch ``g``'s rows on the shard;
+* ``micro_batch_lengths[g]``: the tokens each packed micro-batch holds (its rows' lengths, each rounded up to
+  ``sequence_length_pad_multiple``);
+* ``elem_counts_per_gb[g]``: how many rows global batch ``g`` holds on the shard (``get_batch`` slices by them),
+
+and the driver undoes the order of a log-prob pass with ``reorder_data(sorted_indices)``, ``sorted_indices`` being
+the rows of shard 0, then shard 1, ... in shard order.
+
+:func:`plan_shards` fills exactly those from one :class:`~slime_ext.schedule.PlanRequest`:
+
+1. **Rows.** Row ``i``'s planned length is ``input_lengths[i]`` rounded up to ``pad_multiple`` (what NeMo-RL's
+   worker packs); every row is planned exactly once.
+2. **Steps.** The request's explicit steps (``step_of``): row ``i`` is in global batch ``i // batch_size`` (all rows
+   in one when ``batch_size`` is None), NeMo-RL's own chunking, so each optimizer step trains the same rows as
+   NeMo-RL's path.
+3. **Micro-batches.** The planner packs each step under the cap (``cap`` tokens per micro-batch before context
+   parallelism splits it), the same count on every DP rank (a multiple of the VPP group), FLOPs balanced, and with
+   pipeline parallelism the count and order its pipeline model predicts fastest for the pass asked for
+   (``forward_only``: a log-prob pass). NeMo-RL's Megatron worker pads every packed micro-batch of a rank's global
+   batch to the longest one under pipeline parallelism (megatron-core's p2p then sees one shape); with
+   ``pad_to_longest`` the count is the one that predicts fastest with that padding priced in (:func:`_pad_aware`).
+4. **Metadata.** Each rank's rows in micro-batch order, and the three lists above.
+
+Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlannerConfig,
+                                PlanRequest, ScheduleError, microbatch_costs, pipeline_pricing, plan)
+
+__all__ = ["ShardPlan", "check_shard_plan", "plan_shards", "round_up"]
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (>= 1)."""
+    return -(-int(value) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """slime-ext's plan of one shard call, in NeMo-RL's terms (global row ids of the batch being sharded).
+
+    * ``rows[r]``: the rows DP rank ``r``'s shard holds, in order (global batch by global batch, micro-batch by
+      micro-batch);
+    * ``micro_batch_indices[r][g]``, ``micro_batch_lengths[r][g]``, ``elem_counts_per_gb[r][g]``: what NeMo-RL's
+      worker reads (the module docstring);
+    * ``sorted_indices``: ``rows[0] + rows[1] + ...`` (``reorder_data`` undoes it);
+    * ``padded_lengths``: every row's length as packed (rounded up to ``pad_multiple``);
+    * ``schedule``: the planner's record (``stats[g].predicted_makespan`` etc.).
+    """
+
+    rows: tuple[tuple[int, ...], ...]
+    micro_batch_indices: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+    micro_batch_lengths: tuple[tuple[tuple[int, ...], ...], ...]
+    elem_counts_per_gb: tuple[tuple[int, ...], ...]
+    padded_lengths: tuple[int, ...]
+    cap: int
+    forward_only: bool
+    schedule: DPSchedule
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_global_batches(self) -> int:
+        return len(self.schedule.num_microbatches)
+
+    @property
+    def sorted_indices(self) -> list[int]:
+        return [i for rank in self.rows for i in rank]
+
+    def computed_tokens(self) -> int:
+        """Tokens the packed micro-batches hold over all ranks (rows padded to the multiple; no pad-to-max)."""
+        return sum(t for rank in self.micro_batch_lengths for gb in rank for t in gb)
+
+
+def _check_inputs(lengths: np.ndarray, dp: int, batch_size: int | None, cap: int, pad_multiple: int) -> int:
+    """Refuse what NeMo-RL's shard call would refuse, naming the setting; returns the global batch size."""
+    for name, value in (("shards", dp), ("max_tokens_per_microbatch", cap),
+                        ("sequence_length_pad_multiple", pad_multiple)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ScheduleError(f"{name} = {value!r} must be a positive integer")
+    if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ScheduleError(f"input_lengths must be a non-empty 1-D sequence of token counts, got shape "
+                            f"{lengths.shape} dtype {lengths.dtype}")
+    if lengths.min() < 1:
+        bad = int(np.flatnonzero(lengths < 1)[0])
+        raise ScheduleError(f"input_lengths[{bad}] = {int(lengths[bad])}: every row needs at least one token; drop "
+                            f"empty rows before training")
+    size = lengths.size if batch_size is None else batch_size
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1 or lengths.size % size:
+        raise ScheduleError(f"batch_size = {batch_size!r} does not divide the {lengths.size} rows into global "
+                            f"batches; pass a global batch size that divides the batch (policy.train_global_batch_size)")
+    if size % dp:
+        raise ScheduleError(f"the global batch of {size} rows is not a multiple of the {dp} DP shards; make "
+                            f"train_global_batch_size a multiple of the data-parallel size")
+    return int(size)
+
+
+def plan_shards(
+    input_lengths: Sequence[int] | np.ndarray,
+    *,
+    parallel: ParallelConfig,
+    batch_size: int | None,
+    cap: int,
+    pad_multiple: int = 1,
+    forward_only: bool = False,
+    cost_model: CostModel | CostProfile | None = None,
+    config: PlannerConfig | None = None,
+    pad_to_longest: bool = False,
+) -> ShardPlan:
+    """Plan one shard call (the module docstring): ``input_lengths[i]`` is row ``i``'s token count, ``parallel``
+    the Megatron layout (its ``dp_size`` is the shard count), ``batch_size`` the rows per optimizer step (``None``:
+    one pass over all rows), ``cap`` NeMo-RL's ``max_tokens_per_microbatch`` (``train_mb_tokens`` or
+    ``logprob_mb_tokens``), ``pad_multiple`` its ``sequence_length_pad_multiple``, ``forward_only`` the pass.
+    ``pad_to_longest``: the worker pads every packed micro-batch to the longest of its rank's global batch (NeMo-RL's
+    Megatron worker does under pipeline parallelism), so the count is chosen with that padding priced in."""
+    lengths = np.asarray(input_lengths)
+    dp = parallel.require_dp_size()
+    size = _check_inputs(lengths, dp, batch_size, cap, pad_multiple)
+    padded = -(-lengths.astype(np.int64) // int(pad_multiple)) * int(pad_multiple)
+    cp = parallel.cp_size
+    # 1-2: rows and NeMo-RL's own global batches as the request's explicit steps
+    step_of = np.arange(lengths.size, dtype=np.int64) // size
+    num_steps = int(step_of[-1]) + 1
+    if cap // cp < 1:
+        raise ScheduleError(f"max_tokens_per_microbatch = {cap} is below the context-parallel size {cp}; raise "
+                            f"train_mb_tokens / logprob_mb_tokens")
+    batch = BatchConfig(global_batch_size=size, use_dynamic_batch_size=True, max_tokens_per_gpu=int(cap) // cp,
+                        balance_data=True)
+    # 3: one request to the planner (with the pad to the longest: the count it prices fastest, see _pad_aware)
+    request = PlanRequest(lengths=padded, parallel=parallel, batch=batch, step_of=step_of,
+                          forward_only=bool(forward_only), cost_model=cost_model, config=config)
+    schedule = _pad_aware(request, num_steps) if pad_to_longest and parallel.pp_size > 1 else plan(request)
+    # 4: each rank's rows and metadata, global batch by global batch
+    starts = np.cumsum([0, *schedule.num_microbatches])
+    rows, indices, mb_lengths, counts = [], [], [], []
+    for r in range(dp):
+        partition = schedule.partitions[r]
+        mbs = [[int(partition[i]) for i in local] for local in schedule.micro_batch_indices[r]]
+        rank_rows, rank_indices, rank_lengths, rank_counts = [], [], [], []
+        for s in range(num_steps):
+            bounds, lens, pos = [], [], 0
+            for mb in mbs[starts[s]:starts[s + 1]]:
+                rank_rows += mb
+                bounds.append((pos, pos + len(mb)))
+                lens.append(int(padded[mb].sum()))
+                pos += len(mb)
+            rank_indices.append(tuple(bounds))
+            rank_lengths.append(tuple(lens))
+            rank_counts.append(pos)
+        rows.append(tuple(rank_rows))
+        indices.append(tuple(rank_indices))
+        mb_lengths.append(tuple(rank_lengths))
+        counts.append(tuple(rank_counts))
+    result = ShardPlan(rows=tuple(rows), micro_batch_indices=tuple(indices), micro_batch_lengths=tuple(mb_lengths),
+                       elem_counts_per_gb=tuple(counts), padded_lengths=tuple(int(x) for x in padded),
+                       cap=int(cap) // cp * cp, forward_only=bool(forward_only), schedule=schedule)
+    check_shard_plan(result, batch_size=size)
+    return result
+
+
+#: how many fixed counts :func:`_pad_aware` prices beyond the smallest that holds every step under the cap
+PAD_AWARE_COUNTS = 4
+
+
+def _pad_aware(request: PlanRequest, num_steps: int) -> DPSchedule:
+    """The plan of ``request`` for a worker that pads every micro-batch of a rank's step to the longest (NeMo-RL's
+    Megatron worker under pipeline parallelism, which gives megatron-core's p2p one shape per step): the planner's
+    own choice and the fixed counts from the smallest that holds every step (``microbatches_per_rank``, each with
+    ``balance_by_flops`` so that a rank's micro-batches come out even), each priced by the planner's pipeline model
+    (:func:`~slime_ext.schedule.pipeline_pricing`, for the request's pass) with every micro-batch's cost scaled up
+    to the longest one's tokens; the fastest wins (the planner's own choice on a tie)."""
+    pricing = pipeline_pricing(request.parallel, request.cost_model, request.batch.cap(request.parallel.cp_size),
+                               request.config, forward_only=request.forward_only)
+    even = dataclasses.replace(request.batch, balance_by_flops=True)
+    candidates = [plan(request)]
+    group = request.parallel.align // request.parallel.dp_size
+    count = group
+    while len(candidates) <= PAD_AWARE_COUNTS and count <= max(candidates[0].num_microbatches):
+        try:
+            candidates.append(plan(dataclasses.replace(request, batch=even, microbatches_per_rank=count)))
+        except ScheduleError:  # too few micro-batches for some step's tokens under the cap: try more
+            pass
+        count += group
+    return min(candidates, key=lambda schedule: _padded_time(schedule, request, pricing, num_steps))
+
+
+def _padded_time(schedule: DPSchedule, request: PlanRequest, pricing, num_steps: int) -> float:
+    """Predicted time of ``schedule``'s steps with each rank's micro-batches padded to its longest in the step."""
+    lengths = np.asarray(request.lengths)
+    starts = np.cumsum([0, *schedule.num_microbatches])
+    total = 0.0
+    for s in range(num_steps):
+        costs = []
+        for r in range(schedule.dp_size):
+            partition = schedule.partitions[r]
+            mbs = [[partition[i] for i in local] for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
+            tokens = np.array([lengths[mb].sum() for mb in mbs], dtype=np.float64)
+            costs.append(microbatch_costs(lengths, mbs, request.cost_model) * tokens.max() / tokens)
+        total += float(pricing.makespans(np.array(costs)).max())
+    return total
+
+
+def check_shard_plan(shards: ShardPlan, *, batch_size: int) -> None:
+    """The plan's invariants; ``ScheduleError`` naming the first one broken. Run on every plan (:func:`plan_shards`)
+    and by the tests:
+
+    * every row is on exactly one rank, and global batch ``g``'s rows on every rank are rows of global batch ``g``
+      (``row // batch_size == g``), ``elem_counts_per_gb`` counting them;
+    * every rank has the same number of micro-batches in each global batch, none empty, and the ``[start, end)``
+      bounds tile the global batch's rows on the rank in order;
+    * a micro-batch's length is the sum of its rows' padded lengths, at most ``cap`` when it holds more than one row.
+    """
+    n = len(shards.padded_lengths)
+    if sorted(shards.sorted_indices) != list(range(n)):
+        raise ScheduleError(f"plan: the shards do not hold each of the {n} rows exactly once")
+    num_gb = shards.num_global_batches
+    for r in range(shards.dp_size):
+        rows = shards.rows[r]
+        if len(shards.elem_counts_per_gb[r]) != num_gb or sum(shards.elem_counts_per_gb[r]) != len(rows):
+            raise ScheduleError(f"plan: elem_counts_per_gb of DP rank {r} do not count its {len(rows)} rows in "
+                                f"{num_gb} global batches")
+        offset = 0
+        for g in range(num_gb):
+            count = shards.elem_counts_per_gb[r][g]
+            gb_rows = rows[offset:offset + count]
+            offset += count
+            if any(i // batch_size != g for i in gb_rows):
+                raise ScheduleError(f"plan: DP rank {r}'s global batch {g} holds rows of another global batch")
+            _check_micro_batches(shards, r, g, gb_rows)
+
+
+def _check_micro_batches(shards: ShardPlan, r: int, g: int, gb_rows: Sequence[int]) -> None:
+    bounds, lengths = shards.micro_batch_indices[r][g], shards.micro_batch_lengths[r][g]
+    want = shards.micro_batch_indices[0][g]
+    if len(bounds) != len(want) or len(lengths) != len(bounds):
+        raise ScheduleError(f"plan: DP rank {r} has {len(bounds)} micro-batches in global batch {g}, rank 0 has "
+                            f"{len(want)}")
+    pos = 0
+    for (start, end), tokens in zip(bounds, lengths):
+        if start != pos or end <= start:
+            raise ScheduleError(f"plan: DP rank {r}'s micro-batches of global batch {g} do not tile its rows")
+        pos = end
+        held = [shards.padded_lengths[i] for i in gb_rows[start:end]]
+        if tokens != sum(held):
+            raise ScheduleError(f"plan: a micro-batch of global batch {g} on DP rank {r} says {tokens} tokens, its "
+                                f"rows hold {sum(held)}")
+        if len(held) > 1 and tokens > shards.cap:
+            raise ScheduleError(f"plan: a micro-batch of global batch {g} on DP rank {r} holds {len(held)} rows and "
+                                f"{tokens} tokens, above the cap {shards.cap}")
+    if pos != len(gb_rows):
+        raise ScheduleError(f"plan: DP rank {r}'s micro-batches of global batch {g} cover {pos} of its "
+                            f"{len(gb_rows)} rows")

@@ -1,0 +1,146 @@
+"""What replaces NeMo-RL's code behind the switch (the patches: :mod:`slime_ext.patches.nemo_rl_host`).
+
+* ``Policy.__init__``: reads and checks the policy config (:func:`.settings.layout_from_config`; a setting slime-ext
+  cannot honour is refused before any worker starts), and builds the policy with dynamic batching run as sequence
+  packing (:func:`.settings.run_as_packing`; this lifts NeMo-RL's one-pipeline-stage assert). The policy remembers
+  its layout.
+* ``Policy._shard_for_train`` / ``Policy._shard_for_logprob``: NeMo-RL's own, run with the pass and the policy's
+  layout set in a context variable (training, or forward-only for the log-prob passes).
+* ``BatchedDataDict.shard_by_batch_size``: inside those two, a call with ``sequence_packing_args`` is planned by
+  slime-ext (:func:`.plan.plan_shards`, under the cap NeMo-RL passes: ``train_mb_tokens`` or
+  ``logprob_mb_tokens``; under pipeline parallelism with the padding NeMo-RL's worker adds priced in) and returned
+  as NeMo-RL returns it: ``(shards, sorted_indices)``, each shard carrying
+  ``micro_batch_indices``, ``micro_batch_lengths`` and ``elem_counts_per_gb``. Every other call is NeMo-RL's own.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .plan import ShardPlan, plan_shards
+from .settings import Options, PolicyLayout, layout_from_config, run_as_packing
+
+logger = logging.getLogger("slime_ext.integrations.nemo_rl")
+
+__all__ = ["STATE", "ShardPass", "make_policy_init", "make_shard_by_batch_size", "make_shard_for"]
+
+#: the attribute a patched Policy keeps its layout in
+LAYOUT_ATTRIBUTE = "_slime_ext_layout"
+
+
+@dataclass(frozen=True)
+class ShardPass:
+    """The shard call in progress: the policy's layout and the pass (``forward_only``: a log-prob pass)."""
+
+    layout: PolicyLayout
+    forward_only: bool
+
+
+@dataclass
+class State:
+    """The process's integration state: the options, and the last plan made (for logs, tests and benchmarks)."""
+
+    options: Options = field(default_factory=Options)
+    costs: Any = None
+    last_plan: ShardPlan | None = None
+
+
+STATE = State()
+_current: contextvars.ContextVar[ShardPass | None] = contextvars.ContextVar("slime_ext_nemo_rl_pass", default=None)
+
+
+def make_policy_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, cluster, config, *args, **kwargs):
+        layout = layout_from_config(config, STATE.options.variable_seq_lengths)
+        converted = run_as_packing(config)
+        if layout.variable_seq_lengths:
+            kwargs = _with_worker_class(args, kwargs)
+        if converted is not None:
+            logger.warning("slime-ext: policy.dynamic_batching is run as sequence packing (same caps: train %d, "
+                           "log-prob %d tokens); slime-ext's micro-batches are packed, never padded to their longest "
+                           "row", layout.train_mb_tokens, layout.logprob_mb_tokens)
+        original(self, cluster, converted if converted is not None else config, *args, **kwargs)
+        setattr(self, LAYOUT_ATTRIBUTE, layout)
+
+    return __init__
+
+
+#: where ``worker_extension_cls_fqn`` sits among ``Policy.__init__``'s parameters after ``cluster, config``
+WORKER_CLASS_POSITION = 8
+
+
+def _with_worker_class(args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` with slime-ext's worker class as ``worker_extension_cls_fqn``; refuses a class of the caller's."""
+    from .settings import NemoRLSettingError
+    from .worker import WORKER_CLASS_FQN
+
+    given = args[WORKER_CLASS_POSITION] if len(args) > WORKER_CLASS_POSITION else kwargs.get("worker_extension_cls_fqn")
+    if given not in (None, WORKER_CLASS_FQN):
+        raise NemoRLSettingError(f"worker_extension_cls_fqn = {given!r}: slime-ext's variable_seq_lengths option runs "
+                                 f"its own worker class ({WORKER_CLASS_FQN}); drop the option, or the extension class")
+    if len(args) > WORKER_CLASS_POSITION:
+        return kwargs
+    return {**kwargs, "worker_extension_cls_fqn": WORKER_CLASS_FQN}
+
+
+def make_shard_for(forward_only: bool) -> Callable[[Callable], Callable]:
+    """``make`` of the ``_shard_for_train`` (``forward_only=False``) and ``_shard_for_logprob`` patches."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def shard_for(self, *args, **kwargs):
+            layout = getattr(self, LAYOUT_ATTRIBUTE, None)
+            if layout is None:  # a Policy built before the switch was on: NeMo-RL's own
+                return original(self, *args, **kwargs)
+            token = _current.set(ShardPass(layout, forward_only))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _current.reset(token)
+
+        return shard_for
+
+    return make
+
+
+def _as_list(values: Any) -> list[int]:
+    return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
+
+
+def make_shard_by_batch_size(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def shard_by_batch_size(self, shards, batch_size=None, allow_uneven_shards=False, dynamic_batching_args=None,
+                            sequence_packing_args=None):
+        current = _current.get()
+        if current is None or sequence_packing_args is None:
+            return original(self, shards, batch_size=batch_size, allow_uneven_shards=allow_uneven_shards,
+                            dynamic_batching_args=dynamic_batching_args, sequence_packing_args=sequence_packing_args)
+        args = sequence_packing_args
+        result = plan_shards(_as_list(self.data[args["input_lengths_key"]]),
+                             parallel=current.layout.parallel(shards), batch_size=batch_size,
+                             cap=args["max_tokens_per_microbatch"], pad_multiple=args["sequence_length_pad_multiple"],
+                             forward_only=current.forward_only, cost_model=STATE.costs,
+                             pad_to_longest=current.layout.padded_to_longest)
+        STATE.last_plan = result
+        return _shards_of(self, result), result.sorted_indices
+
+    return shard_by_batch_size
+
+
+def _shards_of(batch: Any, result: ShardPlan) -> list[Any]:
+    """NeMo-RL's shards of ``batch`` as ``result`` plans them (its own ``SlicedDataDict`` and row selection)."""
+    from nemo_rl.distributed.batched_data_dict import SlicedDataDict
+
+    shards = []
+    for r in range(result.dp_size):
+        shard = SlicedDataDict.from_batches([batch.select_indices(list(result.rows[r]))])
+        shard.micro_batch_indices = [[list(b) for b in gb] for gb in result.micro_batch_indices[r]]
+        shard.micro_batch_lengths = [list(gb) for gb in result.micro_batch_lengths[r]]
+        shard.elem_counts_per_gb = list(result.elem_counts_per_gb[r])
+        shards.append(shard)
+    return shards
