@@ -11,6 +11,10 @@
   ``logprob_mb_tokens``; under pipeline parallelism with the padding NeMo-RL's worker adds priced in) and returned
   as NeMo-RL returns it: ``(shards, sorted_indices)``, each shard carrying
   ``micro_batch_indices``, ``micro_batch_lengths`` and ``elem_counts_per_gb``. Every other call is NeMo-RL's own.
+  Where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism without slime-ext's
+  ``variable_seq_lengths`` option), NeMo-RL's own sharding of the same call (its packer, the policy's
+  ``sequence_packing.algorithm``) is priced beside slime-ext's plan the same way (:func:`.plan.choose_padded`), and
+  when it is predicted faster its shards are returned unchanged: the switch never plans a slower step than NeMo-RL.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .plan import ShardPlan, plan_shards
+from .plan import PaddedChoice, ShardPlan, choose_padded, micro_batch_rows, plan_shards
 from .settings import Options, PolicyLayout, layout_from_config, run_as_packing
 
 logger = logging.getLogger("slime_ext.integrations.nemo_rl")
@@ -42,11 +46,13 @@ class ShardPass:
 
 @dataclass
 class State:
-    """The process's integration state: the options, and the last plan made (for logs, tests and benchmarks)."""
+    """The process's integration state: the options, and the last plan made and, where NeMo-RL's own plan was a
+    candidate, the last choice between them (for logs, tests and benchmarks)."""
 
     options: Options = field(default_factory=Options)
     costs: Any = None
     last_plan: ShardPlan | None = None
+    last_choice: PaddedChoice | None = None
 
 
 STATE = State()
@@ -126,10 +132,34 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
                              cap=args["max_tokens_per_microbatch"], pad_multiple=args["sequence_length_pad_multiple"],
                              forward_only=current.forward_only, cost_model=STATE.costs,
                              pad_to_longest=current.layout.padded_to_longest)
-        STATE.last_plan = result
+        STATE.last_plan, STATE.last_choice = result, None
+        if current.layout.padded_to_longest:
+            theirs = original(self, shards, batch_size=batch_size, sequence_packing_args=args)
+            STATE.last_choice = _against_nemo_rl(result, *theirs)
+            if STATE.last_choice.theirs_wins:
+                return theirs
         return _shards_of(self, result), result.sorted_indices
 
     return shard_by_batch_size
+
+
+def _against_nemo_rl(result: ShardPlan, shards: list[Any], sorted_indices: list[int]) -> PaddedChoice:
+    """slime-ext's plan and NeMo-RL's own shards of the same call, priced alike (:func:`.plan.choose_padded`)."""
+    rows, start = [], 0
+    for shard in shards:
+        count = sum(shard.elem_counts_per_gb)
+        rows.append(sorted_indices[start:start + count])
+        start += count
+    theirs = micro_batch_rows(rows, [shard.micro_batch_indices for shard in shards],
+                              [shard.elem_counts_per_gb for shard in shards])
+    choice = choose_padded(result.micro_batch_rows(), theirs, result.padded_lengths,
+                           parallel=result.schedule.parallel, cap=result.cap, forward_only=result.forward_only,
+                           cost_model=STATE.costs)
+    logger.debug("slime-ext: %s pass padded to the longest micro-batch: slime-ext's plan %.6g, NeMo-RL's own %s; "
+                 "%s runs", "log-prob" if result.forward_only else "training", choice.ours,
+                 f"{choice.theirs:.6g}" if choice.theirs is not None else f"no candidate ({choice.why_not})",
+                 "NeMo-RL's" if choice.theirs_wins else "slime-ext's")
+    return choice
 
 
 def _shards_of(batch: Any, result: ShardPlan) -> list[Any]:
