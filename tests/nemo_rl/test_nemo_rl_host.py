@@ -104,6 +104,20 @@ def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(switch, thei
         assert sorted_indices == plan.sorted_indices and [m[0] for m in metadata] == [list(r) for r in plan.rows]
 
 
+def test_a_row_over_the_cap_is_planned_where_nemo_rls_packer_refuses_it(switch):
+    """NeMo-RL's packer refuses a row longer than the cap; slime-ext's plan puts it alone in a micro-batch, so at PP 2
+    NeMo-RL's own plan is no candidate and slime-ext's runs."""
+    from slime_ext.integrations.nemo_rl import runtime
+
+    data, lengths = rollouts(64, seed=5, longest=700)
+    assert max(lengths) > CAP_TRAIN
+    shards = make_policy(policy_config(pp=2), 2)._shard_for_train(data, 32)
+    check_shards(shards, lengths, 32, CAP_TRAIN)
+    choice = runtime.STATE.last_choice
+    assert choice.theirs is None and "exceeds bin capacity" in choice.why_not and not choice.theirs_wins
+    assert [rows_of(s) for s in shards] == [list(r) for r in runtime.STATE.last_plan.rows]
+
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_shard_for_logprob_forward_only_and_order_restored(switch, dp):
     """The log-prob path plans a forward-only pass under logprob_mb_tokens, and NeMo-RL's own ``reorder_data``

@@ -243,6 +243,11 @@ def micro_batch_rows(rows: Sequence[Sequence[int]], micro_batch_indices: Sequenc
     return out
 
 
+#: relative difference below which two predicted times are a tie (float noise of summing the same costs in another
+#: order; not a modelling tolerance)
+TIE = 1e-9
+
+
 @dataclass(frozen=True)
 class PaddedChoice:
     """Which of two plans of one shard call is predicted faster when the worker pads every micro-batch of a rank's
@@ -255,8 +260,8 @@ class PaddedChoice:
 
     @property
     def theirs_wins(self) -> bool:
-        """NeMo-RL's plan is strictly faster (ours wins a tie)."""
-        return self.theirs is not None and self.theirs < self.ours
+        """The other plan is faster (ours wins a tie, up to float noise: :data:`TIE`)."""
+        return self.theirs is not None and self.theirs < self.ours * (1.0 - TIE)
 
 
 def padded_pass_time(micro_batches: MicroBatchRows, lengths: Sequence[int] | np.ndarray, *, parallel: ParallelConfig,

@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .plan import PaddedChoice, ShardPlan, choose_padded, micro_batch_rows, plan_shards
+from .plan import PaddedChoice, ShardPlan, choose_padded, micro_batch_rows, padded_pass_time, plan_shards
 from .settings import Options, PolicyLayout, layout_from_config, run_as_packing
 
 logger = logging.getLogger("slime_ext.integrations.nemo_rl")
@@ -134,8 +134,11 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
                              pad_to_longest=current.layout.padded_to_longest)
         STATE.last_plan, STATE.last_choice = result, None
         if current.layout.padded_to_longest:
-            theirs = original(self, shards, batch_size=batch_size, sequence_packing_args=args)
-            STATE.last_choice = _against_nemo_rl(result, *theirs)
+            try:
+                theirs = original(self, shards, batch_size=batch_size, sequence_packing_args=args)
+            except Exception as exc:  # NeMo-RL's own cannot shard this call (its packer refuses a row over the cap)
+                theirs = exc
+            STATE.last_choice = _against_nemo_rl(result, theirs)
             if STATE.last_choice.theirs_wins:
                 return theirs
         return _shards_of(self, result), result.sorted_indices
@@ -143,18 +146,24 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
     return shard_by_batch_size
 
 
-def _against_nemo_rl(result: ShardPlan, shards: list[Any], sorted_indices: list[int]) -> PaddedChoice:
-    """slime-ext's plan and NeMo-RL's own shards of the same call, priced alike (:func:`.plan.choose_padded`)."""
-    rows, start = [], 0
-    for shard in shards:
-        count = sum(shard.elem_counts_per_gb)
-        rows.append(sorted_indices[start:start + count])
-        start += count
-    theirs = micro_batch_rows(rows, [shard.micro_batch_indices for shard in shards],
-                              [shard.elem_counts_per_gb for shard in shards])
-    choice = choose_padded(result.micro_batch_rows(), theirs, result.padded_lengths,
-                           parallel=result.schedule.parallel, cap=result.cap, forward_only=result.forward_only,
-                           cost_model=STATE.costs)
+def _against_nemo_rl(result: ShardPlan, theirs: tuple[list[Any], list[int]] | Exception) -> PaddedChoice:
+    """slime-ext's plan and NeMo-RL's own ``(shards, sorted_indices)`` of the same call (or what it raised), priced
+    alike (:func:`.plan.choose_padded`)."""
+    pricing = dict(parallel=result.schedule.parallel, cap=result.cap, forward_only=result.forward_only,
+                   cost_model=STATE.costs)
+    if isinstance(theirs, Exception):
+        choice = PaddedChoice(padded_pass_time(result.micro_batch_rows(), result.padded_lengths, **pricing), None,
+                              f"NeMo-RL's shard_by_batch_size raised {theirs!r}")
+    else:
+        shards, sorted_indices = theirs
+        rows, start = [], 0
+        for shard in shards:
+            count = sum(shard.elem_counts_per_gb)
+            rows.append(sorted_indices[start:start + count])
+            start += count
+        their_rows = micro_batch_rows(rows, [shard.micro_batch_indices for shard in shards],
+                                      [shard.elem_counts_per_gb for shard in shards])
+        choice = choose_padded(result.micro_batch_rows(), their_rows, result.padded_lengths, **pricing)
     logger.debug("slime-ext: %s pass padded to the longest micro-batch: slime-ext's plan %.6g, NeMo-RL's own %s; "
                  "%s runs", "log-prob" if result.forward_only else "training", choice.ours,
                  f"{choice.theirs:.6g}" if choice.theirs is not None else f"no candidate ({choice.why_not})",
