@@ -14,7 +14,8 @@
   Where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism without slime-ext's
   ``variable_seq_lengths`` option), NeMo-RL's own sharding of the same call (its packer, the policy's
   ``sequence_packing.algorithm``) is priced beside slime-ext's plan the same way (:func:`.plan.choose_padded`), and
-  when it is predicted faster its shards are returned unchanged: the switch never plans a slower step than NeMo-RL.
+  when it is predicted faster its shards are returned unchanged: the switch never runs a plan predicted slower than
+  NeMo-RL's own of the same call.
 """
 
 from __future__ import annotations
