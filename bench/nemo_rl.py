@@ -16,7 +16,10 @@ integration runs in the same two calls, forward-only for the log-prob pass.
 **How a plan runs** (what NeMo-RL's Megatron worker does with the shard metadata): a packed micro-batch computes
 its rows, each rounded up to ``make_sequence_length_divisible_by``; with pipeline parallelism every packed
 micro-batch is padded to the longest of its rank's global batch (``_get_pack_sequence_parameters_for_megatron``),
-for NeMo-RL's plans and for ours alike (column ``ours``). Column ``ours*``: slime-ext with its
+for NeMo-RL's plans and for ours alike. Column ``ours``: what the switch runs by default, slime-ext's plan or,
+under pipeline parallelism, NeMo-RL's own sharding of the same call where the switch predicts it faster
+(:func:`slime_ext.integrations.nemo_rl.plan.choose_padded`), the user's packer being the one of NeMo-RL's best
+setting in that case (column ``won``: the passes where NeMo-RL's own ran). Column ``ours*``: slime-ext with its
 ``variable_seq_lengths`` option, whose worker runs each packed micro-batch at its own length (megatron-core's
 variable sequence lengths), planned without the pad. A dynamic
 micro-batch computes ``rows x its longest row`` (rounded to ``sequence_length_round``).
@@ -44,7 +47,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from slime_ext.integrations.nemo_rl.plan import plan_shards
+from slime_ext.integrations.nemo_rl.plan import choose_padded, plan_shards
 from slime_ext.schedule import CostModel, ParallelConfig, PipelineSpec, pipeline_pricing
 
 from .workloads import MODEL_DIMS, make_lengths
@@ -180,27 +183,34 @@ def nemo_rl_pass(nemo: Any, lengths: np.ndarray, dp: int, pp: int, setting: str,
 
 
 def ours_pass(lengths: np.ndarray, dp: int, pp: int, forward_only: bool, cost_model: CostModel,
-              pad_to_longest: bool) -> tuple[Pass, float]:
-    """slime-ext's plan (what the integration runs) and its planning seconds; ``pad_to_longest``: as NeMo-RL's worker
-    runs it under pipeline parallelism."""
+              pad_to_longest: bool, theirs: Pass | None = None) -> tuple[Pass, float, bool]:
+    """What the switch runs, its planning seconds, and whether NeMo-RL's own plan ran: slime-ext's plan;
+    ``pad_to_longest``: as NeMo-RL's worker runs it under pipeline parallelism, where ``theirs`` (NeMo-RL's own
+    pass of the same call) runs instead when :func:`choose_padded` predicts it faster, as the integration does."""
     n = len(lengths)
     cap = LOGPROB_MB_TOKENS if forward_only else TRAIN_MB_TOKENS
     t = time.perf_counter()
-    plan = plan_shards(lengths, parallel=ParallelConfig(dp_size=dp, pp_size=pp),
-                       batch_size=None if forward_only else n // GLOBAL_BATCHES, cap=cap, pad_multiple=PAD,
-                       forward_only=forward_only, cost_model=cost_model, pad_to_longest=pad_to_longest)
+    parallel = ParallelConfig(dp_size=dp, pp_size=pp)
+    plan = plan_shards(lengths, parallel=parallel, batch_size=None if forward_only else n // GLOBAL_BATCHES, cap=cap,
+                       pad_multiple=PAD, forward_only=forward_only, cost_model=cost_model, pad_to_longest=pad_to_longest)
     seconds = time.perf_counter() - t
+    padded = pad_to_longest and pp > 1
+    if padded and theirs is not None:
+        rows = [[[list(mb[0]) for mb in rank] for rank in gb] for gb in theirs.mbs]
+        if choose_padded(plan.micro_batch_rows(), rows, plan.padded_lengths, parallel=parallel, cap=plan.cap,
+                         forward_only=forward_only, cost_model=cost_model).theirs_wins:
+            return theirs, seconds, True
     mbs = []
     for g in range(plan.num_global_batches):
         gb = []
         for r in range(dp):
             start = sum(plan.elem_counts_per_gb[r][:g])
             rows = plan.rows[r][start:start + plan.elem_counts_per_gb[r][g]]
-            width = max(plan.micro_batch_lengths[r][g]) if pad_to_longest and pp > 1 else 0
+            width = max(plan.micro_batch_lengths[r][g]) if padded else 0
             gb.append(tuple(packed_mb(rows[s:e], lengths, width, cost_model)
                             for s, e in plan.micro_batch_indices[r][g]))
         mbs.append(tuple(gb))
-    return Pass(tuple(mbs), check(tuple(mbs), n, cap, False)), seconds
+    return Pass(tuple(mbs), check(tuple(mbs), n, cap, False)), seconds, False
 
 
 # ------------------------------------------------------------------------------------------------------- cases
@@ -213,6 +223,7 @@ class Case:
     ours: Figures
     unpadded: Figures  # ours with the variable_seq_lengths option (no PP pad to the longest)
     plan_s: float
+    won: str = "-"  # the passes where the switch ran NeMo-RL's own plan (train, logprob), or "-"
 
     def best(self) -> Figures:
         valid = [f for f in self.theirs.values() if not f.invalid]
@@ -239,16 +250,22 @@ def run_cases(nemo: Any, workloads: Sequence[str], dps: Sequence[int], pps: Sequ
             lengths = np.minimum(make_lengths(WORKLOADS[workload], n, SEED), MAX_LENGTH).astype(np.int64)
             for pp in pps:
                 print(f"... {workload}, dp {dp}, pp {pp}: {n} rows", file=sys.stderr, flush=True)
-                theirs = {}
+                theirs, passes = {}, {}
                 for setting in SETTINGS:
                     if setting == "dynamic" and pp > 1:  # NeMo-RL's Policy refuses it under PP
                         continue
-                    passes = [nemo_rl_pass(nemo, lengths, dp, pp, setting, fo, cost_model) for fo in (False, True)]
-                    theirs[setting] = judge(*passes, lengths, dp, pp, cost_model)
-                (train, plan_s), (logprob, _) = (ours_pass(lengths, dp, pp, fo, cost_model, True) for fo in (False, True))
+                    passes[setting] = [nemo_rl_pass(nemo, lengths, dp, pp, setting, fo, cost_model)
+                                       for fo in (False, True)]
+                    theirs[setting] = judge(*passes[setting], lengths, dp, pp, cost_model)
+                valid = [k for k, f in theirs.items() if not f.invalid] or list(theirs)
+                user = passes[min(valid, key=lambda k: theirs[k].train)]  # the user's setting: NeMo-RL's best
+                (train, plan_s, train_won), (logprob, _, logprob_won) = (
+                    ours_pass(lengths, dp, pp, fo, cost_model, True, user[fo]) for fo in (False, True))
                 ours = judge(train, logprob, lengths, dp, pp, cost_model)
+                won = ",".join(name for name, w in (("train", train_won), ("logprob", logprob_won)) if w) or "-"
                 bare = [ours_pass(lengths, dp, pp, fo, cost_model, False)[0] for fo in (False, True)]
-                cases.append(Case(workload, dp, pp, theirs, ours, judge(*bare, lengths, dp, pp, cost_model), plan_s))
+                cases.append(Case(workload, dp, pp, theirs, ours, judge(*bare, lengths, dp, pp, cost_model), plan_s,
+                                  won))
     return cases
 
 
@@ -260,7 +277,7 @@ def print_table(cases: list[Case]) -> None:
     cols = [*SETTINGS, "ours", "ours*"]
     print(f"{'workload':<9} {'dp':>2} {'pp':>2} | " + " | ".join(
         f"{c:>7}: {'train':>6} {'logprob':>7} {'comp/real':>9} {'mb/rank':>7} {'bad':>8}" for c in cols)
-        + f" | {'ours/best':>9} {'plan s':>6}")
+        + f" | {'ours/best':>9} {'plan s':>6} {'won':>13}")
     for c in cases:
         figs = {**c.theirs, "ours": c.ours, "ours*": c.unpadded}
         cells = []
@@ -273,7 +290,7 @@ def print_table(cases: list[Case]) -> None:
             cells.append(f"{col:>7}: {f.train / TFLOP:>6.1f} {f.logprob / TFLOP:>7.1f} {f.computed / f.real:>9.3f} "
                          f"{counts:>7} {f.invalid or '-':>8}")
         print(f"{c.workload:<9} {c.dp:>2} {c.pp:>2} | " + " | ".join(cells)
-              + f" | {c.ours.train / c.best().train:>9.3f} {c.plan_s:>6.2f}")
+              + f" | {c.ours.train / c.best().train:>9.3f} {c.plan_s:>6.2f} {c.won:>13}")
 
 
 def summarize(cases: list[Case]) -> bool:

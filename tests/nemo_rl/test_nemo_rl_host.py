@@ -52,20 +52,70 @@ def check_shards(shards, lengths, batch_size, cap):
 @pytest.mark.parametrize("dp", [2, 4])
 def test_shard_for_train_switch_on_and_off(switch, dp, pp):
     """Switch on: slime-ext's plan through NeMo-RL's real ``_shard_for_train``; off: NeMo-RL's own. Both hold the
-    invariants; on, the plan is the one slime-ext made (the last plan of the runtime)."""
+    invariants; on, the shards are the plan slime-ext made (the last plan of the runtime), or at PP 2 (NeMo-RL's pad
+    to the longest) NeMo-RL's own where the runtime's choice says it is faster."""
     from slime_ext.integrations.nemo_rl import runtime
 
     data, lengths = rollouts(64)
     policy = make_policy(policy_config(pp), dp)
     ours = policy._shard_for_train(data, 32)
     check_shards(ours, lengths, 32, CAP_TRAIN)
-    plan = runtime.STATE.last_plan
+    plan, choice = runtime.STATE.last_plan, runtime.STATE.last_choice
     assert plan is not None and not plan.forward_only and plan.schedule.parallel.pp_size == pp
-    assert [rows_of(s) for s in ours] == [list(r) for r in plan.rows]
+    assert (choice is None) == (pp == 1) and (pp == 1 or choice.theirs is not None)
     switch.disable()
     theirs = make_policy(policy_config(pp), dp)._shard_for_train(data, 32)
     check_shards(theirs, lengths, 32, CAP_TRAIN)
-    assert [rows_of(s) for s in theirs] != [rows_of(s) for s in ours]
+    if choice is not None and choice.theirs_wins:
+        assert [rows_of(s) for s in ours] == [rows_of(s) for s in theirs]
+    else:
+        assert [rows_of(s) for s in ours] == [list(r) for r in plan.rows]
+    assert [rows_of(s) for s in theirs] != [list(r) for r in plan.rows]
+
+
+@pytest.mark.parametrize("theirs_faster", [False, True])
+def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(switch, theirs_faster, monkeypatch):
+    """At PP 2 (NeMo-RL's worker pads to the longest) the runtime prices NeMo-RL's own shards of the call; when they
+    are the faster (here the choice is forced, its pricing is tested in tests/unit), they come back unchanged, rows
+    and metadata, else slime-ext's plan."""
+    from slime_ext.integrations.nemo_rl import runtime
+    from slime_ext.integrations.nemo_rl.plan import PaddedChoice
+
+    seen = []
+
+    def forced(ours, theirs, lengths, **kwargs):
+        seen.append((ours, theirs))
+        return PaddedChoice(2.0, 1.0 if theirs_faster else 3.0)
+
+    monkeypatch.setattr(runtime, "choose_padded", forced)
+    data, lengths = rollouts(64, seed=7)
+    shards, sorted_indices = make_policy(policy_config(pp=2), 2)._shard_for_logprob(data)
+    plan = runtime.STATE.last_plan
+    switch.disable()
+    own, own_sorted = make_policy(policy_config(pp=2), 2)._shard_for_logprob(data)
+    assert len(seen) == 1 and seen[0][0] == plan.micro_batch_rows()
+    assert seen[0][1] == [[[rows_of(own[r])[s:e] for s, e in own[r].micro_batch_indices[0]] for r in range(2)]]
+    metadata = [(rows_of(s), s.micro_batch_indices, s.micro_batch_lengths, s.elem_counts_per_gb) for s in shards]
+    if theirs_faster:
+        assert sorted_indices == own_sorted
+        assert metadata == [(rows_of(s), s.micro_batch_indices, s.micro_batch_lengths, s.elem_counts_per_gb)
+                            for s in own]
+    else:
+        assert sorted_indices == plan.sorted_indices and [m[0] for m in metadata] == [list(r) for r in plan.rows]
+
+
+def test_a_row_over_the_cap_is_planned_where_nemo_rls_packer_refuses_it(switch):
+    """NeMo-RL's packer refuses a row longer than the cap; slime-ext's plan puts it alone in a micro-batch, so at PP 2
+    NeMo-RL's own plan is no candidate and slime-ext's runs."""
+    from slime_ext.integrations.nemo_rl import runtime
+
+    data, lengths = rollouts(64, seed=5, longest=700)
+    assert max(lengths) > CAP_TRAIN
+    shards = make_policy(policy_config(pp=2), 2)._shard_for_train(data, 32)
+    check_shards(shards, lengths, 32, CAP_TRAIN)
+    choice = runtime.STATE.last_choice
+    assert choice.theirs is None and "exceeds bin capacity" in choice.why_not and not choice.theirs_wins
+    assert [rows_of(s) for s in shards] == [list(r) for r in runtime.STATE.last_plan.rows]
 
 
 @pytest.mark.parametrize("dp", [2, 4])

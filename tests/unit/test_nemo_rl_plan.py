@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from slime_ext.integrations.nemo_rl.plan import ShardPlan, check_shard_plan, plan_shards
+from slime_ext.integrations.nemo_rl.plan import (ShardPlan, check_shard_plan, choose_padded, micro_batch_rows,
+                                                 padded_pass_time, plan_shards)
 from slime_ext.integrations.nemo_rl.runtime import LAYOUT_ATTRIBUTE, make_policy_init
 from slime_ext.integrations.nemo_rl.settings import (NemoRLSettingError, Options, layout_from_config,
                                                      run_as_packing)
@@ -295,6 +296,78 @@ def test_pad_to_longest_picks_a_count_no_slower_under_that_padding():
         return total
 
     assert padded_time(plans[1]) <= padded_time(plans[0]) * 1.0001
+
+
+# ------------------------------------------------- NeMo-RL's own plan as a candidate under the pad to the longest
+
+#: eight rows of 1000 tokens in one global batch, DP 2 x PP 2, cap 3000: ``EVEN`` packs two rows per micro-batch
+#: (2 x 2000 tokens per rank); ``LOPSIDED`` one row then three (1000 padded to 3000, and 3000), the same count
+ROWS_1000 = [1000] * 8
+PP2 = ParallelConfig(dp_size=2, pp_size=2)
+EVEN = [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]]
+LOPSIDED = [[[[0], [1, 2, 3]], [[4], [5, 6, 7]]]]
+
+
+def test_the_pad_is_priced_as_the_longest_micro_batchs_tokens():
+    """``LOPSIDED`` padded runs what four micro-batches of 3000 real tokens run (priced by tokens); ``EVEN`` is
+    cheaper, having the same count and less to compute."""
+    def time(plan, lengths):
+        return padded_pass_time(plan, lengths, parallel=PP2, cap=3000, forward_only=False)
+
+    full = [1500] * 8  # 2 x 1500 = 3000 real tokens in every micro-batch of EVEN's shape
+    assert time(LOPSIDED, ROWS_1000) == pytest.approx(time(EVEN, full), rel=1e-12)
+    assert time(EVEN, ROWS_1000) < time(LOPSIDED, ROWS_1000)
+    with pytest.raises(ScheduleError, match="pipeline parallelism only"):
+        padded_pass_time(EVEN, ROWS_1000, parallel=ParallelConfig(dp_size=2), cap=3000, forward_only=False)
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_the_faster_plan_wins_and_ours_a_tie(forward_only):
+    def choose(ours, theirs):
+        return choose_padded(ours, theirs, ROWS_1000, parallel=PP2, cap=3000, forward_only=forward_only)
+
+    assert not choose(EVEN, LOPSIDED).theirs_wins
+    won = choose(LOPSIDED, EVEN)
+    assert won.theirs_wins and won.theirs < won.ours and not won.why_not
+    tie = choose(EVEN, [[list(reversed(rank)) for rank in gb] for gb in EVEN])
+    assert tie.theirs == tie.ours and not tie.theirs_wins
+
+
+@pytest.mark.parametrize("theirs,parallel,needle", [
+    ([[[[0, 1], [2]], [[4, 5], [6, 7]]]], PP2, "exactly once"),                       # row 3 lost: less to run
+    ([[[[0, 1, 2, 3]], [[4, 5], [6, 7]]]], PP2, "counts"),                            # one rank one micro-batch
+    ([[[[0, 1, 2, 3]], [[4, 5, 6, 7]]]], PP2, "above the cap"),                       # 4000 tokens under a 3000 cap
+    ([[[[0, 1, 2, 3]], [[4, 5, 6, 7]]]], ParallelConfig(dp_size=2, pp_size=2, vpp_size=2), "multiple of 2"),
+])
+def test_a_plan_that_cannot_run_is_no_candidate(theirs, parallel, needle):
+    cap = 4000 if parallel.vpp_size > 1 else 3000
+    choice = choose_padded(LOPSIDED if parallel.vpp_size == 1 else [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]], theirs,
+                           ROWS_1000, parallel=parallel, cap=cap, forward_only=False)
+    assert choice.theirs is None and needle in choice.why_not and not choice.theirs_wins
+
+
+def test_micro_batch_rows_read_nemo_rls_metadata():
+    """Shard 0 holds rows 5, 1 (global batch 0) and 9, 8, 12 (global batch 1); shard 1 holds 0, 3 and 10, 14, 11."""
+    rows = [[5, 1, 9, 8, 12], [0, 3, 10, 14, 11]]
+    indices = [[[[0, 1], [1, 2]], [[0, 2], [2, 3]]], [[[0, 2], [2, 2]], [[0, 1], [1, 3]]]]
+    assert micro_batch_rows(rows, indices, [[2, 3], [2, 3]]) == [
+        [[[5], [1]], [[0, 3], []]], [[[9, 8], [12]], [[10], [14, 11]]]]
+    with pytest.raises(ScheduleError, match="shard 1"):
+        micro_batch_rows(rows, indices, [[2, 3], [2, 2]])
+
+
+def test_a_shard_plan_as_micro_batch_rows():
+    """A plan's rows per micro-batch sum to the lengths its metadata announces, rank by rank, global batch by global
+    batch (the form :func:`choose_padded` prices)."""
+    lengths = lengths_of(64, seed=5, longest=6000)
+    plan = plan_shards(lengths, parallel=ParallelConfig(dp_size=2, pp_size=4), batch_size=32, cap=16384, pad_multiple=8,
+                       pad_to_longest=True)
+    rows = plan.micro_batch_rows()
+    assert len(rows) == 2 and all(len(gb) == 2 for gb in rows)
+    for g, gb in enumerate(rows):
+        for r, mbs in enumerate(gb):
+            assert [sum(-(-lengths[i] // 8) * 8 for i in mb) for mb in mbs] == list(plan.micro_batch_lengths[r][g])
+            assert all(i // 32 == g for mb in mbs for i in mb)
 
 
 def test_variable_seq_lengths_option_in_the_layout_and_its_refusals():

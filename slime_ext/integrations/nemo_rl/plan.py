@@ -28,6 +28,9 @@ the rows of shard 0, then shard 1, ... in shard order.
    ``pad_to_longest`` the count is the one that predicts fastest with that padding priced in (:func:`_pad_aware`).
 4. **Metadata.** Each rank's rows in micro-batch order, and the three lists above.
 
+With that padding, :func:`choose_padded` prices another plan of the same call (NeMo-RL's own, read off its metadata
+by :func:`micro_batch_rows`) the same way (:func:`padded_pass_time`), so the caller runs the faster one.
+
 Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
 """
 
@@ -42,7 +45,8 @@ import numpy as np
 from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule, ParallelConfig, PlannerConfig,
                                 PlanRequest, ScheduleError, microbatch_costs, pipeline_pricing, plan)
 
-__all__ = ["ShardPlan", "check_shard_plan", "plan_shards", "round_up"]
+__all__ = ["MicroBatchRows", "PaddedChoice", "ShardPlan", "check_shard_plan", "choose_padded", "micro_batch_rows",
+           "padded_pass_time", "plan_shards", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -83,6 +87,10 @@ class ShardPlan:
     @property
     def sorted_indices(self) -> list[int]:
         return [i for rank in self.rows for i in rank]
+
+    def micro_batch_rows(self) -> list[list[list[list[int]]]]:
+        """The plan as :data:`MicroBatchRows`: ``[g][r]`` rank ``r``'s micro-batches of global batch ``g``, row ids."""
+        return micro_batch_rows(self.rows, self.micro_batch_indices, self.elem_counts_per_gb)
 
     def computed_tokens(self) -> int:
         """Tokens the packed micro-batches hold over all ranks (rows padded to the multiple; no pad-to-max)."""
@@ -203,16 +211,121 @@ def _pad_aware(request: PlanRequest, num_steps: int) -> DPSchedule:
 
 def _padded_time(schedule: DPSchedule, request: PlanRequest, pricing, num_steps: int) -> float:
     """Predicted time of ``schedule``'s steps with each rank's micro-batches padded to its longest in the step."""
-    lengths = np.asarray(request.lengths)
     starts = np.cumsum([0, *schedule.num_microbatches])
+    micro_batches = [[[[int(schedule.partitions[r][i]) for i in local]
+                       for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
+                      for r in range(schedule.dp_size)] for s in range(num_steps)]
+    return _priced_padded(micro_batches, np.asarray(request.lengths), request.cost_model, pricing)
+
+
+#: ``micro_batches[g][r]``: DP rank ``r``'s micro-batches of global batch ``g`` in run order, each a list of row ids
+MicroBatchRows = Sequence[Sequence[Sequence[Sequence[int]]]]
+
+
+def micro_batch_rows(rows: Sequence[Sequence[int]], micro_batch_indices: Sequence[Sequence[Sequence[Sequence[int]]]],
+                     elem_counts_per_gb: Sequence[Sequence[int]]) -> list[list[list[list[int]]]]:
+    """Shard metadata in NeMo-RL's terms (``rows[r]``: the rows shard ``r`` holds in order; its
+    ``micro_batch_indices[r][g]`` and ``elem_counts_per_gb[r][g]``) -> :data:`MicroBatchRows` (row ids)."""
+    if not (len(rows) == len(micro_batch_indices) == len(elem_counts_per_gb)) or not rows:
+        raise ScheduleError(f"shard metadata: {len(rows)} shards of rows, {len(micro_batch_indices)} of "
+                            f"micro_batch_indices, {len(elem_counts_per_gb)} of elem_counts_per_gb; one each per shard")
+    num_gb = len(elem_counts_per_gb[0])
+    out: list[list[list[list[int]]]] = [[] for _ in range(num_gb)]
+    for r, (held, bounds, counts) in enumerate(zip(rows, micro_batch_indices, elem_counts_per_gb)):
+        if len(bounds) != num_gb or len(counts) != num_gb or sum(counts) != len(held):
+            raise ScheduleError(f"shard metadata: shard {r} has {len(bounds)} global batches of micro_batch_indices "
+                                f"and elem_counts_per_gb {list(counts)} for {len(held)} rows; shard 0 has {num_gb}")
+        offset = 0
+        for g in range(num_gb):
+            gb = list(held[offset:offset + counts[g]])
+            out[g].append([[int(i) for i in gb[start:end]] for start, end in bounds[g]])
+            offset += counts[g]
+    return out
+
+
+#: relative difference below which two predicted times are a tie (float noise of summing the same costs in another
+#: order; not a modelling tolerance)
+TIE = 1e-9
+
+
+@dataclass(frozen=True)
+class PaddedChoice:
+    """Which of two plans of one shard call is predicted faster when the worker pads every micro-batch of a rank's
+    global batch to the longest (:func:`choose_padded`): ``ours`` and ``theirs`` their predicted times (``theirs``
+    ``None`` when that plan is no candidate, ``why_not`` saying why)."""
+
+    ours: float
+    theirs: float | None
+    why_not: str = ""
+
+    @property
+    def theirs_wins(self) -> bool:
+        """The other plan is faster (ours wins a tie, up to float noise: :data:`TIE`)."""
+        return self.theirs is not None and self.theirs < self.ours * (1.0 - TIE)
+
+
+def padded_pass_time(micro_batches: MicroBatchRows, lengths: Sequence[int] | np.ndarray, *, parallel: ParallelConfig,
+                     cap: int, forward_only: bool, cost_model: CostModel | CostProfile | None = None,
+                     config: PlannerConfig | None = None) -> float:
+    """The predicted time of a pass whose worker pads every micro-batch of a rank's global batch to the longest one
+    (NeMo-RL's Megatron worker under pipeline parallelism): ``micro_batches`` (:data:`MicroBatchRows`) index
+    ``lengths``, the rows' lengths as packed. Each micro-batch's cost (:func:`~slime_ext.schedule.microbatch_costs`)
+    is scaled up to the longest one's tokens, each global batch is priced by the planner's pipeline model
+    (:func:`~slime_ext.schedule.pipeline_pricing` for ``parallel``, ``cap`` and the pass) as its slowest rank's
+    makespan, and the global batches are summed; the way :func:`plan_shards` prices its own candidates."""
+    return _priced_padded(micro_batches, np.asarray(lengths), cost_model,
+                          _padded_pricing(parallel, cost_model, cap, config, forward_only))
+
+
+def choose_padded(ours: MicroBatchRows, theirs: MicroBatchRows, lengths: Sequence[int] | np.ndarray, *,
+                  parallel: ParallelConfig, cap: int, forward_only: bool,
+                  cost_model: CostModel | CostProfile | None = None,
+                  config: PlannerConfig | None = None) -> PaddedChoice:
+    """Both plans of one shard call priced by :func:`padded_pass_time` (the same pricing), ``theirs`` only when it
+    runs at all: every row of ``lengths`` exactly once, the same micro-batch count on every rank of each global
+    batch, a multiple of the VPP group, and no micro-batch of several rows above ``cap``."""
+    lengths = np.asarray(lengths)
+    pricing = _padded_pricing(parallel, cost_model, cap, config, forward_only)
+    ours_time = _priced_padded(ours, lengths, cost_model, pricing)
+    why_not = _not_a_candidate(theirs, lengths, parallel, cap)
+    if why_not:
+        return PaddedChoice(ours_time, None, why_not)
+    return PaddedChoice(ours_time, _priced_padded(theirs, lengths, cost_model, pricing))
+
+
+def _padded_pricing(parallel: ParallelConfig, cost_model, cap: int, config, forward_only: bool):
+    if parallel.pp_size == 1:
+        raise ScheduleError("padded_pass_time: the pad to the longest micro-batch is priced under pipeline "
+                            "parallelism only (pp_size > 1)")
+    return pipeline_pricing(parallel, cost_model, cap, config, forward_only=forward_only)
+
+
+def _not_a_candidate(micro_batches: MicroBatchRows, lengths: np.ndarray, parallel: ParallelConfig, cap: int) -> str:
+    """Why a plan cannot run as it is, or ``""``."""
+    held = sorted(int(i) for gb in micro_batches for rank in gb for mb in rank for i in mb)
+    if held != list(range(lengths.size)):
+        return f"it does not hold each of the {lengths.size} rows exactly once"
+    group = parallel.align // parallel.dp_size
+    for g, ranks in enumerate(micro_batches):
+        counts = {len(mbs) for mbs in ranks}
+        if len(ranks) != parallel.dp_size or len(counts) != 1 or next(iter(counts)) % group:
+            return (f"global batch {g}: micro-batch counts {sorted(counts)} over {len(ranks)} ranks, not one count, "
+                    f"a multiple of {group}, on each of the {parallel.dp_size}")
+        if any(len(mb) > 1 and int(lengths[list(mb)].sum()) > cap for mbs in ranks for mb in mbs):
+            return f"global batch {g}: a micro-batch of several rows is above the cap {cap}"
+    return ""
+
+
+def _priced_padded(micro_batches: MicroBatchRows, lengths: np.ndarray, cost_model, pricing) -> float:
     total = 0.0
-    for s in range(num_steps):
+    for g, ranks in enumerate(micro_batches):
+        if len({len(mbs) for mbs in ranks}) != 1:
+            raise ScheduleError(f"padded_pass_time: global batch {g} has micro-batch counts "
+                                f"{[len(mbs) for mbs in ranks]} on its ranks; the pipeline runs one count on all")
         costs = []
-        for r in range(schedule.dp_size):
-            partition = schedule.partitions[r]
-            mbs = [[partition[i] for i in local] for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
-            tokens = np.array([lengths[mb].sum() for mb in mbs], dtype=np.float64)
-            costs.append(microbatch_costs(lengths, mbs, request.cost_model) * tokens.max() / tokens)
+        for mbs in ranks:
+            tokens = np.array([lengths[list(mb)].sum() for mb in mbs], dtype=np.float64)
+            costs.append(microbatch_costs(lengths, mbs, cost_model) * tokens.max() / tokens)
         total += float(pricing.makespans(np.array(costs)).max())
     return total
 

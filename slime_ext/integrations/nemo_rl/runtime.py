@@ -11,6 +11,11 @@
   ``logprob_mb_tokens``; under pipeline parallelism with the padding NeMo-RL's worker adds priced in) and returned
   as NeMo-RL returns it: ``(shards, sorted_indices)``, each shard carrying
   ``micro_batch_indices``, ``micro_batch_lengths`` and ``elem_counts_per_gb``. Every other call is NeMo-RL's own.
+  Where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism without slime-ext's
+  ``variable_seq_lengths`` option), NeMo-RL's own sharding of the same call (its packer, the policy's
+  ``sequence_packing.algorithm``) is priced beside slime-ext's plan the same way (:func:`.plan.choose_padded`), and
+  when it is predicted faster its shards are returned unchanged: the switch never runs a plan predicted slower than
+  NeMo-RL's own of the same call.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .plan import ShardPlan, plan_shards
+from .plan import PaddedChoice, ShardPlan, choose_padded, micro_batch_rows, padded_pass_time, plan_shards
 from .settings import Options, PolicyLayout, layout_from_config, run_as_packing
 
 logger = logging.getLogger("slime_ext.integrations.nemo_rl")
@@ -42,11 +47,13 @@ class ShardPass:
 
 @dataclass
 class State:
-    """The process's integration state: the options, and the last plan made (for logs, tests and benchmarks)."""
+    """The process's integration state: the options, and the last plan made and, where NeMo-RL's own plan was a
+    candidate, the last choice between them (for logs, tests and benchmarks)."""
 
     options: Options = field(default_factory=Options)
     costs: Any = None
     last_plan: ShardPlan | None = None
+    last_choice: PaddedChoice | None = None
 
 
 STATE = State()
@@ -126,10 +133,43 @@ def make_shard_by_batch_size(original: Callable) -> Callable:
                              cap=args["max_tokens_per_microbatch"], pad_multiple=args["sequence_length_pad_multiple"],
                              forward_only=current.forward_only, cost_model=STATE.costs,
                              pad_to_longest=current.layout.padded_to_longest)
-        STATE.last_plan = result
+        STATE.last_plan, STATE.last_choice = result, None
+        if current.layout.padded_to_longest:
+            try:
+                theirs = original(self, shards, batch_size=batch_size, sequence_packing_args=args)
+            except Exception as exc:  # NeMo-RL's own cannot shard this call (its packer refuses a row over the cap)
+                theirs = exc
+            STATE.last_choice = _against_nemo_rl(result, theirs)
+            if STATE.last_choice.theirs_wins:
+                return theirs
         return _shards_of(self, result), result.sorted_indices
 
     return shard_by_batch_size
+
+
+def _against_nemo_rl(result: ShardPlan, theirs: tuple[list[Any], list[int]] | Exception) -> PaddedChoice:
+    """slime-ext's plan and NeMo-RL's own ``(shards, sorted_indices)`` of the same call (or what it raised), priced
+    alike (:func:`.plan.choose_padded`)."""
+    pricing = dict(parallel=result.schedule.parallel, cap=result.cap, forward_only=result.forward_only,
+                   cost_model=STATE.costs)
+    if isinstance(theirs, Exception):
+        choice = PaddedChoice(padded_pass_time(result.micro_batch_rows(), result.padded_lengths, **pricing), None,
+                              f"NeMo-RL's shard_by_batch_size raised {theirs!r}")
+    else:
+        shards, sorted_indices = theirs
+        rows, start = [], 0
+        for shard in shards:
+            count = sum(shard.elem_counts_per_gb)
+            rows.append(sorted_indices[start:start + count])
+            start += count
+        their_rows = micro_batch_rows(rows, [shard.micro_batch_indices for shard in shards],
+                                      [shard.elem_counts_per_gb for shard in shards])
+        choice = choose_padded(result.micro_batch_rows(), their_rows, result.padded_lengths, **pricing)
+    logger.debug("slime-ext: %s pass padded to the longest micro-batch: slime-ext's plan %.6g, NeMo-RL's own %s; "
+                 "%s runs", "log-prob" if result.forward_only else "training", choice.ours,
+                 f"{choice.theirs:.6g}" if choice.theirs is not None else f"no candidate ({choice.why_not})",
+                 "NeMo-RL's" if choice.theirs_wins else "slime-ext's")
+    return choice
 
 
 def _shards_of(batch: Any, result: ShardPlan) -> list[Any]:

@@ -17,7 +17,10 @@ Changed (behind the switch only):
   asking for dynamic batching is run as sequence packing with the same caps (``train_mb_tokens``,
   ``logprob_mb_tokens``) and the row rounding ``make_sequence_length_divisible_by``. That is also what lifts
   NeMo-RL's "dynamic batching only with one pipeline stage" assert: packing runs under pipeline parallelism.
-* ``sequence_packing.algorithm`` and ``microbatch_order`` are not used: slime-ext packs, distributes and orders.
+* ``sequence_packing.algorithm`` and ``microbatch_order``: slime-ext packs, distributes and orders; they are used
+  only where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism without the
+  ``variable_seq_lengths`` option), where NeMo-RL's own sharding with them is priced beside slime-ext's plan and runs
+  when it is predicted faster (:mod:`.runtime`).
 """
 
 from __future__ import annotations
