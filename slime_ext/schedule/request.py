@@ -56,7 +56,7 @@ class PlanRequest:
                        "use ParallelConfig.from_dict(train_parallel_config)").require_dp_size()
         check_instance("batch", self.batch, BatchConfig, "a BatchConfig", "use BatchConfig.from_args(args)")
         check_instance("config", self.config, (PlannerConfig, type(None)), "a PlannerConfig or None",
-                       "use PlannerConfig() or PlannerConfig().replace_from(['NAME=VALUE'])")
+                       "use PlannerConfig() or PlannerConfig().replace_from(['SECTION.FIELD=VALUE'])")
         object.__setattr__(self, "config", self.config or DEFAULT_CONFIG)
         check_cost_model(self.cost_model)
         lengths, ids, loss = check_samples(self.lengths, self.rollout_ids, self.loss_tokens)  # types, ranges, once
