@@ -119,6 +119,22 @@ def source_contains(*needles: str) -> Callable[[Any], str | None]:
     return check
 
 
+def parameters_are(expected: tuple[str, ...]) -> Callable[[Any], str | None]:
+    """An ``expect`` check: the original's parameters must be ``expected``, in order (the replacement takes those).
+
+    Compose with :func:`source_contains` as ``parameters_are(p)(original) or source_contains(...)(original)``.
+    """
+
+    def check(original: Any) -> str | None:
+        try:
+            params = tuple(inspect.signature(original).parameters)
+        except (TypeError, ValueError) as exc:
+            return f"cannot read its signature ({exc})"
+        return None if params == tuple(expected) else f"its parameters are {params}, the replacement takes {expected}"
+
+    return check
+
+
 def _resolve(module: str, attribute: str) -> tuple[Any, str]:
     """``(owner object, last attribute name)`` for ``module`` + dotted ``attribute``."""
     try:

@@ -30,10 +30,9 @@ this set; this module imports nothing of slime-ext above the patches.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from . import Patch, PatchError, PatchSet, imported_version, source_contains
+from . import Patch, PatchError, PatchSet, imported_version, parameters_are, source_contains
 
 DATA_MODULE = "nemo_rl.distributed.batched_data_dict"
 WORKER_DATA_MODULE = "nemo_rl.models.megatron.data"
@@ -50,10 +49,7 @@ def _nemo_rl_version():
 
 
 def _expect_shard(original: Any) -> str | None:
-    params = tuple(inspect.signature(original).parameters)
-    if params != PARAMETERS:
-        return f"its parameters are {params}, the replacement takes {PARAMETERS}"
-    return source_contains("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb",
+    return parameters_are(PARAMETERS)(original) or source_contains("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb",
                            "sequence_length_pad_multiple", "max_tokens_per_microbatch")(original)
 
 

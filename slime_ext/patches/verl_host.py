@@ -26,10 +26,9 @@ applies these sets; this module imports nothing of slime-ext above the patches.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Callable
 
-from . import Patch, PatchError, PatchSet, imported_version, source_contains
+from . import Patch, PatchError, PatchSet, imported_version, parameters_are, source_contains
 
 MODULE = "verl.workers.engine.megatron.transformer_impl"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
@@ -49,12 +48,9 @@ def _verl_version():
 
 
 def _expect_prepare(original: Any) -> str | None:
-    try:
-        params = tuple(inspect.signature(original).parameters)
-    except (TypeError, ValueError) as exc:
-        return f"cannot read its signature ({exc})"
-    if params != PARAMETERS:
-        return f"its parameters are {params}, the replacement takes {PARAMETERS}"
+    wrong = parameters_are(PARAMETERS)(original)
+    if wrong:
+        return wrong
     from verl.utils import tensordict_utils as tu
 
     missing = [h for h in TU_HELPERS if not hasattr(tu, h)]
@@ -97,10 +93,7 @@ def verl_patches(engine: Any) -> PatchSet:
 
 
 def _expect_balance(original: Any) -> str | None:
-    params = tuple(inspect.signature(original).parameters)
-    if params != BALANCE_PARAMETERS:
-        return f"its parameters are {params}, the replacement takes {BALANCE_PARAMETERS}"
-    return source_contains("upsample_batch_to_divisible_size(", "_get_required_batch_multiple(", "batch.reorder(",
+    return parameters_are(BALANCE_PARAMETERS)(original) or source_contains("upsample_batch_to_divisible_size(", "_get_required_batch_multiple(", "batch.reorder(",
                            "_dispatch_info", "log_seqlen_unbalance(")(original)
 
 

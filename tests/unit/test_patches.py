@@ -12,7 +12,7 @@ from packaging.version import Version
 
 import slime_ext.patches as patches
 from slime_ext.patches import (ImportedVersion, Patch, PatchError, PatchSet, megatron_cpu, on_import,
-                              source_contains)
+                              parameters_are, source_contains)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +104,17 @@ def test_missing_target_and_unexpected_source_are_refused(target_module):
         _patch(expect=source_contains("torch.cuda.synchronize()")).apply()
     assert target_module.greet("x") == "hello x"
     _patch(expect=source_contains("hello")).apply()
+
+
+def test_parameters_are_names_what_differs():
+    def f(self, data, dp_size):
+        return data
+
+    assert parameters_are(("self", "data", "dp_size"))(f) is None
+    assert parameters_are(("self", "data"))(f) == (
+        "its parameters are ('self', 'data', 'dp_size'), the replacement takes ('self', 'data')")
+    assert parameters_are(("self", "dp_size", "data"))(f) is not None  # the order counts
+    assert parameters_are(("x",))(42).startswith("cannot read its signature")
 
 
 def test_undo_refuses_to_drop_a_later_change(target_module):
