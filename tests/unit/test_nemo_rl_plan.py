@@ -390,10 +390,18 @@ def test_variable_seq_lengths_starts_slime_exts_worker_class():
     class Policy:
         __init__ = make_policy_init(lambda self, cluster, config, *args, **kwargs: calls.append(kwargs))
 
+    positional = []
+
+    class PositionalPolicy:
+        __init__ = make_policy_init(lambda self, cluster, config, *args, **kwargs: positional.append((args, kwargs)))
+
     runtime.STATE.options = Options(variable_seq_lengths=True)
     try:
         Policy("cluster", policy_config(), "tokenizer")
         assert calls[-1]["worker_extension_cls_fqn"] == WORKER_CLASS_FQN
+        before = tuple(f"arg{i}" for i in range(runtime.WORKER_CLASS_POSITION))
+        PositionalPolicy("cluster", policy_config(), *before, None, "after")  # passed by position, left None
+        assert positional[-1] == ((*before, WORKER_CLASS_FQN, "after"), {})
         with pytest.raises(NemoRLSettingError, match="its own worker class"):
             Policy("cluster", policy_config(), "tokenizer", worker_extension_cls_fqn="my.Worker")
     finally:

@@ -66,7 +66,7 @@ def make_policy_init(original: Callable) -> Callable:
         layout = layout_from_config(config, STATE.options.variable_seq_lengths)
         converted = run_as_packing(config)
         if layout.variable_seq_lengths:
-            kwargs = _with_worker_class(args, kwargs)
+            args, kwargs = _with_worker_class(args, kwargs)
         if converted is not None:
             logger.warning("slime-ext: policy.dynamic_batching is run as sequence packing (same caps: train %d, "
                            "log-prob %d tokens); slime-ext's micro-batches are packed, never padded to their longest "
@@ -81,8 +81,9 @@ def make_policy_init(original: Callable) -> Callable:
 WORKER_CLASS_POSITION = 8
 
 
-def _with_worker_class(args: tuple, kwargs: dict) -> dict:
-    """``kwargs`` with slime-ext's worker class as ``worker_extension_cls_fqn``; refuses a class of the caller's."""
+def _with_worker_class(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with slime-ext's worker class as ``worker_extension_cls_fqn``, where the caller passed it
+    (by position or keyword) or left it out; refuses a class of the caller's."""
     from .settings import NemoRLSettingError
     from .worker import WORKER_CLASS_FQN
 
@@ -90,9 +91,9 @@ def _with_worker_class(args: tuple, kwargs: dict) -> dict:
     if given not in (None, WORKER_CLASS_FQN):
         raise NemoRLSettingError(f"worker_extension_cls_fqn = {given!r}: slime-ext's variable_seq_lengths option runs "
                                  f"its own worker class ({WORKER_CLASS_FQN}); drop the option, or the extension class")
-    if len(args) > WORKER_CLASS_POSITION:
-        return kwargs
-    return {**kwargs, "worker_extension_cls_fqn": WORKER_CLASS_FQN}
+    if len(args) > WORKER_CLASS_POSITION:  # given by position (None included): replaced there
+        return (*args[:WORKER_CLASS_POSITION], WORKER_CLASS_FQN, *args[WORKER_CLASS_POSITION + 1:]), kwargs
+    return args, {**kwargs, "worker_extension_cls_fqn": WORKER_CLASS_FQN}
 
 
 def make_shard_for(forward_only: bool) -> Callable[[Callable], Callable]:
