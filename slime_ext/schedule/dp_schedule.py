@@ -1,6 +1,5 @@
-"""``DPSchedule``: the contract between the rollout side (which computes it) and the training side (which runs it).
-Plain Python data in frozen dataclasses: it pickles through Ray and round-trips through JSON (``to_dict`` /
-``from_dict``)."""
+"""``DPSchedule``: the plan the rollout side makes and the training side runs; frozen plain data that pickles through
+Ray and round-trips through JSON."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class StepStats:
     num_microbatches: int
     #: micro-batches over all ranks (``num_microbatches * dp_size``)
     total_microbatches: int
-    #: the count the planner aimed for (:func:`~.bounds.microbatch_target`; static: ``ceil(n / micro_batch_size)``);
-    #: ``total_microbatches`` exceeds it where that does not fit or balancing spends more (``strategy`` ends ``+N``)
+    #: the count the packing aimed for (:func:`~.bounds.microbatch_target`; static: ``ceil(n / micro_batch_size)``)
     packing_target: int
     #: token cap per micro-batch (``max_tokens_per_gpu * cp_size``), ``None`` for static batches
     cap: int | None
@@ -72,9 +70,8 @@ class StepStats:
 
 @dataclass(frozen=True)
 class DPSchedule:
-    """One rollout's schedule for every DP rank. The inputs it was planned from travel with it, so the invariant
-    checker can validate a saved schedule on its own. It unpacks like upstream's ``build_dp_schedule``:
-    ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes`` (the last: ``rollouts_per_step``)."""
+    """One rollout's schedule for every DP rank, with the inputs it was planned from. It unpacks like upstream's
+    ``build_dp_schedule``: ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes``."""
 
     #: global sample indices owned by DP rank ``r``, in micro-batch order, all steps concatenated
     partitions: list[list[int]]
@@ -103,7 +100,6 @@ class DPSchedule:
     #: the count per DP rank the request fixed (``PlanRequest.microbatches_per_rank``), ``None`` where chosen
     microbatches_per_rank: int | None = None
 
-    # ------------------------------------------------------------------ views
     @property
     def dp_size(self) -> int:
         return self.parallel.dp_size
@@ -118,8 +114,7 @@ class DPSchedule:
 
     @property
     def cost_unit(self) -> str:
-        """The unit of the stats' costs (``rank_cost_*``, ``microbatch_cost_*``): ``"seconds"`` with a measured
-        :class:`CostProfile`, ``"FLOPs"`` (forward) with a :class:`CostModel`, ``"tokens"`` without a cost model."""
+        """The stats' cost unit: ``"seconds"`` (a profile), ``"FLOPs"`` (a cost model) or ``"tokens"``."""
         if isinstance(self.cost_model, CostProfile):
             return "seconds"
         return "FLOPs" if self.cost_model is not None else "tokens"
@@ -130,7 +125,7 @@ class DPSchedule:
 
     @property
     def dropped_rollouts(self) -> list[int]:
-        """Ids of the trailing rollouts that were dropped whole (without rollout ids, a sample is a rollout)."""
+        """Ids of the dropped rollouts (without rollout ids, a sample is a rollout)."""
         ids = self.rollout_ids
         return sorted({ids[i] for i in self.dropped}) if ids is not None else list(self.dropped)
 
@@ -158,18 +153,15 @@ class DPSchedule:
             loss_tokens_per_step=None if self.loss_tokens_per_step is None else list(self.loss_tokens_per_step),
         )
 
-    # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict:
-        """Plain JSON-ready data; every list is a fresh copy (the caller may edit it, the schedule stays as it is)."""
+        """Plain JSON-ready data; every list a fresh copy."""
         fields = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         return {"schema_version": SCHEMA_VERSION, **fields}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "DPSchedule":
-        """Read back :meth:`to_dict`'s data, checking every field's type and range (the recorded inputs by the
-        planner's own rules: lengths in ``[1, MAX_TOKENS]``, ``0 <= loss_tokens <= length``, int64 rollout ids).
-        Anything else is a :class:`ScheduleError`; whether the structure is a valid schedule is
-        :func:`~slime_ext.schedule.invariants.check_schedule`'s job."""
+        """Read back :meth:`to_dict`'s data, every field's type and range checked (else :class:`ScheduleError`);
+        whether it is a valid schedule is :func:`~.invariants.check_schedule`'s job."""
         if not isinstance(d, Mapping):
             raise ScheduleError(f"a schedule must be a JSON object written by DPSchedule.to_dict, got "
                                 f"{type(d).__name__}")
@@ -220,23 +212,18 @@ def _step_stats(i: int, s: Any) -> StepStats:
     out = {}
     for name, value in s.items():
         where, kind = f"stats[{i}].{name}", str(fields[name].type)
-        if kind == "str":
-            if not isinstance(value, str):
-                raise ScheduleError(f"{where} must be a string, got {show(value)}")
-        elif kind.startswith("float"):
-            if not (value is None and "None" in kind):
-                value = check_number(where, value)
-        elif kind.startswith("int"):
-            if not (value is None and "None" in kind):
-                value = check_int(where, value, minimum=INT64_MIN, maximum=INT64_MAX)
+        if kind == "str" and not isinstance(value, str):
+            raise ScheduleError(f"{where} must be a string, got {show(value)}")
+        if kind != "str" and not (value is None and "None" in kind):  # an int or a float, or optional
+            value = (check_number(where, value) if kind.startswith("float")
+                     else check_int(where, value, minimum=INT64_MIN, maximum=INT64_MAX))
         out[name] = value
     return StepStats(**out)
 
 
 def fields_from_dict(d: Mapping[str, Any]) -> dict:
-    """The constructor's arguments from a saved schedule, every field checked (see ``DPSchedule.from_dict``)."""
+    """The constructor's arguments from a saved schedule, every field checked."""
     def ints(name: str, depth: int = 0, optional: bool = False, **bounds: Any) -> list | None:
-        """A field of ints (``depth`` levels of lists around them); an optional one may be ``None`` or absent."""
         if optional and d.get(name) is None:
             return None
         return nested_int_lists(name, d[name], depth, **{"minimum": INT64_MIN, "maximum": INT64_MAX, **bounds})
@@ -272,6 +259,6 @@ def _cost_from_dict(d: Any) -> "CostModel | CostProfile | None":
     """A saved cost model: model dims (``CostModel``), or a measured profile (``slime-ext calibrate``)."""
     if d is None:
         return None
-    if isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND:  # written by `slime-ext calibrate`
+    if isinstance(d, Mapping) and d.get("kind") == PROFILE_KIND:
         return CostProfile.from_dict(d, source="the schedule's cost_model")
     return CostModel(**check_mapping("cost_model", d, _names(CostModel)))

@@ -67,8 +67,7 @@ def check_schedule(schedule: DPSchedule, *, total_lengths: Sequence[int] | None 
 
 
 def _check_given_inputs(sched: DPSchedule, total_lengths, rollout_ids, bad) -> list[int] | None:
-    """The caller's inputs against the recorded ones (by the planner's rules: an int() would read 2.5 as 2); the
-    rollout id of every sample, or ``None`` where checking cannot go on."""
+    """The caller's inputs against the recorded ones; the rollout id of every sample, ``None`` where checking stops."""
     n = len(sched.total_lengths)
     try:
         given_lengths = None if total_lengths is None else check_int_array("total_lengths", total_lengths).tolist()
@@ -115,8 +114,8 @@ def _check_counts(sched: DPSchedule, bad) -> bool:
 
 
 def _walk_ranks(sched: DPSchedule, bad):
-    """Every rank's micro-batches: tiling, cap, size and each sample once. Returns the step of every scheduled
-    sample (``None``: on a broken rank), the samples of every step and per step ``(rank, tokens, members)``."""
+    """Every rank's micro-batches: tiling, cap, size, each sample once. Returns each sample's step (``None``: on a
+    broken rank), each step's samples and per step ``(rank, tokens, members)``."""
     lengths, n, num_steps = sched.total_lengths, len(sched.total_lengths), len(sched.num_microbatches)
     cap, total_mbs = sched.cap, sum(sched.num_microbatches)
     mbs_limit = None if cap is not None else sched.batch.micro_batch_size
@@ -168,10 +167,9 @@ def _walk_ranks(sched: DPSchedule, bad):
 
 def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dict[int, int | None],
                          step_members: list[list[int]], dropped: set[int], bad) -> None:
-    """Steps derived from whole rollouts: rollout groups in one step, in first-occurrence order, ``global_batch_size``
-    rollouts each (or one step with ``use_dynamic_global_batch_size``), only trailing rollouts dropped."""
+    """Derived steps: whole rollouts in first-occurrence order, ``global_batch_size`` each, only trailing ones
+    dropped."""
     num_steps, dp, n = len(sched.num_microbatches), sched.parallel.dp_size, len(sched.total_lengths)
-    # rollout groups in one step; steps hold whole rollouts in first-occurrence order; dropped = trailing rollouts
     first_seen: dict[int, int] = {}
     for i, rid in enumerate(rids):
         first_seen.setdefault(rid, i)
@@ -217,9 +215,7 @@ def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dic
 
 def _check_explicit_steps(sched: DPSchedule, rids: list[int], step_members: list[list[int]], dropped: set[int],
                           bad) -> None:
-    """Explicit steps (``PlanRequest.step_of``): step ``s`` holds exactly the samples given to it, nothing is
-    dropped (with the checks above: every sample is in the step it was given), and its rollout count is the number
-    of distinct rollout ids in it."""
+    """Explicit steps (``step_of``): each holds exactly its given samples, nothing dropped."""
     step_of, n = sched.step_of, len(sched.total_lengths)
     if len(step_of) != n:
         bad(f"step_of has {len(step_of)} entries for {n} samples")
@@ -249,8 +245,7 @@ def _check_step_counts(sched: DPSchedule, s: int, members: list[int], rollouts: 
 
 
 def input_problem(sched: DPSchedule) -> str | None:
-    """Why ``sched``'s fields or recorded inputs are not what the planner accepts (the checks of
-    :meth:`DPSchedule.from_dict`, for a schedule built or edited in memory), or ``None``."""
+    """Why ``sched``'s fields or recorded inputs are not what :meth:`DPSchedule.from_dict` accepts, or ``None``."""
     if not isinstance(sched, DPSchedule):
         return f"not a DPSchedule: {type(sched).__name__}"
     kinds = ((sched.parallel, ParallelConfig), (sched.batch, BatchConfig))
@@ -271,7 +266,7 @@ def _close(a: float, b: float) -> bool:
 
 
 def _check_stats(sched: DPSchedule, measured, bad) -> None:
-    """``stats`` must describe the schedule as it is (re-measured here from the structure alone)."""
+    """``stats`` against the schedule, re-measured from its structure."""
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
     costs = sample_costs(lengths, sched.cost_model)
     dp, cap, align = sched.parallel.dp_size, sched.cap, sched.parallel.align
@@ -307,8 +302,7 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
 
 
 def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config: PlannerConfig) -> np.ndarray | None:
-    """Each virtual stage's share of a micro-batch, as documented in :mod:`.pipeline_pricing` (``None``: every
-    stage alike): the stages' coefficients weighed on ``cap`` tokens in samples of ``stage_share_sample * cap``."""
+    """Each virtual stage's share of a micro-batch by :mod:`.pipeline_pricing`'s rule (``None``: all alike)."""
     stages = StageCosts.if_split(cost_model, parallel)
     if stages is None or not stages.uneven:
         return None
@@ -332,10 +326,9 @@ def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None
 def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
                           replicas: Sequence[Sequence[Sequence[int]]], config: PlannerConfig | None = None, *,
                           forward_only: bool = False):
-    """Each replica's makespan of its micro-batches (``replicas[r][k]``: the sample lengths of replica ``r``'s
-    ``k``-th micro-batch, in run order), priced from :mod:`.pipeline_pricing`'s documented rule and run through the
-    public model, not the planner's own pricing, so that a pricing bug of the planner shows. Returns ``(spans (R,),
-    forward (R, pp * vpp, M), backward/forward ratio (0 forward-only), spec)``."""
+    """Each replica's makespan (``replicas[r][k]``: the lengths of replica ``r``'s ``k``-th micro-batch), priced by
+    :mod:`.pipeline_pricing`'s documented rule, not its code, so a pricing bug shows. Returns ``(spans (R,),
+    forward (R, pp * vpp, M), backward/forward ratio, spec)``."""
     config = DEFAULT_CONFIG if config is None else config
     pp, vpp = parallel.pp_size, parallel.vpp_size
     model = cost_model
@@ -367,8 +360,7 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
 
 
 def _check_pipeline_stats(sched: DPSchedule, s: int, st: StepStats, bad) -> None:
-    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without pipeline parallelism, else the slowest
-    replica's, re-priced (:func:`replica_makespans`) for the schedule's pass."""
+    """``predicted_makespan`` / ``bubble_fraction``: ``None`` without a pipeline, else the slowest replica's."""
     if sched.parallel.pp_size == 1:
         for name in ("predicted_makespan", "bubble_fraction"):
             if getattr(st, name) is not None:

@@ -1,32 +1,24 @@
 """Rollout-side global micro-batch scheduling: which DP rank trains which sample in which micro-batch of which step.
 
-Strategy (one call plans one :class:`~.request.PlanRequest`, e.g. a whole rollout):
+One call plans one :class:`~.request.PlanRequest`, in five stages:
 
-  1. **Steps.** Explicit steps (``PlanRequest.step_of``) are taken as given, nothing dropped. Else samples are
-     grouped by rollout id (first-occurrence order; a rollout stays in one step) and cut into steps of
-     ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``); trailing rollouts that do
-     not fill a step are reported in ``DPSchedule.dropped`` (an error with ``disable_rollout_trim_samples``). A
-     request's ``microbatches_per_rank`` fixes every step's count below.
-  2. **Pack first.** Static: ``micro_batch_size`` chunks. Dynamic: bins of at most ``cap = max_tokens_per_gpu *
-     cp_size`` tokens, as many as the aligned token bound (:func:`~.bounds.microbatch_target`), by LPT on tokens
-     (or estimated FLOPs with ``balance_by_flops``), else best fit decreasing (:meth:`_DynamicStep.pack`).
-  3. **Align.** The count is a multiple of ``align = dp_size * (mb_group if vpp_size > 1 else 1)``; a packing with
-     fewer bins is grown by halving its largest multi-sample bins (halves never exceed their parent).
-  4. **Distribute second.** ``count / dp_size`` micro-batches per rank: serpentine over the bins by cost, or with
-     ``balance_data`` balanced on estimated cost (LPT with equal counts, then swaps). Where bins of even size
-     cannot balance the ranks (a sample costing a large share of a rank's work), bins are chosen per rank, and
-     ``align`` more micro-batches are spent while they cut the slowest rank by ``extra_microbatch_gain``. A
-     measured :class:`CostProfile` prices micro-batches whole and compares by the slowest rank's predicted seconds.
-  5. **Pipeline** (``pp_size > 1`` only): micro-batches, count, ranks and run order chosen by the slowest replica's
-     predicted makespan: the search of :mod:`.pipeline_choice`, whose docstring states its space, objective,
-     comparison rule and stop. The pp-unaware plan of stages 1-4 is always a candidate.
+  1. **Steps.** Explicit steps (``step_of``) as given; else whole rollouts, first-occurrence order, cut into steps
+     of ``global_batch_size`` rollouts (one step with ``use_dynamic_global_batch_size``); trailing rollouts that do
+     not fill a step go to ``DPSchedule.dropped``.
+  2. **Pack.** Static: ``micro_batch_size`` chunks. Dynamic: bins of at most ``cap = max_tokens_per_gpu * cp_size``
+     tokens, as many as :func:`~.bounds.microbatch_target`, by LPT (else best fit decreasing).
+  3. **Align.** The count is a multiple of ``align = dp_size * (mb_group if vpp_size > 1 else 1)``; too few bins
+     are grown by halving the largest.
+  4. **Distribute.** ``count / dp_size`` micro-batches per rank, serpentine or (``balance_data``) balanced; where
+     even bins cannot balance the ranks, bins are chosen per rank and ``align`` more micro-batches are spent while
+     they pay ``extra_microbatch_gain``.
+  5. **Pipeline** (``pp_size > 1``): the search of :mod:`.pipeline_choice`, whose docstring states it.
 
-Invariants (:func:`~.invariants.check_schedule` checks every schedule the tests build): every rank has the same
-micro-batch count, each step's total a positive multiple of ``align``; ``micro_batch_indices[r]`` tiles
-``partitions[r]`` in order with no empty micro-batch; every sample is scheduled or dropped exactly once; a dynamic
-micro-batch holds at most ``cap`` tokens unless it is one oversize sample, a static one at most
-``micro_batch_size`` samples; derived steps hold whole rollouts in order, explicit steps their given samples; a
-fixed ``microbatches_per_rank`` holds in every step; the same input gives the same schedule.
+Invariants (:func:`~.invariants.check_schedule`): equal micro-batch counts on every rank, each step's total a
+positive multiple of ``align``; ``micro_batch_indices[r]`` tiles ``partitions[r]`` in order, no micro-batch empty;
+every sample scheduled or dropped exactly once; a micro-batch holds at most ``cap`` tokens unless it is one
+oversize sample (static: at most ``micro_batch_size`` samples); steps hold whole rollouts in order (explicit: their
+samples); a fixed ``microbatches_per_rank`` holds in every step; the same input gives the same schedule.
 """
 
 from __future__ import annotations
@@ -58,9 +50,7 @@ __all__ = ["check_fixed_count", "plan_steps", "request_steps"]
 # ---------------------------------------------------------------------------------------------------- stages 2-4
 @dataclass(frozen=True)
 class _DynamicStep:
-    """One dynamic step's samples and what prices them. With a measured ``profile`` candidates are compared by the
-    slowest rank's predicted seconds (each micro-batch's overhead and packed attention included), so an extra
-    micro-batch is spent only when it lowers the predicted step time."""
+    """One dynamic step's samples and what prices them (with a ``profile``: the slowest rank's predicted seconds)."""
 
     lengths: np.ndarray
     costs: np.ndarray
@@ -85,10 +75,9 @@ class _DynamicStep:
         return floor
 
     def pack(self, count: int | None) -> tuple[np.ndarray, int, int, str] | None:
-        """Stages 2-3: ``(bin_of, count, target, strategy)``, a capped packing into a multiple of ``align`` bins
-        (``count`` fixed: that many, or ``None`` where it cannot be packed). LPT into exactly ``target`` bins, evenly
-        loaded by tokens (costs with ``balance_by_flops``), in whole rounds; where those stall, in sequential LPT's
-        order. When LPT cannot fit at all, best fit decreasing packs tighter and is split up to the aligned count."""
+        """Stages 2-3: ``(bin_of, count, target, strategy)``: LPT into ``target`` capped bins (whole rounds, else
+        sequential LPT), else best fit decreasing grown to the aligned count. A fixed ``count``: ``None`` where
+        the packing cannot reach it."""
         lengths, cap, align, n = self.lengths, self.cap, self.parallel.align, len(self.lengths)
         target = microbatch_target(lengths, cap, align)
         if count is not None:
@@ -142,14 +131,12 @@ class _DynamicStep:
         return StepPlan(b_of, r_of_b, count, name, target), self.slowest(b_of, r_of_b)
 
     def better(self, cand: tuple[StepPlan, float], incumbent: tuple[StepPlan, float]) -> bool:
-        """FLOPs price no micro-batch, so an extra one must win by a margin; a profile prices it exactly."""
+        """Without a profile an extra micro-batch must win by ``extra_microbatch_gain``."""
         extra = cand[0].count > incumbent[0].count and self.profile is None
         return cand[1] < incumbent[1] * (1 - (self.config.packing.extra_microbatch_gain if extra else 0.0))
 
     def plan(self, count: int | None = None) -> StepPlan | None:
-        """Stages 2-4: capped bins, aligned, on ranks. ``count``: plan exactly that many micro-batches (the pipeline
-        search's re-packed counts, or a request's fixed count, with every guard of this path), ``None`` where the
-        packing cannot reach it."""
+        """Stages 2-4: capped bins, aligned, on ranks; ``count`` fixes the count (``None`` where unreachable)."""
         packed = self.pack(count)
         if packed is None:
             return None
@@ -219,10 +206,7 @@ def _lpt_with_sizes(weights: np.ndarray, sizes: list[int]) -> list[list[int]]:
 def _plan_for_pipeline(pricing: PipelinePricing, plan: StepPlan, lengths: np.ndarray, costs: np.ndarray,
                        cap: int | None, parallel: ParallelConfig, profile: CostProfile | None,
                        fixed_count: bool = False) -> StepPlan:
-    """Stage 5 (``pp_size > 1``): the step's micro-batches, count, assignment and order chosen by the pipeline search
-    (:func:`~slime_ext.schedule.pipeline_choice.choose_pipeline_step`), starting from the pp-unaware ``plan``.
-    Static batches keep their micro-batches and ranks (only the order changes). ``fixed_count``: the search keeps
-    ``plan.count`` (shapes, assignment and order only)."""
+    """Stage 5 (``pp_size > 1``): :func:`~.pipeline_choice.choose_pipeline_step` from the pp-unaware ``plan``."""
     dp = parallel.dp_size
     search = StepSearch(
         pricing=pricing, unaware=plan, bin_costs=bin_costs(lengths, costs, plan.bin_of, plan.count, profile),
@@ -237,9 +221,8 @@ def _plan_for_pipeline(pricing: PipelinePricing, plan: StepPlan, lengths: np.nda
 def _emit_step(plan: StepPlan, step_idx: np.ndarray, step_len: np.ndarray, step_cost: np.ndarray,
                partitions: list[list[int]], micro_batch_indices: list[list[list[int]]]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Append one step to every rank: micro-batches heaviest first (or in the rank-major bin order ``plan.emit``,
-    which the pipeline objective chooses), samples in a micro-batch by global index. Returns, per micro-batch in
-    rank-major emitted order: sample count, cost, tokens."""
+    """Append one step to every rank (micro-batches heaviest first, or ``plan.emit``'s order); returns per emitted
+    micro-batch its sample count, cost and tokens."""
     bin_of, count, emit, dp = plan.bin_of, plan.count, plan.emit, len(partitions)
     per_rank = count // dp
     size = np.bincount(bin_of, minlength=count)
@@ -283,9 +266,7 @@ def _step_stats(s: int, plan: StepPlan, rollouts: int, step_len: np.ndarray, ste
 
 # ---------------------------------------------------------------------------------------------------- the planner
 def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list[int], np.ndarray]:
-    """Stage 1: ``(sample indices of each step, rollouts per step, dropped sample indices)``. Explicit steps
-    (``request.step_of``) hold exactly their samples, grouped by rollout in first-occurrence order, nothing dropped;
-    else the steps of whole rollouts and ``global_batch_size`` (:func:`~.steps.split_into_steps`)."""
+    """Stage 1: ``(sample indices of each step, rollouts per step, dropped sample indices)``."""
     if request.step_of is None:
         return split_into_steps(ordinals, request.lengths, request.parallel, request.batch)
     steps, dropped = group_steps(request.step_of, ordinals, int(request.step_of.max()) + 1)
@@ -294,8 +275,7 @@ def request_steps(request, ordinals: np.ndarray) -> tuple[list[np.ndarray], list
 
 def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: ParallelConfig,
                       batch: BatchConfig) -> None:
-    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank (``PlanRequest.microbatches_per_rank``),
-    naming the field, the value and the fix."""
+    """Refuse a step that cannot run ``per_rank`` micro-batches on every rank."""
     dp, n = parallel.dp_size, len(lengths)
     count = per_rank * dp
     field = f"microbatches_per_rank = {per_rank}"
@@ -324,8 +304,7 @@ def check_fixed_count(step: int, lengths: np.ndarray, per_rank: int, parallel: P
 
 def _plan_step(request, s: int, step_len: np.ndarray, step_cost: np.ndarray, pricing: PipelinePricing | None,
                profile: CostProfile | None) -> StepPlan:
-    """Stages 2-5 of step ``s``: ``bin_of[i]`` the micro-batch of the step's i-th sample, ``rank_of_bin[b]`` its
-    rank, and with pipeline parallelism the run order the search chose (a fixed count stays fixed)."""
+    """Stages 2-5 of step ``s``."""
     parallel, batch, fixed = request.parallel, request.batch, request.microbatches_per_rank
     dp, cap = parallel.dp_size, batch.cap(parallel.cp_size)
     if fixed is not None:
@@ -353,8 +332,7 @@ def _check_fills_ranks(s: int, n: int, dp: int) -> None:
 
 
 def plan_steps(request) -> DPSchedule:
-    """Plan one validated :class:`~.request.PlanRequest` (:mod:`.request` sits above this module; the public entry
-    is :func:`slime_ext.schedule.request.plan`): the stages of the module docstring, step by step."""
+    """Plan one validated :class:`~.request.PlanRequest` (public entry: :func:`~.request.plan`)."""
     lengths, ids, loss, parallel = request.lengths, request.rollout_ids, request.loss_tokens, request.parallel
     ordinals = rollout_ordinals(ids, len(lengths))
     costs = sample_costs(lengths, request.cost_model)  # a CostProfile gives seconds (its per-sample part)
