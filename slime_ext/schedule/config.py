@@ -1,6 +1,4 @@
-"""The planning layer's two inputs besides the samples: the parallel layout and slime's batch flags. Both are
-frozen and validate themselves on construction; every other layer reuses them instead of re-checking.
-"""
+"""The planner's inputs besides the samples: the parallel layout and slime's batch flags, frozen and checked once."""
 
 from __future__ import annotations
 
@@ -33,19 +31,9 @@ def _positive_int(obj: Any, name: str, maximum: int, fix: str) -> int:
     return value
 
 
-def megatron_mb_group_size(microbatch_group_size_per_vp_stage: int | None,
-                           pipeline_model_parallel_size: int | None) -> int | None:
-    """Megatron's ``microbatch_group_size_per_vp_stage`` when it is not given: the pipeline-parallel size (1 when
-    that is not given either). The one place this default is written (:class:`ParallelConfig` applies it)."""
-    if microbatch_group_size_per_vp_stage is not None:
-        return microbatch_group_size_per_vp_stage
-    return 1 if pipeline_model_parallel_size is None else pipeline_model_parallel_size
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The training job's parallel layout (slime's ``train_parallel_config`` plus the pipeline and tensor-parallel
-    sizes), used by the planner, the training config and the CLI alike."""
+    """The training job's parallel layout (slime's ``train_parallel_config`` plus the pipeline and tensor sizes)."""
 
     #: data-parallel ranks, each with the same micro-batch count per step; ``None``: whatever the world size
     #: leaves (:meth:`for_world` resolves it; the planner refuses a layout without it)
@@ -61,10 +49,9 @@ class ParallelConfig:
     overlap_p2p_comm: bool = False
     #: tensor-parallel size: only the world-size arithmetic (:meth:`for_world`) and the CLI's estimates read it
     tp_size: int = 1
-    #: Megatron's layout flags (:data:`LAYOUT_FLAGS`, :mod:`.pipeline_layout`): decoder layers on the first / last
-    #: pipeline rank (``None``: the even split), a layout string such as ``"Ett|(tt|)*6,tL"`` (it fixes vpp_size;
-    #: excludes the others), and whether the embedding / loss counts as a layer in the even split (False without
-    #: pipelining)
+    #: Megatron's layout flags (:mod:`.pipeline_layout`): decoder layers on the first / last pipeline rank (``None``:
+    #: even), a layout string such as ``"Ett|(tt|)*6,tL"`` (it fixes vpp_size), and whether the embedding / loss
+    #: counts as a layer in the even split
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     pipeline_model_parallel_layout: str | None = None
@@ -80,12 +67,12 @@ class ParallelConfig:
         _positive_int(self, "tp_size", MAX_PARALLEL_SIZE, "pass 1 without tensor parallelism")
         self._check_layout_flags()  # before the group size: a layout string is what sets vpp_size
         if self.microbatch_group_size_per_vp_stage is None:  # Megatron's default, the pipeline size
-            if self.vpp_size > 1 and self.pp_size == 1:  # never a silent 1 where it matters: as the CLI does
+            if self.vpp_size > 1 and self.pp_size == 1:  # never a silent 1 where it matters
                 raise ScheduleError(
                     f"microbatch_group_size_per_vp_stage is None but vpp_size = {self.vpp_size}; pass it (Megatron "
                     f"defaults it to the pipeline-parallel size, and pp_size is 1 here)"
                 )
-            object.__setattr__(self, "microbatch_group_size_per_vp_stage", megatron_mb_group_size(None, self.pp_size))
+            object.__setattr__(self, "microbatch_group_size_per_vp_stage", self.pp_size)
         group = _positive_int(self, "microbatch_group_size_per_vp_stage", MAX_PARALLEL_SIZE,
                               "Megatron defaults it to the pipeline-parallel size: pass that")
         if self.vpp_size > 1 and self.pp_size > 1 and group < self.pp_size:
@@ -94,9 +81,7 @@ class ParallelConfig:
                 f"= {self.pp_size}; pass a group size >= {self.pp_size}, or leave it unset for Megatron's default "
                 f"(the pipeline size)"
             )
-        # without VPP neither the group nor the p2p mode changes a plan: 1 and False, so configs that plan alike
-        # compare equal (slime's dict and Megatron's args give the pipeline size as the group even without VPP)
-        if self.vpp_size == 1:
+        if self.vpp_size == 1:  # neither changes a plan without VPP: configs that plan alike compare equal
             object.__setattr__(self, "microbatch_group_size_per_vp_stage", 1)
         overlap = check_bool("overlap_p2p_comm", self.overlap_p2p_comm)
         object.__setattr__(self, "overlap_p2p_comm", overlap and self.vpp_size > 1)
@@ -107,7 +92,7 @@ class ParallelConfig:
                 _positive_int(self, name, MAX_MODEL_DIM,
                               f"pass the decoder layers of that pipeline rank (>= 1), or omit it for the even split")
         for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-            # with one stage there is nothing to split: False, so configs that plan alike compare equal
+            # False with one stage: configs that plan alike compare equal
             object.__setattr__(self, name, check_bool(name, getattr(self, name)) and self.pp_size > 1)
         layout = self.pipeline_model_parallel_layout
         if layout is not None and not isinstance(layout, str):
@@ -117,14 +102,12 @@ class ParallelConfig:
                            **{name: getattr(self, name) for name in LAYOUT_FLAGS})
 
     def stage_layers(self, num_layers: int) -> StageLayers:
-        """Megatron's split of ``num_layers`` decoder layers over this layout's virtual stages (the layout flags;
-        :func:`slime_ext.schedule.pipeline_layout.split_layers`); raises :class:`ScheduleError` where Megatron
-        would refuse the combination."""
+        """Megatron's split of ``num_layers`` decoder layers over the virtual stages (:func:`.split_layers`)."""
         return split_layers(num_layers, pp_size=self.pp_size, vpp_size=self.vpp_size,
                             **{name: getattr(self, name) for name in LAYOUT_FLAGS})
 
     def require_dp_size(self) -> int:
-        """``dp_size``, or the :class:`ScheduleError` every planner entry raises for a layout that has none yet."""
+        """``dp_size``, or a :class:`ScheduleError` where it is not resolved yet."""
         if self.dp_size is None:
             raise ScheduleError("parallel.dp_size is None: resolve it with ParallelConfig.for_world(world_size)")
         return self.dp_size
@@ -141,8 +124,7 @@ class ParallelConfig:
         return self.tp_size * self.cp_size * self.pp_size
 
     def for_world(self, world_size: int) -> "ParallelConfig":
-        """A copy with ``dp_size = world_size / (tp * cp * pp)``: the one place a world size becomes a
-        data-parallel size."""
+        """A copy with ``dp_size = world_size / (tp * cp * pp)``."""
         mp = self.model_parallel_size
         if not is_int(world_size) or world_size < 1 or world_size % mp:
             raise ScheduleError(f"world_size={world_size!r} is not a multiple of tp*cp*pp = {mp}; start dp * {mp} "
@@ -151,8 +133,8 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, train_parallel_config: Mapping[str, Any]) -> "ParallelConfig":
-        """Build from slime's ``train_parallel_config`` dict; a missing or ``None`` size is Megatron's "not used" (1),
-        except ``dp_size``, which is required, and the group size, which ``vpp_size > 1`` requires."""
+        """From slime's ``train_parallel_config`` dict; a missing or ``None`` size is 1 (``dp_size`` is required,
+        and the group size with ``vpp_size > 1``)."""
         if isinstance(train_parallel_config, ParallelConfig):
             return train_parallel_config
         if not isinstance(train_parallel_config, Mapping) or "dp_size" not in train_parallel_config:
@@ -193,9 +175,9 @@ class ParallelConfig:
                 and pipeline_model_parallel_size >= 1:
             vpp = layout_vpp_size(pipeline_model_parallel_layout, pipeline_model_parallel_size)
         vpp = given(vpp, 1)
-        group = megatron_mb_group_size(microbatch_group_size_per_vp_stage, pipeline_model_parallel_size)
         return cls(dp_size=dp_size, cp_size=given(context_parallel_size, 1), vpp_size=vpp,
-                   microbatch_group_size_per_vp_stage=group,
+                   microbatch_group_size_per_vp_stage=given(microbatch_group_size_per_vp_stage,
+                                                            given(pipeline_model_parallel_size, 1)),
                    pp_size=given(pipeline_model_parallel_size, 1),
                    overlap_p2p_comm=given(overlap_p2p_comm, is_int(vpp) and vpp > 1),
                    tp_size=given(tensor_model_parallel_size, 1),
@@ -211,7 +193,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """slime's batch flags, under slime's names: the one place they are validated."""
+    """slime's batch flags, under slime's names."""
 
     #: rollouts (not samples) per training step; required unless use_dynamic_global_batch_size
     global_batch_size: int | None = None
@@ -224,8 +206,8 @@ class BatchConfig:
     #: one step for the whole input: every whole rollout the layout can train (:func:`~.steps.dynamic_step_rollouts`)
     use_dynamic_global_batch_size: bool = False
     disable_rollout_trim_samples: bool = False  # an incomplete trailing step is an error instead of dropped
-    #: slime v0.2.4's rule for use_dynamic_global_batch_size (the sample count rounded down to a multiple of
-    #: dp_size); set by the v0.2.4 adapter, not a slime flag
+    #: slime v0.2.4's rule for use_dynamic_global_batch_size (samples rounded down to a multiple of dp_size); set
+    #: by the v0.2.4 adapter, not a slime flag
     dynamic_global_batch_rounds_samples: bool = False
 
     def __post_init__(self) -> None:
@@ -257,8 +239,8 @@ class BatchConfig:
 
     @classmethod
     def from_args(cls, args: Any, *, global_batch_size: int | None = None) -> "BatchConfig":
-        """Read slime's flags off any attribute object; missing ones take the defaults, a boolean flag that is
-        ``None`` is unset (argparse's default), and ``global_batch_size`` overrides ``args.global_batch_size``."""
+        """Read slime's flags off any attribute object (a ``None`` boolean is unset); ``global_batch_size``
+        overrides ``args.global_batch_size``."""
         if isinstance(args, BatchConfig):
             return args if global_batch_size is None else dataclasses.replace(args, global_batch_size=global_batch_size)
         kwargs = {}

@@ -1,6 +1,5 @@
 """Estimated forward FLOPs per sample from the model dims, ``cost(L) = linear * L + quadratic * L**2``: projections,
-MLP (dense, or MoE with top-k routed plus shared experts) and LM head linear, causal self-attention quadratic.
-Backward is a constant multiple of forward, so forward FLOPs are enough to balance by; without dims, tokens.
+MLP (dense or MoE) and LM head linear, causal self-attention quadratic; without dims, tokens.
 """
 
 from __future__ import annotations
@@ -17,16 +16,13 @@ from .validate import MAX_MODEL_DIM, check_bool, check_coefficients, check_insta
 
 
 def _dim(default: Any = dataclasses.MISSING, help: str = "", kind: str = "int") -> Any:
-    """A model dim: its default, its one-line help (``slime-ext plan --help`` shows it) and its value kind for the
-    CLI (``int``, ``bool``, or ``freq``: an int or a 0/1 list)."""
+    """A model dim: its default, its ``--help`` line and its CLI kind (``int``, ``bool``, or ``freq``)."""
     return dataclasses.field(default=default, metadata={"help": help, "kind": kind})
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Transformer dims under Megatron's argument names (missing optional dims take Megatron's defaults): the one
-    declaration the CLI's options, the validation (dims without a default are required, ``None`` ones optional) and
-    :meth:`from_args` read."""
+    """Transformer dims under Megatron's argument names (a missing optional dim takes Megatron's default)."""
 
     hidden_size: int = _dim()
     num_layers: int = _dim()
@@ -76,20 +72,17 @@ class CostModel:
             object.__setattr__(self, "moe_layer_freq", tuple(int(f) for f in entries))
         check_coefficients(*self.coefficients())
 
-    # ------------------------------------------------------------------ derived dims
     def coefficients(self, formula: str = "exact") -> tuple[float, float]:
-        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``. ``"upstream"``: upstream
-        slime's ``calculate_fwd_flops`` (dense only; K/V ``2 h (heads // groups) kv``, output ``2 h h``); ``"exact"``
-        counts a GQA K+V projection as ``2 h 2 groups kv`` and the output as ``2 heads kv h``."""
+        """``(linear, quadratic)`` so that ``fwd_flops(L) = linear * L + quadratic * L**2``; ``"upstream"``: upstream
+        slime's ``calculate_fwd_flops`` (dense only, its GQA K/V and output terms)."""
         dense_layer, moe_layer, layer_quadratic, head = self.layer_terms(formula)
         moe = self.moe_layers_in(0, self.num_layers)  # a closed form for an int freq (num_layers may be huge)
         linear = (self.num_layers - moe) * dense_layer + moe * moe_layer + head
         return float(linear), float(self.num_layers * layer_quadratic)
 
     def layer_terms(self, formula: str = "exact") -> tuple[int, int, int, int]:
-        """Forward FLOPs of the model's pieces, exact integers: ``(dense layer, MoE layer, attention, output layer)``;
-        a layer of a sample of ``L`` tokens costs ``(dense or MoE) * L + attention * L**2``, the output layer
-        ``2 h vocab * L``. :meth:`coefficients` sums them over the layers, :mod:`.stages` per stage."""
+        """Forward FLOPs of the pieces, exact integers: ``(dense layer, MoE layer, attention, output layer)``, a layer
+        costing ``(dense or MoE) * L + attention * L**2``."""
         h = self.hidden_size
         heads = self.num_attention_heads
         groups = self.num_query_groups or heads
@@ -109,8 +102,7 @@ class CostModel:
                 2 * h * self.vocab_size)
 
     def moe_layers_in(self, start: int, stop: int) -> int:
-        """How many of the layers ``start .. stop - 1`` are MoE layers (``moe_layer_freq`` as Megatron reads it:
-        an int ``k`` makes layers ``0, k, 2k, ...`` MoE, a list marks each layer)."""
+        """How many of the layers ``start .. stop - 1`` are MoE (an int ``k``: layers ``0, k, 2k, ...``)."""
         if not self.num_experts or stop <= start:
             return 0
         freq = self.moe_layer_freq
@@ -125,7 +117,6 @@ class CostModel:
         L = np.asarray(lengths, dtype=np.float64)
         return L * (linear + quadratic * L)
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_args(cls, args: Any) -> "CostModel | None":
         """From Megatron/slime args (any attribute object or mapping); ``None`` when the core dims are absent."""
@@ -159,8 +150,7 @@ def check_cost_model(cost_model: Any) -> CostModel | CostProfile | None:
 
 
 def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None) -> np.ndarray:
-    """Per-sample cost: forward FLOPs from the model dims, seconds from a measured profile (its per-sample part,
-    :meth:`CostProfile.sample_costs`), or tokens when there is no model."""
+    """Per-sample cost: forward FLOPs, a profile's seconds, or tokens without a model."""
     if cost_model is None:
         return np.asarray(lengths, dtype=np.float64)
     return cost_model.flops(lengths)
@@ -168,17 +158,15 @@ def sample_costs(lengths: np.ndarray, cost_model: CostModel | CostProfile | None
 
 def bin_costs(lengths: np.ndarray, costs: np.ndarray, bin_of: np.ndarray, count: int,
               profile: CostProfile | None = None) -> np.ndarray:
-    """The one bin pricing: ``(count,)`` the cost of each micro-batch given as labels (``bin_of[i]`` = sample i's
-    micro-batch). With a measured ``profile`` a micro-batch is priced whole (its overhead, attention over the
-    packed row: :meth:`CostProfile.bin_times`), else as the sum of its samples' ``costs`` (FLOPs or tokens)."""
+    """The one bin pricing: ``(count,)`` the cost of each micro-batch (``bin_of[i]``: sample i's), priced whole with
+    a ``profile``, else the sum of its samples' ``costs``."""
     if profile is not None:
         return profile.bin_times(lengths, bin_of, count)
     return np.bincount(bin_of, weights=costs, minlength=count)
 
 
 def price_sums(tokens: np.ndarray, squares: np.ndarray, sums: np.ndarray, profile: CostProfile | None) -> np.ndarray:
-    """:func:`bin_costs` of micro-batches given by their sums: tokens, squared lengths and sample costs (what a
-    search that moves single samples keeps per micro-batch)."""
+    """:func:`bin_costs` of micro-batches given by their sums of tokens, squared lengths and sample costs."""
     if profile is None:
         return np.array(sums, dtype=np.float64)  # a copy: the caller may keep both
     return profile.price_sums(np.asarray(tokens, dtype=np.float64), np.asarray(squares, dtype=np.float64))
@@ -186,8 +174,7 @@ def price_sums(tokens: np.ndarray, squares: np.ndarray, sums: np.ndarray, profil
 
 def microbatch_costs(lengths: Sequence[int] | np.ndarray, micro_batches: Sequence[Sequence[int]],
                      cost_model: CostModel | CostProfile | None) -> np.ndarray:
-    """``(M,)`` the planner's cost of each micro-batch given as lists of indices into ``lengths`` (an integration's
-    micro-batches): :func:`bin_costs` with the samples' :func:`sample_costs`."""
+    """``(M,)`` the planner's cost of each micro-batch given as lists of indices into ``lengths``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     members = np.asarray([i for mb in micro_batches for i in mb], dtype=np.int64)
     labels = np.repeat(np.arange(len(micro_batches)), [len(mb) for mb in micro_batches])

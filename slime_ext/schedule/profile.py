@@ -1,7 +1,6 @@
 """A measured cost profile: seconds per micro-batch on the user's model and device, in place of the FLOPs estimate.
 
-The time of one training step on one rank (forward + backward of its micro-batches, plus the optimizer) is modelled
-as::
+One rank's step (forward + backward of its micro-batches, plus the optimizer) is modelled as::
 
     step_time = step_overhead
               + sum over micro-batches of ( microbatch_overhead
@@ -9,11 +8,7 @@ as::
                                             + per_sample_quadratic   * sum(len**2) # attention within each sample
                                             + packed_quadratic       * T**2 )      # attention over the packed row
 
-``per_sample_quadratic`` is attention that sees each sample alone (flash/THD varlen kernels, and this repo's CPU
-THD attention); ``packed_quadratic`` is attention over the whole packed row, masked (a path that packs without THD).
-:func:`slime_ext.training.profile_fit.fit_profile` fits the terms to timed steps (``slime-ext calibrate``).
-The planner reads a profile through :meth:`CostProfile.sample_costs` (what balancing balances) and
-:meth:`CostProfile.price_sums` (a micro-batch priced whole, what it compares by).
+``slime-ext calibrate`` fits the terms to timed steps (:func:`slime_ext.training.profile_fit.fit_profile`).
 """
 
 from __future__ import annotations
@@ -74,18 +69,15 @@ class CostProfile:
                                 "every sample would cost nothing, so there is nothing to balance by; re-calibrate")
         object.__setattr__(self, "meta", dict(self.meta))
 
-    # ------------------------------------------------------------------ what the planner uses
     def sample_costs(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        """The additive per-sample part (seconds): ``per_token * L + (per_sample_quadratic + packed_quadratic) * L**2``
-        (the packed term's cross terms belong to no single sample; :meth:`microbatch_time` counts them)."""
+        """The additive per-sample part (seconds; the packed term's cross terms belong to no single sample)."""
         L = np.asarray(lengths, dtype=np.float64)
         return L * (self.per_token_s + (self.per_sample_quadratic_s + self.packed_quadratic_s) * L)
 
-    #: ``CostModel``-shaped alias: code that asks a cost model for per-sample ``flops`` gets seconds from a profile
-    flops = sample_costs
+    flops = sample_costs  #: as :meth:`CostModel.flops`: per-sample seconds
 
     def coefficients(self) -> tuple[float, float]:
-        """``(linear, quadratic)`` of :meth:`sample_costs`, as :meth:`CostModel.coefficients`."""
+        """``(linear, quadratic)`` of :meth:`sample_costs`."""
         return self.per_token_s, self.per_sample_quadratic_s + self.packed_quadratic_s
 
     def microbatch_time(self, lengths: Sequence[int]) -> float:
@@ -109,7 +101,6 @@ class CostProfile:
         return (self.microbatch_overhead_s + self.per_token_s * tokens + self.per_sample_quadratic_s * squares
                 + self.packed_quadratic_s * tokens * tokens)
 
-    # ------------------------------------------------------------------ files
     def to_dict(self) -> dict:
         d = {"kind": PROFILE_KIND, "version": PROFILE_VERSION}
         d.update({name: getattr(self, name) for name in TERM_NAMES + PIPELINE_FIELDS})
@@ -130,7 +121,6 @@ class CostProfile:
         missing = [name for name in TERM_NAMES if name not in d]
         if missing:
             raise ScheduleError(f"{source} is missing {missing}; re-run `slime-ext calibrate`")
-        # profiles written before the pipeline fields existed load with their defaults
         return cls(**{name: d[name] for name in TERM_NAMES + PIPELINE_FIELDS if name in d}, meta=d.get("meta") or {})
 
     def save(self, path: str) -> None:

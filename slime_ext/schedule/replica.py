@@ -1,13 +1,9 @@
-"""One replica's samples in exactly ``count`` micro-batches, for a host that plans one rank inside its engine
-(verl's Megatron engine plans each DP rank inside the step).
+"""One replica's samples in exactly ``count`` micro-batches, for a host that plans each DP rank inside its engine.
 
-:func:`shape_replica`: without a pipeline, balanced packing (:func:`.pipeline_shape.shape_pack` with one flat
-target); with one, every shape of ``PlannerConfig.shaping.shapes`` packed at ``count`` and priced by the pipeline model in one
-pass, the fastest kept and its run order improved by :func:`.pipeline_orders.best_orders`. Where no shape holds the
-cap at ``count``, the planner's own packing (:func:`pack_replica`) is split up to ``count``; where ``count`` cannot
-hold the samples, a :class:`ScheduleError` names the count to ask for. :func:`scan_replica` is the same shaping at
-many counts (``PlannerConfig.shaping.scan_shapes``), priced in one pass. Forward-only passes are priced by the forward-only
-schedules.
+:func:`shape_replica`: without a pipeline, one balanced packing; with one, every shape of
+``PlannerConfig.shaping.shapes`` packed at ``count`` and priced in one pass, the fastest kept in the best run order
+:func:`.pipeline_orders.best_orders` finds. Where no shape holds the cap, :func:`pack_replica` split up to ``count``.
+:func:`scan_replica`: the same shaping at many counts (``PlannerConfig.shaping.scan_shapes``).
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class ReplicaPlan:
 
 @dataclass(frozen=True)
 class ReplicaScan:
-    """:func:`scan_replica`'s answer: per count that packed under the cap, its predicted makespan in its shape's run
-    order (``spans``; ``None`` values without a pipeline), and on demand its micro-batches (:meth:`plan`)."""
+    """:func:`scan_replica`'s answer: per count that packed, its predicted makespan (``None`` without a pipeline)."""
 
     spans: dict[int, float | None]
     #: per count: each sample's micro-batch, numbered in run order
@@ -63,8 +58,8 @@ class ReplicaScan:
         return count in self.spans
 
     def plan(self, count: int, *, reorder: bool = True) -> ReplicaPlan | None:
-        """The packing at ``count`` (``None`` where it did not pack); with a pipeline and ``reorder``, in the fastest
-        of its run order and :func:`~.pipeline_orders.heuristic_best`'s orders, else in its shape's run order."""
+        """The packing at ``count`` (``None`` where it did not pack), with ``reorder`` in the fastest run order
+        :func:`~.pipeline_orders.heuristic_best` finds."""
         if count not in self.spans:
             return None
         labels, span = self.labels[count], self.spans[count]
@@ -90,8 +85,7 @@ _cached_pricing = lru_cache(maxsize=64)(pipeline_pricing)
 
 def _pricing(parallel: ParallelConfig, cost_model, cap: int, config: PlannerConfig,
              forward_only: bool) -> PipelinePricing | None:
-    """The pipeline objective of the layout (``None`` without a pipeline), made once per layout, cost, cap, config
-    and pass (a host asks for the same few every step); the cost model checked first (so also hashable)."""
+    """The layout's pipeline pricing (``None`` without a pipeline), cached: a host asks for the same few."""
     check_cost_model(cost_model)
     forward_only = check_bool("forward_only", forward_only)
     if parallel.pp_size == 1:
@@ -116,8 +110,8 @@ def _groups(bin_of: np.ndarray, count: int) -> tuple[tuple[int, ...], ...]:
 # ---------------------------------------------------------------------------------------------------- the fallback
 def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
                  cost_model: CostModel | CostProfile | None = None) -> tuple[tuple[int, ...], ...]:
-    """The planner's capped, FLOP-balanced micro-batches of one replica's samples at the count it chooses (one
-    replica, one step, no pipeline), as index tuples in run order: the fewest the samples need."""
+    """The planner's capped, FLOP-balanced micro-batches of one replica's samples (no pipeline) at the count it
+    chooses, as index tuples in run order."""
     x, cap = _lengths(lengths), _cap(cap)
     batch = BatchConfig(global_batch_size=len(x), use_dynamic_batch_size=True, max_tokens_per_gpu=cap,
                         balance_data=True, balance_by_flops=True, disable_rollout_trim_samples=True)
@@ -127,8 +121,7 @@ def pack_replica(lengths: Sequence[int] | np.ndarray, cap: int, *,
 
 
 def _split_to(micro_batches: list[list[int]], count: int, costs: np.ndarray) -> list[list[int]]:
-    """The costliest micro-batch of several samples split in two (costliest samples dealt to the lighter half) until
-    there are ``count``."""
+    """Split the costliest micro-batch of several samples in two (by cost) until there are ``count``."""
     mbs = [list(mb) for mb in micro_batches]
     while len(mbs) < count:
         j = max((j for j, mb in enumerate(mbs) if len(mb) > 1), key=lambda i: float(costs[mbs[i]].sum()))
@@ -152,8 +145,7 @@ def _refuse(x: np.ndarray, count: int, cap: int, spec, fewest: int) -> ScheduleE
 def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], parallel: ParallelConfig,
                  cap: int, *, cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                  config: PlannerConfig | None = None) -> ReplicaScan:
-    """The samples shaped at each of ``counts`` (module docstring), each count's fastest packing in its shape's run
-    order; counts that do not pack under the cap, exceed the samples or megatron-core refuses are left out."""
+    """The samples shaped at each of ``counts`` (module docstring); counts that cannot run are left out."""
     config = DEFAULT_CONFIG if config is None else config
     x, cap = _lengths(lengths), _cap(cap)
     pricing = _pricing(parallel, cost_model, cap, config, forward_only)
@@ -169,9 +161,8 @@ def scan_replica(lengths: Sequence[int] | np.ndarray, counts: Sequence[int], par
 def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: ParallelConfig, cap: int | None, *,
                   cost_model: CostModel | CostProfile | None = None, forward_only: bool = False,
                   config: PlannerConfig | None = None) -> ReplicaPlan:
-    """One replica's samples (``lengths``: tokens per sample) in exactly ``count`` micro-batches of at most ``cap``
-    tokens (a longer sample sits alone), shaped for ``parallel``'s pipeline (its ``dp_size`` is not read): the
-    module docstring."""
+    """One replica's samples in exactly ``count`` micro-batches of at most ``cap`` tokens (a longer sample alone),
+    shaped for ``parallel``'s pipeline (module docstring)."""
     config = DEFAULT_CONFIG if config is None else config
     x = _lengths(lengths)
     if cap is None:
@@ -215,8 +206,7 @@ def _runs(pricing: PipelinePricing | None, k: int) -> bool:
 
 
 def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
-    """The flat target at ``k``: one :func:`shape_pack` row, as each sample's micro-batch (``None`` where it misses
-    the cap)."""
+    """Each sample's micro-batch in the balanced packing at ``k`` (``None`` where it misses the cap)."""
     members = samples.order[None, :]  # one replica: its samples by decreasing cost
     bin_of, ok = shape_pack(samples.lengths, samples.costs, members, FLAT.weights(k)[None, :], samples.cap)
     if not ok[0]:
@@ -227,8 +217,7 @@ def _balanced(samples: ShapeSamples, k: int) -> np.ndarray | None:
 
 
 def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], shapes: list[Shape]) -> ReplicaScan:
-    """Every shape at every count packed and priced by :func:`~.pipeline_shape.pack_many` (the replica as one row);
-    the fastest per count kept (ties: the earlier shape)."""
+    """Every shape at every count packed and priced; the fastest per count kept (ties: the earlier shape)."""
     members = samples.order[None, :]  # one replica: its samples by decreasing cost
     combos = [(k, shape) for k in counts for shape in shapes]
     spans, bin_of = pack_many(Budget(pricing, math.inf), samples, members, combos) if combos else ([], [])
@@ -244,8 +233,8 @@ def _shaped(pricing: PipelinePricing, samples: ShapeSamples, counts: list[int], 
 
 def _in_best_order(pricing: PipelinePricing, samples: ShapeSamples, labels: np.ndarray, count: int,
                    span: float | None, search) -> ReplicaPlan:
-    """The micro-batches (``labels``: each sample's, numbered in run order; ``span``: that order's makespan,
-    ``None``: priced here) in the fastest order ``search`` finds (:mod:`.pipeline_orders`), kept where no faster."""
+    """The micro-batches (``labels``, numbered in run order; ``span``: its makespan or ``None``) reordered where
+    ``search`` finds a faster order."""
     row = bin_costs(samples.lengths, samples.costs, labels, count, samples.profile)[None, :]
     order, got = search(pricing, row)
     span = float(pricing.makespans(row)[0]) if span is None else span

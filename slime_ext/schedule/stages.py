@@ -1,19 +1,11 @@
-"""Per-stage costs: what one micro-batch costs on each pipeline stage, from the model dims and Megatron's layout.
+"""Per-stage costs: per virtual stage ``k = chunk * pp + rank``, ``forward = linear[k] * tokens + quadratic[k] *
+sum(L**2)`` in the cost model's units, the layers split as megatron-core splits them (:mod:`.pipeline_layout`).
 
-``StageCosts.from_model(cost_model, parallel)`` gives, per virtual stage ``k = chunk * pp + rank``, coefficients with
-``forward of a micro-batch = linear[k] * tokens + quadratic[k] * sum(L**2)``, in the cost model's units (FLOPs for a
-``CostModel``, seconds for a ``CostProfile``, tokens for ``None``). Summed over the stages they are the whole model's
-(:meth:`CostModel.coefficients`; MTP layers of a layout string add their own cost), and ``linear_share`` /
-``quadratic_share`` are each rank's share of those totals (each sums to 1). The layers are split as
-megatron-core splits them (:mod:`.pipeline_layout`): the embedding on the first virtual stage, the output layer
-and the loss on the last.
-
-Counted with a ``CostModel``: each decoder layer's FLOPs (dense or MoE by ``moe_layer_freq``), the output layer's
-``2 h vocab`` per token on the last stage; the embedding (a lookup) and the loss (about 0.1% of the output layer)
-count as none; an MTP layer counts as a decoder layer plus its ``2 (2h) h`` input projection and its own output
-layer. A profile's seconds are split by the piece shares ``slime-ext calibrate`` measured (``meta["piece_shares"]``),
-else by the FLOPs shares of the model dims it records (``meta["model"]``), else by decoder layers, as a cost of
-tokens is. With no layer count at all, the split is even. Overheads are not split here.
+A ``CostModel`` counts each decoder layer's FLOPs (dense or MoE), the output layer's ``2 h vocab`` per token on the
+last stage, and an MTP layer as a decoder layer plus its ``2 (2h) h`` input projection and its own output layer; the
+embedding and the loss count as none. A profile's seconds are split by its measured piece shares
+(``meta["piece_shares"]``), else by the FLOPs of its recorded dims (``meta["model"]``), else by decoder layers, as
+tokens are; with no layer count, evenly. Overheads are not split.
 """
 
 from __future__ import annotations
@@ -41,8 +33,6 @@ class StageCosts:
     #: per virtual stage: cost per token, and per squared sample length (attention)
     virtual_linear: tuple[float, ...]
     virtual_quadratic: tuple[float, ...]
-    #: "flops", "seconds" or "tokens": the cost model's units
-    units: str = "flops"
     #: how the split was derived, in one line (for reports)
     basis: str = ""
 
@@ -55,7 +45,6 @@ class StageCosts:
                                     f"costs >= 0, one per virtual stage")
             object.__setattr__(self, name, values)
 
-    # ------------------------------------------------------------------ per rank
     def _per_rank(self, values: tuple[float, ...]) -> np.ndarray:
         return np.asarray(values).reshape(self.vpp_size, self.pp_size).sum(axis=0)
 
@@ -81,29 +70,18 @@ class StageCosts:
 
     @property
     def uneven(self) -> bool:
-        """Whether the ranks' costs differ (else the pipeline model's 2-D form, every stage alike, is exact)."""
+        """Whether the ranks' costs differ."""
         return bool(np.ptp(self.linear) > 0 or np.ptp(self.quadratic) > 0)
 
-    def forward(self, tokens, sum_squares, *, virtual: bool = False) -> np.ndarray:
-        """Forward cost of micro-batches per stage: ``tokens`` and ``sum_squares`` (``sum(L**2)``) of shape
-        ``(..., M)`` give ``(..., pp, M)``, or with ``virtual`` ``(..., pp * vpp, M)`` (one model chunk each):
-        the shapes :func:`slime_ext.schedule.pipeline_model.pipeline_makespan` takes per stage."""
-        t = np.asarray(tokens, dtype=np.float64)[..., None, :]
-        q = np.asarray(sum_squares, dtype=np.float64)[..., None, :]
-        lin = np.asarray(self.virtual_linear) if virtual else self.linear
-        quad = np.asarray(self.virtual_quadratic) if virtual else self.quadratic
-        return lin[:, None] * t + quad[:, None] * q
-
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_model(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig,
                    num_layers: int | None = None) -> "StageCosts":
-        """The split of ``cost_model``'s cost over ``parallel``'s pipeline (module docstring). ``num_layers``: the
-        decoder layers, where ``cost_model`` does not say (a profile without model dims, or ``None``)."""
+        """The split of ``cost_model``'s cost over ``parallel``'s pipeline; ``num_layers``: the decoder layers, where
+        ``cost_model`` does not say."""
         check_instance("parallel", parallel, ParallelConfig, "a ParallelConfig")
         if check_cost_model(cost_model) is None:
             share, basis = _layer_share(parallel, num_layers)
-            return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), "tokens", basis)
+            return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), basis)
         if isinstance(cost_model, CostModel):
             return _from_dims(cost_model, parallel)
         if isinstance(cost_model, CostProfile):
@@ -123,12 +101,12 @@ class StageCosts:
                 quad_share = lin_share
                 basis = f"profile seconds split by {basis}"
             return cls(parallel.pp_size, parallel.vpp_size, tuple(linear * np.asarray(lin_share)),
-                       tuple(quadratic * np.asarray(quad_share)), "seconds", basis)
+                       tuple(quadratic * np.asarray(quad_share)), basis)
 
     @classmethod
     def if_split(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts | None":
-        """:meth:`from_model`, or ``None`` (every stage alike) for dims Megatron cannot split over this layout
-        (approximate dims); where the user placed layers (:data:`LAYOUT_FLAGS`) the refusal stands."""
+        """:meth:`from_model`, or ``None`` (every stage alike) for dims Megatron cannot split evenly; where the user
+        placed layers the refusal stands."""
         try:
             return cls.from_model(cost_model, parallel)
         except ScheduleError:
@@ -154,7 +132,7 @@ def _from_dims(model: CostModel, parallel: ParallelConfig) -> StageCosts:
             lin += head
         linear.append(float(lin))
         quadratic.append(float((count + mtp) * layer_quadratic))
-    return StageCosts(parallel.pp_size, parallel.vpp_size, tuple(linear), tuple(quadratic), "flops",
+    return StageCosts(parallel.pp_size, parallel.vpp_size, tuple(linear), tuple(quadratic),
                       "FLOPs of the model dims per stage")
 
 
@@ -170,9 +148,8 @@ def _profile_dims(profile: CostProfile) -> CostModel | None:
 
 
 def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers: int | None):
-    """Per virtual stage ``(linear share, quadratic share)`` from ``meta["piece_shares"]`` (the embedding, one
-    decoder layer, the final norm and output layer, of the forward time; the module docstring), or ``None``
-    without them or without a layer count. The quadratic term (attention) is split by decoder layers."""
+    """Per virtual stage ``(linear share, quadratic share)`` from ``meta["piece_shares"]`` (attention split by
+    decoder layers), or ``None`` without them or a layer count."""
     pieces = (profile.meta or {}).get("piece_shares")
     if not isinstance(pieces, dict):
         return None

@@ -1,11 +1,6 @@
-"""The input boundary of the planning layer: type and range checks, written once, so a bad value is refused the
-same way wherever it enters (every public entry and the CLI readers call these): a :class:`ScheduleError` naming
-the field, the value and the fix.
-
-Integers are exact (``int`` or numpy integers; not ``bool``, floats, strings or ``None``); arrays are 1-D integer
-arrays or sized sequences of integers. Every count has an upper bound (:data:`MAX_TOKENS`, :data:`MAX_SAMPLES`,
-:data:`MAX_PARALLEL_SIZE`, :data:`MAX_MODEL_DIM`), so no token sum, product or cast leaves int64 / float64.
-Booleans are strict: ``"False"``, ``0`` and ``1`` are refused.
+"""The planner's type and range checks, written once: a bad value is a :class:`ScheduleError` naming the field, the
+value and the fix. Integers are exact (not ``bool``, floats or strings), booleans strict, and every count bounded
+(``MAX_*``) so that no token sum, product or cast leaves int64 / float64.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ assert len({MAX_TOKENS, MAX_SAMPLES, MAX_PARALLEL_SIZE, MAX_MODEL_DIM, INT64_MAX
 
 
 def show(value: Any, width: int = 60) -> str:
-    """``repr(value)`` shortened for a one-line message (also for ints too long to print)."""
+    """``repr(value)`` shortened for a one-line message."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and abs(int(value)) > 10**30:
         v = int(value)
         bits = abs(v).bit_length()
@@ -57,6 +52,7 @@ def show(value: Any, width: int = 60) -> str:
 
 
 def limit_name(limit: int) -> str:
+    """``limit`` by its name where it has one."""
     return LIMIT_NAMES.get(limit, f"{limit:,}")
 
 
@@ -113,8 +109,8 @@ def check_bool(name: str, value: Any, fix: str = "") -> bool:
 
 def check_int_array(name: str, values: Any, *, n: int | None = None, minimum: int = INT64_MIN,
                     maximum: int = INT64_MAX, what: str = "integer counts") -> np.ndarray:
-    """``values`` (a 1-D integer array or a sized sequence of ints) as int64, every entry in ``[minimum, maximum]``,
-    ``n`` of them when given; the error names ``name[i]`` and its value."""
+    """``values`` (a 1-D integer array or a sized sequence of ints) as int64, each in ``[minimum, maximum]``, ``n``
+    of them when given."""
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             shape = "a 0-d array (a single number)" if values.ndim == 0 else f"an array of shape {values.shape}"
@@ -236,7 +232,7 @@ def int_list(name: str, value: Any, *, minimum: int = INT64_MIN, maximum: int = 
 
 
 def nested_int_lists(name: str, value: Any, depth: int, **bounds: int) -> list:
-    """``depth`` levels of lists around lists of ints (``depth=1``: ``[[1, 2], [3]]``; 0: :func:`int_list`)."""
+    """``depth`` levels of lists around :func:`int_list` (``depth=1``: ``[[1, 2], [3]]``)."""
     if depth == 0:
         return int_list(name, value, **bounds)
     if not isinstance(value, (list, tuple)):

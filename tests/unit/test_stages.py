@@ -195,7 +195,7 @@ def test_stage_flops_add_up_to_the_model(parallel):
             continue  # a split Megatron refuses for this model (checked above)
         costs = StageCosts.from_model(model, parallel)
         check_invariants(costs, *model.coefficients())
-        assert costs.units == "flops"
+        assert costs.basis == "FLOPs of the model dims per stage"
 
 
 def test_the_output_layer_weighs_on_the_last_stage():
@@ -243,7 +243,7 @@ def test_a_profile_splits_by_its_model_dims_or_by_layers():
     flops = StageCosts.from_model(model, parallel)
     np.testing.assert_allclose(costs.linear_share, flops.linear_share, rtol=1e-12)
     np.testing.assert_allclose(costs.quadratic_share, [6 / 36, 12 / 36, 12 / 36, 6 / 36], rtol=1e-12)
-    assert costs.units == "seconds" and "model dims" in costs.basis
+    assert costs.basis == "profile seconds split by the FLOPs shares of its model dims"
     # calibrate's older profiles record only some dims: still a CostModel; none at all: layers' share
     bare = CostProfile(step_overhead_s=0.0, microbatch_overhead_s=0.0, per_token_s=1.0, per_sample_quadratic_s=0.0)
     by_layers = StageCosts.from_model(bare, parallel, num_layers=36)
@@ -260,21 +260,20 @@ def test_without_a_model_the_split_is_by_layers_in_tokens():
     costs = StageCosts.from_model(None, laid)  # the layout string knows the layers: 4, 5 + 5, ..., 5 + 2
     np.testing.assert_allclose(costs.linear, np.array([4 + 5, 10, 10, 5 + 2]) / 36)
     check_invariants(costs, 1.0, 0.0)
-    assert costs.units == "tokens"
+    assert costs.basis == "each stage's share of the decoder layers"
 
 
-def test_forward_feeds_the_pipeline_model():
+def test_stage_coefficients_feed_the_pipeline_model():
     model = CostModel(**QWEN3_8B)
     costs = StageCosts.from_model(model, ParallelConfig(dp_size=1, pp_size=4, vpp_size=3))
     rng = np.random.default_rng(0)
     lengths = [rng.integers(100, 4000, size=rng.integers(1, 5)) for _ in range(8)]
     tokens = np.array([L.sum() for L in lengths], dtype=float)
     squares = np.array([(L.astype(float) ** 2).sum() for L in lengths])
-    f = costs.forward(tokens, squares)
-    assert f.shape == (4, 8)
+    f = costs.linear[:, None] * tokens + costs.quadratic[:, None] * squares  # (pp, M): per rank
     np.testing.assert_allclose(f.sum(axis=0), [model.flops(L).sum() for L in lengths], rtol=1e-12)
-    fv = costs.forward(tokens[None], squares[None], virtual=True)
-    assert fv.shape == (1, 12, 8)
+    fv = (np.asarray(costs.virtual_linear)[:, None] * tokens + np.asarray(costs.virtual_quadratic)[:, None] * squares
+          )[None]  # (1, pp * vpp, M): one model chunk each
     np.testing.assert_allclose(fv[0].reshape(3, 4, 8).sum(axis=0), f, rtol=1e-12)  # a rank's chunks add up
     spec = PipelineSpec(4, 3)
     # per virtual stage puts the output layer on the last chunk; per rank spreads it over the last rank's chunks
