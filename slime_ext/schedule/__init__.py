@@ -1,20 +1,14 @@
 """Pure planning layer: standard library + numpy only (no torch, ray or megatron -- a test enforces it).
 
-The one request (what a host means: the samples, the steps, the layout and cap, the pass, optionally a fixed
-micro-batch count per rank)::
+The one request (the samples, the layout and cap, optionally the steps, the pass and a fixed count per rank)::
 
-    from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, PlanRequest, plan
+    from slime_ext.schedule import BatchConfig, ParallelConfig, PlanRequest, plan
     schedule = plan(PlanRequest(lengths, ParallelConfig(dp_size=8, pp_size=4),
                                 BatchConfig(global_batch_size=64, use_dynamic_batch_size=True,
-                                            max_tokens_per_gpu=16384, balance_data=True),
-                                step_of=steps,               # explicit steps (None: whole rollouts per step)
-                                forward_only=False,          # True: a log-prob pass, priced forward-only
-                                microbatches_per_rank=None,  # k: exactly k micro-batches per rank, every step
-                                cost_model=CostModel(...)))
+                                            max_tokens_per_gpu=16384, balance_data=True)))
 
-``plan_schedule(lengths, parallel, batch, rollout_ids=ids, ...)`` is the keyword form of the same request;
-``build_dp_schedule(args, train_parallel_config, total_lengths, global_batch_size=gbs, rollout_indices=ids)`` is
-slime's (it unpacks as ``partitions, micro_batch_indices, num_microbatches, global_batch_sizes``).
+``plan_schedule`` is its keyword form, ``build_dp_schedule(args, train_parallel_config, total_lengths, ...)``
+slime's.
 
 **Module map** (the planner walks its stages in this order; a module imports only from those above it):
 
@@ -37,8 +31,6 @@ the request               ``request`` (PlanRequest, checked on construction; pla
 slime's entry             ``compat`` (slime's args -> a PlanRequest; build_dp_schedule)
 ========================  ===========================================================================================
 
-Hosts that plan inside their engine also use ``pipeline_pricing``, ``microbatch_costs``, ``sample_costs``,
-``best_orders`` and ``pipeline_makespan`` (the model itself).
 """
 
 from .compat import build_dp_schedule

@@ -1,4 +1,4 @@
-"""Micro-batch count bounds of a dynamic step (pure functions, shared by the planner and the invariant checker)."""
+"""Micro-batch count bounds of a dynamic step, shared by the planner and the invariant checker."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 
 
 def bin_lower_bound(lengths: np.ndarray, cap: int) -> int:
-    """Fewest capped bins any packing needs: oversize samples alone, plus the rest by the largest of tokens, halves
-    (two samples above cap/2 never share a bin) and count (no bin holds more samples than the smallest that fit)."""
+    """Fewest capped bins any packing needs: oversize samples alone, plus the largest of the bounds by tokens, by
+    samples above cap/2 and by count."""
     lengths = np.asarray(lengths, dtype=np.int64)
     over = lengths > cap
     fit = np.sort(lengths[~over])
@@ -26,10 +26,8 @@ def align_up(count: int, align: int) -> int:
 
 
 def microbatch_target(lengths: np.ndarray, cap: int, align: int) -> int:
-    """The aligned bound a dynamic step is packed to: ``ceil(ceil(tokens / cap) / align) * align``, raised to
-    :func:`bin_lower_bound` where packing needs more. Oversize samples count with all their tokens (the spare bins
-    keep the ranks around them balanced), unless the samples cannot fill that many; then the largest aligned count
-    they can fill (never below the true lower bound)."""
+    """The aligned count a dynamic step is packed to: by tokens (oversize samples with all theirs), at most what the
+    samples can fill, never below :func:`bin_lower_bound`."""
     needed = align_up(bin_lower_bound(lengths, cap), align)
     by_tokens = align_up(-(-int(lengths.sum()) // cap), align)
     fillable = len(lengths) // align * align

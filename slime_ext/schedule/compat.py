@@ -1,13 +1,9 @@
-"""slime's flags -> the planner's request, and the slime-compatible entry point built on it.
+"""slime's flags -> the planner's request (:func:`request_from_args`, which the slime integration also uses), and
+:func:`build_dp_schedule`, the drop-in for upstream's ``slime.utils.dp_schedule.build_dp_schedule``.
 
-:func:`build_dp_schedule` (the drop-in for upstream's ``slime.utils.dp_schedule.build_dp_schedule``) and the slime
-integration (:mod:`slime_ext.integrations.slime.planner`) both build their request with :func:`request_from_args`,
-so they plan alike. The layout (:func:`parallel_from_args`) is slime's ``train_parallel_config`` dict completed from
-Megatron's args (:data:`LAYOUT_ARGS`: the pipeline size, p2p mode and layout flags the dict lacks): a field the dict
-lacks (or gives as ``None``) is read off ``args``; a field both give must agree, else :class:`ScheduleError` names
-both values; under VPP a p2p mode neither gives is Megatron-LM's default, on. The batch flags are
-:meth:`BatchConfig.from_args`; the cost (:func:`cost_from_args`) the profile at ``args.cost_profile``, else FLOPs
-from the model dims.
+The layout is slime's ``train_parallel_config`` completed from Megatron's args (:data:`LAYOUT_ARGS`): a field the
+dict lacks is read off ``args``, a field both give must agree; under VPP the p2p mode defaults to on, as in
+Megatron-LM. The cost is the profile at ``args.cost_profile``, else FLOPs from the model dims.
 """
 
 from __future__ import annotations
@@ -24,15 +20,13 @@ from .profile import CostProfile
 from .request import PlanRequest, plan
 from .validate import is_int, read_arg
 
-#: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from:
-#: the pipeline size, the p2p mode and the flags that place layers on pipeline stages (same names)
+#: ``ParallelConfig`` fields that slime's parallel dict lacks, and the Megatron args (argparse dests) they come from
 LAYOUT_ARGS = {"pp_size": "pipeline_model_parallel_size", "overlap_p2p_comm": "overlap_p2p_comm",
                **{flag: flag for flag in LAYOUT_FLAGS}}
 
 
 def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig) -> ParallelConfig:
-    """The layout: slime's ``train_parallel_config`` (or a :class:`ParallelConfig`) with the pipeline size and p2p
-    mode from Megatron's ``args`` (the module docstring's rule; a conflict raises :class:`ScheduleError`)."""
+    """The layout: slime's ``train_parallel_config`` (or a :class:`ParallelConfig`) completed from ``args``."""
     given = train_parallel_config
     if isinstance(given, ParallelConfig):
         given = given.to_dict()
@@ -65,9 +59,7 @@ def parallel_from_args(args: Any, train_parallel_config: Mapping[str, Any] | Par
 
 
 def cost_from_args(args: Any) -> CostModel | CostProfile | None:
-    """The planner's cost from slime-style ``args`` (an attribute object or a mapping): the measured profile at
-    ``args.cost_profile`` (a path) when set, else :meth:`CostModel.from_args` (FLOPs from the model dims; ``None``
-    without them: tokens)."""
+    """The profile at ``args.cost_profile`` when set, else :meth:`CostModel.from_args` (``None``: tokens)."""
     path = read_arg(args, "cost_profile")
     if path:
         if not isinstance(path, str):
@@ -87,15 +79,12 @@ class PlannerInputs:
 
 def planner_inputs(args: Any, train_parallel_config: Mapping[str, Any] | ParallelConfig, *,
                    global_batch_size: int | None = None) -> PlannerInputs:
-    """The layout (:func:`parallel_from_args`), the batch flags (``global_batch_size`` overrides
-    ``args.global_batch_size``) and the cost (:func:`cost_from_args`): the one reading of slime's flags."""
+    """The layout, the batch flags (``global_batch_size`` overrides ``args``') and the cost, read off ``args``."""
     parallel = parallel_from_args(args, train_parallel_config)
     num_layers = read_arg(args, "num_layers")
     placed = any(getattr(parallel, flag) not in (None, False) for flag in LAYOUT_FLAGS)
     if parallel.pp_size > 1 and num_layers is not None and placed:
-        # the layout flags the user set, against the model, refused where Megatron refuses; without them the even
-        # split is Megatron's own check (the planner prices dims it cannot split as even stages)
-        parallel.stage_layers(num_layers)
+        parallel.stage_layers(num_layers)  # the layout flags the user set, refused where Megatron refuses
     return PlannerInputs(parallel=parallel,
                          batch=BatchConfig.from_args(args, global_batch_size=global_batch_size),
                          cost_model=cost_from_args(args))
@@ -105,8 +94,7 @@ def request_from_args(args: Any, train_parallel_config: Mapping[str, Any] | Para
                       total_lengths: Sequence[int], *, global_batch_size: int | None = None,
                       rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
                       config: PlannerConfig | None = None) -> PlanRequest:
-    """The :class:`~.request.PlanRequest` of one slime rollout: its steps derived from whole rollouts, the layout,
-    batch flags and cost read off ``args`` (:func:`planner_inputs`); ``config``: the planner's tunables."""
+    """The :class:`~.request.PlanRequest` of one slime rollout, read off ``args`` (:func:`planner_inputs`)."""
     inputs = planner_inputs(args, train_parallel_config, global_batch_size=global_batch_size)
     return PlanRequest(lengths=total_lengths, parallel=inputs.parallel, batch=inputs.batch,
                        rollout_ids=rollout_indices, loss_tokens=loss_tokens, cost_model=inputs.cost_model,
@@ -117,8 +105,7 @@ def build_dp_schedule(args: Any, train_parallel_config: Mapping[str, Any] | Para
                       total_lengths: Sequence[int], *, global_batch_size: int | None = None,
                       rollout_indices: Sequence[int] | None = None, loss_tokens: Sequence[int] | None = None,
                       config: PlannerConfig | None = None) -> DPSchedule:
-    """Plan with slime's flags read off ``args`` (the module docstring), as the slime integration plans:
-    ``global_batch_size`` (rollouts per step) overrides ``args.global_batch_size``; ``rollout_indices[i]`` is sample
-    ``i``'s rollout id (``samples[i].index``). The :class:`DPSchedule` unpacks as upstream's result."""
+    """Plan one slime rollout (``rollout_indices[i]``: sample ``i``'s rollout id); the :class:`DPSchedule` unpacks as
+    upstream's result."""
     return plan(request_from_args(args, train_parallel_config, total_lengths, global_batch_size=global_batch_size,
                                   rollout_indices=rollout_indices, loss_tokens=loss_tokens, config=config))

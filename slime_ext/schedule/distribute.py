@@ -43,13 +43,10 @@ def refine_by_swaps(
     bin_costs: np.ndarray, rank_of_bin: np.ndarray, dp_size: int, tolerance: float,
     max_rounds: int = DEFAULT_CONFIG.packing.refine_rounds, dense_limit: int = DEFAULT_CONFIG.packing.dense_swap_limit,
 ) -> np.ndarray:
-    """Lower the heaviest ranks by swapping bins with light ranks; every rank keeps its number of bins.
-
-    Each round pairs the i-th heaviest rank with the i-th lightest and in every pair makes the one swap that brings
-    the two closest to their average. Stops when the heaviest rank is within ``tolerance`` of the mean, a round does
-    not lower the maximum, or after ``max_rounds``. Up to ``dense_limit`` bins per rank all pairs are scored at once,
-    above it by binary search per bin (the same swaps, less memory).
-    """
+    """Lower the heaviest ranks by swapping bins with light ranks (each keeps its number of bins): each round pairs
+    the i-th heaviest rank with the i-th lightest and makes the one swap that brings them closest to their average,
+    until within ``tolerance`` of the mean, no better, or ``max_rounds``. Above ``dense_limit`` bins per rank the
+    same swaps are found by binary search (less memory)."""
     count = len(bin_costs)
     per_rank = count // dp_size
     by_rank = np.argsort(rank_of_bin, kind="stable").reshape(dp_size, per_rank)  # bin ids, one row per rank
@@ -102,10 +99,9 @@ def refine_by_swaps(
 
 
 class LightestWithRoom:
-    """The lightest of some bins (or ranks) with room for a sample, when samples come longest first: ``pop(need)``
-    removes and returns ``(load, item)`` of the lightest item with ``room >= need`` (ties: the lowest item), or
-    ``None``. Needs never grow, so a too-full item waits in a second heap keyed by its room (``O(log items)``
-    amortised per pop)."""
+    """The lightest of some bins (or ranks) with room, for samples that come longest first: ``pop(need)`` removes
+    and returns ``(load, item)`` of the lightest item with ``room >= need`` (ties: the lowest), or ``None``; a
+    too-full item waits in a second heap keyed by its room."""
 
     __slots__ = ("ready", "waiting")
 
@@ -134,9 +130,7 @@ def build_rank_bins(
     lengths: np.ndarray, costs: np.ndarray, order: np.ndarray, cap: int, dp_size: int, per_rank: int, by_cost: bool
 ) -> list[list[list[int]]] | None:
     """Bins chosen per rank: samples (decreasing cost) dealt to the lightest rank with room, inside it to the
-    fullest bin it fits (or with ``by_cost`` the cheapest). A rank with fewer samples than its ``per_rank`` bins
-    takes the cheapest samples of ranks with more; empty bins are filled by halving its largest. ``None`` when some
-    sample fits no rank."""
+    fullest bin it fits (``by_cost``: the cheapest); empty bins are filled. ``None`` when some sample fits no rank."""
     stride = per_rank + 1
     keys = [list(range(cap * stride, cap * stride + per_rank)) for _ in range(dp_size)]  # room*stride+bin, sorted
     room = [[cap] * per_rank for _ in range(dp_size)]

@@ -1,6 +1,4 @@
-"""Bin packing of samples into micro-batches under a token cap: bins of indices into ``lengths``, or a label per
-sample (``bin_of``). A sample longer than the cap sits alone; every other bin holds at most ``cap`` tokens.
-"""
+"""Bin packing of samples into micro-batches of at most ``cap`` tokens (a longer sample sits alone)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ import numpy as np
 
 
 def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None = None) -> list[list[int]]:
-    """Best fit decreasing (fewest bins in practice, within 11/9 OPT + 1): longest first (``order``, when given),
-    each into the fullest bin with room; residuals are sorted ``residual * stride + bin`` keys, one bisect each."""
+    """Best fit decreasing (within 11/9 OPT + 1): longest first (``order``), each into the fullest bin with room."""
     if order is None:
         order = np.argsort(-np.asarray(lengths), kind="stable")
     stride = len(order) + 1
@@ -38,8 +35,8 @@ def best_fit_decreasing(lengths: np.ndarray, cap: int, order: np.ndarray | None 
 
 
 def halve_by_tokens(members: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-    """One bin cut in two halves of about equal tokens, ``[first, second]``: members longest first (ties in bin
-    order), each to the half with fewer tokens (the first on a tie). Neither half holds more than the bin did."""
+    """One bin cut in two halves of about equal tokens: members longest first, each to the half with fewer tokens
+    (the first on a tie)."""
     first: list[int] = []
     second: list[int] = []
     lead = 0  # tokens in ``first`` minus tokens in ``second``
@@ -56,9 +53,8 @@ def halve_by_tokens(members: Sequence[int], lengths: Sequence[int]) -> list[list
 def grow_to_count(
     bins: list[list[int]], target_count: int, lengths: Sequence[int], loads: Sequence[int] | None = None
 ) -> None:
-    """Grow ``bins`` in place to ``target_count``: halve (:func:`halve_by_tokens`) the fullest bin of two or more
-    samples (of equal ones the higher index), appending the second half, until there are enough or every bin is one
-    sample (the caller checks the count). ``loads``: the bins' tokens, when the caller has them."""
+    """Grow ``bins`` in place towards ``target_count`` by halving the fullest bin of two or more samples (of equal
+    ones the higher index); ``loads``: the bins' tokens, when the caller has them."""
     if len(bins) >= target_count:
         return
     lens = lengths.tolist() if isinstance(lengths, np.ndarray) else lengths
@@ -80,17 +76,11 @@ def grow_to_count(
 def lpt_pack(
     lengths: np.ndarray, weights: np.ndarray, order: np.ndarray, num_bins: int, cap: int, graham: bool = False
 ) -> np.ndarray | None:
-    """LPT into exactly ``num_bins`` capped bins, vectorised by rounds: ``bin_of`` per sample, or ``None`` when a
-    round places nothing.
-
-    ``order``: the samples by decreasing length and weight (``weights``: tokens, or FLOPs with
-    ``balance_by_flops``). Each round deals the next samples, the largest to the lightest bin. Whole rounds give
-    every open bin one sample (alike mixes, which stage 4 balances best) but can break Graham's bound; with
-    ``graham`` a round ends before the first sample whose bin would no longer be the lightest: sequential LPT,
-    within ``4/3 - 1/(3 num_bins)`` of the optimum, which fits steps where whole rounds stall. A sample that
-    overflows its bin gets a bin unused this round (most room first), else waits; an oversize sample takes an
-    empty bin and closes it.
-    """
+    """LPT into exactly ``num_bins`` capped bins, by rounds: ``bin_of`` per sample, or ``None`` when a round places
+    nothing. Each round deals the next samples (``order``), the largest to the lightest bin by ``weights``; whole
+    rounds give every open bin one sample, ``graham`` ends a round where sequential LPT would (within ``4/3`` of the
+    optimum). A sample that overflows its bin gets a bin unused this round, else waits; an oversize one closes its
+    bin."""
     n = len(order)
     if n < num_bins:
         return None

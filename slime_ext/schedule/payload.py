@@ -1,5 +1,4 @@
-"""``RankPayload``: what one DP rank receives for one rollout, its samples and its slice of the schedule: the one
-declaration of the fields that cross from the rollout side to the training side (validated on construction)."""
+"""``RankPayload``: what one DP rank receives for one rollout, its samples and its slice of the schedule."""
 
 from __future__ import annotations
 
@@ -66,11 +65,7 @@ SampleBatch.KEYS = tuple(f.name for f in fields(SampleBatch))
 
 @dataclass(frozen=True)
 class RankPayload:
-    """One DP rank's share of one rollout.
-
-    The schedule slice (``micro_batch_indices`` .. ``loss_tokens_per_step``) is set on the rollout-side path and
-    ``None`` on the legacy path, where the training side plans micro-batches itself from ``global_batch_size``.
-    """
+    """One DP rank's share of one rollout; the schedule slice is ``None`` on the legacy path (the trainer plans)."""
 
     rollout_id: int
     dp_rank: int

@@ -1,10 +1,4 @@
-"""The planner's one public request: what a host means, said once, and :func:`plan`, its entry point.
-
-A :class:`PlanRequest` (its fields say what each holds) checks itself on construction (:class:`ScheduleError` naming
-the field, the value and the fix), so a request that exists is refused only for what the packing itself finds.
-:func:`plan_schedule` (the keyword form) and :func:`slime_ext.schedule.build_dp_schedule` (slime's flags) build a
-request and call :func:`plan`.
-"""
+"""The planner's one public request, checked on construction, and :func:`plan`, its entry point."""
 
 from __future__ import annotations
 
@@ -27,7 +21,7 @@ __all__ = ["PlanRequest", "plan", "plan_schedule"]
 
 @dataclass(frozen=True, eq=False)
 class PlanRequest:
-    """One planning request (the module docstring). Sequences are stored as int64 arrays once checked."""
+    """One planning request, checked on construction; sequences are stored as int64 arrays."""
 
     #: total tokens of every sample, each in ``[1, MAX_TOKENS]`` (refusals call it slime's ``total_lengths``)
     lengths: Sequence[int] | np.ndarray
@@ -111,8 +105,7 @@ class PlanRequest:
 
 
 def plan(request: PlanRequest) -> DPSchedule:
-    """The plan of ``request``: which DP rank runs which sample in which micro-batch of which step (the stages of
-    :mod:`.planner`). Raises :class:`ScheduleError` where the packing cannot honour the request."""
+    """Which DP rank runs which sample in which micro-batch of which step (:mod:`.planner`)."""
     return plan_steps(check_instance("request", request, PlanRequest, "a PlanRequest", "build one: "
                                      "PlanRequest(lengths=..., parallel=ParallelConfig(...), batch=BatchConfig(...))"))
 
@@ -122,7 +115,6 @@ def plan_schedule(total_lengths: Sequence[int] | np.ndarray, parallel: ParallelC
                   loss_tokens: Sequence[int] | np.ndarray | None = None,
                   cost_model: CostModel | CostProfile | None = None, config: PlannerConfig | None = None
                   ) -> DPSchedule:
-    """Plan one rollout of training steps derived from whole rollouts: :func:`plan` of the same
-    :class:`PlanRequest` (``total_lengths`` is its ``lengths``; the other fields as there)."""
+    """:func:`plan` of the :class:`PlanRequest` of these fields (``total_lengths``: its ``lengths``)."""
     return plan(PlanRequest(lengths=total_lengths, parallel=parallel, batch=batch, rollout_ids=rollout_ids,
                             loss_tokens=loss_tokens, cost_model=cost_model, config=config))

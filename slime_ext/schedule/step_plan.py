@@ -1,5 +1,4 @@
-"""One step's plan, the record every stage of the planner passes on: stages 2-4 make one, and every candidate of
-the pipeline search (:mod:`.pipeline_choice`) is one."""
+"""One step's plan: what stages 2-4 make and every candidate of the pipeline search is."""
 
 from __future__ import annotations
 
@@ -15,20 +14,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class StepPlan:
-    """``bin_of[i]``: the micro-batch of the step's i-th sample; ``rank_of_bin[b]``: the DP rank of micro-batch
-    ``b``; ``count`` micro-batches in all (``count / dp_size`` per rank); ``strategy``: how it was made (reported in
-    ``StepStats.strategy``); ``target``: the count stages 2-3 aimed at. With pipeline parallelism also ``emit``: the
-    bins in rank-major run order (``None``: each rank heaviest first), ``makespans``: each replica's predicted
-    makespan, and ``bubble``: the slowest replica's bubble fraction."""
+    """One step's micro-batches, their ranks and (with a pipeline) their run order and predicted makespans."""
 
-    bin_of: np.ndarray
-    rank_of_bin: np.ndarray
-    count: int
-    strategy: str
-    target: int
-    emit: np.ndarray | None = None
-    makespans: np.ndarray | None = None
-    bubble: float | None = None
+    bin_of: np.ndarray  # the micro-batch of the step's i-th sample
+    rank_of_bin: np.ndarray  # the DP rank of each micro-batch
+    count: int  # micro-batches in all (count / dp_size per rank)
+    strategy: str  # how it was made (StepStats.strategy)
+    target: int  # the count stages 2-3 aimed at
+    emit: np.ndarray | None = None  # the bins in rank-major run order (None: each rank heaviest first)
+    makespans: np.ndarray | None = None  # each replica's predicted makespan (pipeline only)
+    bubble: float | None = None  # the slowest replica's bubble fraction (pipeline only)
 
     @property
     def slowest(self) -> float:
@@ -38,9 +33,8 @@ class StepPlan:
 
 def search_counts(counts: Iterable[int], evaluate: Callable[[int], T | None], better: Callable[[T, T], bool],
                   patience: int, best: T | None = None, enough: Callable[[T, int], bool] | None = None) -> T | None:
-    """The planner's one count search (stage 4's extra micro-batches, the pipeline search's re-packed counts):
-    ``evaluate`` each count (``None``: skipped), keep the best by ``better``; stop after ``patience`` counts in a row
-    that did not beat it (the first never counts as a miss), or once ``enough(best, count)``."""
+    """``evaluate`` each count (``None``: skipped), keep the best by ``better``; stop after ``patience`` counts in a
+    row that did not beat it (the first never counts as a miss), or once ``enough(best, count)``."""
     misses = 0
     for n, k in enumerate(counts):
         cand = evaluate(k)

@@ -1,4 +1,4 @@
-"""Input checks and stage 1: group samples by rollout and cut the rollouts into training steps."""
+"""Stage 1: group samples by rollout and cut the rollouts into training steps."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from .validate import MAX_PARALLEL_SIZE, MAX_SAMPLES, check_int, check_int_array
 
 
 def compute_dynamic_global_batch_size(num_samples: int, dp_size: int) -> int:
-    """slime v0.2.4's dynamic global batch size, in **samples**: ``num_samples`` rounded down to a multiple of
-    ``dp_size`` (at least ``dp_size``), so that a rollout trains in one step. The legacy path cuts exactly this many
-    samples; the rollout-side planner keeps the whole rollouts inside it (:func:`dynamic_step_rollouts`)."""
+    """slime v0.2.4's dynamic global batch size, in samples: ``num_samples`` rounded down to a multiple of
+    ``dp_size`` (at least ``dp_size``)."""
     num_samples = check_int("num_samples", num_samples, minimum=0, maximum=MAX_SAMPLES)
     dp_size = check_int("dp_size", dp_size, maximum=MAX_PARALLEL_SIZE, fix="pass the data-parallel world size")
     return max(dp_size, (num_samples // dp_size) * dp_size)
@@ -34,12 +33,8 @@ def rollout_ordinals(rollout_ids: Sequence[int] | np.ndarray | None, n: int) -> 
 
 def dynamic_step_rollouts(ordinals: np.ndarray, lengths: np.ndarray, parallel: ParallelConfig,
                           batch: BatchConfig) -> int:
-    """With ``use_dynamic_global_batch_size``: how many whole rollouts (first-occurrence order) the one step keeps:
-    the longest prefix the layout can train (samples, not rollouts, fill the ``align`` micro-batch slots). Dynamic
-    batches: samples that fill the aligned count their tokens need under the cap; static: a sample count making a
-    multiple of ``align`` micro-batches; with ``dynamic_global_batch_rounds_samples`` (slime v0.2.4's rule) only
-    prefixes inside :func:`compute_dynamic_global_batch_size`, unless ``disable_rollout_trim_samples``. The rest
-    are dropped as trailing rollouts."""
+    """With ``use_dynamic_global_batch_size``: how many whole rollouts the one step keeps, the longest prefix whose
+    samples fill the aligned micro-batches (v0.2.4's rule: inside :func:`compute_dynamic_global_batch_size`)."""
     n = len(ordinals)
     num_rollouts = int(ordinals.max()) + 1
     align = parallel.align
@@ -90,12 +85,7 @@ def split_into_steps(
     """Stage 1: ``(sample indices of each step in rollout order, rollouts per step, dropped sample indices)``."""
     num_rollouts = int(ordinals.max()) + 1
     if batch.use_dynamic_global_batch_size:
-        gbs = dynamic_step_rollouts(ordinals, lengths, parallel, batch)  # one step; rollouts after it are dropped
-    else:
-        gbs = batch.global_batch_size
-    num_steps, tail = divmod(num_rollouts, gbs)
-    if batch.use_dynamic_global_batch_size:
-        num_steps = 1
+        gbs, num_steps = dynamic_step_rollouts(ordinals, lengths, parallel, batch), 1  # later rollouts are dropped
         if gbs < num_rollouts and batch.disable_rollout_trim_samples:
             kept = int(np.count_nonzero(ordinals < gbs))
             raise ScheduleError(
@@ -103,24 +93,26 @@ def split_into_steps(
                 f"({kept} of {len(ordinals)} samples) but --disable-rollout-trim-samples forbids dropping the rest; "
                 f"drop that flag, or use --use-dynamic-batch-size / a --micro-batch-size the samples fill"
             )
-    elif tail and batch.disable_rollout_trim_samples:
-        raise ScheduleError(
-            f"the rollout has {num_rollouts} rollouts, not a multiple of global_batch_size={gbs}: the last step would "
-            f"hold only {tail}; make the rollout size a multiple of --global-batch-size, or drop "
-            f"--disable-rollout-trim-samples to trim the tail"
-        )
-    if num_steps == 0:
-        raise ScheduleError(
-            f"the rollout has {num_rollouts} rollouts but global_batch_size={gbs} (rollouts per step): not even one "
-            f"step; lower --global-batch-size to at most {num_rollouts} or collect more rollouts"
-        )
+    else:
+        gbs = batch.global_batch_size
+        num_steps, tail = divmod(num_rollouts, gbs)
+        if tail and batch.disable_rollout_trim_samples:
+            raise ScheduleError(
+                f"the rollout has {num_rollouts} rollouts, not a multiple of global_batch_size={gbs}: the last step "
+                f"would hold only {tail}; make the rollout size a multiple of --global-batch-size, or drop "
+                f"--disable-rollout-trim-samples to trim the tail"
+            )
+        if num_steps == 0:
+            raise ScheduleError(
+                f"the rollout has {num_rollouts} rollouts but global_batch_size={gbs} (rollouts per step): not even "
+                f"one step; lower --global-batch-size to at most {num_rollouts} or collect more rollouts"
+            )
     steps, dropped = group_steps(ordinals // gbs, ordinals, num_steps)
     return steps, [gbs] * num_steps, dropped
 
 
 def group_steps(step_of: np.ndarray, ordinals: np.ndarray, num_steps: int) -> tuple[list[np.ndarray], np.ndarray]:
-    """``(sample indices of each step 0..num_steps-1, by rollout in first-occurrence order then by index, the
-    samples of later steps, sorted)``."""
+    """``(sample indices of each step by rollout then index, the samples of later steps, sorted)``."""
     order = np.lexsort((np.arange(len(step_of)), ordinals, step_of))  # by step, then rollout, then index
     bounds = np.searchsorted(step_of[order], np.arange(num_steps + 1))
     return [order[bounds[s]:bounds[s + 1]] for s in range(num_steps)], np.sort(order[bounds[-1]:])
