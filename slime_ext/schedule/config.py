@@ -260,9 +260,3 @@ class BatchConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "BatchConfig":
-        if not isinstance(d, Mapping):
-            raise ScheduleError(f"batch must be a mapping of slime's batch flags, got {show(d)}")
-        return cls(**{k: d[k] for k in (*BATCH_FLAGS, "dynamic_global_batch_rounds_samples") if k in d})

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .packing import grow_to_count
+from .packing import bins_to_labels, grow_to_count
 from .planner_config import DEFAULT_CONFIG
 
 
@@ -189,13 +189,6 @@ def _give_every_bin_a_sample(bins: list[list[list[int]]], costs: np.ndarray, per
 
 
 def rank_bins_to_labels(rank_bins: list[list[list[int]]], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(bin_of, rank_of_bin)`` for bins given per rank."""
-    bin_of = np.empty(n, dtype=np.int64)
-    rank_of_bin = []
-    b = 0
-    for r, rb in enumerate(rank_bins):
-        for members in rb:
-            bin_of[members] = b
-            rank_of_bin.append(r)
-            b += 1
-    return bin_of, np.asarray(rank_of_bin, dtype=np.int64)
+    """``(bin_of, rank_of_bin)`` for bins given per rank, numbered rank by rank."""
+    bin_of = bins_to_labels([members for rb in rank_bins for members in rb], n)
+    return bin_of, np.repeat(np.arange(len(rank_bins), dtype=np.int64), [len(rb) for rb in rank_bins])

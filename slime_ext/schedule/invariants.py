@@ -170,11 +170,7 @@ def _check_rollout_steps(sched: DPSchedule, rids: list[int], step_of_sample: dic
     """Derived steps: whole rollouts in first-occurrence order, ``global_batch_size`` each, only trailing ones
     dropped."""
     num_steps, dp, n = len(sched.num_microbatches), sched.parallel.dp_size, len(sched.total_lengths)
-    first_seen: dict[int, int] = {}
-    for i, rid in enumerate(rids):
-        first_seen.setdefault(rid, i)
-    rollout_order = sorted(first_seen, key=first_seen.get)
-    ordinal = {rid: o for o, rid in enumerate(rollout_order)}
+    ordinal = {rid: o for o, rid in enumerate(dict.fromkeys(rids))}  # rollouts in first-occurrence order
     rollout_step: dict[int, int] = {}
     for g, s in step_of_sample.items():
         if s is None:
@@ -273,9 +269,7 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
     for s, (st, mbs) in enumerate(zip(sched.stats, measured)):
         members = [g for _, _, m in mbs for g in m]
         mb_cost = [float(costs[m].sum()) for _, _, m in mbs]
-        rank_cost = np.zeros(dp)
-        for (r, _, _), c in zip(mbs, mb_cost):
-            rank_cost[r] += c
+        rank_cost = np.bincount([r for r, _, _ in mbs], weights=mb_cost, minlength=dp)
         expect = dict(
             step=s, num_samples=len(members), total_tokens=int(lengths[members].sum()),
             num_microbatches=sched.num_microbatches[s], total_microbatches=sched.num_microbatches[s] * dp, cap=cap,
@@ -331,29 +325,29 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
     forward (R, pp * vpp, M), backward/forward ratio, spec)``."""
     config = DEFAULT_CONFIG if config is None else config
     pp, vpp = parallel.pp_size, parallel.vpp_size
-    model = cost_model
     m = len(replicas[0]) if len(replicas) else 0
     if any(len(mbs) != m for mbs in replicas):
         raise ScheduleError(f"replicas have {sorted({len(mbs) for mbs in replicas})} micro-batches: the pipeline "
                             f"runs the same count on every replica")
+    profile = cost_model if isinstance(cost_model, CostProfile) else None
+    ratio = config.objective.backward_forward_ratio if profile is None else profile.backward_forward_ratio
+    linear, quadratic = cost_model.coefficients() if cost_model is not None else (1.0, 0.0)
+    overhead = config.objective.microbatch_overhead * linear * cap if cap is not None else 0.0
     whole = np.zeros((len(replicas), m))  # each micro-batch's forward + backward, whole model
     for r, mbs in enumerate(replicas):
         for k, mb in enumerate(mbs):
             ls = np.asarray(mb, dtype=np.int64)
-            if isinstance(model, CostProfile):
-                whole[r, k] = model.microbatch_time(ls)
+            if profile is not None:
+                whole[r, k] = profile.microbatch_time(ls)
             else:
-                linear, quadratic = model.coefficients() if model is not None else (1.0, 0.0)
-                overhead = config.objective.microbatch_overhead * linear * cap if cap is not None else 0.0
                 forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
-                whole[r, k] = forward * (1 + config.objective.backward_forward_ratio)
-    ratio = model.backward_forward_ratio if isinstance(model, CostProfile) else config.objective.backward_forward_ratio
-    share = _stage_shares(parallel, model, cap, config)
+                whole[r, k] = forward * (1 + ratio)
+    share = _stage_shares(parallel, cost_model, cap, config)
     if share is None:
         share = np.full(pp * vpp, 1.0 / (pp * vpp))
     forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (R, pp * vpp, M): one chunk each
     spec = PipelineSpec(pp, vpp, parallel.microbatch_group_size_per_vp_stage if vpp > 1 else None,
-                        p2p_s=model.p2p_s if isinstance(model, CostProfile) else 0.0,
+                        p2p_s=0.0 if profile is None else profile.p2p_s,
                         overlap_p2p_comm=parallel.overlap_p2p_comm, forward_only=forward_only)
     ratio = 0.0 if forward_only else ratio
     return np.atleast_1d(pipeline_makespan(forward, ratio * forward, spec)), forward, ratio, spec
