@@ -74,34 +74,31 @@ class StageCosts:
         return bool(np.ptp(self.linear) > 0 or np.ptp(self.quadratic) > 0)
 
     @classmethod
-    def from_model(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig,
-                   num_layers: int | None = None) -> "StageCosts":
-        """The split of ``cost_model``'s cost over ``parallel``'s pipeline; ``num_layers``: the decoder layers, where
-        ``cost_model`` does not say."""
+    def from_model(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts":
+        """The split of ``cost_model``'s cost over ``parallel``'s pipeline (the module docstring)."""
         check_instance("parallel", parallel, ParallelConfig, "a ParallelConfig")
         if check_cost_model(cost_model) is None:
-            share, basis = _layer_share(parallel, num_layers)
+            share, basis = _layer_share(parallel)
             return cls(parallel.pp_size, parallel.vpp_size, tuple(share), (0.0,) * len(share), basis)
         if isinstance(cost_model, CostModel):
             return _from_dims(cost_model, parallel)
-        if isinstance(cost_model, CostProfile):
-            linear, quadratic = cost_model.coefficients()
-            dims = _profile_dims(cost_model)
-            measured = _measured_shares(cost_model, parallel, dims.num_layers if dims is not None else num_layers)
-            if measured is not None:
-                lin_share, quad_share = measured
-                basis = "profile seconds split by its measured piece shares (embedding, layers, output layer)"
-            elif dims is not None:
-                flops = _from_dims(dims, parallel)
-                lin_share = _share(np.asarray(flops.virtual_linear))
-                quad_share = _share(np.asarray(flops.virtual_quadratic))
-                basis = "profile seconds split by the FLOPs shares of its model dims"
-            else:
-                lin_share, basis = _layer_share(parallel, num_layers)
-                quad_share = lin_share
-                basis = f"profile seconds split by {basis}"
-            return cls(parallel.pp_size, parallel.vpp_size, tuple(linear * np.asarray(lin_share)),
-                       tuple(quadratic * np.asarray(quad_share)), basis)
+        linear, quadratic = cost_model.coefficients()  # a profile's seconds
+        dims = _profile_dims(cost_model)
+        measured = _measured_shares(cost_model, parallel, dims.num_layers if dims is not None else None)
+        if measured is not None:
+            lin_share, quad_share = measured
+            basis = "profile seconds split by its measured piece shares (embedding, layers, output layer)"
+        elif dims is not None:
+            flops = _from_dims(dims, parallel)
+            lin_share = _share(np.asarray(flops.virtual_linear))
+            quad_share = _share(np.asarray(flops.virtual_quadratic))
+            basis = "profile seconds split by the FLOPs shares of its model dims"
+        else:
+            lin_share, basis = _layer_share(parallel)
+            quad_share = lin_share
+            basis = f"profile seconds split by {basis}"
+        return cls(parallel.pp_size, parallel.vpp_size, tuple(linear * np.asarray(lin_share)),
+                   tuple(quadratic * np.asarray(quad_share)), basis)
 
     @classmethod
     def if_split(cls, cost_model: CostModel | CostProfile | None, parallel: ParallelConfig) -> "StageCosts | None":
@@ -170,10 +167,10 @@ def _measured_shares(profile: CostProfile, parallel: ParallelConfig, num_layers:
     return _share(linear), _share(decoder + mtp)
 
 
-def _layer_share(parallel: ParallelConfig, num_layers: int | None) -> tuple[np.ndarray, str]:
-    """Each virtual stage's share of the decoder layers, and how it was found."""
+def _layer_share(parallel: ParallelConfig) -> tuple[np.ndarray, str]:
+    """Each virtual stage's share of the decoder layers (of a layout string), and how it was found."""
     v = parallel.pp_size * parallel.vpp_size
-    num_layers = _layer_count(parallel, num_layers)
+    num_layers = _layer_count(parallel, None)
     if num_layers is None:
         return np.full(v, 1.0 / v), "an even split (the layer count is unknown)"
     layers: StageLayers = parallel.stage_layers(num_layers)

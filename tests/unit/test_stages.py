@@ -246,7 +246,8 @@ def test_a_profile_splits_by_its_model_dims_or_by_layers():
     assert costs.basis == "profile seconds split by the FLOPs shares of its model dims"
     # calibrate's older profiles record only some dims: still a CostModel; none at all: layers' share
     bare = CostProfile(step_overhead_s=0.0, microbatch_overhead_s=0.0, per_token_s=1.0, per_sample_quadratic_s=0.0)
-    by_layers = StageCosts.from_model(bare, parallel, num_layers=36)
+    by_layers = StageCosts.from_model(bare, ParallelConfig(dp_size=1, pp_size=4,
+                                                           pipeline_model_parallel_layout="Et*6|t*12|t*12|t*6L"))
     np.testing.assert_allclose(by_layers.linear, [6 / 36, 12 / 36, 12 / 36, 6 / 36])
     assert "decoder layers" in by_layers.basis
     even = StageCosts.from_model(bare, ParallelConfig(dp_size=1, pp_size=4))
