@@ -196,10 +196,10 @@ def shape_replica(lengths: Sequence[int] | np.ndarray, count: int, parallel: Par
 
 # ---------------------------------------------------------------------------------------------------- the work
 def _runs(pricing: PipelinePricing | None, k: int) -> bool:
-    if pricing is None:
-        return True
+    """Whether megatron-core runs ``k`` micro-batches on this layout."""
     try:
-        pricing.spec.check_microbatches(k)
+        if pricing is not None:
+            pricing.spec.check_microbatches(k)
     except ScheduleError:
         return False
     return True
