@@ -15,9 +15,12 @@ from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
 from .pipeline_model import PipelineSpec, bubble_fraction, pipeline_makespan
-from .planner_config import DEFAULT_CONFIG, PlannerConfig
+from .planner_config import DEFAULT_CONFIG
 from .stages import StageCosts
 from .validate import check_int_array
+
+#: the pipeline objective a schedule's predictions are re-priced with (a saved schedule does not record its config)
+OBJECTIVE = DEFAULT_CONFIG.objective
 
 
 def check_schedule(schedule: DPSchedule, *, total_lengths: Sequence[int] | None = None,
@@ -295,44 +298,40 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
-def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, config: PlannerConfig) -> np.ndarray | None:
+def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None) -> np.ndarray | None:
     """Each virtual stage's share of a micro-batch by :mod:`.pipeline_pricing`'s rule (``None``: all alike)."""
     stages = StageCosts.if_split(cost_model, parallel)
     if stages is None or not stages.uneven:
         return None
-    tokens = float(cap if cap is not None else config.objective.stage_share_tokens)
-    weight = [lin * tokens + quad * tokens * tokens * config.objective.stage_share_sample
+    tokens = float(cap if cap is not None else OBJECTIVE.stage_share_tokens)
+    weight = [lin * tokens + quad * tokens * tokens * OBJECTIVE.stage_share_sample
               for lin, quad in zip(stages.virtual_linear, stages.virtual_quadratic)]
     return np.asarray(weight) / sum(weight)
 
 
-def replica_makespans(sched: DPSchedule, step: int, config: PlannerConfig | None = None, *,
-                      forward_only: bool = False) -> np.ndarray:
+def replica_makespans(sched: DPSchedule, step: int, *, forward_only: bool = False) -> np.ndarray:
     """:func:`micro_batch_makespans` of ``step``'s micro-batches, replica by replica."""
     lengths = np.asarray(sched.total_lengths, dtype=np.int64)
     start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
     replicas = [[lengths[[sched.partitions[r][i] for i in mb]] for mb in sched.micro_batch_indices[r][start:start + m]]
                 for r in range(sched.dp_size)]
-    return micro_batch_makespans(sched.parallel, sched.cost_model, sched.cap, replicas, config,
-                                 forward_only=forward_only)
+    return micro_batch_makespans(sched.parallel, sched.cost_model, sched.cap, replicas, forward_only=forward_only)
 
 
 def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
-                          replicas: Sequence[Sequence[Sequence[int]]], config: PlannerConfig | None = None, *,
-                          forward_only: bool = False):
+                          replicas: Sequence[Sequence[Sequence[int]]], *, forward_only: bool = False):
     """Each replica's makespan (``replicas[r][k]``: the lengths of replica ``r``'s ``k``-th micro-batch), priced by
-    :mod:`.pipeline_pricing`'s documented rule, not its code, so a pricing bug shows. Returns ``(spans (R,),
-    forward (R, pp * vpp, M), backward/forward ratio, spec)``."""
-    config = DEFAULT_CONFIG if config is None else config
+    :mod:`.pipeline_pricing`'s documented rule (the default objective), not its code, so a pricing bug shows.
+    Returns ``(spans (R,), forward (R, pp * vpp, M), backward/forward ratio, spec)``."""
     pp, vpp = parallel.pp_size, parallel.vpp_size
     m = len(replicas[0]) if len(replicas) else 0
     if any(len(mbs) != m for mbs in replicas):
         raise ScheduleError(f"replicas have {sorted({len(mbs) for mbs in replicas})} micro-batches: the pipeline "
                             f"runs the same count on every replica")
     profile = cost_model if isinstance(cost_model, CostProfile) else None
-    ratio = config.objective.backward_forward_ratio if profile is None else profile.backward_forward_ratio
+    ratio = OBJECTIVE.backward_forward_ratio if profile is None else profile.backward_forward_ratio
     linear, quadratic = cost_model.coefficients() if cost_model is not None else (1.0, 0.0)
-    overhead = config.objective.microbatch_overhead * linear * cap if cap is not None else 0.0
+    overhead = OBJECTIVE.microbatch_overhead * linear * cap if cap is not None else 0.0
     whole = np.zeros((len(replicas), m))  # each micro-batch's forward + backward, whole model
     for r, mbs in enumerate(replicas):
         for k, mb in enumerate(mbs):
@@ -342,7 +341,7 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
             else:
                 forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
                 whole[r, k] = forward * (1 + ratio)
-    share = _stage_shares(parallel, cost_model, cap, config)
+    share = _stage_shares(parallel, cost_model, cap)
     if share is None:
         share = np.full(pp * vpp, 1.0 / (pp * vpp))
     forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (R, pp * vpp, M): one chunk each
