@@ -14,6 +14,7 @@ from .errors import ScheduleError
 from .validate import (INT64_MAX, INT64_MIN, MAX_SAMPLES, check_bool, check_int, check_mapping, check_number,
                        check_samples, is_int, nested_int_lists, show)
 from .payload import RankPayload, SampleBatch
+from .planner_config import ObjectiveConfig
 
 SCHEMA_VERSION = 3
 #: StepStats fields renamed in schema 3 (they hold the cost model's unit); a schema-2 schedule is read with them mapped
@@ -99,6 +100,9 @@ class DPSchedule:
     forward_only: bool = False
     #: the count per DP rank the request fixed (``PlanRequest.microbatches_per_rank``), ``None`` where chosen
     microbatches_per_rank: int | None = None
+    #: what the pipeline predictions in ``stats`` were priced with (``PlannerConfig.objective``; a schedule saved
+    #: without it was planned with the default)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     @property
     def dp_size(self) -> int:
@@ -192,7 +196,7 @@ def _plain(value: Any) -> Any:
     """A field as JSON-ready data: lists copied, records as dicts."""
     if isinstance(value, list):
         return [_plain(x) for x in value] if value and isinstance(value[0], (list, StepStats)) else list(value)
-    if isinstance(value, StepStats):
+    if isinstance(value, (StepStats, ObjectiveConfig)):
         return dataclasses.asdict(value)
     return value.to_dict() if hasattr(value, "to_dict") else value
 
@@ -252,6 +256,7 @@ def fields_from_dict(d: Mapping[str, Any]) -> dict:
         forward_only=check_bool("forward_only", d.get("forward_only", False)),
         microbatches_per_rank=None if d.get("microbatches_per_rank") is None
         else check_int("microbatches_per_rank", d["microbatches_per_rank"], maximum=MAX_SAMPLES),
+        objective=ObjectiveConfig(**check_mapping("objective", d.get("objective", {}), _names(ObjectiveConfig))),
     )
 
 

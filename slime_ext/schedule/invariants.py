@@ -15,13 +15,9 @@ from .profile import CostProfile
 from .dp_schedule import DPSchedule, StepStats, fields_from_dict
 from .errors import ScheduleError
 from .pipeline_model import PipelineSpec, bubble_fraction, pipeline_makespan
-from .planner_config import DEFAULT_CONFIG
+from .planner_config import DEFAULT_CONFIG, ObjectiveConfig
 from .stages import StageCosts
 from .validate import check_int_array
-
-#: the pipeline objective a schedule's predictions are re-priced with (a saved schedule does not record its config)
-OBJECTIVE = DEFAULT_CONFIG.objective
-
 
 def check_schedule(schedule: DPSchedule, *, total_lengths: Sequence[int] | None = None,
                    rollout_ids: Sequence[int] | None = None, max_report: int = 50) -> list[str]:
@@ -298,13 +294,14 @@ def _check_stats(sched: DPSchedule, measured, bad) -> None:
                 bad(f"step {s}: {expect['total_microbatches']} micro-batches is below the lower bound {floor}")
 
 
-def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None) -> np.ndarray | None:
+def _stage_shares(parallel: ParallelConfig, cost_model, cap: int | None, objective: ObjectiveConfig
+                  ) -> np.ndarray | None:
     """Each virtual stage's share of a micro-batch by :mod:`.pipeline_pricing`'s rule (``None``: all alike)."""
     stages = StageCosts.if_split(cost_model, parallel)
     if stages is None or not stages.uneven:
         return None
-    tokens = float(cap if cap is not None else OBJECTIVE.stage_share_tokens)
-    weight = [lin * tokens + quad * tokens * tokens * OBJECTIVE.stage_share_sample
+    tokens = float(cap if cap is not None else objective.stage_share_tokens)
+    weight = [lin * tokens + quad * tokens * tokens * objective.stage_share_sample
               for lin, quad in zip(stages.virtual_linear, stages.virtual_quadratic)]
     return np.asarray(weight) / sum(weight)
 
@@ -315,13 +312,15 @@ def replica_makespans(sched: DPSchedule, step: int, *, forward_only: bool = Fals
     start, m = sum(sched.num_microbatches[:step]), sched.num_microbatches[step]
     replicas = [[lengths[[sched.partitions[r][i] for i in mb]] for mb in sched.micro_batch_indices[r][start:start + m]]
                 for r in range(sched.dp_size)]
-    return micro_batch_makespans(sched.parallel, sched.cost_model, sched.cap, replicas, forward_only=forward_only)
+    return micro_batch_makespans(sched.parallel, sched.cost_model, sched.cap, replicas, forward_only=forward_only,
+                                 objective=sched.objective)
 
 
 def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
-                          replicas: Sequence[Sequence[Sequence[int]]], *, forward_only: bool = False):
+                          replicas: Sequence[Sequence[Sequence[int]]], *, forward_only: bool = False,
+                          objective: ObjectiveConfig = DEFAULT_CONFIG.objective):
     """Each replica's makespan (``replicas[r][k]``: the lengths of replica ``r``'s ``k``-th micro-batch), priced by
-    :mod:`.pipeline_pricing`'s documented rule (the default objective), not its code, so a pricing bug shows.
+    :mod:`.pipeline_pricing`'s documented rule under ``objective``, not its code, so a pricing bug shows.
     Returns ``(spans (R,), forward (R, pp * vpp, M), backward/forward ratio, spec)``."""
     pp, vpp = parallel.pp_size, parallel.vpp_size
     m = len(replicas[0]) if len(replicas) else 0
@@ -329,9 +328,9 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
         raise ScheduleError(f"replicas have {sorted({len(mbs) for mbs in replicas})} micro-batches: the pipeline "
                             f"runs the same count on every replica")
     profile = cost_model if isinstance(cost_model, CostProfile) else None
-    ratio = OBJECTIVE.backward_forward_ratio if profile is None else profile.backward_forward_ratio
+    ratio = objective.backward_forward_ratio if profile is None else profile.backward_forward_ratio
     linear, quadratic = cost_model.coefficients() if cost_model is not None else (1.0, 0.0)
-    overhead = OBJECTIVE.microbatch_overhead * linear * cap if cap is not None else 0.0
+    overhead = objective.microbatch_overhead * linear * cap if cap is not None else 0.0
     whole = np.zeros((len(replicas), m))  # each micro-batch's forward + backward, whole model
     for r, mbs in enumerate(replicas):
         for k, mb in enumerate(mbs):
@@ -341,7 +340,7 @@ def micro_batch_makespans(parallel: ParallelConfig, cost_model, cap: int | None,
             else:
                 forward = float(np.sum(linear * ls + quadratic * ls.astype(np.float64) ** 2)) + overhead
                 whole[r, k] = forward * (1 + ratio)
-    share = _stage_shares(parallel, cost_model, cap)
+    share = _stage_shares(parallel, cost_model, cap, objective)
     if share is None:
         share = np.full(pp * vpp, 1.0 / (pp * vpp))
     forward = whole[:, None, :] / (1 + ratio) * share[None, :, None]  # (R, pp * vpp, M): one chunk each

@@ -360,4 +360,4 @@ def plan_steps(request) -> DPSchedule:
         loss_tokens_per_step=None if loss is None else [int(loss[x].sum()) for x in steps],
         cost_model=request.cost_model, step_samples=[x.tolist() for x in steps],
         step_of=None if request.step_of is None else request.step_of.tolist(), forward_only=request.forward_only,
-        microbatches_per_rank=request.microbatches_per_rank)
+        microbatches_per_rank=request.microbatches_per_rank, objective=request.config.objective)

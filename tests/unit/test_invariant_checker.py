@@ -174,3 +174,22 @@ def test_a_replica_tied_with_the_slowest_may_give_the_recorded_bubble_and_a_wron
         assert (problems == []) == ok, problems
         if not ok:
             assert any("bubble_fraction" in p and "tied" in p for p in problems), problems
+
+
+def test_a_pipelined_plan_is_checked_under_the_objective_it_was_planned_with():
+    """A plan made with a non-default objective records it: re-priced under it, the saved schedule checks clean;
+    the same predictions read under another objective are flagged (the check does read the recorded one)."""
+    from slime_ext.schedule import DPSchedule, PlannerConfig
+    from slime_ext.schedule.planner_config import ObjectiveConfig
+
+    config = PlannerConfig().replace_from(["objective.microbatch_overhead=0.5"])
+    s = plan_schedule([900, 120, 640, 80, 300, 510, 45, 700, 260, 33, 410, 150], ParallelConfig(dp_size=2, pp_size=2),
+                      BatchConfig(global_batch_size=None, use_dynamic_batch_size=True, max_tokens_per_gpu=1024,
+                                  use_dynamic_global_batch_size=True), config=config)
+    assert s.objective.microbatch_overhead == 0.5
+    saved = s.to_dict()
+    assert saved["objective"]["microbatch_overhead"] == 0.5
+    assert check_schedule(DPSchedule.from_dict(saved)) == []
+    default = DPSchedule.from_dict({k: v for k, v in saved.items() if k != "objective"})  # an older file's reading
+    assert default.objective == ObjectiveConfig()
+    first_problem_matching(check_schedule(default), "predicted_makespan")
