@@ -45,7 +45,8 @@ class PipelineSpec:
             maximum=MAX_PARALLEL_SIZE, fix="pass None for Megatron's default (pp_size)"))
         p2p = check_number("PipelineSpec.p2p_s", self.p2p_s)
         if p2p < 0:
-            raise ScheduleError(f"PipelineSpec.p2p_s = {p2p} must be >= 0 seconds; pass 0 to ignore point-to-point cost")
+            raise ScheduleError(f"PipelineSpec.p2p_s = {p2p} must be >= 0 seconds; pass 0 to ignore point-to-point "
+                                f"cost")
         object.__setattr__(self, "p2p_s", p2p)
         for name in ("overlap_p2p_comm", "forward_only"):
             object.__setattr__(self, name, check_bool(f"PipelineSpec.{name}", getattr(self, name)))
@@ -170,7 +171,7 @@ def one_f_one_b_programs(pp: int, m: int, forward_only: bool = False) -> list[li
 
 def schedule_table(m: int, vpp: int, group: int) -> list[tuple[int, int]]:
     """``(micro-batch, model chunk)`` of each virtual micro-batch of the interleaved schedule: groups of ``group``
-    micro-batches, each through chunk 0, then 1, ...; the last group takes all that are left (``get_schedule_table``)."""
+    micro-batches, each through chunk 0, then 1, ...; the last group takes all that are left."""
     table = []
     for start in range(0, m, group):
         stop = m if start + group >= m else start + group
@@ -373,8 +374,7 @@ def _compiled(pp: int, vpp: int, group: int, overlap: bool, m: int, forward_only
             edges.append(merged)
             reach[i] = {new_id[i]: 0}
     levels = _levels(edges, level)
-    table_row = np.empty(len(edges), dtype=np.int64)
-    table_row[list(new_id.values())] = [row[i] for i in new_id]
+    table_row = np.asarray([row[i] for i in new_id], dtype=np.int64)  # (new ids are in insertion order)
     return _Dag(len(edges), levels, tuple(table_row[nodes] for nodes, _, _ in levels), tuple(computes),
                 tuple(np.asarray([new_id[i] for i in nodes], dtype=np.int64) for nodes in compute_nodes))
 
