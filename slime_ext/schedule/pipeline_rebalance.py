@@ -31,9 +31,9 @@ Packed = tuple[np.ndarray, np.ndarray]
 Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
-def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float = 0.0) -> list:
+def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
     """Drive rebalancing runs side by side, each round all their :data:`Repack` requests in one call, as far as the
-    budget pays and leaves ``reserve`` (the last runs are answered ``None`` and stop). Returns their results."""
+    budget pays (the last runs are answered ``None`` and stop). Returns their results."""
     results: list = [None] * len(runs)
     asks: dict[int, Repack] = {}
 
@@ -47,7 +47,7 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         advance(i, None)
     while asks:
         order = sorted(asks)
-        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order]) + reserve):
+        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order])):
             i = order.pop()
             asks.pop(i)
             advance(i, None)
@@ -76,7 +76,7 @@ def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
 
 
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
-                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
+                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None]):
     """A rebalancing run: up to ``rebalancing.water_rounds`` rounds that find the level at which the replicas' costs
     would balance (a makespan moves by :attr:`PipelinePricing.slope` per unit of cost) and move samples from the
     replicas above it to those furthest below, kept where the slowest makespan drops. Returns ``(groups, spans,
@@ -85,7 +85,7 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
     groups, packs = list(groups), list(packs)
     n_max = max(len(g) for g in groups)
     for _ in range(cfg.rebalancing.water_rounds):
-        if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
+        if not budget.allows(budget.replica_cost(len(groups)) + budget.pack_cost(1, n_max, k)
                              + budget.model_cost(1, k)):
             break
         budget.spent += budget.replica_cost(len(groups))
@@ -266,7 +266,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
     many = len(groups) > cfg.rebalancing.water_fill_replicas
-    if many:
+    if many:  # the water-filling rounds come before the ``reserve`` is kept: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
         if not budget.allows(budget.cfg.work_round_us + reserve):
