@@ -662,23 +662,15 @@ def pipeline_lower_bound(fwd, bwd, spec: PipelineSpec):
     f, b, one = _pass_costs(fwd, bwd, spec)
     spec.check_microbatches(f.shape[-1])
     pp, v = spec.pp_size, spec.chunks
+    if f.ndim == 2:  # every stage alike: each rank's costs are the replica's
+        f, b = (np.broadcast_to(a[:, None, :], (len(a), pp, a.shape[1])) for a in (f, b))
     c = spec.p2p_s / 2 if spec.forward_only else spec.p2p_s  # 2 c per boundary below: one transfer forward-only
-    if f.ndim == 3:
-        fv, bv = _per_virtual_stage(f, spec), _per_virtual_stage(b, spec)
-        trip = (fv + bv).sum(axis=1).max(axis=1) + 2 * (v * pp - 1) * c
-        work = _stage_work(f, b, spec)  # (R, pp)
-        # F_s(m), B_s(m): sums over virtual stages 0 .. s - 1 (chunk 0 of ranks before s); 0 for s = 0
-        zeros = np.zeros((len(fv), 1, fv.shape[2]))
-        head = np.concatenate([zeros, np.cumsum(fv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
-        tail = np.concatenate([zeros, np.cumsum(bv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
-        per_rank = head + work + tail + 2 * c * np.arange(pp)
-        out = np.maximum(trip, per_rank.max(axis=1))
-        return float(out[0]) if one else out
-    work = f.sum(axis=1) + b.sum(axis=1)
-    if pp == 1:
-        out = work
-    else:
-        trip = pp * (f + b).max(axis=1) + 2 * (v * pp - 1) * c
-        last_stage = work + (pp - 1) * (f.min(axis=1) + b.min(axis=1)) / v + 2 * (pp - 1) * c
-        out = np.maximum(trip, last_stage)
+    fv, bv = _per_virtual_stage(f, spec), _per_virtual_stage(b, spec)
+    trip = (fv + bv).sum(axis=1).max(axis=1) + 2 * (v * pp - 1) * c
+    # F_s(m), B_s(m): sums over virtual stages 0 .. s - 1 (chunk 0 of ranks before s); 0 for s = 0
+    zeros = np.zeros((len(fv), 1, fv.shape[2]))
+    head = np.concatenate([zeros, np.cumsum(fv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
+    tail = np.concatenate([zeros, np.cumsum(bv[:, :pp - 1], axis=1)], axis=1).min(axis=2)
+    per_rank = head + _stage_work(f, b, spec) + tail + 2 * c * np.arange(pp)
+    out = np.maximum(trip, per_rank.max(axis=1))
     return float(out[0]) if one else out
