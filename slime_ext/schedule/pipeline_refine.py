@@ -86,8 +86,7 @@ def polish_orders(arr: Arrangement) -> Arrangement:
 
 def _permute(arr: Arrangement, r: int, o: np.ndarray, span: float) -> None:
     """Replica ``r`` runs its micro-batches in the order ``o`` (positions), with makespan ``span``."""
-    where = np.empty(arr.k, dtype=np.int64)
-    where[o] = np.arange(arr.k)
+    where = np.argsort(o)  # position -> its new position
     mine = arr.rep == r
     arr.slot[mine] = where[arr.slot[mine]]
     for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):

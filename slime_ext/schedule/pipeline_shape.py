@@ -171,21 +171,15 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
         # the most room left among the micro-batches that take the sample: first the most room overall (one pass,
         # the common case), once a row needs the second pass every row takes it directly (the same pick)
-        if masked:
-            pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
-            flat = base_a + pick
-            held = flat_tok[flat]
-        else:
-            pick = room_a.argmax(axis=1)
-            flat = base_a + pick
-            held = flat_tok[flat]
-            over = held > allowed
-            if over.any():
-                bad = np.flatnonzero(over)
-                masked = True
-                pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
-                flat[bad] = base_a[bad] + pick[bad]
-                held[bad] = flat_tok[flat[bad]]
+        pick = (np.where(tok_a <= allowed[:, None], room_a, neg) if masked else room_a).argmax(axis=1)
+        flat = base_a + pick
+        held = flat_tok[flat]
+        if not masked and (held > allowed).any():
+            bad = np.flatnonzero(held > allowed)
+            masked = True
+            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+            flat[bad] = base_a[bad] + pick[bad]
+            held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
