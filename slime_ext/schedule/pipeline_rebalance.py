@@ -58,12 +58,12 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
         members = samples.pad(rows)
         combos = [(ask[1], shape) for ask in batch for shape in ask[2]]
         spans, bin_of = pack_each(budget, samples, members, combos)
-        sizes = [len(row) for row in rows]
+        packs = [(members[j, :len(row)], bin_of[j, :len(row)]) for j, row in enumerate(rows)]
         start = 0
-        for i, ask in zip(order, batch):
-            part = range(start, start + len(ask[0]))
-            start += len(ask[0])
-            advance(i, (spans[part.start:part.stop], [(members[j, :sizes[j]], bin_of[j, :sizes[j]]) for j in part]))
+        for i, ask in zip(order, batch):  # each run its own rows' answers
+            stop = start + len(ask[0])
+            advance(i, (spans[start:stop], packs[start:stop]))
+            start = stop
     return results
 
 
