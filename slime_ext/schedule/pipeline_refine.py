@@ -129,21 +129,18 @@ def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrange
     round making the best that beats the plan, until the last ``refinement.refine_patience`` rounds gained less than
     ``objective.min_gain`` or the budget ends; ``movable``: samples may move (dynamic batches), else only the order."""
     cfg = arr.budget.pricing.config
-    budget = arr.budget
+    budget, patience = arr.budget, cfg.refinement.refine_patience
     history = [float(arr.spans.max())]  # the slowest makespan after each round
     while budget.allows(budget.refine_round_cost(cfg.refinement.refine_moves, arr.k)):
-        window = history[-cfg.refinement.refine_patience - 1:]
-        if len(window) > cfg.refinement.refine_patience \
-                and not beats(window[-1], window[0], cfg, by=cfg.objective.min_gain):
+        if len(history) > patience and not beats(history[-1], history[-patience - 1], cfg, by=cfg.objective.min_gain):
             break
         budget.charge_round()
-        history.append(history[-1])
         s = int(np.argmax(arr.spans))
         fast = [int(t) for t in np.argsort(arr.spans, kind="stable")[:cfg.rebalancing.balance_partners + 1] if t != s]
         moves = _draw(arr, rng, s, fast[:cfg.rebalancing.balance_partners], movable)
         if len(moves.kind):
             _make_best(arr, moves, s)
-        history[-1] = float(arr.spans.max())
+        history.append(float(arr.spans.max()))
     return arr
 
 
