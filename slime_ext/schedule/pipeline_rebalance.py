@@ -212,7 +212,7 @@ def _water_round(samples: ShapeSamples, groups: list[np.ndarray], k: int, spans:
             to.strip(d, mine, k)
             continue
         left = float(lv.excess[d])
-        for i in _movable(mine, k) if to.deficit else ():
+        for i in _movable(mine, k):
             if costs[i] > left or not to.deficit:
                 break
             if to.give(d, i):
