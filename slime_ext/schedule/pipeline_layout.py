@@ -1,14 +1,7 @@
-"""Which layers each pipeline stage holds, from Megatron's layout flags: the facts the per-stage costs are built on.
-
-megatron-core places a GPT model's pieces on the ``V = pp * vpp`` virtual stages (``k = chunk * pp + rank``, in the
-order the activations flow) by one of three mutually exclusive rules (:func:`split_layers`): a
-``pipeline_model_parallel_layout`` string (:func:`parse_layout`; it fixes ``vpp``), ``decoder_first/last_pipeline_
-num_layers`` (the other ranks split the rest evenly), or an even split of ``num_layers`` (plus one each for the
-embedding and the loss with ``account_for_embedding/loss_in_pipeline_split``). The embedding sits on virtual stage
-0, the output layer and the loss on ``V - 1``. Read from megatron-core 0.16 (``PipelineParallelLayerLayout``,
-``get_num_layers_to_build``, ``TransformerConfig.__post_init__``) and Megatron-LM's argument checks, in our own
-words; the refusals are theirs (``tests/unit/test_stages.py`` checks them against an installed megatron-core).
-Pure: standard library only.
+"""Which layers each virtual pipeline stage (``k = chunk * pp + rank``) holds, from Megatron's layout flags
+(:func:`split_layers`), as megatron-core 0.16 and Megatron-LM's argument checks place and refuse them
+(``tests/unit/test_stages.py`` compares with an installed megatron-core). The embedding sits on virtual stage 0,
+the output layer and the loss on the last.
 """
 
 from __future__ import annotations
@@ -26,66 +19,55 @@ _REPEAT = re.compile(r"\*(\d+)")
 
 
 def parse_layout(layout: str) -> tuple[tuple[str, ...], ...]:
-    """A layout string as one tuple of layer letters per virtual stage (``k = chunk * pp + rank``).
-
-    Syntax: virtual stages are separated by ``|``; ``x*n`` repeats the letter (or ``|``) ``x`` ``n`` times;
-    ``(...)*n`` repeats a group (no nesting) ``n`` times; commas are cosmetic. ``"Ett|(tt|)*2,tL"`` is
-    ``[E t t] [t t] [t t] [t L]``. An empty stage (``"E||tL"``) holds nothing.
-    """
+    """A layout string as one tuple of layer letters per virtual stage: stages separated by ``|``, ``x*n`` repeats
+    a letter (or ``|``), ``(...)*n`` a group (no nesting), commas are cosmetic (``"Ett|(tt|)*2,tL"`` is ``[E t t]
+    [t t] [t t] [t L]``)."""
     if not isinstance(layout, str) or not layout:
         raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} must be a non-empty string such as "
                             f"'Ett|(tt|)*6,tL' (E embedding, t decoder layer, m MTP layer, L loss, | between stages)")
     text = layout.replace(",", "")
-    out: list[str] = []
-    i = 0
 
     def fail(why: str) -> ScheduleError:
         return ScheduleError(f"pipeline_model_parallel_layout = {layout!r}: {why}; use letters "
                              f"{'/'.join(LAYER_CHARS)} and '|', 'x*n' and '(...)*n' (no nesting)")
 
-    def count_at(j: int) -> tuple[int, int]:
-        match = _REPEAT.match(text, j)
-        return (int(match.group(1)), match.end()) if match else (1, j)
+    def letters(part: str, at: int) -> str:  # ``part`` (at ``at`` in the text) with its letters' repeats expanded
+        out, i = [], 0
+        while i < len(part):
+            c = part[i]
+            if c == "*":
+                raise fail(f"'*' at {at + i} repeats nothing")
+            if c not in LAYER_CHARS and c != "|":
+                raise fail(f"{c!r} at {at + i} is not a layer letter")
+            match = _REPEAT.match(part, i + 1)
+            out.append(c * (int(match.group(1)) if match else 1))
+            i = match.end() if match else i + 1
+        return "".join(out)
 
+    out, i = [], 0
     while i < len(text):
-        c = text[i]
-        if c == "(":
-            close = text.find(")", i)
-            if close < 0:
-                raise fail(f"'(' at {i} is never closed")
-            body = text[i + 1:close]
-            if not body or "(" in body:
-                raise fail("a group must hold letters and no other group")
-            n, j = count_at(close + 1)
-            if j == close + 1:
-                raise fail(f"the group '({body})' needs a count, '({body})*n'")
-            out.append(_expand(body, fail) * n)
+        if text[i] != "(":  # letters up to the next group
+            j = text.find("(", i)
+            j = len(text) if j < 0 else j
+            out.append(letters(text[i:j], i))
             i = j
-        elif c in LAYER_CHARS or c == "|":
-            n, i = count_at(i + 1)
-            out.append(c * n)
-        else:
-            raise fail(f"{c!r} at {i} is not a layer letter")
-        if i < len(text) and text[i] == "*":
-            raise fail(f"'*' at {i} repeats nothing")
+            continue
+        close = text.find(")", i)
+        if close < 0:
+            raise fail(f"'(' at {i} is never closed")
+        body = text[i + 1:close]
+        if not body or "(" in body:
+            raise fail("a group must hold letters and no other group")
+        match = _REPEAT.match(text, close + 1)
+        if not match:
+            raise fail(f"the group '({body})' needs a count, '({body})*n'")
+        out.append(letters(body, i + 1) * int(match.group(1)))
+        i = match.end()
     return tuple(tuple(stage) for stage in "".join(out).split("|"))
 
 
-def _expand(body: str, fail) -> str:
-    out, i = [], 0
-    while i < len(body):
-        c = body[i]
-        if c not in LAYER_CHARS and c != "|":
-            raise fail(f"{c!r} in the group '({body})' is not a layer letter")
-        match = _REPEAT.match(body, i + 1)
-        out.append(c * (int(match.group(1)) if match else 1))
-        i = match.end() if match else i + 1
-    return "".join(out)
-
-
 def layout_vpp_size(layout: str, pp_size: int) -> int:
-    """The virtual pipeline size a layout implies (its stage count / ``pp_size``), as Megatron derives it; raises
-    where the count is not a multiple of ``pp_size``."""
+    """The virtual pipeline size a layout implies (its stage count / ``pp_size``), as Megatron derives it."""
     stages = len(parse_layout(layout))
     if stages % pp_size:
         raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {stages} stages, not a multiple of "
@@ -107,18 +89,17 @@ def check_layout_flags(*, pp_size: int, vpp_size: int, decoder_first_pipeline_nu
                 f"pipeline_model_parallel_layout = {layout!r} cannot be combined with decoder_first/last_pipeline_"
                 f"num_layers ({first}, {last}) or account_for_embedding/loss_in_pipeline_split (Megatron refuses "
                 f"it); the layout already places every layer: drop the others")
-        stages = len(parse_layout(layout))
-        if pp_size == 1 and stages > 1:
-            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {stages} stages but pp_size = 1 "
-                                f"(Megatron's interleaved schedule needs pipeline parallelism); pass the pipeline-"
-                                f"parallel size, or a layout of one stage")
+        stages = parse_layout(layout)
+        if pp_size == 1 and len(stages) > 1:
+            raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} has {len(stages)} stages but pp_size "
+                                f"= 1 (Megatron's interleaved schedule needs pipeline parallelism); pass the "
+                                f"pipeline-parallel size, or a layout of one stage")
         implied = layout_vpp_size(layout, pp_size)
         if implied != vpp_size:
             raise ScheduleError(
                 f"pipeline_model_parallel_layout = {layout!r} has {implied * pp_size} stages = pp_size {pp_size} x "
                 f"vpp {implied}, but vpp_size = {vpp_size}; pass vpp_size = {implied} (Megatron derives it from "
                 f"the layout)")
-        stages = parse_layout(layout)
         flat = [c for stage in stages for c in stage]
         if flat.count("E") != 1 or flat[0] != "E":
             raise ScheduleError(f"pipeline_model_parallel_layout = {layout!r} must start with the embedding 'E' and "
@@ -151,8 +132,7 @@ def check_layout_flags(*, pp_size: int, vpp_size: int, decoder_first_pipeline_nu
 
 @dataclass(frozen=True)
 class StageLayers:
-    """What each virtual stage ``k = chunk * pp + rank`` holds: decoder layers (numbered in virtual-stage order),
-    MTP layers; the embedding is on virtual stage 0, the output layer and the loss on the last."""
+    """What each virtual stage holds: decoder layers (numbered in virtual-stage order) and MTP layers."""
 
     pp_size: int
     vpp_size: int
@@ -175,8 +155,9 @@ def split_layers(num_layers: int, *, pp_size: int, vpp_size: int = 1,
                  pipeline_model_parallel_layout: str | None = None,
                  account_for_embedding_in_pipeline_split: bool = False,
                  account_for_loss_in_pipeline_split: bool = False) -> StageLayers:
-    """Megatron's split of ``num_layers`` decoder layers over the virtual stages (module docstring), refusing what
-    Megatron refuses with a :class:`ScheduleError` that names the flags and the fix."""
+    """Megatron's split of ``num_layers`` decoder layers over the virtual stages, by a layout string, the first/last
+    rank's counts with the rest even, or evenly (the embedding and the loss counted as layers where asked);
+    refuses what Megatron refuses."""
     check_layout_flags(pp_size=pp_size, vpp_size=vpp_size,
                        decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
                        decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers,

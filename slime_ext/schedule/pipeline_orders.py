@@ -1,6 +1,5 @@
-"""The run order of a replica's micro-batches under the pipeline model (free: the gradient is a sum, so any order
-trains the same): the best of a few heuristic orders (:func:`heuristic_best`), improved by pair swaps
-(:func:`improve_orders`); :func:`best_orders` does both. Pure: standard library and numpy.
+"""The run order of a replica's micro-batches (free: the gradient is a sum, so any order trains the same): the best
+of a few heuristic orders, improved by pair swaps (:func:`best_orders`).
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ __all__ = ["best_orders", "group_peaks", "heuristic_best", "heuristic_orders", "
 
 
 def group_peaks(costs: np.ndarray, group: int) -> np.ndarray:
-    """``(R, K)`` each row's positions reordered within consecutive groups of ``group`` (the micro-batches the
-    interleaved schedule runs through each model chunk together): every group rising to its costliest in the
-    middle, then falling (its costs descending, the first half reversed)."""
+    """``(R, K)`` each row's positions reordered within consecutive groups of ``group`` micro-batches: every group
+    rising to its costliest in the middle, then falling."""
     r, k = costs.shape
     out = np.empty((r, k), dtype=np.int64)
     for a in range(0, k, group):
@@ -29,19 +27,18 @@ def group_peaks(costs: np.ndarray, group: int) -> np.ndarray:
 
 
 def heuristic_orders(costs: np.ndarray, group: int = 1) -> np.ndarray:
-    """``(H, R, K)`` candidate orders (indices into each row of ``costs``): heaviest first (the pp-unaware order),
-    ascending, cheapest at both ends, the cheapest two at the ends with the rest descending, and under VPP
-    (``group`` > 1) heaviest first with each group of :func:`group_peaks`."""
+    """``(H, R, K)`` candidate orders (indices into each row of ``costs``): heaviest first, ascending, cheapest at
+    both ends, the cheapest two at the ends with the rest descending, and under VPP (``group`` > 1) heaviest first
+    in :func:`group_peaks`."""
     r, k = costs.shape
     asc = np.argsort(costs, axis=1, kind="stable")
     desc = np.argsort(-costs, axis=1, kind="stable")
-    # cheapest at both ends, largest in the middle: the i-th cheapest goes alternately to the front and the back
+    # valley: the i-th cheapest alternately to the front and the back
     i = np.arange(k)
     pos = np.where(i % 2 == 0, i // 2, k - 1 - i // 2)
     valley = np.empty_like(asc)
     valley[:, pos] = asc
-    # the cheapest first and the second cheapest last, the rest heaviest first
-    ends = desc
+    ends = desc  # the cheapest first and the second cheapest last, the rest heaviest first
     if k >= 3:
         ends = np.concatenate([asc[:, :1], asc[:, :1:-1], asc[:, 1:2]], axis=1)
     orders = [desc, asc, valley, ends]
@@ -62,10 +59,9 @@ def _price(pricing: PipelinePricing, budget: Budget | None, rows: np.ndarray) ->
 
 @lru_cache(maxsize=256)
 def swap_pairs(k: int, most: int, group: int = 1) -> np.ndarray:
-    """``(P, 2)`` the position pairs an order improvement tries, in lexicographic order: every pair while there are
-    at most ``most``, else adjacent pairs and every position with the first and last two, and under VPP (``group``:
-    ``microbatch_group_size_per_vp_stage``, > 1) every pair within a group of micro-batches the interleaved schedule
-    runs together and the pairs one group apart (read-only, made once)."""
+    """``(P, 2)`` the position pairs an order improvement tries, in lexicographic order (read-only, cached): every
+    pair while there are at most ``most``, else adjacent pairs, every position with the first and last two, and
+    under VPP (``group`` > 1) the pairs within a group and one group apart."""
     i, j = np.triu_indices(k, 1)
     if len(i) > most:
         ends = np.zeros(k, dtype=bool)
@@ -91,8 +87,7 @@ def heuristic_spans(pricing: PipelinePricing, costs: np.ndarray,
 
 def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` and its makespan (ties: the earlier, so
-    heaviest first wins a tie)."""
+    """Per row of ``(R, K)`` costs, the best of :func:`heuristic_orders` (ties: the earlier) and its makespan."""
     orders, spans = heuristic_spans(pricing, costs, budget)
     r = len(costs)
     pick = spans.argmin(axis=0)
@@ -101,9 +96,9 @@ def heuristic_best(pricing: PipelinePricing, costs: np.ndarray,
 
 def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarray, span: np.ndarray,
                    budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Swap pairs of positions (:func:`swap_pairs`) in the given rows' orders while that lowers their makespans by
-    more than ``objective.tie`` (every pair of a row at once, each row taking its best swap), for at most
-    ``refinement.order_rounds`` rounds, and while the budget allows a round."""
+    """The rows' orders improved by rounds of pair swaps (:func:`swap_pairs`, all priced at once, each row taking
+    its best where it beats its makespan), at most ``refinement.order_rounds`` rounds, as far as the budget pays:
+    ``(order, span)``."""
     cfg = pricing.config
     order, span = order.copy(), span.copy()
     r, k = costs.shape
@@ -137,7 +132,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
 
 def best_orders(pricing: PipelinePricing, costs: np.ndarray,
                 budget: Budget | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan (public: for an
-    integration that orders a rank's micro-batches itself)."""
+    """Per row of ``(R, K)`` costs, the order the model predicts fastest and its makespan (for hosts that order a
+    rank's micro-batches themselves)."""
     order, span = heuristic_best(pricing, costs, budget)
     return improve_orders(pricing, costs, order, span, budget)

@@ -81,7 +81,7 @@ class PipelinePricing:
 
     def makespans_many(self, mb_costs: list[np.ndarray]) -> list[np.ndarray]:
         """Several groups of ``(R_i, M_i)`` micro-batch costs (each its own count) -> their ``(R_i,)`` makespans, in
-        one pass of the model (:func:`~slime_ext.schedule.pipeline_model.pipeline_makespans`; the per-stage costs
+        one pass of the model (:func:`~slime_ext.schedule.pipeline_model._table_makespans`; the per-stage costs
         are written straight into the model's cost tables, the same numbers :meth:`stage_costs` gives)."""
         v = self.spec.chunks
         tables = []

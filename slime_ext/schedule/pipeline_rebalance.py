@@ -1,8 +1,6 @@
-"""Samples moved off a step's slowest replicas after shaping (dynamic batches; the shaped candidate of
-:mod:`.pipeline_choice`), each changed replica re-packed in its own shape: :func:`water_fill_run` levels many
-replicas in a few global rounds, :func:`rebalance_run` makes single moves off the slowest. The runs are generators
-that ask for re-packings (:data:`Repack`); :func:`lockstep` answers several side by side, one packing call and one
-pass of the model per round. Pure: standard library and numpy.
+"""Samples moved off a step's slowest replicas after shaping, each changed replica re-packed in its own shape
+(:func:`water_fill_run`, :func:`rebalance_run`). The runs are generators that ask for re-packings (:data:`Repack`);
+:func:`lockstep` answers several side by side, one packing call and one pass of the model per round.
 """
 
 from __future__ import annotations
@@ -21,22 +19,21 @@ __all__ = ["Packed", "Repack", "dominant", "lockstep", "rebalance_run", "water_f
 
 
 def dominant(top, total, cfg: PlannerConfig):
-    """The one rule for a replica whose costliest sample (``top``) holds ``rebalancing.strip_share`` of its cost
-    (``total``): it may keep that sample with only the step's cheapest ones. Elementwise on arrays."""
+    """Whether a costliest sample ``top`` holds ``rebalancing.strip_share`` of its replica's cost ``total`` (then it
+    may keep that sample with only the step's cheapest ones); elementwise on arrays."""
     return top >= cfg.rebalancing.strip_share * total
 
 
 #: a replica's packing: its sample ids by decreasing cost (ties by id) and the micro-batch of each, in run order
 Packed = tuple[np.ndarray, np.ndarray]
-#: what a rebalancing run asks for: rows of sample ids to pack, their count, each row's shape; it is answered
-#: with their makespans and packings (:func:`lockstep`)
+#: what a rebalancing run asks for: rows of sample ids to pack, their count, each row's shape (answered with their
+#: makespans and packings)
 Repack = tuple[list[np.ndarray], int, list[Shape]]
 
 
-def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float = 0.0) -> list:
-    """Drive rebalancing runs side by side, every round all their :data:`Repack` requests in one call (each run
-    gets what it would alone: rows pack and price independently) as far as the budget pays and leaves
-    ``reserve``; the last runs are answered ``None`` (they stop) until it does. Returns their results."""
+def lockstep(budget: Budget, samples: ShapeSamples, runs: list) -> list:
+    """Drive rebalancing runs side by side, each round all their :data:`Repack` requests in one call, as far as the
+    budget pays (the last runs are answered ``None`` and stop). Returns their results."""
     results: list = [None] * len(runs)
     asks: dict[int, Repack] = {}
 
@@ -50,7 +47,7 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         advance(i, None)
     while asks:
         order = sorted(asks)
-        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order]) + reserve):
+        while order and not budget.allows(_repack_cost(budget, [asks[i] for i in order])):
             i = order.pop()
             asks.pop(i)
             advance(i, None)
@@ -61,12 +58,12 @@ def lockstep(budget: Budget, samples: ShapeSamples, runs: list, reserve: float =
         members = samples.pad(rows)
         combos = [(ask[1], shape) for ask in batch for shape in ask[2]]
         spans, bin_of = pack_each(budget, samples, members, combos)
-        sizes = [len(row) for row in rows]  # a row's samples come first, then its padding
+        packs = [(members[j, :len(row)], bin_of[j, :len(row)]) for j, row in enumerate(rows)]
         start = 0
-        for i, ask in zip(order, batch):
-            part = range(start, start + len(ask[0]))
-            start += len(ask[0])
-            advance(i, (spans[part.start:part.stop], [(members[j, :sizes[j]], bin_of[j, :sizes[j]]) for j in part]))
+        for i, ask in zip(order, batch):  # each run its own rows' answers
+            stop = start + len(ask[0])
+            advance(i, (spans[start:stop], packs[start:stop]))
+            start = stop
     return results
 
 
@@ -79,19 +76,16 @@ def _repack_cost(budget: Budget, asks: list[Repack]) -> float:
 
 
 def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
-                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Level the replicas' makespans in up to ``rebalancing.water_rounds`` global rounds. A replica's makespan
-    moves by ``slope`` (:attr:`PipelinePricing.slope`) per unit of cost (its bubble held fixed); each round finds
-    the level at which the costs would balance, and every replica above it hands its cheapest samples (never its
-    costliest, keeping ``k``) to those furthest below, up to its excess (a :func:`dominant` one keeps its costliest
-    with the step's cheapest). A round is kept only where the slowest makespan drops.
-
-    A rebalancing run (:func:`lockstep`): returns ``(groups, spans, packs)``."""
+                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None]):
+    """A rebalancing run: up to ``rebalancing.water_rounds`` rounds that find the level at which the replicas' costs
+    would balance (a makespan moves by :attr:`PipelinePricing.slope` per unit of cost) and move samples from the
+    replicas above it to those furthest below, kept where the slowest makespan drops. Returns ``(groups, spans,
+    packs)``."""
     cfg = budget.pricing.config
     groups, packs = list(groups), list(packs)
     n_max = max(len(g) for g in groups)
     for _ in range(cfg.rebalancing.water_rounds):
-        if not budget.allows(budget.replica_cost(len(groups)) + reserve + budget.pack_cost(1, n_max, k)
+        if not budget.allows(budget.replica_cost(len(groups)) + budget.pack_cost(1, n_max, k)
                              + budget.model_cost(1, k)):
             break
         budget.spent += budget.replica_cost(len(groups))
@@ -116,8 +110,7 @@ def water_fill_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarra
 @dataclass
 class _Level:
     """One water-filling round's view of the replicas: their sample counts, costs and tokens, their samples cheapest
-    first (``by_cost``, replica ``t``'s from ``starts[t]``), and each one's cost above the level (``excess``, < 0:
-    below it)."""
+    first (``by_cost``, replica ``t``'s from ``starts[t]``), and each one's cost above the ``level`` (``excess``)."""
 
     sizes: np.ndarray
     work: np.ndarray
@@ -131,7 +124,6 @@ class _Level:
     def of(cls, samples: ShapeSamples, groups: list[np.ndarray], spans: np.ndarray, slope: float) -> "_Level":
         costs, n_all = samples.costs, len(samples.costs)
         asc_order, asc_rank = samples.ascending
-        # every replica's cost and tokens, and its samples cheapest first (ties by id), in one pass each
         sizes = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
         every = np.concatenate(groups).astype(np.int64, copy=False)
         whose = np.repeat(np.arange(len(groups)), sizes)
@@ -149,7 +141,7 @@ class _Level:
 
 class _Receivers:
     """The replicas below the level, taking samples furthest below first while they have token room
-    (``rebalancing.token_fill`` of ``k * cap``), then in turn (``spill``); records who gives and takes what."""
+    (``rebalancing.token_fill`` of ``k * cap``), then in turn; records who gives and takes what."""
 
     def __init__(self, samples: ShapeSamples, groups: list[np.ndarray], lv: _Level, k: int, cfg: PlannerConfig):
         self.samples, self.groups = samples, groups
@@ -167,7 +159,7 @@ class _Receivers:
         self.drop: dict[int, list[int]] = {}  # replica -> samples it gives
 
     def give(self, d: int, i: int) -> bool:
-        """Sample ``i`` of replica ``d`` to a replica below the level with room; ``False``: none has room."""
+        """Give sample ``i`` of replica ``d`` to a replica below the level with room; ``False``: none has room."""
         costs, length = self.samples.costs, int(self.samples.lengths[i])
         t = None
         while self.deficit:
@@ -220,7 +212,7 @@ def _water_round(samples: ShapeSamples, groups: list[np.ndarray], k: int, spans:
             to.strip(d, mine, k)
             continue
         left = float(lv.excess[d])
-        for i in _movable(mine, k) if to.deficit else ():
+        for i in _movable(mine, k):
             if costs[i] > left or not to.deficit:
                 break
             if to.give(d, i):
@@ -232,15 +224,14 @@ def _water_round(samples: ShapeSamples, groups: list[np.ndarray], k: int, spans:
 
 
 def _givers(lv: _Level, spans: np.ndarray, k: int, costs: np.ndarray, cfg: PlannerConfig) -> list[int]:
-    """The replicas above the level, by decreasing excess, up to the first within ``min_gain`` of the level; of
-    those, the ones that act: a dominant costliest sample, or a first movable sample within the excess."""
+    """The replicas above the level (by decreasing excess, down to ``min_gain`` of it) that act: a dominant costliest
+    sample, or a first movable sample within the excess."""
     order = np.argsort(-lv.excess, kind="stable")
     on = (lv.excess[order] > 0) & (spans[order] > lv.level * (1 + cfg.objective.min_gain))
     order = order[:len(order) if on.all() else int(np.argmin(on))]
     cum = np.concatenate(([0.0], np.cumsum(costs[lv.by_cost])))
     head, top = lv.starts[order], costs[lv.by_cost[lv.starts[order + 1] - 1]]
-    # dominant, and what it would keep (its k - 1 cheapest and the top) above its level: the test of
-    # _water_round, where the summation order cannot tell (that test decides exactly)
+    # dominant, and what it would keep (its k - 1 cheapest and the top) above its level (_water_round decides exactly)
     keeps = top + cum[np.minimum(head + k - 1, lv.starts[order + 1])] - cum[head]
     strong = dominant(top, lv.work[order], cfg) & ~beats(keeps, lv.work[order] - lv.excess[order], cfg)
     first = np.where(lv.sizes[order] > k, costs[lv.by_cost[np.minimum(head + k - 1, len(lv.by_cost) - 1)]], np.inf)
@@ -249,8 +240,7 @@ def _givers(lv: _Level, spans: np.ndarray, k: int, costs: np.ndarray, cfg: Plann
 
 def _regrouped(groups: list[np.ndarray], changed: list[int], sizes: np.ndarray, to: _Receivers,
                n_all: int) -> list[np.ndarray]:
-    """Each changed replica's new group: the samples it keeps by id (a sample is given by its own replica only),
-    then those it takes in the order taken."""
+    """Each changed replica's new group: the samples it keeps by id, then those it takes in the order taken."""
     gone = np.zeros(n_all, dtype=bool)
     gone[list(itertools.chain.from_iterable(to.drop.values()))] = True
     ids = np.concatenate([groups[t] for t in changed])
@@ -263,41 +253,36 @@ def _regrouped(groups: list[np.ndarray], changed: list[int], sizes: np.ndarray, 
 
 
 def _movable(mine: np.ndarray, k: int) -> np.ndarray:
-    """A replica's samples (cheapest first) that a move may take: the ``k - 1`` cheapest stay (they fill the ramps
-    cheaply), and so does the costliest."""
+    """A replica's samples (cheapest first) that a move may take: all but the ``k - 1`` cheapest and the costliest."""
     return mine[k - 1:-1]
 
 
 def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray], k: int,
                   shapes: list[Shape], spans: np.ndarray, packs: list[Packed | None], reserve: float = 0.0):
-    """Move a share (``rebalancing.shed_shares``) of the slowest replica's movable samples (:func:`_movable`),
-    cheapest first, to the ``rebalancing.balance_partners`` fastest, while a move gains ``objective.min_gain``
-    (many replicas: after :func:`water_fill_run`). Every replica keeps at least ``k`` samples.
-
-    A rebalancing run (:func:`lockstep`): returns ``(groups, shapes, spans, packs)``."""
+    """A rebalancing run: move shares (``rebalancing.shed_shares``) of the slowest replica's movable samples to the
+    ``rebalancing.balance_partners`` fastest while a move gains ``objective.min_gain`` (many replicas: after
+    :func:`water_fill_run`), every replica keeping ``k`` samples. Returns ``(groups, shapes, spans, packs)``."""
     cfg = budget.pricing.config
     groups, shapes, spans, packs = list(groups), list(shapes), spans.copy(), list(packs)
     costs = samples.costs
     many = len(groups) > cfg.rebalancing.water_fill_replicas
-    if many:
-        # the water-filling rounds before any share kept for later: they level the replicas, most of the gain
+    if many:  # the water-filling rounds come before the ``reserve`` is kept: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
         if not budget.allows(budget.cfg.work_round_us + reserve):
             break
-        budget.charge_round()  # the move's candidates (its re-packing is lockstep's)
+        budget.charge_round()
         s = int(np.argmax(spans))
         partners = [int(t) for t in np.argsort(spans, kind="stable") if t != s][:cfg.rebalancing.balance_partners]
-        mine = samples.cheapest_first(groups[s])  # cheapest first
+        mine = samples.cheapest_first(groups[s])
         keep, movable = mine[:k - 1], _movable(mine, k)
         if not partners or not len(movable):
             break
         cum = np.cumsum(costs[movable])
         shares = np.asarray(cfg.rebalancing.shed_shares)
-        moves = sorted(set(np.clip(np.searchsorted(cum, shares * cum[-1], side="right"), 1,
-                                   len(movable)).tolist()))
-        cands = []
-        for m in moves:
+        cuts = sorted(set(np.clip(np.searchsorted(cum, shares * cum[-1], side="right"), 1, len(movable)).tolist()))
+        cands = []  # per candidate move: the replicas it changes and their new groups
+        for m in cuts:
             stay = np.concatenate((keep, movable[m:], mine[-1:]))
             cands.append({s: stay, **{t: np.concatenate((groups[t], movable[:m][i::len(partners)]))
                                       for i, t in enumerate(partners)}})
@@ -309,27 +294,17 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
             cands.append({s: np.concatenate((tiny, mine[-1:])),
                           **{t: np.concatenate((np.setdiff1d(groups[t], tiny), rest[i::len(partners)]))
                              for i, t in enumerate(partners)}})
-        rows, owners = [], []
-        for c, change in enumerate(cands):
-            for t, row in change.items():
-                if len(row) < k:
-                    break
-            else:
-                for t, row in change.items():
-                    rows.append(row)
-                    owners.append((c, t))
-        if not rows:
-            break
-        moves = cands
-        if not budget.allows(_repack_cost(budget, [(rows, k, [])]) + reserve):
+        cands = [change for change in cands if all(len(row) >= k for row in change.values())]
+        rows = [row for change in cands for row in change.values()]
+        owners = [(c, t) for c, change in enumerate(cands) for t in change]
+        if not rows or not budget.allows(_repack_cost(budget, [(rows, k, [])]) + reserve):
             break
         answer = yield rows, k, [shapes[t] for _, t in owners]  # each in its replica's shape
         if answer is None:  # the budget cannot pay for it
             break
         got, packed = answer
-        worst = np.full(len(moves), -np.inf)
+        worst = np.full(len(cands), -np.inf)
         np.maximum.at(worst, [c for c, _ in owners], got)
-        worst[worst == -np.inf] = np.inf  # a move that leaves some replica fewer than k samples
         c = int(np.argmin(worst))
         if not beats(worst[c], spans[s], cfg, by=cfg.objective.min_gain):
             break  # the slowest replica gains (almost) nothing

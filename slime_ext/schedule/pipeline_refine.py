@@ -1,10 +1,6 @@
 """Local moves on the slowest replica of a step's plan while they lower the slowest predicted makespan (the
-pipeline search's ``refined`` candidate; the search: :mod:`.pipeline_choice`).
-
-A round draws ``refinement.refine_moves`` moves (:class:`Move`) from a seeded stream (the same input gives the same
-plan), prices them in one call of the model and makes the best where it :func:`~.pipeline_pricing.beats` the
-current plan. Every move keeps the plan valid: no micro-batch empties, none of two or more samples exceeds the cap,
-every replica keeps its count. Pure: standard library and numpy.
+``refined`` candidate of :mod:`.pipeline_choice`): order swaps tried on every replica (:func:`polish_orders`), then
+rounds of seeded random moves, each priced in one call of the model (:func:`refine`).
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ __all__ = ["Arrangement", "Move", "polish_orders", "refine"]
 
 class Arrangement:
     """A step's plan as arrays for single-sample moves: sample ``x`` sits in run position ``slot[x]`` of replica
-    ``rep[x]``; per micro-batch (``(dp, k)``) its tokens, squared lengths, summed sample costs, size and price;
-    per replica its predicted makespan."""
+    ``rep[x]``; per micro-batch ``(dp, k)`` its tokens, squared lengths, summed costs, size and price; per replica
+    its predicted makespan."""
 
     def __init__(self, rep: np.ndarray, slot: np.ndarray, dp: int, k: int, lengths: np.ndarray, costs: np.ndarray,
                  profile: CostProfile | None, cap: int | None, budget: Budget, spans: np.ndarray | None = None) -> None:
@@ -61,11 +57,9 @@ class Arrangement:
 
 
 def polish_orders(arr: Arrangement) -> Arrangement:
-    """Improve ``arr`` in place by order swaps alone: the slowest replica's order by pair swaps
-    (:func:`~slime_ext.schedule.pipeline_orders.improve_orders`), then the same permutation of positions tried on
-    every replica (one call of the model; a replica takes it where it runs faster: the shaped replicas' micro-batches
-    follow one shape, so an order that helps the slowest tends to help them all); again while the slowest is one
-    it has not polished (the step waits for the slowest replica), as far as the budget pays."""
+    """Improve ``arr`` in place by order swaps alone: the slowest replica's order by
+    :func:`~.pipeline_orders.improve_orders`, then the same permutation tried on every other replica (each takes it
+    where it runs faster); again while the slowest is one not polished yet and the budget pays."""
     budget = arr.budget
     cfg = budget.pricing.config
     done = np.zeros(arr.dp, dtype=bool)
@@ -92,8 +86,7 @@ def polish_orders(arr: Arrangement) -> Arrangement:
 
 def _permute(arr: Arrangement, r: int, o: np.ndarray, span: float) -> None:
     """Replica ``r`` runs its micro-batches in the order ``o`` (positions), with makespan ``span``."""
-    where = np.empty(arr.k, dtype=np.int64)
-    where[o] = np.arange(arr.k)
+    where = np.argsort(o)  # position -> its new position
     mine = arr.rep == r
     arr.slot[mine] = where[arr.slot[mine]]
     for v in (arr.tok, arr.sq, arr.sums, arr.price, arr.size):
@@ -112,9 +105,9 @@ class Move(IntEnum):
 
 @dataclass
 class Moves:
-    """A round's drawn moves (one entry per move, :class:`Move` ``kind``): the sample ``x`` of ``s``'s micro-batch
-    ``i`` going to micro-batch ``j`` of replica ``t`` (``y`` coming back for a swap), the order swap's other
-    position ``a``, and what leaves ``(s, i)`` for ``(t, j)``: tokens, squared lengths, summed costs."""
+    """A round's moves, one entry each: the sample ``x`` of ``s``'s micro-batch ``i`` going to micro-batch ``j`` of
+    replica ``t`` (``y`` coming back for a swap), an order swap's other position ``a``, and what leaves ``(s, i)``
+    for ``(t, j)``: tokens, squared lengths, summed costs."""
 
     kind: np.ndarray
     x: np.ndarray
@@ -132,31 +125,28 @@ class Moves:
 
 
 def refine(arr: Arrangement, rng: np.random.Generator, movable: bool) -> Arrangement:
-    """Improve ``arr`` in place by local moves on its slowest replica (module docstring) until its last
-    ``refinement.refine_patience`` rounds gained less than ``objective.min_gain`` or the budget ends; ``movable``:
-    samples may move (dynamic batches), else only the order does."""
+    """Improve ``arr`` in place by rounds of ``refinement.refine_moves`` random moves on its slowest replica, each
+    round making the best that beats the plan, until the last ``refinement.refine_patience`` rounds gained less than
+    ``objective.min_gain`` or the budget ends; ``movable``: samples may move (dynamic batches), else only the order."""
     cfg = arr.budget.pricing.config
-    budget = arr.budget
+    budget, patience = arr.budget, cfg.refinement.refine_patience
     history = [float(arr.spans.max())]  # the slowest makespan after each round
     while budget.allows(budget.refine_round_cost(cfg.refinement.refine_moves, arr.k)):
-        window = history[-cfg.refinement.refine_patience - 1:]
-        if len(window) > cfg.refinement.refine_patience \
-                and not beats(window[-1], window[0], cfg, by=cfg.objective.min_gain):
+        if len(history) > patience and not beats(history[-1], history[-patience - 1], cfg, by=cfg.objective.min_gain):
             break
         budget.charge_round()
-        history.append(history[-1])
         s = int(np.argmax(arr.spans))
         fast = [int(t) for t in np.argsort(arr.spans, kind="stable")[:cfg.rebalancing.balance_partners + 1] if t != s]
         moves = _draw(arr, rng, s, fast[:cfg.rebalancing.balance_partners], movable)
         if len(moves.kind):
             _make_best(arr, moves, s)
-        history[-1] = float(arr.spans.max())
+        history.append(float(arr.spans.max()))
     return arr
 
 
 def _draw(arr: Arrangement, rng: np.random.Generator, s: int, fast: list[int], movable: bool) -> Moves:
-    """``refinement.refine_moves`` moves drawn at random from replica ``s`` (to the ``fast`` replicas), those that keep
-    the plan valid: no micro-batch empties, none of two or more samples exceeds the cap."""
+    """``refinement.refine_moves`` moves drawn from replica ``s`` (to the ``fast`` replicas), less those that would
+    leave a micro-batch empty or put two or more samples over the cap."""
     cfg = arr.budget.pricing.config
     draws, k = cfg.refinement.refine_moves, arr.k
     lengths, costs = arr.lengths.astype(np.float64), arr.costs
@@ -196,14 +186,14 @@ def _draw(arr: Arrangement, rng: np.random.Generator, s: int, fast: list[int], m
 
 
 def _make_best(arr: Arrangement, mv: Moves, s: int) -> None:
-    """Price every move in one call of the model and make the one with the lowest slowest makespan, where it beats
-    the current one."""
+    """Price every move in one call of the model and make the one with the lowest slowest makespan where it beats
+    the plan."""
     spans = arr.spans
     m = len(mv.kind)
     r = np.arange(m)
     moved = mv.kind != Move.ORDER_SWAP
     here, there = moved & (mv.t == s), moved & (mv.t != s)
-    # the new prices of the micro-batches a move changes (one bin pricing, from their sums)
+    # the new prices of the micro-batches a move changes
     new_i = price_sums(arr.tok[s, mv.i] - mv.d_tok, arr.sq[s, mv.i] - mv.d_sq, arr.sums[s, mv.i] - mv.d_sum,
                        arr.profile)
     new_j = price_sums(arr.tok[mv.t, mv.j] + mv.d_tok, arr.sq[mv.t, mv.j] + mv.d_sq,
@@ -251,7 +241,7 @@ def _apply(arr: Arrangement, mv: Moves, s: int, new_i: float, new_j: float) -> N
 
 
 def _rest(spans: np.ndarray, s: int, t: np.ndarray) -> np.ndarray:
-    """Per move, the slowest replica other than ``s`` and the move's ``t`` (one of the three slowest)."""
+    """Per move, the slowest makespan of the replicas other than ``s`` and the move's ``t``."""
     rest = np.full(len(t), -np.inf)
     for cand in np.argsort(-spans, kind="stable")[:3][::-1]:  # the slowest last, so it wins where allowed
         cand = int(cand)

@@ -1,11 +1,6 @@
-"""Micro-batches composed for the pipeline: each replica's samples packed into a *shape* of micro-batch sizes.
-
-A pipelined step waits ``pp - 1`` stage-forwards of its first micro-batch to fill and ``pp - 1`` stage-backwards
-of its last to drain, so the fastest plans (``bench/pipeline_search.py``) start small, rise to the largest within a
-few micro-batches, step down slowly and end small. :func:`ramp_weights` gives such a shape's target shares,
-:func:`shape_pack` packs every row's samples (costliest first) each into the micro-batch with the most room left
-below its target under the token cap, and :func:`pack_each` / :func:`pack_many` pack many rows and ``(count,
-shape)`` combinations in one call, priced in one pass of the pipeline model. Pure: standard library and numpy.
+"""Micro-batches composed for the pipeline: each replica's samples packed into a *shape* of micro-batch sizes
+(:func:`ramp_weights`: small first and last micro-batches fill and drain the pipeline fast), by :func:`shape_pack`,
+many rows and ``(count, shape)`` combinations in one call priced in one pass of the model (:func:`pack_each`).
 """
 
 from __future__ import annotations
@@ -21,8 +16,8 @@ from .pipeline_pricing import Budget
 from .planner_config import ShapeSpec
 from .profile import CostProfile
 
-__all__ = ["Shape", "ShapeSamples", "by_decreasing_cost", "pack_many", "ramp_weights", "replica_members",
-           "shape_pack", "RISING"]
+__all__ = ["RISING", "Shape", "ShapeSamples", "by_decreasing_cost", "pack_each", "pack_many", "pack_rows",
+           "ramp_weights", "replica_members", "shape_pack"]
 
 
 @dataclass(frozen=True)
@@ -32,23 +27,17 @@ class Shape:
     up: int  # micro-batches rising to the plateau
     down: int  # micro-batches falling from it at the end
     low: float  # the first (last) micro-batch's target, as a share of the plateau's
-    #: the run order: "target" (as shaped), or "rising": cheapest first up to the costliest, which runs second
-    #: to last (the interleaved schedule's best plans of evenly loaded micro-batches)
-    order: str = "target"
-    #: the ramps count groups of ``microbatch_group_size_per_vp_stage`` micro-batches, alike within a group (the
-    #: interleaved schedule runs a group through every model chunk together)
-    grouped: bool = False
-    #: > 1: the rise is geometric, each of the ``up`` micro-batches ``1 / rise`` of the next (then ``low`` is the
-    #: last micro-batch's share only); 0: linear from ``low``
-    rise: float = 0.0
+    order: str = "target"  # the run order: "target", or "rising" (cheapest first, the costliest second to last)
+    grouped: bool = False  # the ramps count groups of ``microbatch_group_size_per_vp_stage`` micro-batches
+    rise: float = 0.0  # > 1: a geometric rise, each of the ``up`` micro-batches ``1 / rise`` of the next
 
     def weights(self, k: int, group: int = 1) -> np.ndarray:
         """``(k,)`` target shares (read-only: one array per shape, count and group, made once)."""
         return _weights(self, k, group)
 
     def run_order(self, mb_costs: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
-        """``(R, k)`` the order each row's micro-batches run in (indices into its bins). ``counts``: row ``r`` has
-        only its first ``counts[r]`` micro-batches (rows of several counts side by side); the rest stay in place."""
+        """``(R, k)`` the order each row's micro-batches run in (indices into its bins); ``counts``: row ``r`` has
+        only its first ``counts[r]`` micro-batches, the rest stay in place."""
         r, k = mb_costs.shape
         if self.order == "target":
             return np.broadcast_to(np.arange(k), (r, k))
@@ -61,10 +50,8 @@ class Shape:
 
     @classmethod
     def of(cls, spec: ShapeSpec | tuple, pp: int = 1) -> "Shape":
-        """The shape a :class:`~.planner_config.ShapeSpec` (or its fields as a tuple) configures for a pipeline of
-        ``pp`` stages: ``up < 0`` rises over the whole step (:data:`RISING`); ``per_stage``: ``up`` and ``down``
-        (where >= 0) times ``pp``, rounded half up, at least one where not 0. The same spec and depth give the same
-        object."""
+        """The shape a :class:`~.planner_config.ShapeSpec` (or its fields) configures for ``pp`` stages (cached: the
+        same spec and depth give the same object)."""
         spec = ShapeSpec.of(spec)
         return _shape_of(spec, int(pp) if spec.per_stage else 1)
 
@@ -72,12 +59,12 @@ class Shape:
 @lru_cache(maxsize=1024)
 def _shape_of(spec: ShapeSpec, depth: int) -> Shape:
     up, down = spec.up, spec.down
-    if spec.per_stage:  # ramps in micro-batches per stage: times the depth
+    if spec.per_stage:  # ramps in micro-batches per stage: times the depth, rounded half up, at least one
         up, down = (max(1, int(x * depth + 0.5)) if x > 0 else x for x in (up, down))
     return Shape(RISING if up < 0 else int(up), int(down), spec.low, spec.order, spec.grouped, spec.rise)
 
 
-#: ``up = RISING`` is a ramp over the whole step (the interleaved schedule's best plans rise to a peak near the end)
+#: ``up = RISING`` is a ramp over the whole step
 RISING = 1 << 20
 
 
@@ -94,10 +81,8 @@ def _weights(shape: Shape, k: int, group: int) -> np.ndarray:
 
 
 def ramp_weights(k: int, up: int, down: int, low: float, rise: float = 0.0) -> np.ndarray:
-    """``(k,)`` target shares summing to 1: ``up`` rising from ``low`` (share of the plateau) towards 1 (``rise >
-    1``: geometrically, each ``1 / rise`` of the next), the plateau, ``down`` falling towards ``low`` (``down <
-    0``: every micro-batch after the peak falls). Ramps are shortened (the plateau kept >= 1) when ``k`` is
-    small."""
+    """``(k,)`` target shares summing to 1: ``up`` rising from ``low`` towards 1, the plateau (at least one), ``down``
+    falling towards ``low`` (``down < 0``: every micro-batch after the peak falls)."""
     w = np.ones(k)
     if down < 0:  # the peak, then a fall over every micro-batch after it (one at least where there are three)
         up = min(up, max(k - 2, 0))
@@ -118,8 +103,7 @@ def ramp_weights(k: int, up: int, down: int, low: float, rise: float = 0.0) -> n
 
 
 def by_decreasing_cost(costs: np.ndarray) -> np.ndarray:
-    """Indices by decreasing cost, ties by index (a stable sort's order, from two unstable sorts: several times
-    faster on floats)."""
+    """Indices by decreasing cost, ties by index (a stable sort's order from unstable sorts: faster on floats)."""
     order = np.argsort(-costs)
     value = costs[order]
     if len(order) > 1 and (value[1:] == value[:-1]).any():  # equal costs: by index within each run of them
@@ -132,8 +116,8 @@ def by_decreasing_cost(costs: np.ndarray) -> np.ndarray:
 
 def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int,
                     order: np.ndarray | None = None) -> np.ndarray:
-    """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1. ``order``: the
-    samples' :func:`by_decreasing_cost` where the caller has it already."""
+    """``(dp, n_max)``: each replica's samples by decreasing cost (ties by index), padded with -1; ``order``: the
+    samples' :func:`by_decreasing_cost`, where known."""
     order = by_decreasing_cost(costs) if order is None else order
     # by replica, keeping that order (a stable sort of small integers is a radix sort)
     owner = np.asarray(replica_of)[order]
@@ -149,24 +133,18 @@ def replica_members(replica_of: np.ndarray, costs: np.ndarray, dp: int,
 
 def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weights: np.ndarray,
                cap: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack each row's samples into ``k`` micro-batches shaped by ``weights``.
-
-    ``members``: ``(R, n)`` sample ids by decreasing cost, padded with -1; ``weights``: ``(R, k)`` target shares
-    per row (each row's non-negative entries sum to 1; row ``r``'s targets are ``weights[r] * its total cost``); a
-    negative weight marks a micro-batch the row does not have (rows of fewer micro-batches in one call). Returns
-    ``bin_of`` ``(R, n)`` (the micro-batch of each member, -1 for padding) and ``ok`` ``(R,)``: the row holds the
-    cap (a sample over the cap sits alone) and leaves none of its micro-batches empty.
-    """
+    """Pack each row's samples, costliest first, each into the micro-batch with the most target cost left that takes
+    it under ``cap``. ``members``: ``(R, n)`` sample ids by decreasing cost, padded with -1; ``weights``: ``(R, k)``
+    target shares per row, negative for a micro-batch the row lacks. Returns ``bin_of`` ``(R, n)`` (-1 for padding)
+    and ``ok`` ``(R,)``: the row holds the cap (a sample over it sits alone) and fills every micro-batch."""
     rows, n = members.shape
     k = weights.shape[1]
-    # rows with more samples first, so that the rows still placing samples are a prefix that shrinks as the
-    # shorter rows finish (their padding would change nothing); undone at the end
+    # rows with more samples first: the rows still placing samples are a shrinking prefix (undone at the end)
     by_size = np.argsort(-(members >= 0).sum(axis=1), kind="stable")
     members, weights = members[by_size], weights[by_size]
     valid, unused, room, tok, limit, lens_t, cst_t = _pack_tables(lengths, costs, members, weights, cap)
-    # samples left minus micro-batches still empty: at <= 0 every sample left must open an empty micro-batch
-    # (padding comes last in a row, so what it does to this count never matters). It drops by one at most per
-    # sample, so no row is forced before sample ``min(slack)``: until then it is not tracked.
+    # slack: samples left minus micro-batches still empty (at <= 0 a sample must open an empty one); it drops by
+    # one at most per sample, so it is tracked only from sample ``min(slack)`` on
     size = valid.sum(axis=1)
     used = (~unused).sum(axis=1)
     slack = size - used
@@ -191,24 +169,17 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
                 slack = size - j - (used - ((tok > 0) & ~unused).sum(axis=1))
                 slack_a = slack[:a]
             allowed = np.where(slack_a <= 0, 0, limit[j, :a])  # forced: only an empty micro-batch takes it
-        # the micro-batch with the most room left that takes the sample under the cap: the one with the most room
-        # where it takes it (the common case: one pass), else the most room among those that take it. Once most
-        # rows need the second pass (their micro-batches fill up), every row takes it directly: the same pick
-        if masked:
-            pick = np.where(tok_a <= allowed[:, None], room_a, neg).argmax(axis=1)
-            flat = base_a + pick
-            held = flat_tok[flat]
-        else:
-            pick = room_a.argmax(axis=1)
-            flat = base_a + pick
-            held = flat_tok[flat]
-            over = held > allowed
-            if over.any():
-                bad = np.flatnonzero(over)
-                masked = True
-                pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
-                flat[bad] = base_a[bad] + pick[bad]
-                held[bad] = flat_tok[flat[bad]]
+        # the most room left among the micro-batches that take the sample: first the most room overall (one pass,
+        # the common case), once a row needs the second pass every row takes it directly (the same pick)
+        pick = (np.where(tok_a <= allowed[:, None], room_a, neg) if masked else room_a).argmax(axis=1)
+        flat = base_a + pick
+        held = flat_tok[flat]
+        if not masked and (held > allowed).any():
+            bad = np.flatnonzero(held > allowed)
+            masked = True
+            pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
+            flat[bad] = base_a[bad] + pick[bad]
+            held[bad] = flat_tok[flat[bad]]
         if j >= calm:
             slack_a -= held > 0
         flat_room[flat] -= cst_t[j, :a]
@@ -216,13 +187,10 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
         bin_t[j, :a] = pick
     bin_of = bin_t.T.copy()
     bin_of[~valid] = -1
-    # a sample that fitted nowhere went to a micro-batch over the cap: the row fails; so does an empty micro-batch
-    counts = np.zeros(rows * k, dtype=np.int64)
-    np.add.at(counts, (base[:, None] + bin_of)[valid], 1)
-    counts = counts.reshape(rows, k)
+    # a row fails where a micro-batch is over the cap (a sample fitted nowhere) or empty
+    counts = np.bincount((base[:, None] + bin_of)[valid], minlength=rows * k).reshape(rows, k)
     ok = ((counts > 0) | unused).all(axis=1) & ((tok <= cap) | (counts == 1) | unused).all(axis=1)
-    back = np.empty_like(by_size)
-    back[by_size] = np.arange(rows)
+    back = np.argsort(by_size)
     return bin_of[back], ok[back]
 
 
@@ -234,11 +202,9 @@ def _pack_tables(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, we
     lens = np.where(valid, lengths[safe], 0)
     cst = np.where(valid, costs[safe], 0.0)
     unused = weights < 0
-    # target cost left per micro-batch; a micro-batch the row lacks never has room
-    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))
-    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # tokens; a lacking micro-batch is "full"
-    # the most tokens a micro-batch may hold before taking the sample: cap - L, or 0 (empty) for a sample over
-    # the cap; padding (L = 0) fits anywhere and changes nothing. Per sample rank, contiguous over rows.
+    room = np.where(unused, -np.inf, weights * cst.sum(axis=1, keepdims=True))  # a lacking micro-batch: no room
+    tok = np.where(unused, cap + 1, 0).astype(np.int64)  # and "full"
+    # cap - L, or 0 (only an empty micro-batch) for a sample over the cap; padding (L = 0) fits anywhere
     limit = np.ascontiguousarray(np.where(lens > cap, 0, cap - lens).T)
     return valid, unused, room, tok, limit, np.ascontiguousarray(lens.T), np.ascontiguousarray(cst.T)
 
@@ -246,10 +212,9 @@ def _pack_tables(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, we
 # ---------------------------------------------------------------------------------------------------- a step's samples
 @dataclass(frozen=True)
 class ShapeSamples:
-    """What shaping a step's micro-batches needs (dynamic batches only): the step's sample ``lengths`` and
-    ``costs`` (the planner's), the token ``cap``, a measured ``profile`` (micro-batches priced whole) or ``None``
-    (FLOPs: a micro-batch costs the sum of its samples), and ``step``: the per-replica count moves by multiples of
-    it (``microbatch_group_size_per_vp_stage`` under VPP, else 1)."""
+    """What shaping a step's micro-batches needs (dynamic batches only): the samples' ``lengths`` and ``costs``, the
+    token ``cap``, the ``profile`` (or ``None``: FLOPs), and ``step``: the per-replica count moves by multiples of it
+    (``microbatch_group_size_per_vp_stage`` under VPP, else 1)."""
 
     lengths: np.ndarray
     costs: np.ndarray
@@ -261,7 +226,7 @@ class ShapeSamples:
 
     def _once(self, what: str, ids: np.ndarray, make: Callable[[], object]):
         hit = self._memo.get((what, id(ids)))
-        if hit is None or hit[0] is not ids:  # the memo holds the array, so its id is not reused meanwhile
+        if hit is None or hit[0] is not ids:  # the memo holds the array: its id is not reused meanwhile
             hit = (ids, make())
             self._memo[(what, id(ids))] = hit
         return hit[1]
@@ -290,8 +255,7 @@ class ShapeSamples:
         return self._once("order", ids, lambda: ids[np.lexsort((ids, self.costs[ids]))])
 
     def bin_rows(self, members: np.ndarray, bin_of: np.ndarray, k: int) -> np.ndarray:
-        """``(R, k)`` micro-batch costs of packed rows (:func:`shape_pack`'s ``bin_of`` over ``members``), by the
-        one bin pricing (:func:`~slime_ext.schedule.cost.bin_costs`)."""
+        """``(R, k)`` micro-batch costs of packed rows (:func:`shape_pack`'s ``bin_of`` over ``members``)."""
         rows = members.shape[0]
         valid = members >= 0
         flat = (np.arange(rows)[:, None] * k + bin_of)[valid]
@@ -304,7 +268,6 @@ class ShapeSamples:
         out = np.full((len(groups), int(sizes.max())), -1, dtype=np.int64)
         ids = np.concatenate(groups).astype(np.int64, copy=False)
         row = np.repeat(np.arange(len(groups)), sizes)
-        # every row at once: by row, then by the sample's place in the step's order (decreasing cost, ties by id)
         order = np.argsort(row * len(self.costs) + self.rank[ids])
         out[row, np.arange(len(ids)) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = ids[order]
         return out
@@ -313,10 +276,8 @@ class ShapeSamples:
 def pack_each(budget: Budget, samples: ShapeSamples, members: np.ndarray,
               combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
     """Row ``i`` of ``members`` (sample ids by decreasing cost, padded with -1) packed for ``combos[i]`` (a count
-    and a shape), every row in one :func:`shape_pack` call, relabelled to its shape's run order and priced in one
-    pass of the model (both charged to ``budget``): ``(spans (R,), bin_of (R, n))``; a row that does not fit is
-    ``inf``. A row run in another order takes its prices in that order (a relabelled micro-batch holds the same
-    samples in the same order: the same sums)."""
+    and a shape) in one :func:`shape_pack` call, relabelled to its shape's run order and priced in one pass of the
+    model, both charged to ``budget``: ``(spans (R,), bin_of (R, n))``, ``inf`` where a row does not fit."""
     index: dict[tuple[int, Shape], list[int]] = {}
     for i, combo in enumerate(combos):
         index.setdefault(combo, []).append(i)
@@ -350,8 +311,7 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
               combos: list[tuple[int, Shape]]) -> tuple[np.ndarray, np.ndarray]:
     """Every row of ``members`` packed for every ``(count, shape)`` of ``combos`` in one call: ``(spans (C, R),
     bin_of (C, R, n))``; a packing that does not fit is ``inf``."""
-    # shapes whose targets coincide at a count (short ramps are cut, e.g. three VPP groups) pack alike: each
-    # distinct (count, targets, run order) is packed once and its packing stands for the others
+    # shapes whose targets coincide at a count pack alike: each distinct (count, targets, run order) is packed once
     first: dict[tuple, int] = {}
     of = [first.setdefault((k, shape.order, shape.weights(k, samples.step).tobytes()), i)
           for i, (k, shape) in enumerate(combos)]
@@ -365,8 +325,7 @@ def pack_many(budget: Budget, samples: ShapeSamples, members: np.ndarray,
 
 def pack_rows(budget: Budget, samples: ShapeSamples, members: np.ndarray, rows: list[np.ndarray],
               combos: list[tuple[int, Shape]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, every part in one call: per part its spans and
-    ``bin_of`` (``inf`` where a row does not fit)."""
+    """The rows ``rows[i]`` of ``members`` packed for ``combos[i]``, in one call: per part its spans and ``bin_of``."""
     spans, bin_of = pack_each(budget, samples, members[np.concatenate(rows)],
                               [combo for combo, part in zip(combos, rows) for _ in part])
     cuts = np.cumsum([len(part) for part in rows])[:-1]
