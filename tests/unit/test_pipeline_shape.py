@@ -5,7 +5,6 @@ and the search never returns worse than its seeds."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from bench import pipeline_search
 from slime_ext.schedule import BatchConfig, CostModel, ParallelConfig, check_schedule, plan_schedule
 from slime_ext.schedule.cost import sample_costs
-from slime_ext.schedule.invariants import replica_makespans
+from slime_ext.schedule.invariants import micro_batch_makespans, replica_makespans
 from slime_ext.schedule.pipeline_pricing import Budget, pipeline_pricing
 from slime_ext.schedule.pipeline_rebalance import lockstep, rebalance_run
 from slime_ext.schedule.pipeline_shape import (RISING, Shape, ShapeSamples, pack_many, ramp_weights, replica_members,
@@ -151,16 +150,11 @@ def test_planner_with_shapes_keeps_every_invariant_and_beats_the_unaware_plan(pp
 
 
 def oracle_spans(plan: "pipeline_search.Plan", case: "pipeline_search.SearchCase") -> np.ndarray:
-    """``(dp,)`` the makespans of a yardstick plan (one step) by :func:`replica_makespans`, the invariant checker's
-    re-pricing from the documented rule through the public pipeline model."""
+    """``(dp,)`` the makespans of a yardstick plan (one step) by :func:`micro_batch_makespans`, the invariant
+    checker's re-pricing from the documented rule through the public pipeline model."""
     lengths, model, _ = case.inputs()
-    mbs = plan.mbs()
-    local = [[list(range(sum(map(len, rep[:j])), sum(map(len, rep[:j + 1])))) for j in range(len(rep))]
-             for rep in mbs]
-    step = SimpleNamespace(parallel=case.parallel(), total_lengths=lengths.tolist(), cost_model=model, cap=plan.cap,
-                           dp_size=len(mbs), num_microbatches=[len(mbs[0])],
-                           partitions=[[x for mb in rep for x in mb] for rep in mbs], micro_batch_indices=local)
-    return replica_makespans(step, 0)[0]
+    replicas = [[lengths[list(mb)] for mb in rep] for rep in plan.mbs()]
+    return micro_batch_makespans(case.parallel(), model, plan.cap, replicas)[0]
 
 
 def _yardstick_plans(case, planned: bool = False):
