@@ -57,6 +57,34 @@ def _cp_partition_indices(*args, **kwargs):
                               "tests (context parallelism is not run on CPU)")
 
 
+#: what importing NeMo-RL's Megatron policy worker module (``nemo_rl.models.policy.workers.megatron_policy_worker``)
+#: needs beyond :func:`install`: all of Megatron-Bridge (its package needs transformer-engine, which has no CPU
+#: wheel), the names NeMo-RL's pinned megatron-core has in ``mcore_fsdp_adapter`` and PyPI's 0.19.2 has not, and
+#: ``tensordict`` and ``datasets`` (not in this venv). Inert modules: the tests that import the worker module only
+#: resolve its classes, they never build a worker.
+WORKER_MODULE_STUBS = ("megatron.bridge", "megatron.core.distributed.fsdp.mcore_fsdp_adapter", "tensordict", "datasets")
+
+
+class _InertModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path, target=None):
+        if any(fullname == name or fullname.startswith(name + ".") for name in WORKER_MODULE_STUBS):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Anything(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def install_for_worker_module() -> None:
+    """:func:`install`, with :data:`WORKER_MODULE_STUBS` inert (call it first, in a fresh interpreter)."""
+    if not any(isinstance(f, _InertModules) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InertModules())
+    install()
+
+
 def install() -> None:
     missing = [name for name in LOGGER_BACKENDS if importlib.util.find_spec(name) is None]
     if missing and not any(isinstance(f, _LoggerBackends) for f in sys.meta_path):
