@@ -194,7 +194,8 @@ def ours_pass(lengths: np.ndarray, dp: int, pp: int, forward_only: bool, cost_mo
     t = time.perf_counter()
     parallel = ParallelConfig(dp_size=dp, pp_size=pp)
     plan = plan_shards(lengths, parallel=parallel, batch_size=None if forward_only else n // GLOBAL_BATCHES, cap=cap,
-                       pad_multiple=PAD, forward_only=forward_only, cost_model=cost_model, pad_to_longest=pad_to_longest)
+                       pad_multiple=PAD, forward_only=forward_only, cost_model=cost_model,
+                       pad_to_longest=pad_to_longest)
     seconds = time.perf_counter() - t
     padded = pad_to_longest and pp > 1
     if padded and theirs is not None:

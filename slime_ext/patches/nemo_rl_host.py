@@ -112,9 +112,9 @@ NEMO_RL_WORKER_FQN = "nemo_rl.models.policy.workers.megatron_policy_worker.Megat
 
 
 def worker_class_patches(worker_class_fqn: str) -> PatchSet:
-    """The driver-side patch for slime-ext's worker class (unless ``pad_to_longest``): NeMo-RL's actor environment registry with
-    slime-ext's worker class in the environment of NeMo-RL's Megatron worker (NeMo-RL refuses an actor class it has
-    no environment for)."""
+    """The driver-side patch for slime-ext's worker class (unless ``pad_to_longest``): NeMo-RL's actor environment
+    registry with slime-ext's worker class in the environment of NeMo-RL's Megatron worker (NeMo-RL refuses an
+    actor class it has no environment for)."""
 
     def make(registry: dict) -> dict:
         return {**registry, worker_class_fqn: registry[NEMO_RL_WORKER_FQN]}

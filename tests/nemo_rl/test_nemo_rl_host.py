@@ -92,9 +92,9 @@ def test_shard_for_train_switch_on_and_off(dp, pp, pad_to_longest):
 
 @pytest.mark.parametrize("theirs_faster", [False, True])
 def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(padded_switch, theirs_faster, monkeypatch):
-    """At PP 2 with the opt-out (NeMo-RL's worker pads to the longest) the runtime prices NeMo-RL's own shards of the call; when they
-    are the faster (here the choice is forced, its pricing is tested in tests/unit), they come back unchanged, rows
-    and metadata, else slime-ext's plan."""
+    """At PP 2 with the opt-out (NeMo-RL's worker pads to the longest) the runtime prices NeMo-RL's own shards of
+    the call; when they are the faster (here the choice is forced, its pricing is tested in tests/unit), they come
+    back unchanged, rows and metadata, else slime-ext's plan."""
     from slime_ext.integrations.nemo_rl import runtime
     from slime_ext.integrations.nemo_rl.plan import PaddedChoice
 

@@ -92,7 +92,8 @@ for fqn in sys.argv[2:]:
         continue
     cls = actor_class.__ray_metadata__.modified_class
     out[fqn] = {"actor": isinstance(actor_class, ray.actor.ActorClass),
-                "megatron": issubclass(cls, MegatronPolicyWorkerImpl), "classes": [c.__qualname__ for c in cls.__mro__[:3]],
+                "megatron": issubclass(cls, MegatronPolicyWorkerImpl),
+                "classes": [c.__qualname__ for c in cls.__mro__[:3]],
                 "options": {k: v for k, v in options.items() if k != "scheduling_strategy"},
                 "args": list(args), "kwargs": kwargs}
 print(json.dumps(out))

@@ -1,6 +1,6 @@
-"""``python -m slime_ext.integrations.nemo_rl [--cost-profile JSON] [--pad-to-longest] SCRIPT [its arguments]``: run a NeMo-RL entry
-script (``examples/run_grpo.py``, ...) with slime-ext planning its Megatron micro-batches (see the package
-docstring)."""
+"""``python -m slime_ext.integrations.nemo_rl [--cost-profile JSON] [--pad-to-longest] SCRIPT [its arguments]``:
+run a NeMo-RL entry script (``examples/run_grpo.py``, ...) with slime-ext planning its Megatron micro-batches (see
+the package docstring)."""
 
 from __future__ import annotations
 
