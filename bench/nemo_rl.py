@@ -33,7 +33,8 @@ charged the pricing's overhead, backward 2x forward, 1F1B at pp 4; pp 1 is the s
 GPU's work; ``logprob``: one forward-only pass, the slowest rank's; ``comp/real``: computed tokens over real tokens in
 the training pass; ``mb/rank``: micro-batches per DP rank per global batch; ``bad``: invalid plans (unequal counts
 across ranks, a micro-batch of several rows over the cap, a row lost or repeated). ``ours/best``: our training pass
-over NeMo-RL's best valid setting. These are predictions of a model, not measurements.
+over NeMo-RL's best valid setting; ``plan s``: seconds slime-ext took to plan the training pass (the default).
+These are predictions of a model, not measurements.
 """
 
 from __future__ import annotations
@@ -262,13 +263,14 @@ def run_cases(nemo: Any, workloads: Sequence[str], dps: Sequence[int], pps: Sequ
                     theirs[setting] = judge(*passes[setting], lengths, dp, pp, cost_model)
                 valid = [k for k, f in theirs.items() if not f.invalid] or list(theirs)
                 user = passes[min(valid, key=lambda k: theirs[k].train)]  # the user's setting: NeMo-RL's best
-                (train, plan_s, train_won), (logprob, _, logprob_won) = (
+                (train, _, train_won), (logprob, _, logprob_won) = (
                     ours_pass(lengths, dp, pp, fo, cost_model, True, user[fo]) for fo in (False, True))
                 padded = judge(train, logprob, lengths, dp, pp, cost_model)
                 won = ",".join(name for name, w in (("train", train_won), ("logprob", logprob_won)) if w) or "-"
-                default = [ours_pass(lengths, dp, pp, fo, cost_model, False)[0] for fo in (False, True)]
-                cases.append(Case(workload, dp, pp, theirs, judge(*default, lengths, dp, pp, cost_model), padded,
-                                  plan_s, won))
+                (train, plan_s, _), (logprob, _, _) = (ours_pass(lengths, dp, pp, fo, cost_model, False)
+                                                       for fo in (False, True))
+                cases.append(Case(workload, dp, pp, theirs, judge(train, logprob, lengths, dp, pp, cost_model),
+                                  padded, plan_s, won))
     return cases
 
 
