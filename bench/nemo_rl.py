@@ -16,23 +16,25 @@ integration runs in the same two calls, forward-only for the log-prob pass.
 **How a plan runs** (what NeMo-RL's Megatron worker does with the shard metadata): a packed micro-batch computes
 its rows, each rounded up to ``make_sequence_length_divisible_by``; with pipeline parallelism every packed
 micro-batch is padded to the longest of its rank's global batch (``_get_pack_sequence_parameters_for_megatron``),
-for NeMo-RL's plans and for ours alike. Column ``ours``: what the switch runs by default, slime-ext's plan or,
-under pipeline parallelism, NeMo-RL's own sharding of the same call where the switch predicts it faster
-(:func:`slime_ext.integrations.nemo_rl.plan.choose_padded`), the user's packer being the one of NeMo-RL's best
-setting in that case (column ``won``: the passes where NeMo-RL's own ran). Column ``ours*``: slime-ext with its
-``variable_seq_lengths`` option, whose worker runs each packed micro-batch at its own length (megatron-core's
-variable sequence lengths), planned without the pad. A dynamic
-micro-batch computes ``rows x its longest row`` (rounded to ``sequence_length_round``).
+for NeMo-RL's plans. Column ``ours``: what the switch runs by default, slime-ext's plan, whose worker class runs
+each packed micro-batch at its own length under pipeline parallelism (megatron-core's variable sequence lengths),
+planned without the pad. Column ``ours+pad``: the ``pad_to_longest`` opt-out (NeMo-RL's worker and its pad):
+slime-ext's plan made with the pad priced in or, where the switch predicts it faster, NeMo-RL's own sharding of the
+same call (:func:`slime_ext.integrations.nemo_rl.plan.choose_padded`), the user's packer being the one of NeMo-RL's
+best setting in that case (column ``won``: the passes where NeMo-RL's own ran); at one stage it is ``ours``. A
+dynamic micro-batch computes ``rows x its longest row`` (rounded to ``sequence_length_round``).
 
 **Pricing**: slime-ext's pipeline model (:func:`slime_ext.schedule.pipeline_pricing`; forward-only for the log-prob
-pass): forward FLOPs of Qwen3-8B-like dims (:mod:`bench.workloads`), padding at the linear rate, each micro-batch
+pass): forward FLOPs of Qwen3-8B-like dims (:mod:`bench.workloads`), a pad token at the per-token rate as the
+integration prices it (:func:`slime_ext.integrations.nemo_rl.plan.padded_micro_batch_costs`), each micro-batch
 charged the pricing's overhead, backward 2x forward, 1F1B at pp 4; pp 1 is the same pricing with one stage.
 
 **Columns**: ``train``: the predicted training pass, the global batches' slowest-replica makespans summed, TFLOP of one
 GPU's work; ``logprob``: one forward-only pass, the slowest rank's; ``comp/real``: computed tokens over real tokens in
 the training pass; ``mb/rank``: micro-batches per DP rank per global batch; ``bad``: invalid plans (unequal counts
 across ranks, a micro-batch of several rows over the cap, a row lost or repeated). ``ours/best``: our training pass
-over NeMo-RL's best valid setting. These are predictions of a model, not measurements.
+over NeMo-RL's best valid setting; ``plan s``: seconds slime-ext took to plan the training pass (the default).
+These are predictions of a model, not measurements.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from slime_ext.integrations.nemo_rl.plan import choose_padded, plan_shards
+from slime_ext.integrations.nemo_rl.plan import choose_padded, padded_micro_batch_costs, plan_shards, round_up
 from slime_ext.schedule import CostModel, ParallelConfig, PipelineSpec, pipeline_pricing
 
 from .workloads import MODEL_DIMS, make_lengths
@@ -102,11 +104,12 @@ def pricing(dp: int, pp: int, cost_model: CostModel, cap: int, forward_only: boo
 
 
 def packed_mb(rows: Sequence[int], lengths: np.ndarray, width: int, cost_model: CostModel) -> tuple:
-    """A packed micro-batch of ``rows`` padded to ``width`` tokens (its own length when ``width`` is smaller)."""
-    padded = -(-lengths[list(rows)] // PAD) * PAD
-    tokens = max(int(padded.sum()), width)
-    flops = float(cost_model.flops(padded).sum()) + cost_model.coefficients()[0] * (tokens - int(padded.sum()))
-    return tuple(rows), tokens, flops
+    """A packed micro-batch of ``rows`` (each rounded up to ``PAD``) padded to ``width`` tokens (its own length when
+    ``width`` is smaller), priced as the integration prices the pad."""
+    packed = np.array([round_up(lengths[i], PAD) for i in rows], dtype=np.int64)
+    tokens = max(int(packed.sum()), width)
+    flops = padded_micro_batch_costs([list(range(len(rows)))], packed, cost_model, width=width)[0]
+    return tuple(rows), tokens, float(flops)
 
 
 def dynamic_mb(rows: Sequence[int], seqlen: int, cost_model: CostModel) -> tuple:
@@ -192,12 +195,13 @@ def ours_pass(lengths: np.ndarray, dp: int, pp: int, forward_only: bool, cost_mo
     t = time.perf_counter()
     parallel = ParallelConfig(dp_size=dp, pp_size=pp)
     plan = plan_shards(lengths, parallel=parallel, batch_size=None if forward_only else n // GLOBAL_BATCHES, cap=cap,
-                       pad_multiple=PAD, forward_only=forward_only, cost_model=cost_model, pad_to_longest=pad_to_longest)
+                       pad_multiple=PAD, forward_only=forward_only, cost_model=cost_model,
+                       pad_to_longest=pad_to_longest)
     seconds = time.perf_counter() - t
     padded = pad_to_longest and pp > 1
     if padded and theirs is not None:
         rows = [[[list(mb[0]) for mb in rank] for rank in gb] for gb in theirs.mbs]
-        if choose_padded(plan.micro_batch_rows(), rows, plan.padded_lengths, parallel=parallel, cap=plan.cap,
+        if choose_padded(plan.padded_time, rows, plan.padded_lengths, parallel=parallel, cap=plan.cap,
                          forward_only=forward_only, cost_model=cost_model).theirs_wins:
             return theirs, seconds, True
     mbs = []
@@ -220,8 +224,8 @@ class Case:
     dp: int
     pp: int
     theirs: dict  # setting -> Figures
-    ours: Figures
-    unpadded: Figures  # ours with the variable_seq_lengths option (no PP pad to the longest)
+    ours: Figures  # the default: micro-batches at their own length under PP
+    padded: Figures  # the pad_to_longest opt-out: NeMo-RL's pad under PP (ours, or NeMo-RL's own where faster)
     plan_s: float
     won: str = "-"  # the passes where the switch ran NeMo-RL's own plan (train, logprob), or "-"
 
@@ -259,13 +263,14 @@ def run_cases(nemo: Any, workloads: Sequence[str], dps: Sequence[int], pps: Sequ
                     theirs[setting] = judge(*passes[setting], lengths, dp, pp, cost_model)
                 valid = [k for k, f in theirs.items() if not f.invalid] or list(theirs)
                 user = passes[min(valid, key=lambda k: theirs[k].train)]  # the user's setting: NeMo-RL's best
-                (train, plan_s, train_won), (logprob, _, logprob_won) = (
+                (train, _, train_won), (logprob, _, logprob_won) = (
                     ours_pass(lengths, dp, pp, fo, cost_model, True, user[fo]) for fo in (False, True))
-                ours = judge(train, logprob, lengths, dp, pp, cost_model)
+                padded = judge(train, logprob, lengths, dp, pp, cost_model)
                 won = ",".join(name for name, w in (("train", train_won), ("logprob", logprob_won)) if w) or "-"
-                bare = [ours_pass(lengths, dp, pp, fo, cost_model, False)[0] for fo in (False, True)]
-                cases.append(Case(workload, dp, pp, theirs, ours, judge(*bare, lengths, dp, pp, cost_model), plan_s,
-                                  won))
+                (train, plan_s, _), (logprob, _, _) = (ours_pass(lengths, dp, pp, fo, cost_model, False)
+                                                       for fo in (False, True))
+                cases.append(Case(workload, dp, pp, theirs, judge(train, logprob, lengths, dp, pp, cost_model),
+                                  padded, plan_s, won))
     return cases
 
 
@@ -274,20 +279,20 @@ def geomean(values: Sequence[float]) -> float:
 
 
 def print_table(cases: list[Case]) -> None:
-    cols = [*SETTINGS, "ours", "ours*"]
+    cols = [*SETTINGS, "ours", "ours+pad"]
     print(f"{'workload':<9} {'dp':>2} {'pp':>2} | " + " | ".join(
-        f"{c:>7}: {'train':>6} {'logprob':>7} {'comp/real':>9} {'mb/rank':>7} {'bad':>8}" for c in cols)
+        f"{c:>8}: {'train':>6} {'logprob':>7} {'comp/real':>9} {'mb/rank':>7} {'bad':>8}" for c in cols)
         + f" | {'ours/best':>9} {'plan s':>6} {'won':>13}")
     for c in cases:
-        figs = {**c.theirs, "ours": c.ours, "ours*": c.unpadded}
+        figs = {**c.theirs, "ours": c.ours, "ours+pad": c.padded}
         cells = []
         for col in cols:
             f = figs.get(col)
             if f is None:
-                cells.append(f"{col:>7}: {'(refused by NeMo-RL under PP)':>42}")
+                cells.append(f"{col:>8}: {'(refused by NeMo-RL under PP)':>42}")
                 continue
             counts = ",".join(str(x) for x in sorted(set(f.counts)))
-            cells.append(f"{col:>7}: {f.train / TFLOP:>6.1f} {f.logprob / TFLOP:>7.1f} {f.computed / f.real:>9.3f} "
+            cells.append(f"{col:>8}: {f.train / TFLOP:>6.1f} {f.logprob / TFLOP:>7.1f} {f.computed / f.real:>9.3f} "
                          f"{counts:>7} {f.invalid or '-':>8}")
         print(f"{c.workload:<9} {c.dp:>2} {c.pp:>2} | " + " | ".join(cells)
               + f" | {c.ours.train / c.best().train:>9.3f} {c.plan_s:>6.2f} {c.won:>13}")
@@ -299,16 +304,17 @@ def summarize(cases: list[Case]) -> bool:
         at = [c for c in cases if c.pp == pp]
         ratio = geomean([c.ours.train / c.best().train for c in at])
         logprob = geomean([c.ours.logprob / min(f.logprob for f in c.theirs.values()) for c in at])
-        bare = geomean([c.unpadded.train / c.best().train for c in at])
+        padded = geomean([c.padded.train / c.best().train for c in at])
+        padded_logprob = geomean([c.padded.logprob / min(f.logprob for f in c.theirs.values()) for c in at])
         goal = GOALS.get(pp)
         met = goal is None or ratio <= goal
         ok &= met
         print(f"pp {pp}: training pass, ours / NeMo-RL's best valid setting, geomean over {len(at)} cases = "
               f"{ratio:.3f} (goal <= {goal}: {'met' if met else 'MISSED'}); log-prob pass ours / NeMo-RL's best = "
-              f"{logprob:.3f}; with the variable_seq_lengths option (ours*) = {bare:.3f} (goal: "
-              f"{'met' if goal is None or bare <= goal else 'MISSED'})")
+              f"{logprob:.3f}; with the pad_to_longest opt-out (ours+pad) = {padded:.3f} (goal: "
+              f"{'met' if goal is None or padded <= goal else 'MISSED'}), its log-prob pass {padded_logprob:.3f}")
     bad = {s: sum(1 for c in cases for k, f in c.theirs.items() if k == s and f.invalid) for s in SETTINGS}
-    ours_bad = sum(1 for c in cases if c.ours.invalid)
+    ours_bad = sum(1 for c in cases for f in (c.ours, c.padded) if f.invalid)
     print(f"invalid plans: NeMo-RL {bad}, ours {ours_bad} of {len(cases)} cases")
     return ok and ours_bad == 0
 

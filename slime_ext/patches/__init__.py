@@ -29,8 +29,8 @@ Modules:
   (github.com/verl-project/verl), by version; applied by :mod:`slime_ext.integrations.verl`;
 * :mod:`slime_ext.patches.megatron_rl` -- where slime-ext enters Megatron-LM's RL loop; applied by
   :mod:`slime_ext.integrations.megatron_rl`;
-* :mod:`slime_ext.patches.nemo_rl_host` -- where slime-ext enters NeMo-RL's driver-side sharding (and, with its
-  ``variable_seq_lengths`` option, its Megatron worker's packing), by version; applied by
+* :mod:`slime_ext.patches.nemo_rl_host` -- where slime-ext enters NeMo-RL's driver-side sharding (and, by
+  default under pipeline parallelism, its Megatron worker's packing), by version; applied by
   :mod:`slime_ext.integrations.nemo_rl`;
 * :mod:`slime_ext.patches.on_import` -- the one import hook that applies a host's patches the moment the target
   module is imported (slime's and verl's integrations use it).

@@ -20,9 +20,12 @@ the parameters of ``shard_by_batch_size``, that the two shard methods still call
 ``Policy.__init__`` still holds the assert it lifts. Anything else is refused with a ``PatchError`` naming what
 differs.
 
-With the ``variable_seq_lengths`` option, a fifth patch is applied in the Megatron worker processes
-(:func:`worker_patches`): ``nemo_rl.models.megatron.data._get_pack_sequence_parameters_for_megatron`` without its pad
-to the longest packed micro-batch under PP.
+Unless the ``pad_to_longest`` opt-out is set, two more: on the driver, NeMo-RL's actor environment registry with
+slime-ext's Megatron worker class in the Megatron worker's environment (:func:`worker_class_patches`); in that
+worker class's processes (pipeline parallelism only), ``nemo_rl.models.megatron.data.
+_get_pack_sequence_parameters_for_megatron`` without its pad to the longest packed micro-batch
+(:func:`worker_patches`). ``Policy.__init__`` must take ``worker_extension_cls_fqn``, through which slime-ext's
+worker class is started.
 
 What enters NeMo-RL is handed in by :mod:`slime_ext.integrations.nemo_rl` (its ``runtime`` module), which applies
 this set; this module imports nothing of slime-ext above the patches.
@@ -30,6 +33,7 @@ this set; this module imports nothing of slime-ext above the patches.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from . import Patch, PatchError, PatchSet, imported_version, parameters_are, source_contains
@@ -37,6 +41,8 @@ from . import Patch, PatchError, PatchSet, imported_version, parameters_are, sou
 DATA_MODULE = "nemo_rl.distributed.batched_data_dict"
 WORKER_DATA_MODULE = "nemo_rl.models.megatron.data"
 POLICY_MODULE = "nemo_rl.models.policy.lm_policy"
+#: the parameter of ``Policy.__init__`` that names its workers' Ray actor class
+WORKER_CLASS_PARAMETER = "worker_extension_cls_fqn"
 SUPPORTED = ">=0.6.0,<0.8"
 TESTED = ("0.6.0 (HEAD 7ea279a, 2026-08-22)",)
 #: the parameters of NeMo-RL's shard_by_batch_size the replacement takes, in order
@@ -51,6 +57,31 @@ def _nemo_rl_version():
 def _expect_shard(original: Any) -> str | None:
     return parameters_are(PARAMETERS)(original) or source_contains("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb",
                            "sequence_length_pad_multiple", "max_tokens_per_microbatch")(original)
+
+
+def worker_class_position(init: Any) -> int:
+    """Where ``worker_extension_cls_fqn`` sits among ``Policy.__init__``'s positional parameters after ``self,
+    cluster, config``, read off its signature; ``PatchError`` when it has none."""
+    try:
+        names = list(inspect.signature(init).parameters)
+    except (TypeError, ValueError) as exc:
+        raise PatchError(f"cannot read the signature of {init!r} ({exc})") from exc
+    if WORKER_CLASS_PARAMETER not in names[3:]:
+        raise PatchError(f"it has no parameter {WORKER_CLASS_PARAMETER} after self, cluster, config (its "
+                         f"parameters: {names})")
+    return names.index(WORKER_CLASS_PARAMETER) - 3
+
+
+def _expect_policy_init(original: Any) -> str | None:
+    found = source_contains("Dynamic batching is only supported for single pipeline parallel stage",
+                            'config["sequence_packing"]["enabled"]')(original)
+    if found:
+        return found
+    try:
+        worker_class_position(original)
+    except PatchError as exc:
+        return str(exc)
+    return None
 
 
 def nemo_rl_patches(runtime: Any) -> PatchSet:
@@ -70,9 +101,7 @@ def nemo_rl_patches(runtime: Any) -> PatchSet:
               expect=source_contains("shard_by_batch_size(", '["logprob_mb_tokens"]', "sequence_packing_args="),
               doc="NeMo-RL's own, planned as a forward-only pass", **common),
         Patch(name="nemo-rl-policy-init", module=POLICY_MODULE, attribute="Policy.__init__",
-              make=runtime.make_policy_init,
-              expect=source_contains("Dynamic batching is only supported for single pipeline parallel stage",
-                                     'config["sequence_packing"]["enabled"]'),
+              make=runtime.make_policy_init, expect=_expect_policy_init,
               doc="the policy config checked; dynamic batching run as sequence packing (PP allowed)", **common),
     ])
 
@@ -83,9 +112,9 @@ NEMO_RL_WORKER_FQN = "nemo_rl.models.policy.workers.megatron_policy_worker.Megat
 
 
 def worker_class_patches(worker_class_fqn: str) -> PatchSet:
-    """The driver-side patch of the ``variable_seq_lengths`` option: NeMo-RL's actor environment registry with
-    slime-ext's worker class in the environment of NeMo-RL's Megatron worker (NeMo-RL refuses an actor class it has
-    no environment for)."""
+    """The driver-side patch for slime-ext's worker class (unless ``pad_to_longest``): NeMo-RL's actor environment
+    registry with slime-ext's worker class in the environment of NeMo-RL's Megatron worker (NeMo-RL refuses an
+    actor class it has no environment for)."""
 
     def make(registry: dict) -> dict:
         return {**registry, worker_class_fqn: registry[NEMO_RL_WORKER_FQN]}
@@ -102,7 +131,7 @@ def worker_class_patches(worker_class_fqn: str) -> PatchSet:
 
 
 def worker_patches(worker: Any) -> PatchSet:
-    """The worker-side patch of the ``variable_seq_lengths`` option, applied in NeMo-RL's Megatron worker process.
+    """The worker-side patch of slime-ext's worker class, applied in its (Megatron worker) processes.
     ``worker``: the integration's worker module (:func:`unpadded_pack_parameters`)."""
     return PatchSet("nemo-rl-worker", [
         Patch(name="nemo-rl-unpadded-packs", module=WORKER_DATA_MODULE,
@@ -113,5 +142,6 @@ def worker_patches(worker: Any) -> PatchSet:
     ])
 
 
-__all__ = ["DATA_MODULE", "PARAMETERS", "POLICY_MODULE", "PatchError", "SUPPORTED", "TESTED", "WORKER_DATA_MODULE", "nemo_rl_patches",
-           "worker_class_patches", "worker_patches"]
+__all__ = ["DATA_MODULE", "PARAMETERS", "POLICY_MODULE", "PatchError", "SUPPORTED", "TESTED", "WORKER_CLASS_PARAMETER",
+           "WORKER_DATA_MODULE", "nemo_rl_patches", "worker_class_patches", "worker_class_position",
+           "worker_patches"]

@@ -1,6 +1,8 @@
 """One rank of NeMo-RL's Megatron training step on CPU over gloo: ``python nemo_rl_fb_worker.py RANK WORLD PORT PP OUT``.
 
-For each mode (``nemo-rl``: NeMo-RL's own sharding; ``slime-ext``: the switch on), from the same canonical weights:
+For each mode (``nemo-rl``: NeMo-RL's own sharding; ``slime-ext``: the switch on, whose workers under PP run each
+packed micro-batch at its own length; ``slime-ext-pad``: the switch with its ``pad_to_longest`` opt-out, NeMo-RL's
+workers and their pad to the longest), from the same canonical weights:
 the driver's real ``Policy._shard_for_train`` (every rank computes the same shards, as NeMo-RL's driver would send
 them), then on this rank NeMo-RL's real worker path for its shard: ``process_global_batch`` (the global valid-token
 counts, all-reduced over DP), ``get_microbatch_iterator`` (packing; under PP the pad to the longest),
@@ -30,9 +32,10 @@ nemo_rl_stubs.install()
 import torch  # noqa: E402
 
 GLOBAL_BATCH = 16
-#: NeMo-RL's own sharding; slime-ext's; slime-ext's with its variable_seq_lengths option (PP only: the worker patch,
-#: no pad to the longest packed micro-batch)
-MODES = ("nemo-rl", "slime-ext", "slime-ext-varlen")
+#: NeMo-RL's own sharding; slime-ext's (under PP its worker class's two parts: the worker patch, no pad to the
+#: longest packed micro-batch, and megatron-core's variable_seq_lengths); slime-ext's with the pad_to_longest opt-out
+#: (PP only: NeMo-RL's worker and its pad)
+MODES = ("nemo-rl", "slime-ext", "slime-ext-pad")
 
 
 def train_config(pp: int):
@@ -53,22 +56,24 @@ def one_step(mode: str, config, cfg: dict, data) -> dict:
 
     from nemo_rl_fixtures import make_policy
     from slime_ext.integrations import nemo_rl as integration
+    from slime_ext.integrations.nemo_rl import runtime
     from slime_ext.integrations.nemo_rl.worker import use_variable_seq_lengths
     from slime_ext.patches.megatron_cpu import cpu_device_context
     from slime_ext.training.model import build_model, canonical_named_parameters, wrap_ddp
 
+    unpadded = mode == "slime-ext" and cfg["megatron_cfg"]["pipeline_model_parallel_size"] > 1
     if mode != "nemo-rl":
-        integration.enable(variable_seq_lengths=mode == "slime-ext-varlen")
+        integration.enable(pad_to_longest=mode == "slime-ext-pad")
     try:
         shards = make_policy(cfg, 2)._shard_for_train(data, GLOBAL_BATCH)
     finally:
         integration.disable()
-    if mode == "slime-ext-varlen":
+    if unpadded:
         integration.enable_worker()
     dp_rank, dp_group = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_group()
     chunks = build_model(config, position_embedding_type="rope")
     model = wrap_ddp(chunks, config)
-    if mode == "slime-ext-varlen":
+    if unpadded:
         use_variable_seq_lengths(model)
     loss_fn = NLLLossFn()
     widths = []
@@ -79,12 +84,13 @@ def one_step(mode: str, config, cfg: dict, data) -> dict:
             yield processed
 
     if mode != "nemo-rl":
-        integration.enable(variable_seq_lengths=mode == "slime-ext-varlen")
+        integration.enable(pad_to_longest=mode == "slime-ext-pad")
     try:
         logprob_shards, sorted_indices = make_policy(cfg, 2)._shard_for_logprob(data)
+        choice = runtime.STATE.last_choice if mode != "nemo-rl" else None
     finally:
         integration.disable()
-    if mode == "slime-ext-varlen":
+    if unpadded:
         integration.enable_worker()
     try:
         with cpu_device_context():
@@ -114,7 +120,8 @@ def one_step(mode: str, config, cfg: dict, data) -> dict:
         real = torch.arange(outputs["logprobs"].shape[1])[None, :] < data["input_lengths"][:, None]
         logprobs = outputs["logprobs"] * real
     moved = sorted_indices is not None and list(sorted_indices) != sorted(sorted_indices)
-    return {"loss": float(loss.item()), "grads": grads, "logprobs": logprobs, "rows_moved": moved, "num_microbatches": int(count),
+    return {"loss": float(loss.item()), "grads": grads, "logprobs": logprobs, "rows_moved": moved,
+            "nemo_rls_own_ran": bool(choice is not None and choice.theirs_wins), "num_microbatches": int(count),
             "last_stage": parallel_state.is_pipeline_last_stage(), "widths": widths,
             "packed": [int(t) for t in shards[dp_rank].micro_batch_lengths[0]]}
 
@@ -150,7 +157,7 @@ def main(rank: int, world: int, port: int, pp: int, out: str) -> None:
     cfg["sequence_packing"]["train_mb_tokens"] = 96
     data, _ = rollouts(GLOBAL_BATCH, seed=9, longest=60)
     try:
-        torch.save({mode: one_step(mode, config, cfg, data) for mode in MODES if pp > 1 or mode != "slime-ext-varlen"},
+        torch.save({mode: one_step(mode, config, cfg, data) for mode in MODES if pp > 1 or mode != "slime-ext-pad"},
                    out)
     finally:
         shutdown_parallel()

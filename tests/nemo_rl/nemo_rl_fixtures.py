@@ -45,7 +45,7 @@ def make_policy(cfg: dict, dp: int):
     if enabled():
         from slime_ext.integrations.nemo_rl.runtime import STATE
 
-        setattr(policy, LAYOUT_ATTRIBUTE, layout_from_config(cfg, STATE.options.variable_seq_lengths))
+        setattr(policy, LAYOUT_ATTRIBUTE, layout_from_config(cfg, STATE.options.pad_to_longest))
     return policy
 
 

@@ -39,9 +39,14 @@ class _Anything(types.ModuleType):
         return _Anything(f"{self.__name__}()")
 
 
-class _LoggerBackends(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _InertModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports ``names`` and everything under them as :class:`_Anything` modules."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
     def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] in LOGGER_BACKENDS:
+        if any(fullname == name or fullname.startswith(name + ".") for name in self.names):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
@@ -52,15 +57,34 @@ class _LoggerBackends(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def _insert_inert(names: tuple[str, ...], first: bool) -> None:
+    if not any(isinstance(f, _InertModules) and f.names == names for f in sys.meta_path):
+        sys.meta_path.insert(0 if first else len(sys.meta_path), _InertModules(names))
+
+
 def _cp_partition_indices(*args, **kwargs):
     raise NotImplementedError("Megatron-Bridge's get_packed_seq_cp_partition_indices is stubbed in slime-ext's host "
                               "tests (context parallelism is not run on CPU)")
 
 
+#: what importing NeMo-RL's Megatron policy worker module (``nemo_rl.models.policy.workers.megatron_policy_worker``)
+#: needs beyond :func:`install`: all of Megatron-Bridge (its package needs transformer-engine, which has no CPU
+#: wheel), the names NeMo-RL's pinned megatron-core has in ``mcore_fsdp_adapter`` and PyPI's 0.19.2 has not, and
+#: ``tensordict`` and ``datasets`` (not in this venv). Inert modules: the tests that import the worker module only
+#: resolve its classes, they never build a worker.
+WORKER_MODULE_STUBS = ("megatron.bridge", "megatron.core.distributed.fsdp.mcore_fsdp_adapter", "tensordict", "datasets")
+
+
+def install_for_worker_module() -> None:
+    """:func:`install`, with :data:`WORKER_MODULE_STUBS` inert (call it first, in a fresh interpreter)."""
+    _insert_inert(WORKER_MODULE_STUBS, first=True)
+    install()
+
+
 def install() -> None:
     missing = [name for name in LOGGER_BACKENDS if importlib.util.find_spec(name) is None]
-    if missing and not any(isinstance(f, _LoggerBackends) for f in sys.meta_path):
-        sys.meta_path.append(_LoggerBackends())
+    if missing:
+        _insert_inert(LOGGER_BACKENDS, first=False)
     if importlib.util.find_spec("megatron.bridge") is None:
         for name in ("megatron.bridge", "megatron.bridge.training", "megatron.bridge.training.utils"):
             module = types.ModuleType(name)

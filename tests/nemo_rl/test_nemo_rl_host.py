@@ -15,10 +15,20 @@ from nemo_rl_fixtures import CAP_LOGPROB, CAP_TRAIN, PAD, make_policy, policy_co
 
 @pytest.fixture
 def switch():
-    """slime-ext enabled for one test, undone after it."""
+    """slime-ext enabled (its defaults) for one test, undone after it."""
     from slime_ext.integrations import nemo_rl as integration
 
     integration.enable()
+    yield integration
+    integration.disable()
+
+
+@pytest.fixture
+def padded_switch():
+    """slime-ext enabled with the pad_to_longest opt-out for one test, undone after it."""
+    from slime_ext.integrations import nemo_rl as integration
+
+    integration.enable(pad_to_longest=True)
     yield integration
     integration.disable()
 
@@ -48,22 +58,29 @@ def check_shards(shards, lengths, batch_size, cap):
                 assert end - start == 1 or tokens <= cap
 
 
+@pytest.mark.parametrize("pad_to_longest", [False, True])
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("dp", [2, 4])
-def test_shard_for_train_switch_on_and_off(switch, dp, pp):
+def test_shard_for_train_switch_on_and_off(dp, pp, pad_to_longest):
     """Switch on: slime-ext's plan through NeMo-RL's real ``_shard_for_train``; off: NeMo-RL's own. Both hold the
-    invariants; on, the shards are the plan slime-ext made (the last plan of the runtime), or at PP 2 (NeMo-RL's pad
-    to the longest) NeMo-RL's own where the runtime's choice says it is faster."""
+    invariants; on, the shards are the plan slime-ext made (the last plan of the runtime): by default planned
+    without the pad (the workers run each micro-batch at its own length), with the ``pad_to_longest`` opt-out at
+    PP 2 planned with NeMo-RL's pad priced in, or NeMo-RL's own where the runtime's choice says it is faster."""
+    from slime_ext.integrations import nemo_rl as integration
     from slime_ext.integrations.nemo_rl import runtime
 
     data, lengths = rollouts(64)
-    policy = make_policy(policy_config(pp), dp)
-    ours = policy._shard_for_train(data, 32)
+    integration.enable(pad_to_longest=pad_to_longest)
+    try:
+        ours = make_policy(policy_config(pp), dp)._shard_for_train(data, 32)
+        plan, choice = runtime.STATE.last_plan, runtime.STATE.last_choice
+    finally:
+        integration.disable()
     check_shards(ours, lengths, 32, CAP_TRAIN)
-    plan, choice = runtime.STATE.last_plan, runtime.STATE.last_choice
+    padded = pad_to_longest and pp > 1
     assert plan is not None and not plan.forward_only and plan.schedule.parallel.pp_size == pp
-    assert (choice is None) == (pp == 1) and (pp == 1 or choice.theirs is not None)
-    switch.disable()
+    assert (choice is None) == (not padded) and (plan.padded_time is None) == (not padded)
+    assert not padded or (choice.theirs is not None and choice.ours == plan.padded_time)
     theirs = make_policy(policy_config(pp), dp)._shard_for_train(data, 32)
     check_shards(theirs, lengths, 32, CAP_TRAIN)
     if choice is not None and choice.theirs_wins:
@@ -74,10 +91,10 @@ def test_shard_for_train_switch_on_and_off(switch, dp, pp):
 
 
 @pytest.mark.parametrize("theirs_faster", [False, True])
-def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(switch, theirs_faster, monkeypatch):
-    """At PP 2 (NeMo-RL's worker pads to the longest) the runtime prices NeMo-RL's own shards of the call; when they
-    are the faster (here the choice is forced, its pricing is tested in tests/unit), they come back unchanged, rows
-    and metadata, else slime-ext's plan."""
+def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(padded_switch, theirs_faster, monkeypatch):
+    """At PP 2 with the opt-out (NeMo-RL's worker pads to the longest) the runtime prices NeMo-RL's own shards of
+    the call; when they are the faster (here the choice is forced, its pricing is tested in tests/unit), they come
+    back unchanged, rows and metadata, else slime-ext's plan."""
     from slime_ext.integrations.nemo_rl import runtime
     from slime_ext.integrations.nemo_rl.plan import PaddedChoice
 
@@ -91,9 +108,9 @@ def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(switch, thei
     data, lengths = rollouts(64, seed=7)
     shards, sorted_indices = make_policy(policy_config(pp=2), 2)._shard_for_logprob(data)
     plan = runtime.STATE.last_plan
-    switch.disable()
+    padded_switch.disable()
     own, own_sorted = make_policy(policy_config(pp=2), 2)._shard_for_logprob(data)
-    assert len(seen) == 1 and seen[0][0] == plan.micro_batch_rows()
+    assert len(seen) == 1 and plan.padded_time is not None and seen[0][0] == plan.padded_time  # priced once: made
     assert seen[0][1] == [[[rows_of(own[r])[s:e] for s, e in own[r].micro_batch_indices[0]] for r in range(2)]]
     metadata = [(rows_of(s), s.micro_batch_indices, s.micro_batch_lengths, s.elem_counts_per_gb) for s in shards]
     if theirs_faster:
@@ -104,9 +121,9 @@ def test_under_the_pad_to_the_longest_nemo_rls_own_runs_when_faster(switch, thei
         assert sorted_indices == plan.sorted_indices and [m[0] for m in metadata] == [list(r) for r in plan.rows]
 
 
-def test_a_row_over_the_cap_is_planned_where_nemo_rls_packer_refuses_it(switch):
+def test_a_row_over_the_cap_is_planned_where_nemo_rls_packer_refuses_it(padded_switch):
     """NeMo-RL's packer refuses a row longer than the cap; slime-ext's plan puts it alone in a micro-batch, so at PP 2
-    NeMo-RL's own plan is no candidate and slime-ext's runs."""
+    with the opt-out NeMo-RL's own plan is no candidate and slime-ext's runs."""
     from slime_ext.integrations.nemo_rl import runtime
 
     data, lengths = rollouts(64, seed=5, longest=700)
@@ -148,33 +165,49 @@ def test_other_shard_calls_are_nemo_rls_own(switch):
     assert runtime.STATE.last_plan is None
 
 
+@pytest.mark.parametrize("pad_to_longest", [False, True])
 @pytest.mark.parametrize("pp", [1, 2])
-def test_worker_iterators_run_every_row_once(switch, pp, monkeypatch):
+def test_worker_iterators_run_every_row_once(pp, pad_to_longest, monkeypatch):
     """NeMo-RL's worker side on our shards: ``get_batch`` per global batch, its Megatron ``get_microbatch_iterator``
-    (packing, and under PP its padding to the longest packed micro-batch) and the processed micro-batches: every
-    row once per step, the counts the shards announce."""
+    (packing; under PP by default with slime-ext's worker patch, each packed micro-batch at its own length, and with
+    the opt-out NeMo-RL's pad to the longest) and the processed micro-batches: every row once per step, the counts
+    the shards announce."""
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
     from nemo_rl.models.megatron.data import get_microbatch_iterator
+
+    from slime_ext.integrations import nemo_rl as integration
 
     monkeypatch.setattr(BatchedDataDict, "to", lambda self, device: self)  # the CPU host: no .to("cuda")
     data, lengths = rollouts(32, seed=5)
     cfg = policy_config(pp)
-    shards = make_policy(cfg, 2)._shard_for_train(data, 16)
-    for g in range(2):
-        counts = set()
-        for shard in shards:
-            batch = shard.get_batch(batch_idx=g)
-            iterator, count, mbs, _, padded = get_microbatch_iterator(batch, cfg, 1, straggler_timer=None)
-            counts.add(count)
-            seen = []
-            for processed in iterator:
-                ids = processed.input_ids.flatten().tolist()
-                seen += sorted({i - 1 for i in ids if i > 0})
-                if pp > 1:
-                    assert processed.input_ids.shape[-1] == padded == max(batch.micro_batch_lengths[0])
-            assert sorted(seen) == sorted(rows_of(batch))
-            assert mbs == 1
-        assert len(counts) == 1
+    integration.enable(pad_to_longest=pad_to_longest)
+    try:
+        shards = make_policy(cfg, 2)._shard_for_train(data, 16)
+    finally:
+        integration.disable()
+    if pp > 1 and not pad_to_longest:
+        integration.enable_worker()  # what slime-ext's worker class applies in its processes
+    try:
+        for g in range(2):
+            counts = set()
+            for shard in shards:
+                batch = shard.get_batch(batch_idx=g)
+                iterator, count, mbs, _, padded = get_microbatch_iterator(batch, cfg, 1, straggler_timer=None)
+                counts.add(count)
+                seen, widths = [], []
+                for processed in iterator:
+                    ids = processed.input_ids.flatten().tolist()
+                    seen += sorted({i - 1 for i in ids if i > 0})
+                    widths.append(processed.input_ids.shape[-1])
+                assert sorted(seen) == sorted(rows_of(batch))
+                assert mbs == 1
+                if pp > 1 and pad_to_longest:
+                    assert widths == [padded] * count and padded == max(batch.micro_batch_lengths[0])
+                else:
+                    assert widths == list(batch.micro_batch_lengths[0])
+            assert len(counts) == 1
+    finally:
+        integration.disable()
 
 
 def test_refuses_an_unknown_nemo_rl(monkeypatch):

@@ -190,6 +190,10 @@ def test_layout_from_config():
     ({"megatron_cfg.variable_seq_lengths": True, "megatron_cfg.batch_p2p_comm": True},
      "set policy.megatron_cfg.batch_p2p_comm=false"),
     ({"make_sequence_length_divisible_by": 0}, "make_sequence_length_divisible_by = 0"),
+    ({"megatron_cfg.virtual_pipeline_model_parallel_size": -2}, "virtual_pipeline_model_parallel_size = -2"),
+    ({"megatron_cfg.virtual_pipeline_model_parallel_size": 2.0}, "virtual_pipeline_model_parallel_size = 2.0"),
+    ({"megatron_cfg.batch_p2p_comm": True}, "batch_p2p_comm=false, or start the launcher with --pad-to-longest"),
+    ({"quant_cfg": {"algorithm": "fp8"}}, "quant_cfg is set: .* --pad-to-longest"),
 ])
 def test_settings_slime_ext_cannot_honour_are_refused(overrides, needle):
     with pytest.raises(NemoRLSettingError, match=needle):
@@ -214,23 +218,41 @@ def test_dynamic_batching_runs_as_packing_with_its_caps():
     assert run_as_packing(policy_config()) is None
 
 
-def test_policy_init_replacement_checks_converts_and_remembers():
+def nemo_rl_like_init(calls: list):
+    """A stand-in for NeMo-RL's ``Policy.__init__`` with its parameters (HEAD 7ea279a), recording what it gets."""
+
+    def __init__(self, cluster, config, tokenizer, name_prefix="lm_policy", workers_per_node=None,
+                 init_optimizer=True, weights_path=None, optimizer_path=None, init_reference_model=True,
+                 processor=None, worker_extension_cls_fqn=None, skip_weight_load=False):
+        if config["dynamic_batching"]["enabled"]:
+            assert config["megatron_cfg"]["pipeline_model_parallel_size"] == 1, "Dynamic batching is only ..."
+        calls.append((cluster, config, tokenizer, name_prefix, worker_extension_cls_fqn, skip_weight_load))
+
+    return __init__
+
+
+@pytest.fixture
+def workers_import_slime_ext(monkeypatch):
+    """The registry's worker environment is this interpreter (no NeMo-RL needed to look it up)."""
+    import sys
+
+    from slime_ext.integrations.nemo_rl import runtime
+
+    monkeypatch.setattr(runtime, "worker_executable", lambda: sys.executable)
+
+
+def test_policy_init_replacement_checks_converts_and_remembers(workers_import_slime_ext):
     """The ``Policy.__init__`` replacement against a stand-in for NeMo-RL's: the stand-in asserts what NeMo-RL's
     does (dynamic batching only at one pipeline stage), and the replacement gets past it by packing."""
     calls = []
 
-    def original(self, cluster, config, *args, **kwargs):
-        if config["dynamic_batching"]["enabled"]:
-            assert config["megatron_cfg"]["pipeline_model_parallel_size"] == 1, "Dynamic batching is only ..."
-        calls.append((cluster, config, args, kwargs))
-
     class Policy:
-        __init__ = make_policy_init(original)
+        __init__ = make_policy_init(nemo_rl_like_init(calls))
 
     cfg = policy_config(**{"sequence_packing.enabled": False, "dynamic_batching.enabled": True})
     policy = Policy("cluster", cfg, "tokenizer", name_prefix="p")
-    (_, passed, args, kwargs), = calls
-    assert passed["sequence_packing"]["enabled"] and args == ("tokenizer",) and kwargs == {"name_prefix": "p"}
+    (_, passed, tokenizer, prefix, _, _), = calls
+    assert passed["sequence_packing"]["enabled"] and (tokenizer, prefix) == ("tokenizer", "p")
     assert getattr(policy, LAYOUT_ATTRIBUTE).pp_size == 4
     with pytest.raises(NemoRLSettingError, match="Megatron backend only"):
         Policy("cluster", policy_config(**{"megatron_cfg.enabled": False}))
@@ -251,6 +273,9 @@ def test_launcher_splits_its_options_from_the_scripts(tmp_path):
     script.write_text("")
     ns, path, rest = parse(["--cost-profile", "p.json", str(script), "--config", "x.yaml", "policy.a=1"])
     assert ns.cost_profile == "p.json" and path == str(script) and rest == ["--config", "x.yaml", "policy.a=1"]
+    assert not ns.pad_to_longest
+    ns, _, rest = parse(["--pad-to-longest", str(script), "--pad-to-longest"])
+    assert ns.pad_to_longest and rest == ["--pad-to-longest"]  # after the script: the script's own
     with pytest.raises(SystemExit):
         parse([str(tmp_path / "missing.py")])
 
@@ -296,6 +321,7 @@ def test_pad_to_longest_picks_a_count_no_slower_under_that_padding():
         return total
 
     assert padded_time(plans[1]) <= padded_time(plans[0]) * 1.0001
+    assert plans[0].padded_time is None and plans[1].padded_time == pytest.approx(padded_time(plans[1]), rel=1e-9)
 
 
 # ------------------------------------------------- NeMo-RL's own plan as a candidate under the pad to the longest
@@ -321,10 +347,25 @@ def test_the_pad_is_priced_as_the_longest_micro_batchs_tokens():
         padded_pass_time(EVEN, ROWS_1000, parallel=ParallelConfig(dp_size=2), cap=3000, forward_only=False)
 
 
+def test_a_pad_token_costs_the_per_token_rate():
+    """The one pricing of the pad: a micro-batch padded from 1000 to 3000 tokens costs its row's FLOPs plus 2000
+    tokens at the model's linear rate (not 3x its row's FLOPs, which would charge the pad attention too)."""
+    from slime_ext.integrations.nemo_rl.plan import padded_micro_batch_costs
+
+    model = CostModel(hidden_size=1024, num_layers=16, num_attention_heads=16, vocab_size=32000)
+    linear, quadratic = model.coefficients()
+    costs = padded_micro_batch_costs([[0], [1, 2, 3]], ROWS_1000, model)
+    one = linear * 1000 + quadratic * 1000 ** 2
+    assert costs.tolist() == pytest.approx([one + linear * 2000, 3 * one], rel=1e-12)
+    assert padded_micro_batch_costs([[0], [1, 2, 3]], ROWS_1000, None).tolist() == [3000, 3000]
+    assert padded_micro_batch_costs([[0], [1, 2, 3]], ROWS_1000, None, width=4000).tolist() == [4000, 4000]
+
+
 @pytest.mark.parametrize("forward_only", [False, True])
 def test_the_faster_plan_wins_and_ours_a_tie(forward_only):
     def choose(ours, theirs):
-        return choose_padded(ours, theirs, ROWS_1000, parallel=PP2, cap=3000, forward_only=forward_only)
+        pricing = dict(parallel=PP2, cap=3000, forward_only=forward_only)
+        return choose_padded(padded_pass_time(ours, ROWS_1000, **pricing), theirs, ROWS_1000, **pricing)
 
     assert not choose(EVEN, LOPSIDED).theirs_wins
     won = choose(LOPSIDED, EVEN)
@@ -341,8 +382,7 @@ def test_the_faster_plan_wins_and_ours_a_tie(forward_only):
 ])
 def test_a_plan_that_cannot_run_is_no_candidate(theirs, parallel, needle):
     cap = 4000 if parallel.vpp_size > 1 else 3000
-    choice = choose_padded(LOPSIDED if parallel.vpp_size == 1 else [[[[0, 1], [2, 3]], [[4, 5], [6, 7]]]], theirs,
-                           ROWS_1000, parallel=parallel, cap=cap, forward_only=False)
+    choice = choose_padded(1.0, theirs, ROWS_1000, parallel=parallel, cap=cap, forward_only=False)
     assert choice.theirs is None and needle in choice.why_not and not choice.theirs_wins
 
 
@@ -370,44 +410,105 @@ def test_a_shard_plan_as_micro_batch_rows():
             assert all(i // 32 == g for mb in mbs for i in mb)
 
 
-def test_variable_seq_lengths_option_in_the_layout_and_its_refusals():
-    cfg = policy_config()
-    assert layout_from_config(cfg).padded_to_longest
-    layout = layout_from_config(cfg, variable_seq_lengths=True)
-    assert layout.variable_seq_lengths and not layout.padded_to_longest
-    one_stage = policy_config(**{"megatron_cfg.pipeline_model_parallel_size": 1})
-    assert not layout_from_config(one_stage, variable_seq_lengths=True).variable_seq_lengths  # nothing to change
-    with pytest.raises(NemoRLSettingError, match="batch_p2p_comm=false, or drop the variable_seq_lengths option"):
-        layout_from_config(policy_config(**{"megatron_cfg.batch_p2p_comm": True}), variable_seq_lengths=True)
+def test_under_pp_the_workers_run_unpadded_unless_pad_to_longest():
+    cfg = policy_config(**{"megatron_cfg.batch_p2p_comm": True, "quant_cfg": {"algorithm": "fp8"}})
+    layout = layout_from_config(policy_config())
+    assert layout.variable_seq_lengths and not layout.padded_to_longest  # the default under PP
+    opted_out = layout_from_config(cfg, pad_to_longest=True)  # NeMo-RL's workers: nothing of theirs refused
+    assert not opted_out.variable_seq_lengths and opted_out.padded_to_longest
+    one_stage = policy_config(**{"megatron_cfg.pipeline_model_parallel_size": 1, "megatron_cfg.batch_p2p_comm": True,
+                                 "quant_cfg": {"algorithm": "fp8"}})
+    for pad_to_longest in (False, True):  # one stage: nothing about the workers changes
+        layout = layout_from_config(one_stage, pad_to_longest=pad_to_longest)
+        assert not layout.variable_seq_lengths and not layout.padded_to_longest
 
 
-def test_variable_seq_lengths_starts_slime_exts_worker_class():
+#: the position of worker_extension_cls_fqn after ``self, cluster, config`` in NeMo-RL HEAD's Policy.__init__
+NEMO_RL_WORKER_CLASS_POSITION = 8
+
+
+def test_slime_exts_worker_class_is_passed_under_pp_by_default(workers_import_slime_ext):
     from slime_ext.integrations.nemo_rl import runtime
     from slime_ext.integrations.nemo_rl.worker import WORKER_CLASS_FQN
 
     calls = []
 
     class Policy:
-        __init__ = make_policy_init(lambda self, cluster, config, *args, **kwargs: calls.append(kwargs))
+        __init__ = make_policy_init(nemo_rl_like_init(calls))
 
-    positional = []
-
-    class PositionalPolicy:
-        __init__ = make_policy_init(lambda self, cluster, config, *args, **kwargs: positional.append((args, kwargs)))
-
-    runtime.STATE.options = Options(variable_seq_lengths=True)
+    Policy("cluster", policy_config(), "tokenizer")
+    assert calls[-1][4] == WORKER_CLASS_FQN
+    before = tuple(f"arg{i}" for i in range(NEMO_RL_WORKER_CLASS_POSITION - 1))
+    Policy("cluster", policy_config(), "tokenizer", *before, None, True)  # passed by position, left None
+    assert calls[-1][4:] == (WORKER_CLASS_FQN, True)
+    with pytest.raises(NemoRLSettingError, match="start the launcher with --pad-to-longest"):
+        Policy("cluster", policy_config(), "tokenizer", worker_extension_cls_fqn="my.Worker")
+    Policy("cluster", policy_config(**{"megatron_cfg.pipeline_model_parallel_size": 1}), "tokenizer")
+    assert calls[-1][4] is None  # one stage: NeMo-RL's own worker class
+    runtime.STATE.options = Options(pad_to_longest=True)
     try:
-        Policy("cluster", policy_config(), "tokenizer")
-        assert calls[-1]["worker_extension_cls_fqn"] == WORKER_CLASS_FQN
-        before = tuple(f"arg{i}" for i in range(runtime.WORKER_CLASS_POSITION))
-        PositionalPolicy("cluster", policy_config(), *before, None, "after")  # passed by position, left None
-        assert positional[-1] == ((*before, WORKER_CLASS_FQN, "after"), {})
-        with pytest.raises(NemoRLSettingError, match="its own worker class"):
-            Policy("cluster", policy_config(), "tokenizer", worker_extension_cls_fqn="my.Worker")
+        Policy("cluster", policy_config(), "tokenizer", worker_extension_cls_fqn="my.Worker")
+        assert calls[-1][4] == "my.Worker"  # the opt-out: the caller's class, NeMo-RL's pad
     finally:
         runtime.STATE.__init__()
-    Policy("cluster", policy_config(), "tokenizer")
-    assert "worker_extension_cls_fqn" not in calls[-1]
+
+
+def test_the_worker_class_position_is_read_off_the_signature():
+    from slime_ext.patches import PatchError
+    from slime_ext.patches.nemo_rl_host import worker_class_position
+
+    assert worker_class_position(nemo_rl_like_init([])) == NEMO_RL_WORKER_CLASS_POSITION
+
+    def moved(self, cluster, config, tokenizer, worker_extension_cls_fqn=None):
+        pass
+
+    def without(self, cluster, config, tokenizer):
+        pass
+
+    assert worker_class_position(moved) == 1
+    with pytest.raises(PatchError, match="no parameter worker_extension_cls_fqn"):
+        worker_class_position(without)
+    with pytest.raises(PatchError, match="no parameter worker_extension_cls_fqn"):
+        make_policy_init(without)
+
+
+def test_a_worker_environment_without_slime_ext_is_named(tmp_path, caplog):
+    """A worker Python that cannot import slime-ext is refused before the workers start; a ``uv`` environment
+    (built later from NeMo-RL's lock) gets a warning unless PYTHONPATH holds slime-ext; the import error of a worker
+    that lacks it becomes one error naming the fixes."""
+    import logging
+    import os
+    import sys
+
+    import slime_ext
+    from slime_ext.integrations.nemo_rl.worker import check_worker_environment, missing_slime_ext_named
+
+    lacking = tmp_path / "python-without-slime-ext"
+    lacking.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'slime_ext'\" >&2\nexit 1\n")
+    having = tmp_path / "python-with-slime-ext"
+    having.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    for script in (lacking, having):
+        script.chmod(0o755)
+    with pytest.raises(NemoRLSettingError, match="cannot import slime-ext's worker class .*No module named "
+                                                 "'slime_ext'.*PYTHONPATH.*NEMO_RL_PY_EXECUTABLES_SYSTEM=1"):
+        check_worker_environment(str(lacking))
+    check_worker_environment(str(having))
+    check_worker_environment(sys.executable)
+    source = os.path.dirname(os.path.dirname(os.path.abspath(slime_ext.__file__)))
+    uv = "uv run --locked --extra mcore --directory /rl"
+    with caplog.at_level(logging.WARNING, logger="slime_ext.integrations.nemo_rl"):
+        check_worker_environment(uv, {"PYTHONPATH": source})
+        assert not caplog.records
+        check_worker_environment(uv, {})
+    assert "PYTHONPATH holds none" in caplog.text
+    with pytest.raises(NemoRLSettingError, match="cannot import slime-ext's worker class") as raised:
+        with missing_slime_ext_named(True):
+            raise ModuleNotFoundError("No module named 'slime_ext'")
+    assert isinstance(raised.value.__cause__, ModuleNotFoundError)
+    for active, error in ((False, ModuleNotFoundError("No module named 'slime_ext'")), (True, KeyError("x"))):
+        with pytest.raises(type(error)):
+            with missing_slime_ext_named(active):
+                raise error
 
 
 def test_unpadded_pack_parameters_drop_only_the_pad_to_the_longest():

@@ -3,7 +3,7 @@ both shard paths, training and log-prob.
 
 The switch is the launcher: start NeMo-RL's entry script through slime-ext, with its arguments unchanged::
 
-    python -m slime_ext.integrations.nemo_rl [--cost-profile JSON] examples/run_grpo.py --config ... policy...
+    python -m slime_ext.integrations.nemo_rl [--cost-profile JSON] [--pad-to-longest] examples/run_grpo.py ...
     # (was: python examples/run_grpo.py --config ...)
 
 The launcher arranges slime-ext's patches (:mod:`slime_ext.patches.nemo_rl_host`) to be applied the moment NeMo-RL's
@@ -16,7 +16,11 @@ metadata NeMo-RL's workers already read, so the worker code runs unchanged. A se
 refused when the ``Policy`` is built (:mod:`.settings`); a NeMo-RL it does not recognise is refused when the patches
 are applied (``PatchError``).
 
-The patches are driver-side: NeMo-RL shards on the driver, and its Ray workers read what the driver sends.
+The plan is made on the driver: NeMo-RL shards there, and its Ray workers read what the driver sends. Under
+pipeline parallelism the Megatron workers also run each packed micro-batch at its own length instead of NeMo-RL's
+pad to the longest (:mod:`.worker`: slime-ext's worker class, which the workers must be able to import); the
+``pad_to_longest`` opt-out (``--pad-to-longest``) keeps NeMo-RL's workers and pad, and then runs NeMo-RL's own
+sharding of a call where it is predicted faster under that pad. At one pipeline stage the workers are NeMo-RL's.
 
 A process of your own calls :func:`enable` (imports NeMo-RL's two modules and patches them now) and :func:`disable`
 to undo.
@@ -65,7 +69,7 @@ def _apply(module: Any = None) -> PatchSet:
         from . import runtime
 
         patches = nemo_rl_patches(runtime)
-        if runtime.STATE.options.variable_seq_lengths:
+        if not runtime.STATE.options.pad_to_longest:
             from slime_ext.patches.nemo_rl_host import worker_class_patches
 
             from .worker import WORKER_CLASS_FQN
@@ -78,30 +82,31 @@ def _apply(module: Any = None) -> PatchSet:
     return _applied
 
 
-def enable(cost_model: Any = None, cost_profile: str | None = None, variable_seq_lengths: bool = False) -> PatchSet:
+def enable(cost_model: Any = None, cost_profile: str | None = None, pad_to_longest: bool = False) -> PatchSet:
     """Patch the importable NeMo-RL now. ``cost_model`` (a :class:`~slime_ext.schedule.CostModel`) or
-    ``cost_profile`` (a ``slime-ext calibrate`` JSON) price the plan; neither: tokens. ``variable_seq_lengths``:
-    Megatron workers run packed micro-batches at their own length under PP (:mod:`.worker`). Idempotent for the
-    same options; raises ``PatchError`` for a NeMo-RL it does not recognise."""
-    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, variable_seq_lengths=variable_seq_lengths))
+    ``cost_profile`` (a ``slime-ext calibrate`` JSON) price the plan; neither: tokens. ``pad_to_longest``: under PP,
+    keep NeMo-RL's worker class and its pad of every packed micro-batch to the longest (default: slime-ext's worker
+    class runs them at their own length, :mod:`.worker`). Idempotent for the same options; raises ``PatchError``
+    for a NeMo-RL it does not recognise."""
+    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, pad_to_longest=pad_to_longest))
     return _apply()
 
 
 def enable_worker() -> PatchSet:
-    """Apply the worker-side patch of the ``variable_seq_lengths`` option in this (Megatron worker) process: NeMo-RL's
-    packed micro-batches keep their own length under PP. Idempotent; :func:`disable` undoes it too."""
+    """Apply the worker-side patch in this (Megatron worker) process: NeMo-RL's packed micro-batches keep their own
+    length under PP (what slime-ext's worker class does when it starts). Idempotent; :func:`disable` undoes it
+    too."""
     from .worker import apply_worker_patches
 
     return apply_worker_patches()
 
 
-def enable_on_import(cost_model: Any = None, cost_profile: str | None = None,
-                     variable_seq_lengths: bool = False) -> None:
+def enable_on_import(cost_model: Any = None, cost_profile: str | None = None, pad_to_longest: bool = False) -> None:
     """Apply the patches right after NeMo-RL's ``lm_policy`` module executes (now, if it already did); what the
     launcher does, so that importing NeMo-RL stays the script's own business."""
     from slime_ext.patches.nemo_rl_host import POLICY_MODULE
 
-    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, variable_seq_lengths=variable_seq_lengths))
+    _set_options(Options(cost_model=cost_model, cost_profile=cost_profile, pad_to_longest=pad_to_longest))
     on_import.arrange(HOOK_OWNER, {POLICY_MODULE: functools.partial(_after_import)})
 
 

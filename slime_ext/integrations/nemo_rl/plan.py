@@ -25,11 +25,17 @@ the rows of shard 0, then shard 1, ... in shard order.
    pipeline parallelism the count and order its pipeline model predicts fastest for the pass asked for
    (``forward_only``: a log-prob pass). NeMo-RL's Megatron worker pads every packed micro-batch of a rank's global
    batch to the longest one under pipeline parallelism (megatron-core's p2p then sees one shape); with
-   ``pad_to_longest`` the count is the one that predicts fastest with that padding priced in (:func:`_pad_aware`).
+   ``pad_to_longest`` the count is the one that predicts fastest with that padding priced in (:func:`_pad_aware`),
+   and the plan keeps its predicted time (``ShardPlan.padded_time``).
 4. **Metadata.** Each rank's rows in micro-batch order, and the three lists above.
 
-With that padding, :func:`choose_padded` prices another plan of the same call (NeMo-RL's own, read off its metadata
-by :func:`micro_batch_rows`) the same way (:func:`padded_pass_time`), so the caller runs the faster one.
+The pad is priced one way everywhere (:func:`padded_micro_batch_costs`): a pad token costs the per-token (linear)
+rate of the cost model: the pad runs through every linear layer (projections, MLP, output layer), while attention
+over it is masked out of the real rows' (megatron-core's packed attention runs each row over its own sequence
+length), so the quadratic term stays each row's own. Scaling a micro-batch's whole cost up to the longest one's
+tokens would charge the pad the rows' attention as well. With that padding, :func:`choose_padded` prices another
+plan of the same call (NeMo-RL's own, read off its metadata by :func:`micro_batch_rows`) the same way
+(:func:`padded_pass_time`) against the plan's ``padded_time``, so the caller runs the faster one.
 
 Pure: standard library, numpy and :mod:`slime_ext.schedule`'s public API.
 """
@@ -46,7 +52,7 @@ from slime_ext.schedule import (BatchConfig, CostModel, CostProfile, DPSchedule,
                                 PlanRequest, ScheduleError, microbatch_costs, pipeline_pricing, plan)
 
 __all__ = ["MicroBatchRows", "PaddedChoice", "ShardPlan", "check_shard_plan", "choose_padded", "micro_batch_rows",
-           "padded_pass_time", "plan_shards", "round_up"]
+           "padded_micro_batch_costs", "padded_pass_time", "plan_shards", "round_up"]
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -64,7 +70,9 @@ class ShardPlan:
       worker reads (the module docstring);
     * ``sorted_indices``: ``rows[0] + rows[1] + ...`` (``reorder_data`` undoes it);
     * ``padded_lengths``: every row's length as packed (rounded up to ``pad_multiple``);
-    * ``schedule``: the planner's record (``stats[g].predicted_makespan`` etc.).
+    * ``schedule``: the planner's record (``stats[g].predicted_makespan`` etc.);
+    * ``padded_time``: planned with ``pad_to_longest`` under pipeline parallelism, the pass's predicted time with
+      that pad (:func:`padded_pass_time`), else ``None``.
     """
 
     rows: tuple[tuple[int, ...], ...]
@@ -75,6 +83,7 @@ class ShardPlan:
     cap: int
     forward_only: bool
     schedule: DPSchedule
+    padded_time: float | None = None
 
     @property
     def dp_size(self) -> int:
@@ -154,7 +163,8 @@ def plan_shards(
     # 3: one request to the planner (with the pad to the longest: the count it prices fastest, see _pad_aware)
     request = PlanRequest(lengths=padded, parallel=parallel, batch=batch, step_of=step_of,
                           forward_only=bool(forward_only), cost_model=cost_model, config=config)
-    schedule = _pad_aware(request, num_steps) if pad_to_longest and parallel.pp_size > 1 else plan(request)
+    schedule, padded_time = (_pad_aware(request, num_steps) if pad_to_longest and parallel.pp_size > 1
+                             else (plan(request), None))
     # 4: each rank's rows and metadata, global batch by global batch
     starts = np.cumsum([0, *schedule.num_microbatches])
     rows, indices, mb_lengths, counts = [], [], [], []
@@ -178,7 +188,8 @@ def plan_shards(
         counts.append(tuple(rank_counts))
     result = ShardPlan(rows=tuple(rows), micro_batch_indices=tuple(indices), micro_batch_lengths=tuple(mb_lengths),
                        elem_counts_per_gb=tuple(counts), padded_lengths=tuple(int(x) for x in padded),
-                       cap=int(cap) // cp * cp, forward_only=bool(forward_only), schedule=schedule)
+                       cap=int(cap) // cp * cp, forward_only=bool(forward_only), schedule=schedule,
+                       padded_time=padded_time)
     check_shard_plan(result, batch_size=size)
     return result
 
@@ -187,15 +198,14 @@ def plan_shards(
 PAD_AWARE_COUNTS = 4
 
 
-def _pad_aware(request: PlanRequest, num_steps: int) -> DPSchedule:
+def _pad_aware(request: PlanRequest, num_steps: int) -> tuple[DPSchedule, float]:
     """The plan of ``request`` for a worker that pads every micro-batch of a rank's step to the longest (NeMo-RL's
-    Megatron worker under pipeline parallelism, which gives megatron-core's p2p one shape per step): the planner's
-    own choice and the fixed counts from the smallest that holds every step (``microbatches_per_rank``, each with
-    ``balance_by_flops`` so that a rank's micro-batches come out even), each priced by the planner's pipeline model
-    (:func:`~slime_ext.schedule.pipeline_pricing`, for the request's pass) with every micro-batch's cost scaled up
-    to the longest one's tokens; the fastest wins (the planner's own choice on a tie)."""
-    pricing = pipeline_pricing(request.parallel, request.cost_model, request.batch.cap(request.parallel.cp_size),
-                               request.config, forward_only=request.forward_only)
+    Megatron worker under pipeline parallelism, which gives megatron-core's p2p one shape per step), and its
+    predicted time: the planner's own choice and the fixed counts from the smallest that holds every step
+    (``microbatches_per_rank``, each with ``balance_by_flops`` so that a rank's micro-batches come out even), each
+    priced as :func:`padded_pass_time` prices a pass; the fastest wins (the planner's own choice on a tie)."""
+    pricing = _padded_pricing(request.parallel, request.cost_model, request.batch.cap(request.parallel.cp_size),
+                              request.config, request.forward_only)
     even = dataclasses.replace(request.batch, balance_by_flops=True)
     candidates = [plan(request)]
     group = request.parallel.align // request.parallel.dp_size
@@ -206,16 +216,19 @@ def _pad_aware(request: PlanRequest, num_steps: int) -> DPSchedule:
         except ScheduleError:  # too few micro-batches for some step's tokens under the cap: try more
             pass
         count += group
-    return min(candidates, key=lambda schedule: _padded_time(schedule, request, pricing, num_steps))
+    lengths = np.asarray(request.lengths)
+    priced = [(_priced_padded(_schedule_rows(schedule, num_steps), lengths, request.cost_model, pricing), k)
+              for k, schedule in enumerate(candidates)]
+    best_time, best = min(priced)
+    return candidates[best], best_time
 
 
-def _padded_time(schedule: DPSchedule, request: PlanRequest, pricing, num_steps: int) -> float:
-    """Predicted time of ``schedule``'s steps with each rank's micro-batches padded to its longest in the step."""
+def _schedule_rows(schedule: DPSchedule, num_steps: int) -> list[list[list[list[int]]]]:
+    """A planner's schedule as :data:`MicroBatchRows` (sample ids)."""
     starts = np.cumsum([0, *schedule.num_microbatches])
-    micro_batches = [[[[int(schedule.partitions[r][i]) for i in local]
-                       for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
-                      for r in range(schedule.dp_size)] for s in range(num_steps)]
-    return _priced_padded(micro_batches, np.asarray(request.lengths), request.cost_model, pricing)
+    return [[[[int(schedule.partitions[r][i]) for i in local]
+              for local in schedule.micro_batch_indices[r][starts[s]:starts[s + 1]]]
+             for r in range(schedule.dp_size)] for s in range(num_steps)]
 
 
 #: ``micro_batches[g][r]``: DP rank ``r``'s micro-batches of global batch ``g`` in run order, each a list of row ids
@@ -269,28 +282,29 @@ def padded_pass_time(micro_batches: MicroBatchRows, lengths: Sequence[int] | np.
                      config: PlannerConfig | None = None) -> float:
     """The predicted time of a pass whose worker pads every micro-batch of a rank's global batch to the longest one
     (NeMo-RL's Megatron worker under pipeline parallelism): ``micro_batches`` (:data:`MicroBatchRows`) index
-    ``lengths``, the rows' lengths as packed. Each micro-batch's cost (:func:`~slime_ext.schedule.microbatch_costs`)
-    is scaled up to the longest one's tokens, each global batch is priced by the planner's pipeline model
+    ``lengths``, the rows' lengths as packed. Each rank's micro-batches are priced padded to its longest
+    (:func:`padded_micro_batch_costs`), each global batch by the planner's pipeline model
     (:func:`~slime_ext.schedule.pipeline_pricing` for ``parallel``, ``cap`` and the pass) as its slowest rank's
     makespan, and the global batches are summed; the way :func:`plan_shards` prices its own candidates."""
     return _priced_padded(micro_batches, np.asarray(lengths), cost_model,
                           _padded_pricing(parallel, cost_model, cap, config, forward_only))
 
 
-def choose_padded(ours: MicroBatchRows, theirs: MicroBatchRows, lengths: Sequence[int] | np.ndarray, *,
+def choose_padded(ours_time: float, theirs: MicroBatchRows, lengths: Sequence[int] | np.ndarray, *,
                   parallel: ParallelConfig, cap: int, forward_only: bool,
                   cost_model: CostModel | CostProfile | None = None,
                   config: PlannerConfig | None = None) -> PaddedChoice:
-    """Both plans of one shard call priced by :func:`padded_pass_time` (the same pricing), ``theirs`` only when it
-    runs at all: every row of ``lengths`` exactly once, the same micro-batch count on every rank of each global
-    batch, a multiple of the VPP group, and no micro-batch of several rows above ``cap``."""
+    """``theirs``, another plan of the call that ``ours_time`` is the predicted time of (a plan's ``padded_time``,
+    or :func:`padded_pass_time` with these arguments), priced by :func:`padded_pass_time`, only when it runs at
+    all: every row of ``lengths`` exactly once, the same micro-batch count on every rank of each global batch, a
+    multiple of the VPP group, and no micro-batch of several rows above ``cap``. Each plan is priced once."""
     lengths = np.asarray(lengths)
-    pricing = _padded_pricing(parallel, cost_model, cap, config, forward_only)
-    ours_time = _priced_padded(ours, lengths, cost_model, pricing)
     why_not = _not_a_candidate(theirs, lengths, parallel, cap)
     if why_not:
-        return PaddedChoice(ours_time, None, why_not)
-    return PaddedChoice(ours_time, _priced_padded(theirs, lengths, cost_model, pricing))
+        return PaddedChoice(float(ours_time), None, why_not)
+    return PaddedChoice(float(ours_time), padded_pass_time(theirs, lengths, parallel=parallel, cap=cap,
+                                                           forward_only=forward_only, cost_model=cost_model,
+                                                           config=config))
 
 
 def _padded_pricing(parallel: ParallelConfig, cost_model, cap: int, config, forward_only: bool):
@@ -316,16 +330,27 @@ def _not_a_candidate(micro_batches: MicroBatchRows, lengths: np.ndarray, paralle
     return ""
 
 
+def padded_micro_batch_costs(micro_batches: Sequence[Sequence[int]], lengths: Sequence[int] | np.ndarray,
+                             cost_model: CostModel | CostProfile | None, width: int | None = None) -> np.ndarray:
+    """``(M,)`` the cost of each micro-batch (row ids into ``lengths``, the rows' lengths as packed) padded to
+    ``width`` tokens (default: the longest of them; a micro-batch already longer keeps its own): its rows' cost
+    (:func:`~slime_ext.schedule.microbatch_costs`) plus every pad token at the cost model's per-token rate (the
+    linear coefficient of FLOPs or measured seconds; 1 without a cost model, which prices tokens). The one pricing
+    of the pad (the module docstring says why the linear rate)."""
+    lengths = np.asarray(lengths)
+    tokens = np.array([int(lengths[list(mb)].sum()) for mb in micro_batches], dtype=np.float64)
+    target = tokens.max(initial=0.0) if width is None else float(width)
+    rate = cost_model.coefficients()[0] if cost_model is not None else 1.0
+    return microbatch_costs(lengths, micro_batches, cost_model) + rate * np.maximum(target - tokens, 0.0)
+
+
 def _priced_padded(micro_batches: MicroBatchRows, lengths: np.ndarray, cost_model, pricing) -> float:
     total = 0.0
     for g, ranks in enumerate(micro_batches):
         if len({len(mbs) for mbs in ranks}) != 1:
             raise ScheduleError(f"padded_pass_time: global batch {g} has micro-batch counts "
                                 f"{[len(mbs) for mbs in ranks]} on its ranks; the pipeline runs one count on all")
-        costs = []
-        for mbs in ranks:
-            tokens = np.array([lengths[list(mb)].sum() for mb in mbs], dtype=np.float64)
-            costs.append(microbatch_costs(lengths, mbs, cost_model) * tokens.max() / tokens)
+        costs = [padded_micro_batch_costs(mbs, lengths, cost_model) for mbs in ranks]
         total += float(pricing.makespans(np.array(costs)).max())
     return total
 

@@ -9,7 +9,12 @@ Refused (each a :class:`NemoRLSettingError` naming the setting and the fix):
   ``train_micro_batch_size`` rows there is nothing to plan;
 * ``train_mb_tokens`` / ``logprob_mb_tokens`` missing or not a positive integer, or below the context-parallel size;
 * ``variable_seq_lengths`` with ``batch_p2p_comm`` at pipeline-parallel size 4 or more (``megatron_cfg``): Megatron-LM
-  issue 5100 reports that megatron-core's batched p2p deadlocks there when shapes travel per micro-batch.
+  issue 5100 reports that megatron-core's batched p2p deadlocks there when shapes travel per micro-batch;
+* under pipeline parallelism without the ``pad_to_longest`` opt-out, where slime-ext's worker class runs packed
+  micro-batches at their own length (:mod:`.worker`): ``batch_p2p_comm`` set at pipeline-parallel size 4 or more
+  (the same deadlock), and ``policy.quant_cfg`` (NeMo-RL then runs its quantized worker class, which slime-ext's
+  would replace); a ``worker_extension_cls_fqn`` of the caller's is refused when the ``Policy`` is built
+  (:mod:`.runtime`).
 
 Changed (behind the switch only):
 
@@ -18,8 +23,8 @@ Changed (behind the switch only):
   ``logprob_mb_tokens``) and the row rounding ``make_sequence_length_divisible_by``. That is also what lifts
   NeMo-RL's "dynamic batching only with one pipeline stage" assert: packing runs under pipeline parallelism.
 * ``sequence_packing.algorithm`` and ``microbatch_order``: slime-ext packs, distributes and orders; they are used
-  only where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism without the
-  ``variable_seq_lengths`` option), where NeMo-RL's own sharding with them is priced beside slime-ext's plan and runs
+  only where NeMo-RL's worker pads every micro-batch to the longest (pipeline parallelism with the
+  ``pad_to_longest`` opt-out), where NeMo-RL's own sharding with them is priced beside slime-ext's plan and runs
   when it is predicted faster (:mod:`.runtime`).
 """
 
@@ -52,13 +57,16 @@ class Options:
 
     cost_model: CostModel | None = None
     cost_profile: str | None = None
-    #: run packed micro-batches at their own length under pipeline parallelism (NeMo-RL pads them to the longest):
-    #: the Policy starts slime-ext's worker class (:mod:`.worker`), which sets megatron-core's variable_seq_lengths
-    variable_seq_lengths: bool = False
+    #: under pipeline parallelism, keep NeMo-RL's pad of every packed micro-batch to the longest of its global batch
+    #: and NeMo-RL's own worker class. Off (the default): the Policy starts slime-ext's worker class (:mod:`.worker`),
+    #: which runs each packed micro-batch at its own length (megatron-core's variable_seq_lengths) and needs
+    #: slime-ext importable in the Megatron workers' environment. Turn it on where the workers cannot import
+    #: slime-ext, or to keep a worker class of your own. No effect at one pipeline stage.
+    pad_to_longest: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.variable_seq_lengths, bool):
-            raise NemoRLSettingError(f"variable_seq_lengths = {self.variable_seq_lengths!r} must be True or False")
+        if not isinstance(self.pad_to_longest, bool):
+            raise NemoRLSettingError(f"pad_to_longest = {self.pad_to_longest!r} must be True or False")
         if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
             raise NemoRLSettingError(f"cost_model = {self.cost_model!r} must be a CostModel (the model's dims) or "
                                      f"None")
@@ -85,7 +93,8 @@ class PolicyLayout:
     train_mb_tokens: int
     logprob_mb_tokens: int
     pad_multiple: int
-    #: the workers run packed micro-batches at their own length (else, under PP, padded to the longest)
+    #: slime-ext's worker class runs packed micro-batches at their own length (pipeline parallelism without the
+    #: ``pad_to_longest`` opt-out); else, under PP, NeMo-RL's worker pads them to the longest
     variable_seq_lengths: bool = False
 
     @property
@@ -119,9 +128,9 @@ def _batching(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
                              "start NeMo-RL without slime-ext's launcher")
 
 
-def layout_from_config(config: Mapping[str, Any], variable_seq_lengths: bool = False) -> PolicyLayout:
-    """Read and check one policy config (the module docstring lists the refusals); ``variable_seq_lengths``: the
-    option of that name (:class:`Options`)."""
+def layout_from_config(config: Mapping[str, Any], pad_to_longest: bool = False) -> PolicyLayout:
+    """Read and check one policy config (the module docstring lists the refusals); ``pad_to_longest``: the opt-out
+    of that name (:class:`Options`)."""
     mcfg = config.get("megatron_cfg") or {}
     if not mcfg.get("enabled"):
         raise NemoRLSettingError("policy.megatron_cfg.enabled is off: slime-ext plans NeMo-RL's Megatron backend "
@@ -130,7 +139,9 @@ def layout_from_config(config: Mapping[str, Any], variable_seq_lengths: bool = F
     key, section = _batching(config)
     pp = _positive(mcfg.get("pipeline_model_parallel_size", 1), "policy.megatron_cfg.pipeline_model_parallel_size",
                    "set the pipeline-parallel size")
-    vpp = mcfg.get("virtual_pipeline_model_parallel_size") or 1
+    vpp = _positive(mcfg.get("virtual_pipeline_model_parallel_size") or 1,
+                    "policy.megatron_cfg.virtual_pipeline_model_parallel_size",
+                    "set the virtual pipeline size (null or 1 for none)")
     cp = _positive(mcfg.get("context_parallel_size", 1), "policy.megatron_cfg.context_parallel_size",
                    "set the context-parallel size")
     tp = _positive(mcfg.get("tensor_model_parallel_size", 1), "policy.megatron_cfg.tensor_model_parallel_size",
@@ -140,11 +151,9 @@ def layout_from_config(config: Mapping[str, Any], variable_seq_lengths: bool = F
             f"policy.megatron_cfg sets variable_seq_lengths and batch_p2p_comm at pipeline_model_parallel_size = "
             f"{pp}: megatron-core's batched p2p deadlocks with per-micro-batch shapes from {P2P_DEADLOCK_PP} stages "
             f"(Megatron-LM issue 5100); set policy.megatron_cfg.batch_p2p_comm=false")
-    if variable_seq_lengths and pp >= P2P_DEADLOCK_PP and mcfg.get("batch_p2p_comm"):
-        raise NemoRLSettingError(
-            f"policy.megatron_cfg.batch_p2p_comm is set at pipeline_model_parallel_size = {pp}, and slime-ext's "
-            f"variable_seq_lengths option sends a shape per micro-batch: batched p2p deadlocks there (Megatron-LM "
-            f"issue 5100); set policy.megatron_cfg.batch_p2p_comm=false, or drop the variable_seq_lengths option")
+    unpadded = pp > 1 and not pad_to_longest
+    if unpadded:
+        _check_unpadded_workers(config, mcfg, pp)
     caps = {}
     for name in ("train_mb_tokens", "logprob_mb_tokens"):
         caps[name] = _positive(section.get(name), f"policy.{key}.{name}",
@@ -154,8 +163,27 @@ def layout_from_config(config: Mapping[str, Any], variable_seq_lengths: bool = F
                                      f"micro-batch is split over the CP ranks; raise policy.{key}.{name}")
     pad = _positive(config.get("make_sequence_length_divisible_by", 1), "policy.make_sequence_length_divisible_by",
                     "set the row rounding (a multiple of 2*cp, and of tp with sequence parallelism)")
-    return PolicyLayout(pp_size=pp, vpp_size=int(vpp), cp_size=cp, tp_size=tp, pad_multiple=pad,
-                        variable_seq_lengths=bool(variable_seq_lengths) and pp > 1, **caps)
+    return PolicyLayout(pp_size=pp, vpp_size=vpp, cp_size=cp, tp_size=tp, pad_multiple=pad,
+                        variable_seq_lengths=unpadded, **caps)
+
+
+#: the opt-out, as the launcher and :func:`..enable` spell it (named by every refusal it is the fix of)
+PAD_TO_LONGEST_FIX = "start the launcher with --pad-to-longest (enable(pad_to_longest=True))"
+
+
+def _check_unpadded_workers(config: Mapping[str, Any], mcfg: Mapping[str, Any], pp: int) -> None:
+    """The refusals of slime-ext's worker class, which runs under PP unless ``pad_to_longest`` is set."""
+    if pp >= P2P_DEADLOCK_PP and mcfg.get("batch_p2p_comm"):
+        raise NemoRLSettingError(
+            f"policy.megatron_cfg.batch_p2p_comm is set at pipeline_model_parallel_size = {pp}, and slime-ext runs "
+            f"packed micro-batches at their own length under PP (megatron-core's variable_seq_lengths: a shape per "
+            f"micro-batch): batched p2p deadlocks there (Megatron-LM issue 5100); set "
+            f"policy.megatron_cfg.batch_p2p_comm=false, or {PAD_TO_LONGEST_FIX} to keep NeMo-RL's pad")
+    if config.get("quant_cfg") is not None:
+        raise NemoRLSettingError(
+            "policy.quant_cfg is set: NeMo-RL runs its quantized Megatron worker class, and slime-ext's worker class "
+            "(packed micro-batches at their own length under PP) would replace it; "
+            f"{PAD_TO_LONGEST_FIX} to keep NeMo-RL's worker class and its pad to the longest")
 
 
 def run_as_packing(config: Mapping[str, Any]) -> dict[str, Any] | None:
