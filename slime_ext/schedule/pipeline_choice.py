@@ -347,7 +347,7 @@ class _Shaped:
         water = cfg.rebalancing.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
         # each share tried: the slowest, its partners
         rows = len(cfg.rebalancing.shed_shares) * (1 + cfg.rebalancing.balance_partners) * c
-        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.work_round_us + self.work(rows, k))
+        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.loop_round + self.work(rows, k))
         return water + moves
 
     def later(self, c: int) -> float:
