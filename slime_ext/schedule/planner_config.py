@@ -243,11 +243,16 @@ class BudgetConfig(_Section):
     ``bench.pipeline_search``; a cell took 5.5 ns there when they were fitted, about 2.9 ns since the model's pass
     was made cheaper, so a million cells is about 3 ms of planning)."""
 
-    #: the fixed part is ``min(floor_max, floor / dp ** floor_power)``: 4.4M cells up to dp 12 (below it dp 4 x
-    #: VPP 2 pinned steps planned up to 1.2% slower than the earlier planner), 2.4M at dp 32 (1.3M left a case at 1.047)
+    #: the fixed part is ``min(floor_max, max(floor_min, floor / dp ** floor_power))``: 4.4M cells up to dp 12 (below
+    #: it dp 4 x VPP 2 pinned steps planned up to 1.2% slower than the earlier planner), 2.4M at dp 32 (1.3M left a
+    #: case at 1.047)
     floor: float = 1.818182e8
     floor_power: float = 1.25
     floor_max: float = 4.363636e6
+    #: ... never below this (from dp 70 up): one count's shaped search is some ten calls whose fixed costs do not
+    #: shrink with more replicas (at 0.8M dp 128 x 16 samples per replica at pp 4 planned 2.2% slower than the earlier
+    #: planner, at 0.9M none of ``bench.pipeline_speed``'s 16-per-replica layouts at dp 128)
+    floor_min: float = 9e5
     #: the growing part, per sample and per replica (times ``pp ** pp_power``): the large grid of
     #: ``bench.pipeline_speed`` at 0.75-0.95 of the earlier planner's planning time
     per_sample: float = 65.45455

@@ -126,6 +126,8 @@ def test_the_budget_grows_smoothly_with_the_step():
     floor = min(c.budget.floor_max, c.budget.floor / 4 ** c.budget.floor_power)
     assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget.per_replica
                                                                  * 4 ** c.budget.pp_power)
+    # the fixed part shrinks with the replicas down to floor_min (one count's calls), never below
+    assert c.budget.floor / 512 ** c.budget.floor_power < c.budget.floor_min == Budget.for_step(pricing, 0, 512).floor
     # ... and continuous in the replicas: no jump between neighbouring DP sizes
     by_dp = np.array([Budget.for_step(pricing, 4096, dp).total for dp in range(1, 600)])
     assert (np.abs(np.diff(by_dp)) <= 0.2 * by_dp[1:]).all()
@@ -264,6 +266,28 @@ def _search_of(dp: int, n: int, pp: int, vpp: int = 1, config: PlannerConfig | N
     finally:
         planner.choose_pipeline_step = original
     return captured[0], sched
+
+
+def test_many_replicas_of_few_samples_try_the_lead_counts_other_shapes_on_every_replica(monkeypatch):
+    """At dp 128 with 16 samples per replica the budget reserves the lead count's other combinations on every
+    replica before the scan takes its share (they paid more than a wider scan of the counts): the full packing
+    never falls back to trying them on the slowest replicas alone (``pack_rows``)."""
+    partial = []
+    original = pipeline_choice.pack_rows
+    monkeypatch.setattr(pipeline_choice, "pack_rows", lambda *a: partial.append(a) or original(*a))
+    tried = []
+    full_packing = pipeline_choice._Shaped._full_packing
+
+    def record(shaped, leads, best_first):
+        out = full_packing(shaped, leads, best_first)
+        tried.append({id(shape) for shape in out[3][0]})
+        return out
+
+    monkeypatch.setattr(pipeline_choice._Shaped, "_full_packing", record)
+    search, sched = _search_of(128, 2048, 4)
+    assert check_schedule(sched) == []
+    assert tried and not partial
+    assert len(tried[0]) > 1  # the replicas took different shapes: the other combinations were packed on them
 
 
 @pytest.mark.parametrize("dp,n,pp,vpp", [(32, 640, 4, 1), (32, 640, 2, 2), (4, 120, 4, 2)])
