@@ -461,7 +461,7 @@ def _planned(case: SearchCase, overrides: list[str], budget_scale: float = 1.0) 
         if budget_scale != 1.0:
             b = c.budget
             c = dataclasses.replace(c, budget=dataclasses.replace(b, **{f: getattr(b, f) * budget_scale for f in (
-                "budget_floor_us", "budget_floor_max_us", "budget_per_sample_us", "budget_per_replica_us")}))
+                "floor", "floor_min", "floor_max", "per_sample", "per_replica")}))
         kwargs["config"] = c
     t0 = time.process_time()
     schedule = plan_schedule(lengths.tolist(), case.parallel(), batch, cost_model=model, **kwargs)

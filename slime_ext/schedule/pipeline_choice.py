@@ -36,9 +36,10 @@ near-equal candidates the earliest in the registry wins (the pp-unaware plan fir
 (:class:`~.pipeline_pricing.Budget`, counted from the model and packing calls it makes, never timed: the same
 input always plans alike), runs only where the step's budget still pays for it, and is charged; loops stop when a
 round gains nothing, at their round limits, or when the next round does not fit. What acts on every replica
-(packing them all, rebalancing) is reserved first; the refinement keeps ``budget.refine_share`` of the fixed part.
-The budget grows smoothly with the step (:meth:`~.pipeline_pricing.Budget.for_step`: no threshold switches a part
-on or off), generous for a few replicas and sized for many by ``bench.pipeline_speed``'s grid.
+(packing them all in each leading count's best combinations, rebalancing) is reserved first; the refinement keeps
+``budget.refine_share`` of the fixed part. The budget grows smoothly with the step
+(:meth:`~.pipeline_pricing.Budget.for_step`: no threshold switches a part on or off), generous for a few replicas
+and sized for many by ``bench.pipeline_speed``'s grid.
 
 What each part earns (each turned off in turn): ``docs/pipeline.md``. ``bench/pipeline_search.py`` is the yardstick
 (a long annealing search under the same model), ``bench/pipeline_speed.py`` what the search costs against pp = 1
@@ -347,13 +348,15 @@ class _Shaped:
         water = cfg.rebalancing.water_rounds * (c * self.budget.replica_cost(dp) + self.work(dp * c, k))
         # each share tried: the slowest, its partners
         rows = len(cfg.rebalancing.shed_shares) * (1 + cfg.rebalancing.balance_partners) * c
-        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.work_round_us + self.work(rows, k))
+        moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.loop_round + self.work(rows, k))
         return water + moves
 
     def later(self, c: int) -> float:
-        """Every replica in ``c`` counts, and their rebalancing."""
+        """Every replica in ``c`` counts, in each count's best combination and the others :meth:`_full_packing`
+        tries (up to ``count_search.shaped_combos`` more), and their rebalancing. The scan takes its share after
+        this: with few samples per replica a replica's best shape pays more than a wider scan of the counts."""
         k = self.counts[len(self.counts) // 2]
-        return self.work(self.dp * c, k) + self.rebalancing(c, k)
+        return self.work(self.dp * c * (1 + self.cfg.count_search.shaped_combos), k) + self.rebalancing(c, k)
 
     def scan(self) -> tuple[list, list[int], int] | None:
         """Stage 1 of :func:`shaped_step`: the counts of :func:`shape_counts` with ``shaping.scan_shapes`` on the

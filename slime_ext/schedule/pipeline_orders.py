@@ -109,7 +109,7 @@ def improve_orders(pricing: PipelinePricing, costs: np.ndarray, order: np.ndarra
     a, b = pairs[:, 0], pairs[:, 1]
     cols = np.arange(p)
     for _ in range(cfg.refinement.order_rounds):
-        if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.cfg.work_round_us):
+        if budget is not None and not budget.allows(budget.model_cost(r * p, k) + budget.cfg.loop_round):
             break
         if budget is not None:
             budget.charge_round()

@@ -186,27 +186,28 @@ def predicted_makespans(schedule: "DPSchedule", step: int, pricing: PipelinePric
 
 
 class Budget:
-    """The work one step's pipeline search may spend, counted from the model and packing calls it makes (each
-    estimated by the ``budget.work_*`` fields: :meth:`model_cost`, :meth:`pack_cost`, :meth:`arrangement_cost`,
+    """The work one step's pipeline search may spend, in cells of the model (:class:`~.planner_config.BudgetConfig`:
+    one row x micro-batch x virtual stage priced), counted from the model and packing calls it makes (each
+    estimated by the ``budget`` section: :meth:`model_cost`, :meth:`pack_cost`, :meth:`arrangement_cost`,
     :meth:`replica_cost`), never timed: the same input always gets the same search. Every part asks
     :meth:`allows` before it runs and is charged for what it runs."""
 
-    def __init__(self, pricing: PipelinePricing, total_us: float, floor_us: float | None = None) -> None:
-        self.pricing, self.total, self.spent = pricing, float(total_us), 0.0
+    def __init__(self, pricing: PipelinePricing, total: float, floor: float | None = None) -> None:
+        self.pricing, self.total, self.spent = pricing, float(total), 0.0
         #: the budget's fixed part (the search around the slowest replicas: the refinement keeps a share of it)
-        self.floor = self.total if floor_us is None else float(floor_us)
+        self.floor = self.total if floor is None else float(floor)
         self.cfg = pricing.config.budget
         self._v = pricing.spec.pp_size * pricing.spec.chunks
 
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
         """A fixed part (:attr:`floor`: the search around the slowest replicas, shrinking as more replicas share
-        the step) and a part that grows with the samples and with the replicas times ``pp ** budget_pp_power``
-        (packing and rebalancing every replica)."""
+        the step, down to ``budget.floor_min``: the fixed costs of one count's calls) and a part that grows with the
+        samples and with the replicas times ``pp ** budget.pp_power`` (packing and rebalancing every replica)."""
         c = pricing.config.budget
-        floor = min(c.budget_floor_max_us, c.budget_floor_us / float(replicas) ** c.budget_floor_power)
-        per_replica = c.budget_per_replica_us * pricing.spec.pp_size ** c.budget_pp_power
-        return cls(pricing, floor + c.budget_per_sample_us * samples + per_replica * replicas, floor)
+        floor = min(c.floor_max, max(c.floor_min, c.floor / float(replicas) ** c.floor_power))
+        per_replica = c.per_replica * pricing.spec.pp_size ** c.pp_power
+        return cls(pricing, floor + c.per_sample * samples + per_replica * replicas, floor)
 
     def left(self) -> float:
         return self.total - self.spent
@@ -223,16 +224,16 @@ class Budget:
     def _levels(self, m: int) -> float:
         spec = self.pricing.spec
         passes = 1 if spec.forward_only else 2  # a forward-only DAG has about half the levels
-        return self.cfg.work_call_us + self.cfg.work_level_us * passes * (m * spec.chunks + spec.pp_size)
+        return self.cfg.model_call + self.cfg.model_level * passes * (m * spec.chunks + spec.pp_size)
 
     def model_cost(self, rows: int, m: int) -> float:
         """A call of the model on ``rows`` rows of ``m`` micro-batches."""
-        return self._levels(m) + self.cfg.work_model_cell_us * rows * m * self._v
+        return self._levels(m) + float(rows * m * self._v)
 
     def pack_cost(self, rows: int, n: int, k: int) -> float:
         """A packing call of ``rows`` rows of at most ``n`` samples into ``k`` micro-batches (its pricing apart)."""
         c = self.cfg
-        return c.work_round_us + n * (c.work_pass_us + rows * (c.work_pass_row_us + c.work_pack_cell_us * k))
+        return c.loop_round + n * (c.pack_pass + rows * (c.pack_pass_row + c.pack_cell * k))
 
     def allows(self, cost: float) -> bool:
         """Whether work of this estimated cost still fits."""
@@ -249,22 +250,22 @@ class Budget:
         groups = [np.atleast_2d(g) for g in groups]
         if groups:
             m = max(g.shape[1] for g in groups)
-            self.spent += self._levels(m) + self.cfg.work_call_us * (len(groups) - 1) \
-                + self.cfg.work_model_cell_us * self._v * sum(g.size for g in groups)
+            self.spent += self._levels(m) + self.cfg.model_call * (len(groups) - 1) \
+                + float(self._v * sum(g.size for g in groups))
         return self.pricing.makespans_many(groups)
 
     def refine_round_cost(self, draws: int, k: int) -> float:
         """A round of the refinement: its model call (``draws`` rows and their partners') and its overhead."""
-        return self.model_cost(draws + draws * self.cfg.refine_partner_rows // 2, k) + self.cfg.work_round_us
+        return self.model_cost(draws + draws * self.cfg.refine_partner_rows // 2, k) + self.cfg.loop_round
 
     def arrangement_cost(self, samples: int, replicas: int) -> float:
         """Samples and replicas put into arrays or lists (a plan taken apart or put together)."""
-        return self.cfg.work_pass_row_us * (samples + self.cfg.replica_passes * replicas)
+        return self.cfg.pack_pass_row * (samples + self.cfg.replica_passes * replicas)
 
     def replica_cost(self, replicas: int) -> float:
         """The per-replica work of a round of moving samples between replicas (water-filling)."""
-        return self.cfg.work_replica_us * replicas
+        return self.cfg.water_replica * replicas
 
     def charge_round(self) -> None:
         """The overhead of one round of a loop of the search (the model calls are charged by :meth:`price`)."""
-        self.spent += self.cfg.work_round_us
+        self.spent += self.cfg.loop_round

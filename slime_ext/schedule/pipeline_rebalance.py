@@ -269,7 +269,7 @@ def rebalance_run(budget: Budget, samples: ShapeSamples, groups: list[np.ndarray
     if many:  # the water-filling rounds come before the ``reserve`` is kept: they level the replicas, most of the gain
         groups, spans, packs = yield from water_fill_run(budget, samples, groups, k, shapes, spans, packs)
     for _ in range(cfg.rebalancing.shed_moves_after_water if many else cfg.rebalancing.max_shed_moves):
-        if not budget.allows(budget.cfg.work_round_us + reserve):
+        if not budget.allows(budget.cfg.loop_round + reserve):
             break
         budget.charge_round()
         s = int(np.argmax(spans))

@@ -76,7 +76,7 @@ def polish_orders(arr: Arrangement) -> Arrangement:
             continue
         _permute(arr, s, o, float(spans[0]))
         others = np.flatnonzero(np.arange(arr.dp) != s)
-        if not len(others) or not budget.allows(budget.model_cost(len(others), arr.k) + budget.cfg.work_round_us):
+        if not len(others) or not budget.allows(budget.model_cost(len(others), arr.k) + budget.cfg.loop_round):
             continue
         budget.charge_round()
         got = budget.price(arr.price[others][:, o])

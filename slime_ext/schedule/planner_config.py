@@ -237,37 +237,44 @@ class RefinementConfig(_Section):
 
 @dataclass(frozen=True)
 class BudgetConfig(_Section):
-    """The step's work budget (:class:`~.pipeline_pricing.Budget`) and the estimates it is counted in, fitted to the
-    calls timed on the benches' 2-core machine (``bench.pipeline_speed``, ``bench.pipeline_search``)."""
+    """The step's work budget (:class:`~.pipeline_pricing.Budget`) and the estimates it is counted in, in **cells**:
+    one cell is one row x micro-batch x virtual stage priced by the pipeline model, every other kind of work counted
+    as the cells that take as long (the ratios timed on the benches' 2-core machine: ``bench.pipeline_speed``,
+    ``bench.pipeline_search``; a cell took 5.5 ns there when they were fitted, about 2.9 ns since the model's pass
+    was made cheaper, so a million cells is about 3 ms of planning)."""
 
-    #: the fixed part ``min(budget_floor_max_us, budget_floor_us / dp ** budget_floor_power)``: below 24 ms dp 4 x
-    #: VPP 2 pinned steps planned up to 1.2% slower than the earlier planner; at dp 32 7 ms left a case at 1.047
-    budget_floor_us: float = 1000000.0
-    budget_floor_power: float = 1.25
-    budget_floor_max_us: float = 24000.0
-    #: the growing part, per sample and per replica (times ``pp ** budget_pp_power``): the large grid of
+    #: the fixed part is ``min(floor_max, max(floor_min, floor / dp ** floor_power))``: 4.4M cells up to dp 12 (below
+    #: it dp 4 x VPP 2 pinned steps planned up to 1.2% slower than the earlier planner), 2.4M at dp 32 (1.3M left a
+    #: case at 1.047)
+    floor: float = 1.818182e8
+    floor_power: float = 1.25
+    floor_max: float = 4.363636e6
+    #: ... never below this (from dp 70 up): one count's shaped search is some ten calls whose fixed costs do not
+    #: shrink with more replicas (at 0.8M dp 128 x 16 samples per replica at pp 4 planned 2.2% slower than the earlier
+    #: planner, at 0.9M none of ``bench.pipeline_speed``'s 16-per-replica layouts at dp 128)
+    floor_min: float = 9e5
+    #: the growing part, per sample and per replica (times ``pp ** pp_power``): the large grid of
     #: ``bench.pipeline_speed`` at 0.75-0.95 of the earlier planner's planning time
-    budget_per_sample_us: float = 0.36
-    budget_per_replica_us: float = 8.5
-    budget_pp_power: float = 0.5
+    per_sample: float = 65.45455
+    per_replica: float = 1545.455
+    pp_power: float = 0.5
     #: the share of the fixed part the shaped candidate leaves to the refinement
     refine_share: float = 0.15
-    #: a model call: per group of rows of one count, per level of its DAG, per row x micro-batch x virtual stage
-    #: (fitted; the model has since become about 2x cheaper: kept so that plans stay as they are)
-    work_call_us: float = 40.0
-    work_level_us: float = 3.2
-    work_model_cell_us: float = 0.0055
-    #: a packing call: per sample rank, per row, per row x micro-batch (fitted)
-    work_pass_us: float = 9.0
-    work_pass_row_us: float = 0.045
-    work_pack_cell_us: float = 0.0008
-    #: the numpy around a packing call or a round of the refinement or order search (fitted: 150-400 us)
-    work_round_us: float = 250.0
-    #: a water-filling round's Python per replica (fitted: 0.3-0.4 ms a round at dp 128)
-    work_replica_us: float = 3.0
+    #: a model call: per group of rows of one count, and per level of its DAG (fitted with the cell by least squares
+    #: on 636 timed calls)
+    model_call: float = 7272.727
+    model_level: float = 581.8182
+    #: a packing call: per sample rank, per row, per row x micro-batch (fitted on 280 timed calls)
+    pack_pass: float = 1636.364
+    pack_pass_row: float = 8.181818
+    pack_cell: float = 0.1454545
+    #: the numpy around a packing call or a round of the refinement or order search (timed: 27k-73k cells)
+    loop_round: float = 45454.55
+    #: a water-filling round's Python per replica (timed: 0.3-0.4 ms a round at dp 128)
+    water_replica: float = 545.4545
     #: a refinement round prices its drawn moves' rows and, per two of them, this many partner rows (estimated)
     refine_partner_rows: int = 1
-    #: a plan taken apart or put together: one pass-row per sample and this many per replica (fitted)
+    #: a plan taken apart or put together: one pass-row per sample and this many per replica (timed)
     replica_passes: int = 10
 
     _SHARES = ("refine_share",)

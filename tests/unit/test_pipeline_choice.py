@@ -123,13 +123,15 @@ def test_the_budget_grows_smoothly_with_the_step():
     steps = np.diff(totals)
     assert (steps > 0).all() and np.allclose(steps, steps[0])  # linear in the samples: no threshold, no cliff
     c = pricing.config
-    floor = min(c.budget.budget_floor_max_us, c.budget.budget_floor_us / 4 ** c.budget.budget_floor_power)
-    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget.budget_per_replica_us
-                                                                 * 4 ** c.budget.budget_pp_power)
+    floor = min(c.budget.floor_max, c.budget.floor / 4 ** c.budget.floor_power)
+    assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget.per_replica
+                                                                 * 4 ** c.budget.pp_power)
+    # the fixed part shrinks with the replicas down to floor_min (one count's calls), never below
+    assert c.budget.floor / 512 ** c.budget.floor_power < c.budget.floor_min == Budget.for_step(pricing, 0, 512).floor
     # ... and continuous in the replicas: no jump between neighbouring DP sizes
     by_dp = np.array([Budget.for_step(pricing, 4096, dp).total for dp in range(1, 600)])
     assert (np.abs(np.diff(by_dp)) <= 0.2 * by_dp[1:]).all()
-    b = Budget(pricing, 1000.0)
+    b = Budget(pricing, 1e6)
     got = b.price(np.ones((3, 5)))
     assert got.shape == (3,) and b.spent == pytest.approx(b.model_cost(3, 5)) and b.allows(0) and not b.allows(1e9)
 
@@ -266,19 +268,41 @@ def _search_of(dp: int, n: int, pp: int, vpp: int = 1, config: PlannerConfig | N
     return captured[0], sched
 
 
+def test_many_replicas_of_few_samples_try_the_lead_counts_other_shapes_on_every_replica(monkeypatch):
+    """At dp 128 with 16 samples per replica the budget reserves the lead count's other combinations on every
+    replica before the scan takes its share (they paid more than a wider scan of the counts): the full packing
+    never falls back to trying them on the slowest replicas alone (``pack_rows``)."""
+    partial = []
+    original = pipeline_choice.pack_rows
+    monkeypatch.setattr(pipeline_choice, "pack_rows", lambda *a: partial.append(a) or original(*a))
+    tried = []
+    full_packing = pipeline_choice._Shaped._full_packing
+
+    def record(shaped, leads, best_first):
+        out = full_packing(shaped, leads, best_first)
+        tried.append({id(shape) for shape in out[3][0]})
+        return out
+
+    monkeypatch.setattr(pipeline_choice._Shaped, "_full_packing", record)
+    search, sched = _search_of(128, 2048, 4)
+    assert check_schedule(sched) == []
+    assert tried and not partial
+    assert len(tried[0]) > 1  # the replicas took different shapes: the other combinations were packed on them
+
+
 @pytest.mark.parametrize("dp,n,pp,vpp", [(32, 640, 4, 1), (32, 640, 2, 2), (4, 120, 4, 2)])
 def test_every_part_of_the_search_honours_the_budget(dp, n, pp, vpp):
     """Each part asks before it runs and is charged: the search ends within its budget (what runs whatever the
     budget -- the pp-unaware guard and its orders, a few lists -- aside), on a tight budget and on the default."""
-    for config in (PlannerConfig(budget=BudgetConfig(budget_floor_us=20000.0, budget_floor_max_us=4000.0,
-                                                     budget_per_sample_us=0.2, budget_per_replica_us=5.0)), None):
+    for config in (PlannerConfig(budget=BudgetConfig(floor=3.6e6, floor_max=7.3e5, per_sample=36.0,
+                                                     per_replica=900.0)), None):
         search, sched = _search_of(dp, n, pp, vpp, config)
         assert check_schedule(sched) == []
         b = search.budget
         guard = b.model_cost(5 * dp, search.unaware.count // dp) + 4 * b.arrangement_cost(n, dp)
         assert b.spent <= b.total + guard, (b.spent, b.total)
     tight = _search_of(dp, n, pp, vpp, PlannerConfig(budget=BudgetConfig(
-        budget_floor_us=1.0, budget_floor_max_us=1.0, budget_per_sample_us=0.0, budget_per_replica_us=0.0)))[0]
+        floor=1.0, floor_max=1.0, per_sample=0.0, per_replica=0.0)))[0]
     assert tight.budget.spent <= tight.budget.model_cost(5 * dp, tight.unaware.count // dp) * 1.5
 
 
