@@ -202,10 +202,13 @@ class Budget:
     @classmethod
     def for_step(cls, pricing: PipelinePricing, samples: int, replicas: int) -> "Budget":
         """A fixed part (:attr:`floor`: the search around the slowest replicas, shrinking as more replicas share
-        the step, down to ``budget.floor_min``: the fixed costs of one count's calls) and a part that grows with the
-        samples and with the replicas times ``pp ** budget.pp_power`` (packing and rebalancing every replica)."""
+        the step, down to a least part: the fixed costs of one count's calls, ``budget.floor_min`` at dp 128 x pp 4)
+        and a part that grows with the samples and with the replicas times ``pp ** budget.pp_power`` (packing and
+        rebalancing every replica)."""
         c = pricing.config.budget
-        floor = min(c.floor_max, max(c.floor_min, c.floor / float(replicas) ** c.floor_power))
+        least = (c.floor_min * (replicas / 128) ** c.floor_min_dp_power
+                 / (pricing.spec.pp_size / 4) ** c.floor_min_pp_power)
+        floor = min(c.floor_max, max(least, c.floor / float(replicas) ** c.floor_power))
         per_replica = c.per_replica * pricing.spec.pp_size ** c.pp_power
         return cls(pricing, floor + c.per_sample * samples + per_replica * replicas, floor)
 

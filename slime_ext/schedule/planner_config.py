@@ -249,10 +249,12 @@ class BudgetConfig(_Section):
     floor: float = 1.818182e8
     floor_power: float = 1.25
     floor_max: float = 4.363636e6
-    #: ... never below this (from dp 70 up): one count's shaped search is some ten calls whose fixed costs do not
-    #: shrink with more replicas (at 0.8M dp 128 x 16 samples per replica at pp 4 planned 2.2% slower than the earlier
-    #: planner, at 0.9M none of ``bench.pipeline_speed``'s 16-per-replica layouts at dp 128)
+    #: ... never below ``floor_min * (dp / 128) ** floor_min_dp_power / (pp / 4) ** floor_min_pp_power`` (dp 70 up):
+    #: one count's shaped search, whose calls' fixed costs do not shrink with more replicas; fitted to
+    #: ``bench.pipeline_speed``'s 16-per-replica layouts (docs/pipeline.md)
     floor_min: float = 9e5
+    floor_min_dp_power: float = 0.7
+    floor_min_pp_power: float = 0.17
     #: the growing part, per sample and per replica (times ``pp ** pp_power``): the large grid of
     #: ``bench.pipeline_speed`` at 0.75-0.95 of the earlier planner's planning time
     per_sample: float = 65.45455

@@ -126,8 +126,9 @@ def test_the_budget_grows_smoothly_with_the_step():
     floor = min(c.budget.floor_max, c.budget.floor / 4 ** c.budget.floor_power)
     assert Budget.for_step(pricing, 0, 4).total == pytest.approx(floor + 4 * c.budget.per_replica
                                                                  * 4 ** c.budget.pp_power)
-    # the fixed part shrinks with the replicas down to floor_min (one count's calls), never below
-    assert c.budget.floor / 512 ** c.budget.floor_power < c.budget.floor_min == Budget.for_step(pricing, 0, 512).floor
+    # the fixed part shrinks with the replicas down to its least part (one count's calls), never below
+    least = c.budget.floor_min * 4 ** c.budget.floor_min_dp_power  # dp 512 at pp 4
+    assert c.budget.floor / 512 ** c.budget.floor_power < least == pytest.approx(Budget.for_step(pricing, 0, 512).floor)
     # ... and continuous in the replicas: no jump between neighbouring DP sizes
     by_dp = np.array([Budget.for_step(pricing, 4096, dp).total for dp in range(1, 600)])
     assert (np.abs(np.diff(by_dp)) <= 0.2 * by_dp[1:]).all()
