@@ -52,6 +52,7 @@ import numpy as np
 from slime_ext.integrations.nemo_rl.plan import choose_padded, padded_micro_batch_costs, plan_shards, round_up
 from slime_ext.schedule import CostModel, ParallelConfig, PipelineSpec, pipeline_pricing
 
+from .runner import parser
 from .workloads import MODEL_DIMS, make_lengths
 
 MAX_LENGTH = 16384
@@ -320,9 +321,8 @@ def summarize(cases: list[Case]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, quick="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--nemo-rl", default=os.environ.get("NEMO_RL_TREE"), help="a NeMo-RL tree ($NEMO_RL_TREE)")
-    ap.add_argument("--quick", action="store_true", help="rl-like at dp 8 only (a smoke run)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     args = ap.parse_args(argv)
     nemo = load_nemo_rl(args.nemo_rl)

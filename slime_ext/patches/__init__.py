@@ -38,6 +38,8 @@ Modules:
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -47,7 +49,7 @@ from typing import Any, Callable, Iterable
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["ImportedVersion", "Patch", "PatchError", "PatchSet", "imported_version", "installed_version",
+__all__ = ["ImportedVersion", "Patch", "PatchError", "PatchSet", "imported_version", "in_context", "installed_version",
            "source_contains"]
 
 
@@ -133,6 +135,27 @@ def parameters_are(expected: tuple[str, ...]) -> Callable[[Any], str | None]:
         return None if params == tuple(expected) else f"its parameters are {params}, the replacement takes {expected}"
 
     return check
+
+
+def in_context(var: contextvars.ContextVar, value_of: Callable[[Any], Any]) -> Callable[[Callable], Callable]:
+    """``make`` of a method patch that sets ``var`` to ``value_of(self)`` while the original runs (and resets it
+    after); where ``value_of`` gives ``None`` the original runs with ``var`` untouched."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args, **kwargs):
+            value = value_of(self)
+            if value is None:
+                return original(self, *args, **kwargs)
+            token = var.set(value)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                var.reset(token)
+
+        return method
+
+    return make
 
 
 def _resolve(module: str, attribute: str) -> tuple[Any, str]:

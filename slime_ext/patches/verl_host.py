@@ -25,10 +25,9 @@ applies these sets; this module imports nothing of slime-ext above the patches.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Any
 
-from . import Patch, PatchError, PatchSet, imported_version, parameters_are, source_contains
+from . import Patch, PatchError, PatchSet, imported_version, in_context, parameters_are, source_contains
 
 MODULE = "verl.workers.engine.megatron.transformer_impl"
 TRAINER_MODULE = "verl.trainer.ppo.v1.trainer_base"
@@ -57,31 +56,13 @@ def _expect_prepare(original: Any) -> str | None:
     return f"verl.utils.tensordict_utils lacks {missing}" if missing else None
 
 
-def _keeps_engine_in(current_engine: Any) -> Callable[[Callable], Callable]:
-    """``make`` of the context patch: the running engine is set in ``current_engine`` (a context variable) while
-    verl's ``forward_backward_batch`` runs."""
-
-    def make(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def forward_backward_batch(self, *args, **kwargs):
-            token = current_engine.set(self)
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                current_engine.reset(token)
-
-        return forward_backward_batch
-
-    return make
-
-
 def verl_patches(engine: Any) -> PatchSet:
     """The engine depth's patch set (a fresh one per call; :mod:`slime_ext.integrations.verl` keeps the applied
     one). ``engine``: the integration's engine module (``current_engine``, ``make_prepare_micro_batches``)."""
     common = dict(module=MODULE, distribution="verl", supported=SUPPORTED, tested=TESTED, version=_verl_version)
     return PatchSet("verl-engine", [
         Patch(name="verl-engine-context", attribute="MegatronEngine.forward_backward_batch",
-              make=_keeps_engine_in(engine.current_engine),
+              make=in_context(engine.current_engine, lambda running: running),
               doc="keeps the running engine in a context variable (the plan reads its model dims)",
               expect=source_contains("prepare_micro_batches(", "num_batches_divided_by=num_batches_divided_by",
                                      "same_micro_num_in_dp=True", "postprocess_batch_func("), **common),

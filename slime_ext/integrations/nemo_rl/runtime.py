@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from slime_ext.patches import in_context
 from slime_ext.patches.nemo_rl_host import WORKER_CLASS_PARAMETER, worker_class_position
 
 from .plan import PaddedChoice, ShardPlan, choose_padded, micro_batch_rows, plan_shards
@@ -107,23 +108,14 @@ def _with_worker_class(args: tuple, kwargs: dict, position: int) -> tuple[tuple,
 
 
 def make_shard_for(forward_only: bool) -> Callable[[Callable], Callable]:
-    """``make`` of the ``_shard_for_train`` (``forward_only=False``) and ``_shard_for_logprob`` patches."""
+    """``make`` of the ``_shard_for_train`` (``forward_only=False``) and ``_shard_for_logprob`` patches: the pass is
+    current while NeMo-RL's own method runs; a Policy built before the switch was on (no layout) runs untouched."""
 
-    def make(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def shard_for(self, *args, **kwargs):
-            layout = getattr(self, LAYOUT_ATTRIBUTE, None)
-            if layout is None:  # a Policy built before the switch was on: NeMo-RL's own
-                return original(self, *args, **kwargs)
-            token = _current.set(ShardPass(layout, forward_only))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                _current.reset(token)
+    def shard_pass(policy: Any) -> ShardPass | None:
+        layout = getattr(policy, LAYOUT_ATTRIBUTE, None)
+        return None if layout is None else ShardPass(layout, forward_only)
 
-        return shard_for
-
-    return make
+    return in_context(_current, shard_pass)
 
 
 def _as_list(values: Any) -> list[int]:
