@@ -86,6 +86,7 @@ def test_without_transformer_engine_slimes_spec_becomes_the_thd_layer_spec(monke
 def test_megatron_init_runs_the_users_hook(tmp_path, monkeypatch):
     (tmp_path / "user_hooks_for_test.py").write_text("CALLS = []\ndef init(args):\n    CALLS.append(args)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_hooks_for_test", raising=False)  # this run's module, not a cached one
     args = SimpleNamespace(dp_schedule="legacy", **{integration.USER_INIT_ATTR: "user_hooks_for_test.init"})
     integration.megatron_init(args)
     import user_hooks_for_test
