@@ -351,12 +351,20 @@ class _Shaped:
         moves = cfg.rebalancing.shed_moves_after_water * (c * self.budget.cfg.loop_round + self.work(rows, k))
         return water + moves
 
-    def later(self, c: int) -> float:
-        """Every replica in ``c`` counts, in each count's best combination and the others :meth:`_full_packing`
-        tries (up to ``count_search.shaped_combos`` more), and their rebalancing. The scan takes its share after
-        this: with few samples per replica a replica's best shape pays more than a wider scan of the counts."""
+    def later(self, c: int, combos: int | None = None) -> float:
+        """Every replica in ``c`` counts packed in ``combos`` combinations, and their rebalancing. The scan takes its
+        share after this, sized with ``c * (1 + count_search.shaped_combos)`` combinations (the default: with few
+        samples per replica a replica's best shape pays more than a wider scan of the counts; fitted to
+        ``bench.pipeline_speed``'s grid); the shapes widened after the scan leave only :meth:`most_packed`."""
         k = self.counts[len(self.counts) // 2]
-        return self.work(self.dp * c * (1 + self.cfg.count_search.shaped_combos), k) + self.rebalancing(c, k)
+        combos = c * (1 + self.cfg.count_search.shaped_combos) if combos is None else combos
+        return self.work(self.dp * combos, k) + self.rebalancing(c, k)
+
+    def most_packed(self, c: int) -> int:
+        """The most combinations :meth:`_full_packing` packs every replica in for ``c`` counts: per count, those of
+        the ``count_search.shaped_combos`` best that are its own (else its best alone), and the flat shape; in all
+        ``S + 2 c - 1`` at most, ``S = max(shaped_combos, 1)``."""
+        return max(self.cfg.count_search.shaped_combos, 1) + 2 * c - 1
 
     def scan(self) -> tuple[list, list[int], int] | None:
         """Stage 1 of :func:`shaped_step`: the counts of :func:`shape_counts` with ``shaping.scan_shapes`` on the
@@ -427,7 +435,7 @@ class _Shaped:
         best_counts = _rank_counts(combos, scan, self.cfg, self.dp)
         combos = [(k, shape) for shape in self.shapes for k in best_counts[:n_leads]]  # (shape-major: see below)
         fresh = [combo for combo in combos if combo not in seen]
-        room = self.budget.left() - self.keep - self.later(n_leads)
+        room = self.budget.left() - self.keep - self.later(n_leads, self.most_packed(n_leads))
         while fresh and self.work(len(fresh) * len(sub), max(k for k, _ in fresh)) > room:
             fresh = fresh[:len(fresh) - n_leads]  # the last shapes first (at every count alike)
         if fresh:

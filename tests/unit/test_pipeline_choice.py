@@ -291,6 +291,35 @@ def test_many_replicas_of_few_samples_try_the_lead_counts_other_shapes_on_every_
     assert len(tried[0]) > 1  # the replicas took different shapes: the other combinations were packed on them
 
 
+@pytest.mark.parametrize("combos", [1, 3, 6])
+def test_the_shapes_widened_after_the_scan_leave_room_for_every_combination_the_full_packing_packs(monkeypatch,
+                                                                                                  combos):
+    """``_Shaped.most_packed`` (what the widening of the shapes leaves for later) bounds the combinations that
+    ``_full_packing`` packs every replica in, whatever ``count_search.shaped_combos`` is."""
+    inside, packed = [], []
+    full_packing, pack_many = pipeline_choice._Shaped._full_packing, pipeline_choice.pack_many
+
+    def full(shaped, leads, best_first):
+        inside.append((shaped, len(leads)))
+        try:
+            return full_packing(shaped, leads, best_first)
+        finally:
+            inside.pop()
+
+    def pack(budget, samples, members, combos_):
+        if inside and len(members) == inside[-1][0].dp:  # every replica
+            packed.append((len(combos_), inside[-1][0].most_packed(inside[-1][1])))
+        return pack_many(budget, samples, members, combos_)
+
+    monkeypatch.setattr(pipeline_choice._Shaped, "_full_packing", full)
+    monkeypatch.setattr(pipeline_choice, "pack_many", pack)
+    config = PlannerConfig().replace_from([f"count_search.shaped_combos={combos}"])
+    for dp, n, pp in ((8, 240, 4), (32, 640, 4), (16, 320, 8)):
+        assert check_schedule(_search_of(dp, n, pp, config=config)[1]) == []
+    assert packed and all(got <= most for got, most in packed), packed
+    assert any(got > 1 for got, _ in packed)  # the other combinations were packed on every replica somewhere
+
+
 @pytest.mark.parametrize("dp,n,pp,vpp", [(32, 640, 4, 1), (32, 640, 2, 2), (4, 120, 4, 2)])
 def test_every_part_of_the_search_honours_the_budget(dp, n, pp, vpp):
     """Each part asks before it runs and is charged: the search ends within its budget (what runs whatever the
