@@ -174,8 +174,8 @@ def shape_pack(lengths: np.ndarray, costs: np.ndarray, members: np.ndarray, weig
         pick = (np.where(tok_a <= allowed[:, None], room_a, neg) if masked else room_a).argmax(axis=1)
         flat = base_a + pick
         held = flat_tok[flat]
-        if not masked and (held > allowed).any():
-            bad = np.flatnonzero(held > allowed)
+        bad = () if masked else np.flatnonzero(held > allowed)
+        if len(bad):
             masked = True
             pick[bad] = np.where(tok_a[bad] <= allowed[bad, None], room_a[bad], neg).argmax(axis=1)
             flat[bad] = base_a[bad] + pick[bad]
