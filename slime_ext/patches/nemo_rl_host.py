@@ -55,8 +55,9 @@ def _nemo_rl_version():
 
 
 def _expect_shard(original: Any) -> str | None:
-    return parameters_are(PARAMETERS)(original) or source_contains("micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb",
-                           "sequence_length_pad_multiple", "max_tokens_per_microbatch")(original)
+    return parameters_are(PARAMETERS)(original) or source_contains(
+        "micro_batch_indices", "micro_batch_lengths", "elem_counts_per_gb", "sequence_length_pad_multiple",
+        "max_tokens_per_microbatch")(original)
 
 
 def worker_class_position(init: Any) -> int:

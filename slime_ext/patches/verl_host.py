@@ -74,8 +74,9 @@ def verl_patches(engine: Any) -> PatchSet:
 
 
 def _expect_balance(original: Any) -> str | None:
-    return parameters_are(BALANCE_PARAMETERS)(original) or source_contains("upsample_batch_to_divisible_size(", "_get_required_batch_multiple(", "batch.reorder(",
-                           "_dispatch_info", "log_seqlen_unbalance(")(original)
+    return parameters_are(BALANCE_PARAMETERS)(original) or source_contains(
+        "upsample_batch_to_divisible_size(", "_get_required_batch_multiple(", "batch.reorder(", "_dispatch_info",
+        "log_seqlen_unbalance(")(original)
 
 
 def trainer_patches(trainer: Any) -> PatchSet:
